@@ -1,0 +1,292 @@
+"""Canonical checkpoint format: safetensors with the config JSON in the file's metadata.
+
+    mix.safetensors                 one file; metadata["bam_config"] is ModelConfig.to_json()
+    mix/                            HF-style directory:
+        config.json                 {"bam_config": {...}, "format": "bam-surgery"}
+        model-00001-of-0000N.safetensors ...
+        model.safetensors.index.json      {"metadata": {...}, "weight_map": {name: file}}
+
+Loading never unpickles (safetensors only). Writing streams: `SafetensorsStreamWriter` writes
+the header first (all shapes and dtypes are known in advance) and then each tensor's bytes as
+it is produced, so a writer never holds more than one tensor. Every write goes to a temporary
+path and is renamed into place at the end: an interrupted write leaves nothing at the target.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+
+FORMAT = "bam-surgery/1"
+CONFIG_KEY = "bam_config"
+INDEX_NAME = "model.safetensors.index.json"
+
+DTYPE_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "float64": torch.float64}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, truncated or inconsistent; the message names file and tensor."""
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * dtype_size(dtype)
+
+
+# ---- atomic paths ---------------------------------------------------------------------------
+@contextmanager
+def atomic_path(target: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path; rename it onto `target` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    work = tmp if is_dir else tmp / target.name
+    try:
+        yield work
+        if target.exists():
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+        os.replace(work, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- streaming writer -----------------------------------------------------------------------
+class SafetensorsStreamWriter:
+    """Write a safetensors file tensor by tensor, in a fixed order declared up front.
+
+    >>> w = SafetensorsStreamWriter(path, [(name, shape, dtype), ...], metadata)
+    >>> for name, ... : w.write(name, tensor)   # in declared order
+    >>> w.close()
+    """
+
+    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        self._order = []
+        self._sizes = {}
+        for name, shape, dtype in entries:
+            size = nbytes(shape, dtype)
+            header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": [int(s) for s in shape],
+                            "data_offsets": [offset, offset + size]}
+            self._order.append((name, tuple(int(s) for s in shape), dtype))
+            self._sizes[name] = size
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f = open(self.path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+        self.total_bytes = offset
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        exp_name, shape, dtype = self._order[self._next]
+        if name != exp_name:
+            raise CheckpointError(f"{self.path}: tensor {name} written out of order (expected {exp_name})")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(f"{self.path}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"declared {shape} {dtype}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._f.write(memoryview(data))
+        self._next += 1
+        return self._sizes[name]
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            missing = self._order[self._next][0]
+            self._f.close()
+            raise CheckpointError(f"{self.path}: closed before tensor {missing} was written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def plan_shards(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int | None
+                ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """Split entries (in order) into shards of at most max_shard_bytes (a single bigger tensor gets its own)."""
+    if not max_shard_bytes:
+        return [list(entries)]
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        b = nbytes(e[1], e[2])
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += b
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int, metadata: Mapping[str, str]) -> None:
+    index = {"metadata": {"total_size": total_size, **metadata}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def write_dir_config(directory: Path, config: ModelConfig, extra: Mapping[str, object] | None = None) -> None:
+    body = {"format": FORMAT, CONFIG_KEY: config.to_dict(), **(extra or {})}
+    (directory / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True))
+
+
+# ---- whole-state save / load (small models, tests, training) -------------------------------
+def save_checkpoint(state: Mapping[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike,
+                    metadata: Mapping[str, str] | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Save a canonical checkpoint. `path` ending in .safetensors -> one file; otherwise a directory."""
+    path = Path(path)
+    meta = {"format": FORMAT, CONFIG_KEY: config.to_json(), **(metadata or {})}
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
+    if path.suffix == ".safetensors":
+        with atomic_path(path) as tmp:
+            w = SafetensorsStreamWriter(tmp, entries, meta)
+            for k, _, _ in entries:
+                w.write(k, state[k])
+            w.close()
+        return path
+    with atomic_path(path, is_dir=True) as tmp:
+        tmp.mkdir(parents=True, exist_ok=True)
+        shards = plan_shards(entries, max_shard_bytes)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = shard_name(i, len(shards))
+            w = SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT})
+            for k, _, _ in shard:
+                w.write(k, state[k])
+                weight_map[k] = fname
+            w.close()
+        write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), meta)
+        write_dir_config(tmp, config)
+    return path
+
+
+class CheckpointReader:
+    """Lazy, read-only view of a canonical checkpoint (file or directory); tensors are read on demand.
+
+    Holds one open safetensors handle per shard (mmap); `get(name)` materializes one tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        self._where: dict[str, Path] = {}
+        self.metadata: dict[str, str] = {}
+        try:
+            if self.path.is_dir():
+                index = self.path / INDEX_NAME
+                cfg_file = self.path / "config.json"
+                if not cfg_file.exists():
+                    raise CheckpointError(f"{self.path}: no config.json")
+                body = json.loads(cfg_file.read_text())
+                if CONFIG_KEY not in body:
+                    raise CheckpointError(f"{cfg_file}: not a bam-surgery canonical config (no {CONFIG_KEY!r})")
+                self.config = ModelConfig.from_dict(body[CONFIG_KEY])
+                if index.exists():
+                    idx = json.loads(index.read_text())
+                    self.metadata = {k: str(v) for k, v in idx.get("metadata", {}).items()}
+                    files = sorted(set(idx["weight_map"].values()))
+                else:
+                    files = sorted(p.name for p in self.path.glob("*.safetensors"))
+                for fname in files:
+                    self._open(self.path / fname)
+            else:
+                h = self._open(self.path)
+                self.metadata = dict(h.metadata() or {})
+                if CONFIG_KEY not in self.metadata:
+                    raise CheckpointError(f"{self.path}: safetensors metadata has no {CONFIG_KEY!r}; "
+                                          "not a bam-surgery canonical checkpoint")
+                self.config = ModelConfig.from_json(self.metadata[CONFIG_KEY])
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{self.path}: malformed checkpoint metadata ({e})") from e
+
+    def _open(self, file: Path):
+        if not file.exists():
+            raise CheckpointError(f"{file}: file not found")
+        try:
+            h = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+        self._handles[file] = h
+        for k in h.keys():
+            self._where[k] = file
+        # a truncated file has a valid header but fewer bytes than its offsets promise
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if file.stat().st_size < 8 + n + end:
+            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} bytes, header promises {8 + n + end})")
+        self._header = getattr(self, "_header", {})
+        for k, v in header.items():
+            if k != "__metadata__":
+                self._header[k] = v
+        return h
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return ST_TO_DTYPE[self._header[name]["dtype"]]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing")
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def files(self) -> list[Path]:
+        return list(self._handles)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with CheckpointReader(path) as r:
+        return r.config, {k: r.get(k) for k in r.names()}

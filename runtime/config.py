@@ -1,0 +1,221 @@
+"""One typed, JSON-serializable config for dense and mixture models.
+
+A dense model is a config with ``ffn_experts == 0`` and ``attn_experts == 0``.
+A mixture turns on FFN experts (MoE, top-k routed), attention experts
+(Mixture-of-Attention, soft or top-k routed), or both.
+
+Naming of sizes (shapes in comments use these letters):
+    V vocab_size, D d_model, L n_layers, H n_heads, G n_kv_heads, Dh head_dim,
+    F ffn_hidden (per-branch width: for SwiGLU the gate and the up projection are each [F, D]),
+    E number of experts.
+
+Note on the paper's Table 4: its "FFN dimension" is the fused gate+up width, i.e. 2F.
+The 590M preset has "FFN dimension 4096", so ffn_hidden = 2048 (Table 5 confirms:
+ffn_exp/Block = 1024*4096, ffn_red/Block = 2048*1024).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("rope", "learned", "none")
+BLOCKS = ("sequential", "parallel", "parallel_two_norms")
+GATE_NORMS = ("softmax", "topk_softmax")
+KV_MODES = ("expert", "shared")
+ROUTERS = ("linear",)
+
+
+class ConfigError(ValueError):
+    """A config field is missing, unknown or inconsistent; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    # ---- dense architecture -------------------------------------------------------------
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int
+    n_kv_heads: int | None = None  # None -> n_heads (MHA); < n_heads -> GQA; 1 -> MQA
+    head_dim: int | None = None  # None -> d_model // n_heads
+    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh | relu | silu
+    norm: str = "rmsnorm"  # layernorm | rmsnorm
+    norm_bias: bool = False  # layernorm only: learnable bias
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    ffn_bias: bool = False
+    lm_head_bias: bool = False
+    position: str = "rope"  # rope | learned (absolute table) | none
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # fraction of head_dim that is rotated (NeoX/Phi partial rotary)
+    rope_interleaved: bool = False  # False: rotate halves (Llama/NeoX); True: rotate pairs (GPT-J/Cohere)
+    max_positions: int = 2048
+    block: str = "sequential"  # sequential | parallel (one shared norm) | parallel_two_norms (NeoX)
+    tie_embeddings: bool = False
+    logit_scale: float = 1.0  # multiplies the logits (Cohere)
+    # ---- mixture ------------------------------------------------------------------------
+    ffn_experts: int = 0  # 0 = dense FFN
+    ffn_top_k: int = 1
+    gate_norm: str = "softmax"  # softmax: p_i from the full softmax (paper); topk_softmax: renormalized over top-k (Mixtral/BTX)
+    attn_experts: int = 0  # 0 = dense attention (BTX)
+    attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
+    kv_mode: str = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
+    router: str = "linear"
+    lb_coef: float = 0.01  # alpha, load-balancing loss weight
+    z_coef: float = 0.001  # beta, router z-loss weight
+    name: str = ""  # free-form label (preset name, source architecture)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.n_heads <= 0 or self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                    "set head_dim explicitly or change n_heads"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        self.validate()
+
+    # -- invariants ------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, fld: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{fld}: {msg}")
+
+        for fld in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "n_kv_heads",
+                    "head_dim", "max_positions"):
+            v = getattr(self, fld)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld,
+                 f"must be a positive integer, got {v!r}")
+        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+             f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        need(self.activation in ACTIVATIONS, "activation",
+             f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        need(self.norm in NORMS, "norm", f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        need(not (self.norm == "rmsnorm" and self.norm_bias), "norm_bias", "rmsnorm has no bias")
+        need(self.norm_eps > 0, "norm_eps", "must be > 0")
+        need(self.position in POSITIONS, "position",
+             f"unknown position scheme {self.position!r}; choose one of {', '.join(POSITIONS)}")
+        need(0.0 < self.rotary_fraction <= 1.0, "rotary_fraction", "must be in (0, 1]")
+        if self.position == "rope":
+            rot = self.rotary_dim
+            need(rot % 2 == 0 and rot > 0, "rotary_fraction",
+                 f"rotary dims head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be a positive even integer")
+        need(self.block in BLOCKS, "block", f"unknown block style {self.block!r}; choose one of {', '.join(BLOCKS)}")
+        need(self.ffn_experts >= 0, "ffn_experts", "must be >= 0")
+        need(self.attn_experts >= 0, "attn_experts", "must be >= 0")
+        need(self.ffn_experts != 1 and self.attn_experts != 1, "ffn_experts/attn_experts",
+             "a mixture needs at least 2 experts (0 = dense)")
+        if self.ffn_experts:
+            need(1 <= self.ffn_top_k <= self.ffn_experts, "ffn_top_k",
+                 f"top-k={self.ffn_top_k} must be between 1 and ffn_experts={self.ffn_experts}")
+        need(self.gate_norm in GATE_NORMS, "gate_norm",
+             f"unknown gate normalization {self.gate_norm!r}; choose one of {', '.join(GATE_NORMS)}")
+        if self.attn_top_k is not None:
+            need(self.attn_experts > 0, "attn_top_k", "top-k attention routing needs attn_experts > 0")
+            need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
+                 f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
+        need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+        need(self.router in ROUTERS, "router", f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
+        need(self.z_coef >= 0, "z_coef", "must be >= 0")
+        need(self.logit_scale != 0, "logit_scale", "must be non-zero")
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def is_mixture(self) -> bool:
+        return self.ffn_experts > 0 or self.attn_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(round(self.head_dim * self.rotary_fraction))
+
+    @property
+    def q_dim(self) -> int:  # H * Dh
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:  # G * Dh
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def has_ffn_norm(self) -> bool:
+        """Sequential blocks and NeoX-style parallel blocks have a second norm before the FFN."""
+        return self.block != "parallel"
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def dense(self) -> "ModelConfig":
+        """The dense config with the same shapes (mixture fields reset)."""
+        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert")
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown config field (known: {', '.join(sorted(known))})")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise ConfigError(f"{missing[0]}: required config field is missing")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(s))
+
+
+# ---- presets: data, with their source ------------------------------------------------------
+# Paper (BAM, Table 4). Parallel attention block with one shared norm (Table 5 lists one
+# 1024-parameter "layernorm / Block", i.e. no bias). "FFN dimension" in Table 4 is the fused
+# gate+up width (see module docstring), hence ffn_hidden = FFN dimension / 2.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper-small": dict(
+        source="BAM paper, Table 4 (small scale, 590M seed); Table 5 counts",
+        vocab_size=256000, d_model=1024, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=2048,
+        activation="swiglu", norm="layernorm", norm_bias=False, position="rope",
+        block="parallel", tie_embeddings=False, max_positions=2048,
+    ),
+    "paper-large": dict(
+        source="BAM paper, Table 4 (large scale, 2B seed)",
+        vocab_size=256000, d_model=2304, n_layers=18, n_heads=18, n_kv_heads=6, ffn_hidden=9216,
+        activation="swiglu", norm="layernorm", norm_bias=False, position="rope",
+        block="parallel", tie_embeddings=True, max_positions=2048,
+    ),
+    # A tiny model used by `make demo` and tests; shaped like paper-small, scaled down.
+    "tiny": dict(
+        source="bam-surgery demo: paper-small's architecture at toy size",
+        vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128,
+        activation="swiglu", norm="layernorm", norm_bias=False, position="rope",
+        block="parallel", tie_embeddings=False, max_positions=128,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    fields = {k: v for k, v in PRESETS[name].items() if k != "source"}
+    fields.update(overrides)
+    fields.setdefault("name", name)
+    return ModelConfig(**fields)

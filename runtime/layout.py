@@ -1,0 +1,121 @@
+"""Canonical tensor names and shapes for a config: the contract between runtime, converters and surgery.
+
+Every checkpoint this project writes uses exactly these names; `Model.state_dict()` has exactly
+these keys (tests check it). Expert tensors are stacked with a leading expert dimension E.
+
+    embed.weight                              [V, D]
+    pos_embed.weight                          [P, D]        position == "learned"
+    layers.{i}.attn_norm.weight / .bias       [D]           bias iff norm_bias
+    layers.{i}.ffn_norm.weight / .bias        [D]           block != "parallel"
+    dense attention (attn_experts == 0):
+    layers.{i}.attn.q.weight                  [H*Dh, D]     .bias [H*Dh] iff qkv_bias
+    layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     .bias iff qkv_bias
+    layers.{i}.attn.o.weight                  [D, H*Dh]     .bias [D] iff o_bias
+    attention experts (attn_experts == E > 0):
+    layers.{i}.attn_router.weight             [E, D]
+    layers.{i}.attn_experts.q.weight          [E, H*Dh, D]  (and o: [E, D, H*Dh]; biases [E, *])
+    layers.{i}.attn_experts.k.weight / .v     [E, G*Dh, D]  kv_mode == "expert"
+    layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     kv_mode == "shared" (one K, V)
+    dense FFN (ffn_experts == 0):
+    layers.{i}.ffn.gate.weight                [F, D]        swiglu only
+    layers.{i}.ffn.up.weight                  [F, D]        .bias [F] iff ffn_bias
+    layers.{i}.ffn.down.weight                [D, F]        .bias [D] iff ffn_bias
+    FFN experts (ffn_experts == E > 0):
+    layers.{i}.ffn_router.weight              [E, D]
+    layers.{i}.ffn_experts.{gate,up,down}.weight   [E, F, D] / [E, D, F]; biases [E, *]
+    final_norm.weight / .bias                 [D]
+    lm_head.weight                            [V, D]        absent iff tie_embeddings
+    lm_head.bias                              [V]           iff lm_head_bias
+"""
+from __future__ import annotations
+
+import re
+
+from .config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def _linear(out: dict[str, Shape], prefix: str, n_out: int, n_in: int, bias: bool, experts: int = 0) -> None:
+    lead: Shape = (experts,) if experts else ()
+    out[f"{prefix}.weight"] = lead + (n_out, n_in)
+    if bias:
+        out[f"{prefix}.bias"] = lead + (n_out,)
+
+
+def _norm(out: dict[str, Shape], prefix: str, cfg: ModelConfig) -> None:
+    out[f"{prefix}.weight"] = (cfg.d_model,)
+    if cfg.norm_bias:
+        out[f"{prefix}.bias"] = (cfg.d_model,)
+
+
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
+    D, F = cfg.d_model, cfg.ffn_hidden
+    out: dict[str, Shape] = {}
+    p = f"layers.{i}"
+    _norm(out, f"{p}.attn_norm", cfg)
+    if cfg.has_ffn_norm:
+        _norm(out, f"{p}.ffn_norm", cfg)
+    E = cfg.attn_experts
+    if E:
+        out[f"{p}.attn_router.weight"] = (E, D)
+        _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
+        kv_prefix, kv_e = (f"{p}.attn_experts", E) if cfg.kv_mode == "expert" else (f"{p}.attn", 0)
+        _linear(out, f"{kv_prefix}.k", cfg.kv_dim, D, cfg.qkv_bias, kv_e)
+        _linear(out, f"{kv_prefix}.v", cfg.kv_dim, D, cfg.qkv_bias, kv_e)
+        _linear(out, f"{p}.attn_experts.o", D, cfg.q_dim, cfg.o_bias, E)
+    else:
+        _linear(out, f"{p}.attn.q", cfg.q_dim, D, cfg.qkv_bias)
+        _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
+        _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
+        _linear(out, f"{p}.attn.o", D, cfg.q_dim, cfg.o_bias)
+    E = cfg.ffn_experts
+    fp = f"{p}.ffn_experts" if E else f"{p}.ffn"
+    if E:
+        out[f"{p}.ffn_router.weight"] = (E, D)
+    if cfg.gated_ffn:
+        _linear(out, f"{fp}.gate", F, D, cfg.ffn_bias, E)
+    _linear(out, f"{fp}.up", F, D, cfg.ffn_bias, E)
+    _linear(out, f"{fp}.down", D, F, cfg.ffn_bias, E)
+    return out
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
+    """All canonical tensors of a model, in file order."""
+    out: dict[str, Shape] = {"embed.weight": (cfg.vocab_size, cfg.d_model)}
+    if cfg.position == "learned":
+        out["pos_embed.weight"] = (cfg.max_positions, cfg.d_model)
+    for i in range(cfg.n_layers):
+        out.update(layer_shapes(cfg, i))
+    _norm(out, "final_norm", cfg)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    if cfg.lm_head_bias:
+        out["lm_head.bias"] = (cfg.vocab_size,)
+    return out
+
+
+# ---- groups, for audits --------------------------------------------------------------------
+GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", "routers", "norms")
+
+_GROUP_RULES = [
+    (re.compile(r"^(embed|pos_embed|lm_head)\."), "embeddings"),
+    (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm)\."), "norms"),
+    (re.compile(r"\.(attn_router|ffn_router)\."), "routers"),
+    (re.compile(r"\.attn_experts\."), "attention_experts"),
+    (re.compile(r"\.attn\."), "attention"),
+    (re.compile(r"\.ffn_experts\."), "ffn_experts"),
+    (re.compile(r"\.ffn\."), "ffn"),
+]
+
+
+def tensor_group(name: str) -> str:
+    for rx, group in _GROUP_RULES:
+        if rx.search(name):
+            return group
+    raise KeyError(f"{name}: not a canonical tensor name")
+
+
+def layer_index(name: str) -> int | None:
+    m = re.match(r"^layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,1 @@
+"""Checkpoint surgery: recipe -> plan -> streamed execution, audits, and the CLI."""
