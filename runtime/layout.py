@@ -59,10 +59,14 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     E = cfg.attn_experts
     if E:
         out[f"{p}.attn_router.weight"] = (E, D)
-        _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
-        kv_prefix, kv_e = (f"{p}.attn_experts", E) if cfg.kv_mode == "expert" else (f"{p}.attn", 0)
-        _linear(out, f"{kv_prefix}.k", cfg.kv_dim, D, cfg.qkv_bias, kv_e)
-        _linear(out, f"{kv_prefix}.v", cfg.kv_dim, D, cfg.qkv_bias, kv_e)
+        if cfg.kv_mode == "expert":
+            _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
+            _linear(out, f"{p}.attn_experts.k", cfg.kv_dim, D, cfg.qkv_bias, E)
+            _linear(out, f"{p}.attn_experts.v", cfg.kv_dim, D, cfg.qkv_bias, E)
+        else:  # shared KV: one K and V for all experts
+            _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
+            _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
+            _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
         _linear(out, f"{p}.attn_experts.o", D, cfg.q_dim, cfg.o_bias, E)
     else:
         _linear(out, f"{p}.attn.q", cfg.q_dim, D, cfg.qkv_bias)
