@@ -1,0 +1,317 @@
+"""Parameter audit from shapes alone: total and active counts, by group, in two conventions.
+
+Counts come from `runtime.layout.tensor_shapes(cfg)` or from a checkpoint header (never from tensor
+data), so auditing a 2B mixture costs nothing. Every canonical tensor gets a TensorCount:
+
+    total   numel of the tensor
+    active  what one token runs:
+            FFN experts [E, ...]        numel / E * ffn_top_k        (top-k routing)
+            attention experts [E, ...]  numel                         (soft routing: every expert runs)
+                                        numel / E * attn_top_k        (top-k routing)
+            everything else             numel (routers run for every token; embeddings count whole,
+                                        as in the paper)
+
+Conventions:
+    exact   the counts above.
+    paper   exact, then the named deviations in PAPER_DEVIATIONS: the ones that make the BAM paper's
+            Table 5 come out to the parameter. Each applied deviation is returned as an Adjustment with
+            its size, so a paper-convention audit always says how far it is from the exact one.
+            docs/param-counting.md walks through the numbers.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+from runtime.config import ModelConfig
+from runtime.layout import GROUPS, Shape, tensor_group, tensor_shapes
+
+CONVENTIONS = ("exact", "paper")
+
+# layers.{i}.{module}[.{proj}].{weight|bias}, or a top-level {module}.{weight|bias}
+_CANONICAL = re.compile(
+    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z]+))?\.(?P<param>weight|bias)$")
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    layer: int | None  # None for embeddings, final norm, lm_head
+    module: str  # embed, attn, attn_experts, attn_router, ffn, ffn_experts, ffn_router, attn_norm, ...
+    proj: str | None  # q, k, v, o, gate, up, down; None for norms, routers, embeddings
+    param: str  # weight | bias
+
+
+def tensor_role(name: str) -> TensorRole:
+    m = _CANONICAL.match(name)
+    if not m:
+        raise KeyError(f"{name}: not a canonical tensor name")
+    layer = m.group("layer")
+    return TensorRole(int(layer) if layer is not None else None, m.group("module"), m.group("proj"),
+                      m.group("param"))
+
+
+# ---- per-tensor counts ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorCount:
+    name: str
+    group: str  # one of runtime.layout.GROUPS
+    shape: Shape
+    total: int
+    active: int
+    dtype: str | None = None  # from a checkpoint header; None when audited from a config
+    nbytes: int | None = None
+
+
+def _active(cfg: ModelConfig, group: str, shape: Shape) -> int:
+    numel = math.prod(shape)
+    if group == "ffn_experts":
+        return numel // shape[0] * min(cfg.ffn_top_k, shape[0])
+    if group == "attention_experts" and cfg.attn_top_k is not None:
+        return numel // shape[0] * min(cfg.attn_top_k, shape[0])
+    return numel
+
+
+def exact_count(cfg: ModelConfig, name: str, shape: Shape, dtype: str | None = None,
+                nbytes: int | None = None) -> TensorCount:
+    group = tensor_group(name)
+    return TensorCount(name, group, tuple(shape), math.prod(shape), _active(cfg, group, shape), dtype, nbytes)
+
+
+# ---- the paper's convention: named deviations from exact ------------------------------------
+@dataclass(frozen=True)
+class PaperDeviation:
+    """A place where the paper's Table 5 counts differ from exact: matching tensors are left out of
+    the active count (the table's totals are exact; only its active column deviates)."""
+
+    key: str
+    applies: Callable[[ModelConfig], bool]
+    selects: Callable[[TensorRole], bool]
+    explanation: str
+
+
+PAPER_DEVIATIONS: tuple[PaperDeviation, ...] = (
+    PaperDeviation(
+        key="attention_router_not_active",
+        applies=lambda cfg: cfg.attn_experts > 0,
+        selects=lambda r: r.module == "attn_router",
+        explanation=("Table 5 counts two routers per block in BAM's total (FFN + attention router, "
+                     "2 x 4,096) but only one in its active count ('router / Block' = 4,096): the "
+                     "attention router is left out of active parameters."),
+    ),
+    PaperDeviation(
+        key="shared_kv_not_active",
+        applies=lambda cfg: cfg.attn_experts > 0 and cfg.kv_mode == "shared",
+        selects=lambda r: r.module == "attn" and r.proj in ("k", "v"),
+        explanation=("Table 5's 'BAM (KV sharing)' column lists qkv_proj / Block = 4,194,304, the "
+                     "query projections of the 4 experts only: the shared K and V projections, which "
+                     "every token runs, are in its total but left out of its active count."),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """One applied deviation: how the paper convention moved the counts away from exact."""
+
+    key: str
+    explanation: str
+    group: str
+    tensors: int
+    total_delta: int
+    active_delta: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(key=self.key, explanation=self.explanation, group=self.group, tensors=self.tensors,
+                    total_delta=self.total_delta, active_delta=self.active_delta)
+
+
+def apply_paper_deviations(cfg: ModelConfig, counts: list[TensorCount]
+                           ) -> tuple[list[TensorCount], list[Adjustment]]:
+    adjusted = list(counts)
+    adjustments: list[Adjustment] = []
+    for dev in PAPER_DEVIATIONS:
+        if not dev.applies(cfg):
+            continue
+        by_group: dict[str, list[int]] = {}  # group -> indices of selected tensors
+        for i, c in enumerate(adjusted):
+            if dev.selects(tensor_role(c.name)):
+                by_group.setdefault(c.group, []).append(i)
+        for group, idx in by_group.items():
+            delta = -sum(adjusted[i].active for i in idx)
+            for i in idx:
+                c = adjusted[i]
+                adjusted[i] = TensorCount(c.name, c.group, c.shape, c.total, 0, c.dtype, c.nbytes)
+            adjustments.append(Adjustment(dev.key, dev.explanation, group, len(idx), 0, delta))
+    return adjusted, adjustments
+
+
+# ---- Table 5 rows ---------------------------------------------------------------------------
+# (label, per block?, selector). Per-block rows give layer 0's active count (all blocks have the same
+# shapes); the others are whole-model. The paper's rows are active counts: its ffn_exp for BTX top-3
+# is 3 experts' worth, its BAM attn_out all 4 experts' (soft routing).
+TABLE5_ROWS: tuple[tuple[str, bool, Callable[[TensorRole], bool]], ...] = (
+    ("layernorm / Block", True, lambda r: r.module in ("attn_norm", "ffn_norm")),
+    ("attn_out / Block", True, lambda r: r.module in ("attn", "attn_experts") and r.proj == "o"),
+    ("qkv_proj / Block", True, lambda r: r.module in ("attn", "attn_experts") and r.proj in ("q", "k", "v")),
+    ("ffn_exp / Block", True, lambda r: r.module in ("ffn", "ffn_experts") and r.proj in ("gate", "up")),
+    ("ffn_red / Block", True, lambda r: r.module in ("ffn", "ffn_experts") and r.proj == "down"),
+    ("router / Block", True, lambda r: r.module in ("attn_router", "ffn_router")),
+    ("input embedding", False, lambda r: r.module in ("embed", "pos_embed")),
+    ("output embedding", False, lambda r: r.module == "lm_head"),
+    ("layernorm", False, lambda r: r.module == "final_norm"),
+)
+
+
+# ---- the audit ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupCount:
+    tensors: int
+    total: int
+    active: int
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A checkpoint tensor that disagrees with the layout its own config implies."""
+
+    name: str
+    kind: str  # missing | unexpected | shape
+    expected: Shape | None
+    found: Shape | None
+
+    def message(self) -> str:
+        if self.kind == "missing":
+            return f"tensor {self.name} is missing (config expects shape {list(self.expected)})"
+        if self.kind == "unexpected":
+            return f"tensor {self.name} {list(self.found)} is not part of the config's layout"
+        return f"tensor {self.name} has shape {list(self.found)}, config expects {list(self.expected)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, kind=self.kind, message=self.message(),
+                    expected=list(self.expected) if self.expected is not None else None,
+                    found=list(self.found) if self.found is not None else None)
+
+
+@dataclass
+class Audit:
+    config: ModelConfig
+    convention: str
+    tensors: list[TensorCount]
+    adjustments: list[Adjustment] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(t.total for t in self.tensors)
+
+    @property
+    def active(self) -> int:
+        return sum(t.active for t in self.tensors)
+
+    @property
+    def groups(self) -> dict[str, GroupCount]:
+        """Every group of runtime.layout.GROUPS, in that order (zeros included)."""
+        acc = {g: [0, 0, 0] for g in GROUPS}
+        for t in self.tensors:
+            a = acc[t.group]
+            a[0] += 1
+            a[1] += t.total
+            a[2] += t.active
+        return {g: GroupCount(*v) for g, v in acc.items()}
+
+    def table5(self) -> list[tuple[str, int]]:
+        """The audit in the rows of the paper's Table 5 (per-block rows: active count of layer 0)."""
+        rows = []
+        roles = [(tensor_role(t.name), t) for t in self.tensors]
+        for label, per_block, selects in TABLE5_ROWS:
+            rows.append((label, sum(t.active for r, t in roles
+                                    if selects(r) and (not per_block or r.layer == 0))))
+        rows.append(("Active Params", self.active))
+        rows.append(("Total Params", self.total))
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            convention=self.convention,
+            total=self.total,
+            active=self.active,
+            groups={g: dict(tensors=c.tensors, total=c.total, active=c.active) for g, c in self.groups.items()},
+            adjustments=[a.to_dict() for a in self.adjustments],
+            table5={label: n for label, n in self.table5()},
+            mismatches=[m.to_dict() for m in self.mismatches],
+            config=self.config.to_dict(),
+        )
+
+
+def _finish(cfg: ModelConfig, counts: list[TensorCount], convention: str,
+            mismatches: list[Mismatch]) -> Audit:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention: unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+    adjustments: list[Adjustment] = []
+    if convention == "paper":
+        counts, adjustments = apply_paper_deviations(cfg, counts)
+    return Audit(cfg, convention, counts, adjustments, mismatches)
+
+
+def audit(cfg: ModelConfig, convention: str = "exact") -> Audit:
+    """Audit the model a config describes, from runtime.layout.tensor_shapes alone."""
+    counts = [exact_count(cfg, name, shape) for name, shape in tensor_shapes(cfg).items()]
+    return _finish(cfg, counts, convention, [])
+
+
+class ShapeReader(Protocol):
+    """What an audit needs from a checkpoint reader (converters.open_checkpoint returns one)."""
+
+    config: ModelConfig
+    metadata: dict[str, str]
+
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> Any: ...
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _element_size(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)  # torch.dtype and numpy dtypes both have it
+    if size is None:
+        raise TypeError(f"cannot tell the element size of dtype {dtype!r}")
+    return int(size)
+
+
+def layout_mismatches(expected: dict[str, Shape], found: Iterable[tuple[str, Shape]]) -> list[Mismatch]:
+    out: list[Mismatch] = []
+    seen = set()
+    for name, shape in found:
+        seen.add(name)
+        if name not in expected:
+            out.append(Mismatch(name, "unexpected", None, tuple(shape)))
+        elif tuple(expected[name]) != tuple(shape):
+            out.append(Mismatch(name, "shape", tuple(expected[name]), tuple(shape)))
+    out.extend(Mismatch(n, "missing", tuple(s), None) for n, s in expected.items() if n not in seen)
+    return out
+
+
+def audit_checkpoint(reader: ShapeReader, convention: str = "exact", config: ModelConfig | None = None) -> Audit:
+    """Audit a checkpoint from its header: names, shapes and dtypes only (no tensor data is read).
+
+    `config` overrides reader.config (e.g. to count a BTX checkpoint's active parameters at another
+    top-k; the expected layout does not depend on top-k). Tensors that are not canonical names are
+    reported as mismatches and left out of the counts.
+    """
+    cfg = config or reader.config
+    found = [(n, tuple(reader.shape(n))) for n in reader.names()]
+    mismatches = layout_mismatches(tensor_shapes(cfg), found)
+    counts = []
+    for name, shape in found:
+        try:
+            tensor_group(name), tensor_role(name)
+        except KeyError:
+            continue  # not a canonical name: already reported as "unexpected"
+        dtype = reader.dtype(name)
+        counts.append(exact_count(cfg, name, shape, _dtype_name(dtype), math.prod(shape) * _element_size(dtype)))
+    return _finish(cfg, counts, convention, mismatches)

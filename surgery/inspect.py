@@ -1,0 +1,155 @@
+"""What is in a checkpoint, from its header: config, tensor groups, provenance, layout check.
+
+No tensor data is read. Built on the audit (surgery.audit.audit_checkpoint), so the parameter
+counts shown by `inspect` and `count-params` are the same numbers.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.config import ModelConfig
+from runtime.layout import GROUPS
+
+from .audit import Audit, ShapeReader, audit_checkpoint
+
+PROVENANCE_KEY = "bam_provenance"
+
+# The config fields a reader wants first; the JSON output carries the whole config.
+KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+              "activation", "norm", "position", "block", "tie_embeddings")
+MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "attn_experts", "attn_top_k", "kv_mode")
+
+
+def describe_kind(cfg: ModelConfig) -> str:
+    """One line: dense, or which experts the mixture has and how they are routed."""
+    if not cfg.is_mixture:
+        return "dense"
+    parts = []
+    if cfg.ffn_experts:
+        parts.append(f"{cfg.ffn_experts} FFN experts, top-{cfg.ffn_top_k} ({cfg.gate_norm})")
+    if cfg.attn_experts:
+        routing = "soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k}"
+        kv = "shared K/V" if cfg.kv_mode == "shared" else "expert K/V"
+        parts.append(f"{cfg.attn_experts} attention experts, {routing}, {kv}")
+    else:
+        parts.append("dense attention")
+    return "mixture: " + "; ".join(parts)
+
+
+def key_config(cfg: ModelConfig) -> dict[str, Any]:
+    fields = KEY_FIELDS + (MIXTURE_FIELDS if cfg.is_mixture else ())
+    return {f: getattr(cfg, f) for f in fields}
+
+
+@dataclass(frozen=True)
+class GroupStorage:
+    tensors: int
+    params: int
+    active: int
+    bytes: int
+    dtypes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """metadata["bam_provenance"], parsed. `raw` is kept when it is not a JSON object."""
+
+    fields: dict[str, Any] | None
+    error: str | None = None
+    raw: str | None = None
+
+    @property
+    def recipe(self) -> str | None:
+        r = (self.fields or {}).get("recipe")
+        if isinstance(r, dict):
+            return r.get("name") or r.get("path") or json.dumps(r, sort_keys=True)
+        return None if r is None else str(r)
+
+    @property
+    def tool_version(self) -> str | None:
+        f = self.fields or {}
+        tool = f.get("tool")
+        if isinstance(tool, dict):
+            return " ".join(str(tool[k]) for k in ("name", "version") if k in tool) or None
+        for key in ("tool_version", "version"):
+            if key in f:
+                return str(f[key])
+        return None if tool is None else str(tool)
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        ins = (self.fields or {}).get("inputs") or []
+        if isinstance(ins, dict):  # {role: {...}} or {role: path}
+            return [dict(role=k, **(v if isinstance(v, dict) else {"path": v})) for k, v in ins.items()]
+        return [i if isinstance(i, dict) else {"path": i} for i in ins]
+
+
+def parse_provenance(metadata: dict[str, str]) -> Provenance | None:
+    raw = metadata.get(PROVENANCE_KEY)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return Provenance(None, f"not valid JSON ({e})", raw)
+    if not isinstance(value, dict):
+        return Provenance(None, f"expected a JSON object, got {type(value).__name__}", raw)
+    return Provenance(value)
+
+
+@dataclass
+class Inspection:
+    path: str
+    config: ModelConfig
+    audit: Audit
+    files: list[str]
+    metadata: dict[str, str]
+    provenance: Provenance | None
+    groups: dict[str, GroupStorage] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(g.bytes for g in self.groups.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        other_meta = {k: v for k, v in self.metadata.items() if k not in ("bam_config", PROVENANCE_KEY)}
+        prov = None
+        if self.provenance is not None:
+            prov = self.provenance.fields if self.provenance.fields is not None else {
+                "error": self.provenance.error, "raw": self.provenance.raw}
+        return dict(
+            path=self.path,
+            kind=describe_kind(self.config),
+            config=self.config.to_dict(),
+            files=self.files,
+            tensors=len(self.audit.tensors),
+            params=self.audit.total,
+            active_params=self.audit.active,
+            bytes=self.total_bytes,
+            groups={g: dict(tensors=s.tensors, params=s.params, active=s.active, bytes=s.bytes,
+                            dtypes=list(s.dtypes)) for g, s in self.groups.items()},
+            provenance=prov,
+            metadata=other_meta,
+            mismatches=[m.to_dict() for m in self.audit.mismatches],
+        )
+
+
+def inspect_checkpoint(reader: ShapeReader) -> Inspection:
+    """Summarize an open checkpoint reader (header only)."""
+    a = audit_checkpoint(reader, "exact")
+    acc: dict[str, list] = {g: [0, 0, 0, 0, set()] for g in GROUPS}
+    for t in a.tensors:
+        s = acc[t.group]
+        s[0] += 1
+        s[1] += t.total
+        s[2] += t.active
+        s[3] += t.nbytes or 0
+        s[4].add(t.dtype)
+    groups = {g: GroupStorage(s[0], s[1], s[2], s[3], tuple(sorted(d for d in s[4] if d))) for g, s in acc.items()}
+    files_of = getattr(reader, "files", None)
+    files = [str(f) for f in files_of()] if callable(files_of) else []
+    metadata = dict(getattr(reader, "metadata", {}) or {})
+    return Inspection(str(getattr(reader, "path", "")), reader.config, a, files, metadata,
+                      parse_provenance(metadata), groups)
