@@ -121,6 +121,20 @@ class SafetensorsStreamWriter:
         self._next += 1
         return self._sizes[name]
 
+    def abort(self) -> None:
+        """Close the file without completing it (the caller's atomic_path discards it)."""
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "SafetensorsStreamWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
     def close(self) -> None:
         if self._next != len(self._order):
             missing = self._order[self._next][0]
@@ -170,11 +184,9 @@ def save_checkpoint(state: Mapping[str, torch.Tensor], config: ModelConfig, path
     meta = {"format": FORMAT, CONFIG_KEY: config.to_json(), **(metadata or {})}
     entries = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
     if path.suffix == ".safetensors":
-        with atomic_path(path) as tmp:
-            w = SafetensorsStreamWriter(tmp, entries, meta)
+        with atomic_path(path) as tmp, SafetensorsStreamWriter(tmp, entries, meta) as w:
             for k, _, _ in entries:
                 w.write(k, state[k])
-            w.close()
         return path
     with atomic_path(path, is_dir=True) as tmp:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -182,14 +194,32 @@ def save_checkpoint(state: Mapping[str, torch.Tensor], config: ModelConfig, path
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = shard_name(i, len(shards))
-            w = SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT})
-            for k, _, _ in shard:
-                w.write(k, state[k])
-                weight_map[k] = fname
-            w.close()
+            with SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT}) as w:
+                for k, _, _ in shard:
+                    w.write(k, state[k])
+                    weight_map[k] = fname
         write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), meta)
         write_dir_config(tmp, config)
     return path
+
+
+def _truncation(file: Path) -> str | None:
+    """If `file` has a readable header but ends early, say which tensor is cut off (else None)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > size:
+                return None
+            header = json.loads(f.read(n))
+        tensors = sorted((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")
+    except Exception:
+        return None
+    cut = next(((end, k) for end, k in tensors if 8 + n + end > size), None)
+    if cut is None:
+        return None
+    return (f"{file}: truncated: tensor {cut[1]} ends at byte {8 + n + cut[0]} but the file has {size} bytes "
+            f"(header promises {8 + n + tensors[-1][0]})")
 
 
 class CheckpointReader:
@@ -237,7 +267,7 @@ class CheckpointReader:
         try:
             h = safe_open(str(file), framework="pt")
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+            raise CheckpointError(_truncation(file) or f"{file}: unreadable safetensors file ({e})") from e
         self._handles[file] = h
         for k in h.keys():
             self._where[k] = file
