@@ -96,17 +96,17 @@ PAPER_DEVIATIONS: tuple[PaperDeviation, ...] = (
         key="attention_router_not_active",
         applies=lambda cfg: cfg.attn_experts > 0,
         selects=lambda r: r.module == "attn_router",
-        explanation=("Table 5 counts two routers per block in BAM's total (FFN + attention router, "
-                     "2 x 4,096) but only one in its active count ('router / Block' = 4,096): the "
-                     "attention router is left out of active parameters."),
+        explanation=("the paper's Table 5 counts both routers of a BAM block (FFN and attention) in "
+                     "the total but only one in the active count ('router / Block'): the attention "
+                     "router is left out of active parameters"),
     ),
     PaperDeviation(
         key="shared_kv_not_active",
         applies=lambda cfg: cfg.attn_experts > 0 and cfg.kv_mode == "shared",
         selects=lambda r: r.module == "attn" and r.proj in ("k", "v"),
-        explanation=("Table 5's 'BAM (KV sharing)' column lists qkv_proj / Block = 4,194,304, the "
-                     "query projections of the 4 experts only: the shared K and V projections, which "
-                     "every token runs, are in its total but left out of its active count."),
+        explanation=("the paper's Table 5 'BAM (KV sharing)' column counts only the experts' query "
+                     "projections in 'qkv_proj / Block': the shared K and V projections, which every "
+                     "token runs, are in its total but left out of its active count"),
     ),
 )
 

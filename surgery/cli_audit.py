@@ -1,0 +1,250 @@
+"""`bam-surgery count-params` and `bam-surgery inspect`: thin click commands over surgery.audit and
+surgery.inspect. Both read checkpoint headers only (through converters.open_checkpoint)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import click
+
+from runtime.config import PRESETS, ConfigError, ModelConfig, preset
+
+from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
+from .errors import USER_ERRORS, one_line
+from .inspect import Inspection, describe_kind, inspect_checkpoint, key_config
+from .recipe import load_recipe, mixture_config, parse_attention_routing
+
+
+# ---- rendering ------------------------------------------------------------------------------
+def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "",
+                 left: int = 1) -> str:
+    """Aligned text table: the first `left` columns left-aligned, the others right-aligned; ints get
+    thousands separators."""
+    cells = [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in r]
+             for r in [list(header), *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for r in cells:
+        line = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append(indent + "  ".join(line).rstrip())
+    return "\n".join(lines)
+
+
+def render_audit(a: Audit, source: str) -> str:
+    out = [f"model       {source}", f"kind        {describe_kind(a.config)}",
+           f"convention  {a.convention}", ""]
+    rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
+    rows.append(("total", len(a.tensors), a.total, a.active))
+    out.append(render_table(("group", "tensors", "total", "active"), rows))
+    if a.convention == "paper":
+        out += ["", "paper convention: deviations from exact (already applied above)"]
+        if not a.adjustments:
+            out.append("  none apply to this model: paper == exact")
+        for adj in a.adjustments:
+            out.append(f"  {adj.key} ({adj.group}, {adj.tensors} tensors): "
+                       f"total {adj.total_delta:+,}, active {adj.active_delta:+,}")
+            out.append(f"    {adj.explanation}")
+        exact_active = a.active - sum(adj.active_delta for adj in a.adjustments)
+        exact_total = a.total - sum(adj.total_delta for adj in a.adjustments)
+        out.append(f"  exact: total {exact_total:,}, active {exact_active:,}")
+        out += ["", "as in the paper's Table 5 (per-block rows: one transformer block, active)",
+                render_table(("row", "params"), a.table5(), indent="  ")]
+    if a.mismatches:
+        out += ["", f"layout mismatches ({len(a.mismatches)})"]
+        out += [f"  {m.message()}" for m in a.mismatches]
+    return "\n".join(out)
+
+
+def _show(field: str, value: Any) -> str:
+    if field == "attn_top_k" and value is None:
+        return "soft (every expert)"
+    return str(value)
+
+
+def render_inspection(ins: Inspection) -> str:
+    cfg = ins.config
+    out = [f"checkpoint  {ins.path}", f"kind        {describe_kind(cfg)}"]
+    if ins.files:
+        out.append(f"files       {len(ins.files)}: " + ", ".join(f.rsplit('/', 1)[-1] for f in ins.files))
+    other = {k: v for k, v in ins.metadata.items() if k not in ("bam_config", "bam_provenance", "total_size")}
+    if other:
+        out += ["", "metadata", render_table(("key", "value"), [(k, v if len(v) <= 100 else v[:97] + "...")
+                                                               for k, v in other.items()], indent="  ", left=2)]
+    out += ["", "config", render_table(("field", "value"), [(k, _show(k, v)) for k, v in key_config(cfg).items()],
+                                        indent="  ", left=2)]
+    rows = [(g, s.tensors, s.params, s.active, s.bytes, ",".join(s.dtypes) or "-") for g, s in ins.groups.items()]
+    rows.append(("total", len(ins.audit.tensors), ins.audit.total, ins.audit.active, ins.total_bytes, ""))
+    out += ["", "tensors", render_table(("group", "tensors", "params", "active", "bytes", "dtypes"), rows,
+                                         indent="  ")]
+    out += ["", "provenance"]
+    prov = ins.provenance
+    if prov is None:
+        out.append("  none (no 'bam_provenance' in the checkpoint metadata)")
+    elif prov.fields is None:
+        out.append(f"  unreadable: {prov.error}")
+    else:
+        head = [("recipe", prov.recipe or "-"), ("tool", prov.tool_version or "-")]
+        shown = {"recipe", "tool", "tool_version", "version", "inputs"}
+        head += [(k, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
+                 for k, v in prov.fields.items() if k not in shown]
+        out.append(render_table(("field", "value"), head, indent="  ", left=2))
+        if prov.inputs:
+            cols = ["role", "path", "sha256"]
+            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"name", "spec"})
+            rows = [(i.get("role", i.get("name", "-")), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
+                     *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
+            out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
+    out += ["", "layout check"]
+    if ins.audit.mismatches:
+        out.append(f"  {len(ins.audit.mismatches)} mismatches with the layout its config implies:")
+        out += [f"  {m.message()}" for m in ins.audit.mismatches]
+    else:
+        out.append("  ok: every tensor name and shape matches the config")
+    return "\n".join(out)
+
+
+# ---- resolving what to count ----------------------------------------------------------------
+def _open(spec: str):
+    from converters import open_checkpoint
+
+    try:
+        return open_checkpoint(spec)
+    except (*USER_ERRORS, OSError) as e:
+        msg = one_line(e)
+        raise click.ClickException(msg if spec in msg else f"{spec}: {msg}") from e
+
+
+def _routing_option(value: str | None) -> tuple[bool, int | None]:
+    """--attention-routing: (given?, top-k or None for soft)."""
+    if value is None:
+        return False, None
+    try:
+        return True, parse_attention_routing(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--attention-routing") from None
+
+
+def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn_top_k: int | None,
+                         attention_routing: str | None) -> ModelConfig:
+    """The config `merge --recipe` would write; `experts` counts every expert of the mixture."""
+    given, attn_top_k = _routing_option(attention_routing)
+    if dense.is_mixture:
+        raise click.UsageError(f"--recipe {recipe_name}: the base model is already a mixture "
+                               f"({describe_kind(dense)}); a recipe starts from a dense model")
+    try:
+        recipe = load_recipe(recipe_name)
+        # a recipe that takes no --experts (upcycle) has one input, the seed; its other experts are
+        # copies of the seed's FFN. Otherwise every expert is an input (extra copies count the same).
+        n_inputs, extra = (1, experts - 1) if recipe.max_experts == 0 else (experts, 0)
+        return mixture_config(recipe, dense, n_inputs, ffn_top_k=ffn_top_k, extra_ffn_experts=extra,
+                              attn_top_k=("soft" if attn_top_k is None else attn_top_k) if given else None)
+    except USER_ERRORS as e:
+        raise click.UsageError(f"--recipe {recipe_name}: {one_line(e)}") from e
+
+
+def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: str | None) -> ModelConfig:
+    """Re-route an existing model (changes the active count only)."""
+    given, attn_top_k = _routing_option(attention_routing)
+    changes: dict[str, Any] = {}
+    if ffn_top_k is not None:
+        if not cfg.ffn_experts:
+            raise click.UsageError("--ffn-top-k: this model has no FFN experts (dense FFN)")
+        changes["ffn_top_k"] = ffn_top_k
+    if given:
+        if not cfg.attn_experts:
+            raise click.UsageError("--attention-routing: this model has no attention experts (dense attention)")
+        changes["attn_top_k"] = attn_top_k
+    try:
+        return cfg.replace(**changes) if changes else cfg
+    except ConfigError as e:
+        raise click.UsageError(one_line(e)) from e
+
+
+# ---- commands -------------------------------------------------------------------------------
+@click.command("count-params")
+@click.argument("ckpt", required=False)
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+              help="Count a built-in architecture (e.g. paper-small, Table 4) instead of a checkpoint.")
+@click.option("--recipe", "recipe_name", metavar="NAME",
+              help="Count the mixture this recipe (name or YAML path) builds from the dense model.")
+@click.option("--experts", type=click.IntRange(min=2), metavar="N",
+              help="Number of experts in the --recipe mixture (the seed counts as one; so do extra "
+                   "copies of the seed's FFN, as in the paper's Table 6).")
+@click.option("--ffn-top-k", type=click.IntRange(min=1), metavar="K",
+              help="FFN experts each token runs (changes the active count only).")
+@click.option("--attention-routing", metavar="soft|topK",
+              help="Attention experts each token runs: 'soft' (all of them) or topK, e.g. top2.")
+@click.option("--convention", type=click.Choice(CONVENTIONS), default="exact", show_default=True,
+              help="exact: every parameter that runs; paper: the BAM paper's Table 5 counting "
+                   "(each deviation from exact is listed with its size).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, as_json):
+    """Total and active parameter counts by group, from shapes alone.
+
+    CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
+    --experts, count the mixture the recipe would build from that dense model.
+    """
+    if ckpt and preset_name:
+        raise click.UsageError("give either CKPT or --preset, not both")
+    if not ckpt and not preset_name:
+        raise click.UsageError("nothing to count: give a checkpoint CKPT or --preset NAME")
+    if experts is not None and not recipe_name:
+        raise click.UsageError("--experts needs --recipe")
+    if recipe_name and experts is None:
+        raise click.UsageError("--recipe needs --experts N")
+
+    if ckpt:
+        reader = _open(ckpt)
+        try:
+            a = audit_checkpoint(reader, convention)
+        finally:
+            _close(reader)
+        _refuse_mismatches(ckpt, a)
+        base, source = reader.config, ckpt
+    else:
+        base, source = preset(preset_name), f"preset {preset_name}"
+    if recipe_name:
+        cfg = _mixture_from_recipe(recipe_name, base, experts, ffn_top_k, attention_routing)
+        source += f" + recipe {recipe_name}, {experts} experts"
+    else:
+        cfg = _apply_routing(base, ffn_top_k, attention_routing)
+    if not ckpt or cfg is not base:
+        # a preset, a mixture that does not exist yet, or a re-routed checkpoint: its layout was
+        # checked above, so the config's shapes are the checkpoint's shapes
+        a = audit(cfg, convention)
+    if as_json:
+        click.echo(json.dumps(dict(source=source, kind=describe_kind(cfg), **a.to_dict()), indent=2))
+    else:
+        click.echo(render_audit(a, source))
+
+
+def _close(reader) -> None:
+    close = getattr(reader, "close", None)
+    if callable(close):
+        close()
+
+
+def _refuse_mismatches(ckpt: str, a: Audit) -> None:
+    if a.mismatches:
+        n = len(a.mismatches)
+        more = f" (and {n - 1} more; `bam-surgery inspect` lists them)" if n > 1 else ""
+        raise click.ClickException(f"{ckpt}: {a.mismatches[0].message()}{more}")
+
+
+@click.command("inspect")
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Print everything as machine-readable JSON.")
+def inspect_cmd(ckpt, as_json):
+    """Show a checkpoint's config, tensor groups (counts, bytes, dtypes) and provenance.
+
+    Reads the header only. Layout mismatches (tensors that disagree with the checkpoint's own
+    config) are listed and make the command exit with status 1.
+    """
+    reader = _open(ckpt)
+    try:
+        ins = inspect_checkpoint(reader)
+    finally:
+        _close(reader)
+    click.echo(json.dumps(ins.to_dict(), indent=2) if as_json else render_inspection(ins))
+    if ins.audit.mismatches:
+        click.get_current_context().exit(1)
