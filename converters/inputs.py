@@ -1,9 +1,100 @@
-"""Resolve a checkpoint spec (path or hub id) to a lazy reader with canonical tensor names."""
+"""Resolve a checkpoint spec to a lazy reader with canonical tensor names.
+
+Accepted specs (everything that reads a checkpoint goes through `open_checkpoint`):
+    mix.safetensors            canonical file (config JSON in the safetensors metadata)
+    mix/                       canonical directory (config.json has "bam_config")
+    path/to/llama/             Hugging Face model directory (config.json has "model_type")
+    org/name  org/name@rev     Hugging Face hub id: resolved with huggingface_hub.snapshot_download
+                               (uses the local cache; honours HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE)
+Pickle weights (.bin) are read only with allow_pickle=True (the CLI's --allow-pickle).
+"""
 from __future__ import annotations
 
-from runtime.checkpoint import CheckpointReader
+import json
+import os
+import re
+from pathlib import Path
+
+from runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
+
+from .hf.reader import SAFETENSORS_INDEX, HFCheckpointReader, TOKENIZER_FILES
+
+# org/name with an optional @revision (branch, tag or commit)
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+# model*.safetensors: not the duplicate weights some repos also carry (e.g. consolidated.safetensors)
+HUB_PATTERNS = ["config.json", "model*.safetensors", SAFETENSORS_INDEX, *TOKENIZER_FILES]
+HUB_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+FILE_SUFFIXES = (".safetensors", ".json", *PICKLE_SUFFIXES)  # a spec ending so is a path, never a hub id
+HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 
-def open_checkpoint(spec: str, allow_pickle: bool = False):
-    """Open a canonical .safetensors file or canonical directory. (HF dirs and hub ids: converters issue.)"""
-    return CheckpointReader(spec)
+def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False):
+    """A reader (.config, .names(), .shape(n), .dtype(n), .get(n), .file_of(n), .files(), .metadata, .path)."""
+    path = Path(spec)
+    if path.is_dir():
+        return _open_directory(path, allow_pickle)
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            if not allow_pickle:
+                raise CheckpointError(f"{path}: pickle weights are not loaded by default; pass --allow-pickle "
+                                      "to load them (torch.load with weights_only=True)")
+            if (path.parent / "config.json").is_file():
+                return _open_directory(path.parent, allow_pickle)
+            raise CheckpointError(f"{path}: a pickle file needs its model directory (with config.json); "
+                                  "pass the directory")
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors or a model directory)")
+        if HF_WEIGHT_FILE.match(path.name) and _is_hf_directory(path.parent):
+            return _open_directory(path.parent, allow_pickle)  # a weight file of an HF model: open the model
+        return CheckpointReader(path)
+    match = HUB_ID.match(str(spec))
+    if match and not str(spec).startswith((".", "/", "~")) and path.suffix not in FILE_SUFFIXES:
+        return _open_directory(_snapshot(match.group("repo"), match.group("revision"), allow_pickle), allow_pickle)
+    raise CheckpointError(f"{spec}: no such file or directory (and not a hub id of the form org/name[@revision])")
+
+
+def _open_directory(path: Path, allow_pickle: bool):
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (neither a canonical nor a Hugging Face model directory)")
+    try:
+        body = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if isinstance(body, dict) and CONFIG_KEY in body:
+        return CheckpointReader(path)
+    if isinstance(body, dict) and "model_type" in body:
+        return HFCheckpointReader(path, allow_pickle=allow_pickle)
+    raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")
+
+
+def _is_hf_directory(path: Path) -> bool:
+    try:
+        body = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(body, dict) and "model_type" in body and CONFIG_KEY not in body
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
+    """Local snapshot directory of a hub repo (downloading config, safetensors and tokenizer files if allowed)."""
+    from huggingface_hub import constants, snapshot_download
+
+    # read the environment now (huggingface_hub reads it once, at import)
+    offline = _truthy(os.environ.get("HF_HUB_OFFLINE")) or constants.HF_HUB_OFFLINE
+    cache_dir = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    try:
+        local = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+                                  allow_patterns=HUB_PATTERNS + (HUB_PICKLE_PATTERNS if allow_pickle else []))
+    except Exception as e:  # huggingface_hub raises many types (offline, 404, gated, network)
+        mode = "offline, from the cache only" if offline else "online"
+        raise CheckpointError(f"{where}: not a local path, and resolving it as a hub id ({mode}, cache "
+                              f"{cache_dir}) failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    return Path(local)

@@ -1,0 +1,15 @@
+"""Hugging Face model directories <-> canonical names: import (a lazy reader) and the exact inverse (a writer).
+
+    architectures.py  one weight-mapping table per model_type (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi)
+    config_map.py     config.json <-> ModelConfig, one spec per model_type
+    ops.py            the named reshape ops the tables use, each with its inverse
+    reader.py         HFCheckpointReader: canonical reader protocol over an HF directory
+    writer.py         save_hf: canonical dense model -> HF directory, streamed
+"""
+from .architectures import ARCHITECTURES, Architecture, WeightRule, architecture, bind
+from .config_map import CapabilityError, hf_to_model_config, model_config_to_hf
+from .reader import TOKENIZER_FILES, HFCheckpointReader
+from .writer import save_hf
+
+__all__ = ["ARCHITECTURES", "Architecture", "CapabilityError", "HFCheckpointReader", "TOKENIZER_FILES",
+           "WeightRule", "architecture", "bind", "hf_to_model_config", "model_config_to_hf", "save_hf"]

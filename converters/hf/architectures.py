@@ -1,0 +1,227 @@
+"""One weight-mapping table per Hugging Face architecture, registered by config.json's model_type.
+
+A table row (`WeightRule`) says: these HF tensors <-> these canonical tensors, through this named
+reshape op. `{}` in a name is the layer index. Import runs `op.forward`; export runs `op.inverse`
+over the same rows, so the canonical -> HF direction is never written by hand.
+
+Which rows apply depends on the config (bias rows only when the config has biases, lm_head only
+when embeddings are untied): a row is active when all its canonical tensors are in
+`runtime.layout.tensor_shapes(cfg)`. `bind` checks that the active rows produce every canonical
+tensor exactly once. Rows whose canonical side is None are HF buffers dropped on purpose.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from runtime.config import ModelConfig
+from runtime.layout import tensor_shapes
+
+from . import config_map as cm
+from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, TRANSPOSE, ReshapeOp
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    hf: tuple[str, ...]  # HF name templates
+    canonical: tuple[str, ...]  # canonical name templates; () = dropped on purpose
+    op: ReshapeOp = IDENTITY
+    tied_alias: bool = False  # the HF lm_head that duplicates tied embeddings: accepted, dropped, not written
+
+    @property
+    def per_layer(self) -> bool:
+        return any("{}" in n for n in self.hf + self.canonical)
+
+
+def w(hf: str | tuple[str, ...], canonical: str | tuple[str, ...] | None, op: ReshapeOp = IDENTITY) -> WeightRule:
+    """A table row; canonical None = an HF tensor dropped on purpose (a buffer the model rebuilds)."""
+    as_tuple = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
+    if canonical is None:
+        return WeightRule(as_tuple(hf), (), DROP)
+    return WeightRule(as_tuple(hf), as_tuple(canonical), op)
+
+
+def lm_head(hf: str = "lm_head.weight") -> WeightRule:
+    return WeightRule((hf,), ("lm_head.weight",), IDENTITY, tied_alias=True)
+
+
+def linear(hf_prefix: str, canonical_prefix: str, op: ReshapeOp = IDENTITY) -> list[WeightRule]:
+    """weight and (when the config has one) bias of one projection."""
+    return [w(f"{hf_prefix}.weight", f"{canonical_prefix}.weight", op),
+            w(f"{hf_prefix}.bias", f"{canonical_prefix}.bias")]
+
+
+def qkv(hf_attn: str, names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> list[WeightRule]:
+    out: list[WeightRule] = []
+    for hf_name, c in zip(names, "qkv"):
+        out += linear(f"{hf_attn}.{hf_name}", f"layers.{{}}.attn.{c}")
+    return out
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    hf_class: str  # config.json "architectures" entry written on export
+    base_prefix: str  # prefix of the base model inside the *ForCausalLM (checkpoints of the base model lack it)
+    weights: tuple[WeightRule, ...]
+    config: cm.ConfigSpec
+    # other spellings of an HF name prefix, accepted on import (export writes the table's spelling)
+    alias_prefixes: Mapping[str, str] = field(default_factory=dict)
+
+
+# ---- tables ---------------------------------------------------------------------------------
+_LLAMA_WEIGHTS = tuple([
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    *qkv("model.layers.{}.self_attn"),
+    *linear("model.layers.{}.self_attn.o_proj", "layers.{}.attn.o"),
+    *linear("model.layers.{}.mlp.gate_proj", "layers.{}.ffn.gate"),
+    *linear("model.layers.{}.mlp.up_proj", "layers.{}.ffn.up"),
+    *linear("model.layers.{}.mlp.down_proj", "layers.{}.ffn.down"),
+    w("model.layers.{}.self_attn.rotary_emb.inv_freq", None),  # buffer in older checkpoints
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+])
+
+_GPT_NEOX_WEIGHTS = (
+    w("gpt_neox.embed_in.weight", "embed.weight"),
+    *linear("gpt_neox.layers.{}.input_layernorm", "layers.{}.attn_norm"),
+    *linear("gpt_neox.layers.{}.post_attention_layernorm", "layers.{}.ffn_norm"),
+    # [H*3*Dh, D], rows per head (q, k, v)
+    w("gpt_neox.layers.{}.attention.query_key_value.weight",
+      ("layers.{}.attn.q.weight", "layers.{}.attn.k.weight", "layers.{}.attn.v.weight"), SPLIT_QKV_PER_HEAD),
+    w("gpt_neox.layers.{}.attention.query_key_value.bias",
+      ("layers.{}.attn.q.bias", "layers.{}.attn.k.bias", "layers.{}.attn.v.bias"), SPLIT_QKV_PER_HEAD),
+    *linear("gpt_neox.layers.{}.attention.dense", "layers.{}.attn.o"),
+    *linear("gpt_neox.layers.{}.mlp.dense_h_to_4h", "layers.{}.ffn.up"),
+    *linear("gpt_neox.layers.{}.mlp.dense_4h_to_h", "layers.{}.ffn.down"),
+    w("gpt_neox.layers.{}.attention.rotary_emb.inv_freq", None),  # buffers in older (Pythia) checkpoints
+    w("gpt_neox.layers.{}.attention.bias", None),
+    w("gpt_neox.layers.{}.attention.masked_bias", None),
+    *linear("gpt_neox.final_layer_norm", "final_norm"),
+    lm_head("embed_out.weight"),  # the name on disk, for transformers 4 and 5 alike
+)
+
+_GPT2_WEIGHTS = (
+    w("transformer.wte.weight", "embed.weight"),
+    w("transformer.wpe.weight", "pos_embed.weight"),
+    *linear("transformer.h.{}.ln_1", "layers.{}.attn_norm"),
+    *linear("transformer.h.{}.ln_2", "layers.{}.ffn_norm"),
+    # Conv1D weights are [in, out]; c_attn is [D, 3D] with columns [q | k | v]
+    w("transformer.h.{}.attn.c_attn.weight",
+      ("layers.{}.attn.q.weight", "layers.{}.attn.k.weight", "layers.{}.attn.v.weight"), CONV1D_SPLIT_QKV),
+    w("transformer.h.{}.attn.c_attn.bias",
+      ("layers.{}.attn.q.bias", "layers.{}.attn.k.bias", "layers.{}.attn.v.bias"), SPLIT_QKV),
+    *linear("transformer.h.{}.attn.c_proj", "layers.{}.attn.o", TRANSPOSE),
+    *linear("transformer.h.{}.mlp.c_fc", "layers.{}.ffn.up", TRANSPOSE),
+    *linear("transformer.h.{}.mlp.c_proj", "layers.{}.ffn.down", TRANSPOSE),
+    w("transformer.h.{}.attn.bias", None),  # causal-mask buffers in older checkpoints
+    w("transformer.h.{}.attn.masked_bias", None),
+    *linear("transformer.ln_f", "final_norm"),
+    lm_head(),
+)
+
+_COHERE_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),  # the one shared norm
+    *qkv("model.layers.{}.self_attn"),
+    *linear("model.layers.{}.self_attn.o_proj", "layers.{}.attn.o"),
+    w("model.layers.{}.mlp.gate_proj.weight", "layers.{}.ffn.gate.weight"),
+    w("model.layers.{}.mlp.up_proj.weight", "layers.{}.ffn.up.weight"),
+    w("model.layers.{}.mlp.down_proj.weight", "layers.{}.ffn.down.weight"),
+    w("model.layers.{}.self_attn.rotary_emb.inv_freq", None),
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+)
+
+_PHI_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    *linear("model.layers.{}.input_layernorm", "layers.{}.attn_norm"),  # the one shared norm
+    *qkv("model.layers.{}.self_attn"),
+    *linear("model.layers.{}.self_attn.dense", "layers.{}.attn.o"),
+    *linear("model.layers.{}.mlp.fc1", "layers.{}.ffn.up"),
+    *linear("model.layers.{}.mlp.fc2", "layers.{}.ffn.down"),
+    w("model.layers.{}.self_attn.rotary_emb.inv_freq", None),
+    *linear("model.final_layernorm", "final_norm"),
+    lm_head(),
+    w("lm_head.bias", "lm_head.bias"),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),
+    Architecture("mistral", "MistralForCausalLM", "model.", _LLAMA_WEIGHTS, cm.MISTRAL),
+    Architecture("qwen2", "Qwen2ForCausalLM", "model.", _LLAMA_WEIGHTS, cm.QWEN2),
+    Architecture("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.", _GPT_NEOX_WEIGHTS, cm.GPT_NEOX,
+                 alias_prefixes={"lm_head.": "embed_out."}),  # transformers 5's in-memory name
+    Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _GPT2_WEIGHTS, cm.GPT2),
+    Architecture("cohere", "CohereForCausalLM", "model.", _COHERE_WEIGHTS, cm.COHERE),
+    Architecture("phi", "PhiForCausalLM", "model.", _PHI_WEIGHTS, cm.PHI),
+)}
+
+
+def architecture(model_type: str | None) -> Architecture:
+    if model_type not in ARCHITECTURES:
+        raise cm.CapabilityError(f"model_type={model_type!r} is not supported "
+                                 f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[model_type]
+
+
+# ---- binding a table to a config ------------------------------------------------------------
+@dataclass(frozen=True)
+class BoundRule:
+    """A table row with the layer index filled in."""
+
+    hf: tuple[str, ...]
+    canonical: tuple[str, ...]
+    op: ReshapeOp
+    rule: WeightRule
+
+
+@dataclass
+class Binding:
+    active: list[BoundRule]  # rows that move data, in canonical (model) order
+    optional_drops: set[str]  # HF names accepted if present and dropped (buffers, tied lm_head)
+    inactive: dict[str, BoundRule]  # HF names the table knows but this config says are absent
+    producer: dict[str, tuple[BoundRule, int]]  # canonical name -> (row, index into op outputs)
+
+    def known(self) -> set[str]:
+        return {n for r in self.active for n in r.hf} | self.optional_drops | set(self.inactive)
+
+
+def _expand(rule: WeightRule, n_layers: int) -> list[BoundRule]:
+    idx = range(n_layers) if rule.per_layer else [None]
+    return [BoundRule(tuple(n.format(i) for n in rule.hf) if i is not None else rule.hf,
+                      tuple(n.format(i) for n in rule.canonical) if i is not None else rule.canonical,
+                      rule.op, rule) for i in idx]
+
+
+def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
+    """The rows of `arch`'s table that apply to `cfg`, with every canonical tensor produced once."""
+    expected = tensor_shapes(cfg)
+    b = Binding(active=[], optional_drops=set(), inactive={}, producer={})
+    bound = [br for r in arch.weights for br in _expand(r, cfg.n_layers)]
+    for br in bound:
+        present = [c in expected for c in br.canonical]
+        if not br.canonical:
+            b.optional_drops.update(br.hf)
+        elif all(present):
+            b.active.append(br)
+            for j, c in enumerate(br.canonical):
+                if c in b.producer:
+                    raise cm.CapabilityError(f"{arch.model_type} table maps {c} twice")
+                b.producer[c] = (br, j)
+        elif any(present):
+            raise cm.CapabilityError(f"{arch.model_type} table row {br.hf} -> {br.canonical} only partly "
+                                     "applies to this config")
+        elif br.rule.tied_alias and cfg.tie_embeddings:
+            b.optional_drops.update(br.hf)  # a stored copy of the tied embeddings; the model reuses embed
+        else:
+            for n in br.hf:
+                b.inactive[n] = br
+    order = {c: k for k, c in enumerate(expected)}
+    b.active.sort(key=lambda br: min(order[c] for c in br.canonical))
+    missing = [c for c in expected if c not in b.producer]
+    if missing:
+        raise cm.CapabilityError(f"{arch.model_type} has no HF tensor for canonical {missing[0]}")
+    return b

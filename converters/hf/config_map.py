@@ -1,0 +1,418 @@
+"""Hugging Face config.json <-> ModelConfig, one declarative spec per architecture.
+
+A spec is a list of fields plus the values the architecture fixes. Every field knows both
+directions (`read`: HF keys -> canonical fields; `write`: canonical fields -> HF keys), so export
+is derived from the same spec as import. `fixed` values are set on import and checked on export
+(a model that does not have them cannot be written in that architecture: a capability error,
+raised before any I/O). `Require` pins HF options we do not model (e.g. Cohere's QK-norm) to the
+one value we support.
+
+Defaults are the transformers config-class defaults (5.x): a config.json may omit any key that
+equals its class default. tests/test_hf_import.py checks them against the installed classes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from runtime.config import ModelConfig, ConfigError
+
+REQUIRED = object()  # sentinel: the key must be present in config.json
+
+
+class CapabilityError(ConfigError):
+    """The HF architecture or option is not something the canonical model can represent."""
+
+
+def _value(hf: Mapping[str, Any], key: str, default: Any) -> Any:
+    v = hf.get(key)
+    if v is None:
+        if default is REQUIRED:
+            raise ConfigError(f"{key}: required key is missing from config.json")
+        return default
+    return v
+
+
+class Field:
+    hf_keys: tuple[str, ...] = ()
+    canonical: tuple[str, ...] = ()
+
+    def read(self, hf: Mapping[str, Any], out: dict[str, Any], notes: list[str]) -> None:
+        raise NotImplementedError
+
+    def write(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class Same(Field):
+    """One HF key <-> one canonical field, same value (default None: ModelConfig derives it)."""
+
+    hf_key: str
+    field_name: str
+    default: Any = REQUIRED
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), (self.field_name,)
+
+    def read(self, hf, out, notes):
+        v = _value(hf, self.hf_key, self.default)
+        if v is not None:  # None: ModelConfig derives it (n_kv_heads = n_heads, head_dim = D / H)
+            out[self.field_name] = v
+
+    def write(self, cfg, model_type):
+        return {self.hf_key: getattr(cfg, self.field_name)}
+
+
+@dataclass
+class FanOut(Field):
+    """One HF boolean <-> several canonical booleans that must agree (attention_bias -> qkv_bias, o_bias)."""
+
+    hf_key: str
+    fields: tuple[str, ...]
+    default: Any = REQUIRED
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), tuple(self.fields)
+
+    def read(self, hf, out, notes):
+        v = bool(_value(hf, self.hf_key, self.default))
+        for f in self.fields:
+            out[f] = v
+
+    def write(self, cfg, model_type):
+        vals = {f: getattr(cfg, f) for f in self.fields}
+        if len(set(vals.values())) != 1:
+            raise CapabilityError(f"cannot export to {model_type}: its {self.hf_key} sets "
+                                  f"{' and '.join(self.fields)} together, the model has {vals}")
+        return {self.hf_key: vals[self.fields[0]]}
+
+
+# HF activation names (transformers ACT2FN) -> canonical, for non-gated FFNs. The tanh variants
+# compute the same function.
+_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+           "silu": "silu", "swish": "silu"}
+_CANONICAL_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+
+@dataclass
+class Activation(Field):
+    """hidden_act; a gated architecture (gate_proj/up_proj) with SiLU is swiglu."""
+
+    hf_key: str
+    gated: bool
+    default: Any = REQUIRED
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), ("activation",)
+
+    def read(self, hf, out, notes):
+        name = _value(hf, self.hf_key, self.default)
+        act = _HF_ACT.get(name)
+        if act is None:
+            raise CapabilityError(f"{self.hf_key}={name!r} is not supported (supported: {', '.join(_HF_ACT)})")
+        if self.gated:
+            if act != "silu":
+                raise CapabilityError(f"{self.hf_key}={name!r}: a gated FFN is supported only with SiLU (swiglu)")
+            act = "swiglu"
+        out["activation"] = act
+
+    def write(self, cfg, model_type):
+        act = cfg.activation
+        if self.gated:
+            if act != "swiglu":
+                raise CapabilityError(f"cannot export to {model_type}: it needs a swiglu FFN, the model has {act}")
+            return {self.hf_key: "silu"}
+        if act not in _CANONICAL_ACT:
+            raise CapabilityError(f"cannot export to {model_type}: it needs a non-gated FFN, the model has {act}")
+        return {self.hf_key: _CANONICAL_ACT[act]}
+
+
+@dataclass
+class ParallelResidual(Field):
+    """GPT-NeoX use_parallel_residual: True -> two norms in parallel, False -> sequential."""
+
+    hf_key: str
+    default: Any = REQUIRED
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), ("block",)
+
+    def read(self, hf, out, notes):
+        out["block"] = "parallel_two_norms" if _value(hf, self.hf_key, self.default) else "sequential"
+
+    def write(self, cfg, model_type):
+        if cfg.block not in ("parallel_two_norms", "sequential"):
+            raise CapabilityError(f"cannot export to {model_type}: block={cfg.block!r} "
+                                  "(it has parallel_two_norms or sequential blocks)")
+        return {self.hf_key: cfg.block == "parallel_two_norms"}
+
+
+@dataclass
+class InnerWidth(Field):
+    """GPT-2 n_inner: None means 4 * n_embd."""
+
+    hf_key: str
+    d_model_key: str
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), ("ffn_hidden",)
+
+    def read(self, hf, out, notes):
+        v = hf.get(self.hf_key)
+        out["ffn_hidden"] = int(v) if v is not None else 4 * int(_value(hf, self.d_model_key, REQUIRED))
+
+    def write(self, cfg, model_type):
+        return {self.hf_key: cfg.ffn_hidden}
+
+
+@dataclass
+class DerivedEqual(Field):
+    """A canonical field the architecture derives from others (no HF key): checked on export."""
+
+    field_name: str
+    rule: str  # "n_heads" (multi-head attention) or "d_model/n_heads" (head_dim)
+
+    def __post_init__(self):
+        self.canonical = (self.field_name,)
+
+    def _expected(self, cfg: ModelConfig) -> int:
+        return cfg.n_heads if self.rule == "n_heads" else cfg.d_model // cfg.n_heads
+
+    def read(self, hf, out, notes):
+        pass  # ModelConfig derives n_kv_heads = n_heads and head_dim = d_model / n_heads
+
+    def write(self, cfg, model_type):
+        if getattr(cfg, self.field_name) != self._expected(cfg) or (
+                self.rule != "n_heads" and cfg.d_model % cfg.n_heads):
+            raise CapabilityError(f"cannot export to {model_type}: it needs {self.field_name} = {self.rule}, "
+                                  f"the model has {self.field_name}={getattr(cfg, self.field_name)}")
+        return {}
+
+
+@dataclass
+class Rope(Field):
+    """RoPE base and rotated fraction, from transformers 5 `rope_parameters` or the older top-level keys.
+
+    Only plain RoPE is supported (rope_type "default"); scaled variants are a capability error.
+    HF rotates int(head_dim * factor) dims, so the canonical fraction is that count / head_dim.
+    """
+
+    default_theta: float
+    default_fraction: float | None = None  # None: the architecture has no partial rotary
+    legacy_theta_key: str = "rope_theta"
+    legacy_fraction_key: str = "partial_rotary_factor"
+
+    def __post_init__(self):
+        self.hf_keys = ("rope_parameters", "rope_scaling", "rope_theta", self.legacy_theta_key) + (
+            (self.legacy_fraction_key,) if self.default_fraction is not None else ())
+        self.canonical = ("rope_theta",) + (("rotary_fraction",) if self.default_fraction is not None else ())
+
+    def read(self, hf, out, notes):
+        # transformers 4 wrote rope_scaling (None for plain RoPE), 5 writes rope_parameters, which may
+        # be nested per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+        params = hf.get("rope_parameters")
+        if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+            if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
+                raise CapabilityError(f"rope_parameters differ between layer types ({', '.join(params)}); "
+                                      "one RoPE for all layers is supported")
+            params = next(iter(params.values()))
+        dicts = [d for d in (hf.get("rope_scaling"), params) if isinstance(d, dict)]
+        for key, d in zip(("rope_scaling", "rope_parameters"), dicts):
+            rope_type = d.get("rope_type", d.get("type", "default"))
+            if rope_type != "default":
+                raise CapabilityError(f"{key}: rope_type={rope_type!r} (scaled RoPE) is not supported; "
+                                      "only plain RoPE")
+
+        def first(key: str, *fallbacks):
+            vals = [d.get(key) for d in dicts] + [hf.get(key), *fallbacks]
+            return next((v for v in vals if v is not None), None)
+
+        out["rope_theta"] = float(first("rope_theta", hf.get(self.legacy_theta_key), self.default_theta))
+        frac = first("partial_rotary_factor", hf.get(self.legacy_fraction_key), self.default_fraction, 1.0)
+        if self.default_fraction is None:
+            if float(frac) != 1.0:
+                raise CapabilityError(f"partial_rotary_factor={frac} is not supported by this architecture")
+            return
+        head_dim = out.get("head_dim") or out["d_model"] // out["n_heads"]
+        out["rotary_fraction"] = int(head_dim * float(frac)) / head_dim
+
+    def write(self, cfg, model_type):
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        body: dict[str, Any] = {"rope_theta": cfg.rope_theta}  # read by transformers < 5
+        if self.legacy_theta_key != "rope_theta":
+            body[self.legacy_theta_key] = cfg.rope_theta
+        if self.default_fraction is not None:
+            params["partial_rotary_factor"] = cfg.rotary_fraction
+            body[self.legacy_fraction_key] = cfg.rotary_fraction
+        body["rope_parameters"] = params
+        return body
+
+
+@dataclass
+class SlidingWindow(Field):
+    """Mistral / Qwen2 sliding-window attention: accepted, not modelled (a note says where it is exact)."""
+
+    hf_key: str = "sliding_window"
+    enabled_key: str | None = None  # Qwen2: use_sliding_window gates it
+    default: Any = None
+
+    def __post_init__(self):
+        self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ())
+
+    def read(self, hf, out, notes):
+        window = hf.get(self.hf_key, self.default)
+        enabled = bool(hf.get(self.enabled_key, False)) if self.enabled_key else window is not None
+        if enabled and window:
+            notes.append(f"sliding_window={window} is not modelled: logits are exact for sequences of "
+                         f"at most {window} tokens")
+
+    def write(self, cfg, model_type):
+        # the canonical model attends to the whole causal prefix: no window
+        return {self.hf_key: None, **({self.enabled_key: False} if self.enabled_key else {})}
+
+
+@dataclass
+class Require(Field):
+    """An HF option we do not model, pinned to the one value the canonical model matches."""
+
+    hf_key: str
+    value: Any
+    why: str = ""
+
+    def __post_init__(self):
+        self.hf_keys = (self.hf_key,)
+
+    def read(self, hf, out, notes):
+        v = hf.get(self.hf_key)
+        if v is not None and v != self.value:
+            raise CapabilityError(f"{self.hf_key}={v!r} is not supported{': ' + self.why if self.why else ''} "
+                                  f"(supported: {self.value!r})")
+
+    def write(self, cfg, model_type):
+        return {self.hf_key: self.value}
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    fields: tuple[Field, ...]
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+
+    def covered(self) -> set[str]:
+        """Canonical fields this spec reads or fixes (tests check it covers every dense field)."""
+        out = set(self.fixed)
+        for f in self.fields:
+            out.update(f.canonical)
+        return out
+
+
+def hf_to_model_config(hf: Mapping[str, Any], spec: ConfigSpec, name: str = "") -> tuple[ModelConfig, list[str]]:
+    """config.json dict -> (ModelConfig, notes about accepted-but-unmodelled features)."""
+    out: dict[str, Any] = dict(spec.fixed)
+    notes: list[str] = []
+    for f in spec.fields:
+        f.read(hf, out, notes)
+    out["name"] = name
+    return ModelConfig(**out), notes
+
+
+def model_config_to_hf(cfg: ModelConfig, spec: ConfigSpec, model_type: str) -> dict[str, Any]:
+    """ModelConfig -> config.json entries for `model_type`; capability errors before any I/O."""
+    if cfg.is_mixture:
+        raise CapabilityError(f"cannot export to {model_type}: the model is a mixture "
+                              f"(ffn_experts={cfg.ffn_experts}, attn_experts={cfg.attn_experts}); "
+                              "a dense architecture holds one FFN and one attention per layer")
+    for fname, want in spec.fixed.items():
+        have = getattr(cfg, fname)
+        if have != want:
+            raise CapabilityError(f"cannot export to {model_type}: it needs {fname}={want!r}, the model has {have!r}")
+    body: dict[str, Any] = {}
+    for f in spec.fields:
+        body.update(f.write(cfg, model_type))
+    return body
+
+
+# ---- the specs ------------------------------------------------------------------------------
+def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool = False) -> tuple[Field, ...]:
+    """The Llama-style size keys shared by llama, mistral, qwen2, gpt_neox, cohere, phi."""
+    out: list[Field] = [Same("vocab_size", "vocab_size"), Same("hidden_size", "d_model"),
+                        Same("num_hidden_layers", "n_layers"), Same("num_attention_heads", "n_heads"),
+                        Same("intermediate_size", "ffn_hidden"),
+                        Same("max_position_embeddings", "max_positions", max_positions_default)]
+    out.append(Same("num_key_value_heads", "n_kv_heads", None) if kv_heads else DerivedEqual("n_kv_heads", "n_heads"))
+    out.append(Same("head_dim", "head_dim", None) if head_dim_key else DerivedEqual("head_dim", "d_model/n_heads"))
+    return tuple(out)
+
+
+_ROPE_ONLY = dict(position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0)
+_LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
+
+LLAMA = ConfigSpec(
+    fields=_sizes(2048, head_dim_key=True) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False)),
+    fixed=_LLAMA_FIXED,
+)
+
+MISTRAL = ConfigSpec(
+    fields=_sizes(131072, head_dim_key=True) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
+        SlidingWindow("sliding_window", default=4096)),
+    fixed=dict(_LLAMA_FIXED, qkv_bias=False, o_bias=False, ffn_bias=False),
+)
+
+QWEN2 = ConfigSpec(
+    fields=_sizes(32768, head_dim_key=True) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
+        SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+    fixed=dict(_LLAMA_FIXED, qkv_bias=True, o_bias=False, ffn_bias=False),  # q/k/v biases, none on o
+)
+
+GPT_NEOX = ConfigSpec(
+    fields=_sizes(2048, kv_heads=False) + (
+        Activation("hidden_act", gated=False, default="gelu"), Same("layer_norm_eps", "norm_eps", 1e-5),
+        Rope(default_theta=10000.0, default_fraction=0.25, legacy_theta_key="rotary_emb_base",
+             legacy_fraction_key="rotary_pct"),
+        Same("tie_word_embeddings", "tie_embeddings", False),
+        ParallelResidual("use_parallel_residual", default=True),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), True)),
+    fixed=dict(_ROPE_ONLY, norm="layernorm", norm_bias=True, ffn_bias=True),
+)
+
+GPT2 = ConfigSpec(
+    fields=(Same("vocab_size", "vocab_size"), Same("n_embd", "d_model"), Same("n_layer", "n_layers"),
+            Same("n_head", "n_heads"), InnerWidth("n_inner", "n_embd"),
+            Same("n_positions", "max_positions", 1024),
+            DerivedEqual("n_kv_heads", "n_heads"), DerivedEqual("head_dim", "d_model/n_heads"),
+            Activation("activation_function", gated=False, default="gelu_new"),
+            Same("layer_norm_epsilon", "norm_eps", 1e-5), Same("tie_word_embeddings", "tie_embeddings", True),
+            Require("scale_attn_weights", True, "attention is scaled by 1/sqrt(head_dim)"),
+            Require("scale_attn_by_inverse_layer_idx", False), Require("add_cross_attention", False)),
+    fixed=dict(norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0, rotary_fraction=1.0,
+               rope_interleaved=False, block="sequential", qkv_bias=True, o_bias=True, ffn_bias=True,
+               lm_head_bias=False, logit_scale=1.0),
+)
+
+COHERE = ConfigSpec(
+    fields=_sizes(8192) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("layer_norm_eps", "norm_eps", 1e-5),
+        Rope(default_theta=500000.0), Same("tie_word_embeddings", "tie_embeddings", True),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("logit_scale", "logit_scale", 0.0625),
+        Require("use_qk_norm", False, "per-head QK layernorm is not modelled")),
+    # one bias-free layernorm shared by attention and FFN; RoPE on interleaved pairs
+    fixed=dict(position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
+               block="parallel", ffn_bias=False, lm_head_bias=False),
+)
+
+PHI = ConfigSpec(
+    fields=_sizes(2048) + (
+        Activation("hidden_act", gated=False, default="gelu_new"), Same("layer_norm_eps", "norm_eps", 1e-5),
+        Rope(default_theta=10000.0, default_fraction=0.5), Same("tie_word_embeddings", "tie_embeddings", False),
+        Require("qk_layernorm", False, "per-head QK layernorm is not modelled")),
+    fixed=dict(position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
+               qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0),
+)

@@ -1,0 +1,241 @@
+"""Lazy reader of a Hugging Face model directory that speaks canonical names.
+
+    r = HFCheckpointReader("path/to/llama")        # config.json + model.safetensors (or shards + index)
+    r.config                                      # ModelConfig, from config.json via the config map
+    r.names(), r.shape(n), r.dtype(n)             # canonical, from the HF headers only
+    r.get("layers.0.attn.q.weight")               # reads only the HF tensor(s) this one comes from
+
+Opening reads config.json and the safetensors headers, binds the architecture's table to the
+config, and checks it both ways: every HF tensor the config needs is present, every HF tensor
+present is consumed (or dropped on purpose), and every canonical shape derived from the HF
+shapes matches `runtime.layout.tensor_shapes(config)`. Pickle weights (`pytorch_model*.bin`) are
+read only with allow_pickle=True, through torch.load(weights_only=True, mmap=True).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runtime.checkpoint import ST_TO_DTYPE, CheckpointError
+from runtime.config import ConfigError
+from runtime.layout import tensor_shapes
+
+from .architectures import Architecture, Binding, BoundRule, architecture, bind
+from .config_map import hf_to_model_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+
+def read_hf_config(directory: Path) -> dict:
+    cfg_file = directory / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{directory}: no config.json (not a Hugging Face model directory)")
+    try:
+        body = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object")
+    return body
+
+
+def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:
+    """(weight files, index {HF name: file} or None, is_pickle). Prefers safetensors over pickles."""
+    def from_index(index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {str(k): directory / str(f) for k, f in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+
+    def listing(index: dict[str, Path], is_pickle: bool):
+        return list(dict.fromkeys(index.values())), index, is_pickle
+
+    if (directory / SAFETENSORS_INDEX).is_file():
+        return listing(from_index(directory / SAFETENSORS_INDEX), False)
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single], None, False
+    shards = sorted(directory.glob("model-*-of-*.safetensors"))
+    if shards:
+        return shards, None, False
+    pickle_index = directory / PICKLE_INDEX
+    pickles = [pickle_index] if pickle_index.is_file() else sorted(directory.glob("pytorch_model*.bin"))
+    if pickles:
+        if not allow_pickle:
+            raise CheckpointError(f"{pickles[0]}: pickle weights (.bin) are not loaded by default; pass "
+                                  "--allow-pickle to load them (torch.load with weights_only=True)")
+        return listing(from_index(pickle_index), True) if pickle_index.is_file() else (pickles, None, True)
+    raise CheckpointError(f"{directory}: no weights found (model.safetensors, shards with "
+                          f"{SAFETENSORS_INDEX}, or pytorch_model.bin)")
+
+
+class _SafetensorsFile:
+    def __init__(self, file: Path):
+        try:
+            self.handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+        self.meta = {}
+        for k in self.handle.keys():
+            sl = self.handle.get_slice(k)
+            self.meta[k] = (tuple(sl.get_shape()), ST_TO_DTYPE[sl.get_dtype()])
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.handle.get_tensor(key)
+
+
+class _PickleFile:
+    def __init__(self, file: Path):
+        try:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{file}: unreadable pickle checkpoint ({' '.join(str(e).split())[:200]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{file}: expected a dict of tensors (a state dict)")
+        self.state = state
+        self.meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+
+class HFCheckpointReader:
+    """Reader protocol (as runtime.checkpoint.CheckpointReader) over a Hugging Face model directory."""
+
+    def __init__(self, directory: str | os.PathLike, allow_pickle: bool = False):
+        self.path = self.source_dir = Path(directory)
+        hf_config = read_hf_config(self.path)
+        cfg_file = self.path / "config.json"
+        try:
+            self.architecture: Architecture = architecture(hf_config.get("model_type"))
+            self.config, notes = hf_to_model_config(hf_config, self.architecture.config,
+                                                    name=self.architecture.model_type)
+        except ConfigError as e:  # CapabilityError included: keep the type, name the file
+            raise type(e)(f"{cfg_file}: {e}") from None
+        self.hf_config = hf_config
+        self.metadata: dict[str, str] = {"format": "hf", "model_type": self.architecture.model_type,
+                                         "source": str(self.path)}
+        if notes:
+            self.metadata["notes"] = "; ".join(notes)
+
+        self._files: dict[Path, _SafetensorsFile | _PickleFile] = {}
+        self._source: dict[str, tuple[Path, str]] = {}  # HF name (normalized) -> (file, key in file)
+        files, index, is_pickle = weight_files(self.path, allow_pickle)
+        opener = _PickleFile if is_pickle else _SafetensorsFile
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: file not found (listed in the index)")
+            self._files[file] = opener(file)
+        try:
+            self.binding: Binding = bind(self.architecture, self.config)
+        except ConfigError as e:
+            raise type(e)(f"{cfg_file}: {e}") from None
+        self._known = self.binding.known()
+        stored = (list(index.items()) if index is not None
+                  else [(k, f) for f, h in self._files.items() for k in h.meta])
+        for key, file in stored:
+            if key not in self._files[file].meta:
+                raise CheckpointError(f"{file}: tensor {key} is missing (the index lists it here)")
+            self._take(key, file)
+        self._check_and_derive_shapes()
+        self._cache: tuple[BoundRule | None, list[torch.Tensor]] = (None, [])
+
+    # -- opening ---------------------------------------------------------------------------
+    def _take(self, key: str, file: Path) -> None:
+        """Map a stored HF key to its table name (base-model checkpoints lack the prefix; old names)."""
+        arch, b, known = self.architecture, self.binding, self._known
+        candidates = [key, arch.base_prefix + key]
+        for old, new in arch.alias_prefixes.items():
+            candidates += [new + c[len(old):] for c in list(candidates) if c.startswith(old)]
+        name = next((c for c in candidates if c in known), None)
+        if name is None:
+            raise CheckpointError(f"{file}: tensor {key} is not part of the {arch.model_type} mapping "
+                                  "(unknown key)")
+        if name in b.inactive:
+            raise CheckpointError(f"{file}: tensor {key} is present but config.json implies the model has no "
+                                  f"{', '.join(b.inactive[name].canonical)} (check the config's bias/tie flags)")
+        if name in self._source:
+            raise CheckpointError(f"{file}: tensor {key} duplicates {self._source[name][1]} "
+                                  f"in {self._source[name][0]}")
+        self._source[name] = (file, key)
+
+    def _check_and_derive_shapes(self) -> None:
+        expected = tensor_shapes(self.config)
+        self._shape: dict[str, tuple[int, ...]] = {}
+        self._dtype: dict[str, torch.dtype] = {}
+        for br in self.binding.active:
+            for n in br.hf:
+                if n not in self._source:
+                    raise CheckpointError(f"{self.path}: tensor {n} is missing "
+                                          f"(needed for canonical {', '.join(br.canonical)})")
+            metas = [self._files[f].meta[k] for f, k in (self._source[n] for n in br.hf)]
+            where = f"{self._source[br.hf[0]][0]}: tensor {self._source[br.hf[0]][1]}"
+            try:
+                shapes = br.op.forward_shapes([m[0] for m in metas], self.config)
+            except (ValueError, RuntimeError) as e:
+                raise CheckpointError(f"{where}: {e}") from None
+            for c, s in zip(br.canonical, shapes):
+                if s != expected[c]:
+                    raise CheckpointError(f"{where} has shape {list(metas[0][0])}, which gives {c} {list(s)}; "
+                                          f"config.json implies {list(expected[c])}")
+                self._shape[c], self._dtype[c] = s, metas[0][1]
+        self._names = list(expected)
+
+    # -- reader protocol -------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shape
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dtype[name]
+
+    def file_of(self, name: str) -> Path:
+        br, _ = self.binding.producer[name]
+        return self._source[br.hf[0]][0]
+
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+    def hf_name_of(self, name: str) -> tuple[str, ...]:
+        """The HF tensor(s) a canonical tensor is made from (for messages and plans)."""
+        return self.binding.producer[name][0].hf
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.binding.producer:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing")
+        br, j = self.binding.producer[name]
+        if self._cache[0] is br:  # a fused HF tensor feeds several canonical ones: split it once
+            return self._cache[1][j]
+        inputs = [self._files[f].get(k) for f, k in (self._source[n] for n in br.hf)]
+        outputs = [t.contiguous() for t in br.op.forward(inputs, self.config)]
+        self._cache = (br, outputs) if len(outputs) > 1 else (None, [])
+        return outputs[j]
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+    def close(self) -> None:
+        self._files.clear()
+        self._cache = (None, [])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
