@@ -11,26 +11,42 @@ import os
 
 import torch
 
-from .checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointReader, load_checkpoint, save_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, preset
+from .layout import tensor_shapes
 from .model import ForcedRouting, Model, ModelOutput
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> Model:
     """Rebuild a model from a canonical checkpoint (file or directory) alone."""
-    cfg, state = load_checkpoint(path)
+    with CheckpointReader(path) as reader:
+        check_layout(reader)
+        cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
     with torch.device("meta"):
         model = Model(cfg)
     model.load_state_dict(state, assign=True)
-    # non-persistent buffers (rotary frequencies) were created on meta: rebuild them
-    for blk in model.layers:
-        if blk.rotary is not None:
-            blk.rotary.inv_freq = blk.rotary.__class__(cfg).inv_freq
     model = model.to(device)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()
+
+
+def check_layout(reader: CheckpointReader) -> None:
+    """Every tensor the config's canonical layout needs, with its shape, and nothing else; errors
+    name the file and the tensor (instead of torch's load_state_dict message)."""
+    want = tensor_shapes(reader.config)
+    for name in reader.names():
+        if name not in want:
+            raise CheckpointError(f"{reader.file_of(name)}: unexpected tensor {name}: not in the canonical "
+                                  "layout of its config")
+        if tuple(reader.shape(name)) != want[name]:
+            raise CheckpointError(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
+                                  f"its config implies {list(want[name])}")
+    missing = [name for name in want if name not in reader]
+    if missing:
+        raise CheckpointError(f"{reader.path}: tensor {missing[0]} is missing"
+                              + (f" ({len(missing) - 1} more)" if len(missing) > 1 else ""))
 
 
 def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] | None = None,
@@ -38,5 +54,5 @@ def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] |
     return save_checkpoint(model.state_dict(), model.config, path, metadata, max_shard_bytes)
 
 
-__all__ = ["CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelOutput",
-           "PRESETS", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]
+__all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelOutput",
+           "PRESETS", "check_layout", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]

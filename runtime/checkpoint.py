@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 FORMAT = "bam-surgery/1"
 CONFIG_KEY = "bam_config"
@@ -260,6 +260,9 @@ class CheckpointReader:
                 self.config = ModelConfig.from_json(self.metadata[CONFIG_KEY])
         except (json.JSONDecodeError, KeyError) as e:
             raise CheckpointError(f"{self.path}: malformed checkpoint metadata ({e})") from e
+        except ConfigError as e:  # an invalid stored config: keep the type, name the file
+            where = self.path / "config.json" if self.path.is_dir() else self.path
+            raise ConfigError(f"{where}: {e}") from None
 
     def _open(self, file: Path):
         if not file.exists():

@@ -33,6 +33,16 @@ class ConfigError(ValueError):
     """A config field is missing, unknown or inconsistent; the message names the field."""
 
 
+# Field annotations are strings here (postponed annotations): "int", "int | None", "float", ...
+_TYPE_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "None": lambda v: v is None,
+}
+
+
 @dataclass
 class ModelConfig:
     # ---- dense architecture -------------------------------------------------------------
@@ -72,6 +82,10 @@ class ModelConfig:
     name: str = ""  # free-form label (preset name, source architecture)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # JSON configs can carry "32" or null where 32 belongs
+            v = getattr(self, f.name)
+            if not any(_TYPE_CHECKS[t.strip()](v) for t in str(f.type).split("|")):
+                raise ConfigError(f"{f.name}: expected {f.type}, got {v!r}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:

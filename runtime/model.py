@@ -111,12 +111,15 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.dim, self.interleaved = cfg.rotary_dim, cfg.rope_interleaved
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.dim, self.interleaved, self.theta = cfg.rotary_dim, cfg.rope_interleaved, cfg.rope_theta
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        # Computed per call in float32 (not a buffer) so casting the model to bf16 never rounds it.
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim
+        return (1.0 / self.theta ** exponent).float()
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:  # x [B, T, heads, Dh], pos [T]
-        ang = pos.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
+        ang = pos.float()[:, None] * self.inv_freq(x.device)[None, :]  # [T, rot/2]
         cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
         rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
         if self.interleaved:

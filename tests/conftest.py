@@ -1,0 +1,273 @@
+"""Shared helpers for the test suite: tiny configs, random canonical states, mixtures built from dense
+states, and an independent float64 reference forward pass.
+
+The reference (`reference_forward`) is written from the semantics in runtime/model.py's contract, not
+from its code: RoPE by complex rotation, attention by an explicit masked softmax with a loop over heads,
+activations and norms from their formulas. Tests compare the runtime (fp32) against it.
+
+Test files import these helpers with `from conftest import ...` (pytest puts tests/ on sys.path).
+Shapes: B batch, T time, D d_model, H heads, G kv heads, Dh head dim, E experts, V vocab.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from runtime.config import ModelConfig  # noqa: E402
+from runtime.layout import tensor_shapes  # noqa: E402
+from runtime.model import Model  # noqa: E402
+
+# Tiny dims: D 32, 2 layers, V 64, T 8 (head_dim 8 with 4 heads).
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, max_positions=16)
+T_TINY = 8
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A tiny ModelConfig; any field can be overridden."""
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def random_state(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A random canonical state dict (names and shapes from runtime.layout), independent of Model's init.
+
+    Matrices ~ N(0, 1/fan_in) so activations stay O(1); norm weights ~ 1 + N(0, 0.1^2) and biases
+    ~ N(0, 0.1^2) so that a wrong norm or a dropped bias shows up; routers give O(1) logits.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(cfg).items():
+        r = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * r
+        elif name.endswith(".bias"):
+            t = 0.1 * r
+        elif name in ("embed.weight", "pos_embed.weight"):
+            t = r
+        else:  # [.., out, in] matrices and routers [E, D]
+            t = r / math.sqrt(shape[-1])
+        state[name] = t.to(dtype)
+    return state
+
+
+def tokens_for(cfg: ModelConfig, seed: int = 0, batch: int = 2, length: int = T_TINY) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=gen)
+
+
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Model:
+    model = Model(cfg)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+# ---- families of dense models and mixtures built from them ------------------------------------
+def is_norm_or_embedding(name: str) -> bool:
+    return name.startswith(("embed.", "pos_embed.", "lm_head.", "final_norm.")) or "_norm." in name
+
+
+def dense_family(cfg: ModelConfig, n: int, seed: int = 0, share_kv: bool = False,
+                 share_attention: bool = False) -> list[dict[str, torch.Tensor]]:
+    """n different dense states that share norms and embeddings (as after branching from one seed and
+    re-averaging them); optionally also share K,V (shared-KV mixtures) or the whole attention (BTX)."""
+    base = random_state(cfg, seed)
+    family = [base]
+    for j in range(1, n):
+        other = random_state(cfg, seed + 101 * j)
+        for name in other:
+            shared = is_norm_or_embedding(name)
+            shared |= share_kv and (".attn.k." in name or ".attn.v." in name)
+            shared |= share_attention and ".attn." in name
+            if shared:
+                other[name] = base[name].clone()
+        family.append(other)
+    return family
+
+
+def mixture_state(mix_cfg: ModelConfig, dense_states: list[dict[str, torch.Tensor]],
+                  router_seed: int = 7) -> dict[str, torch.Tensor]:
+    """Canonical mixture state: expert e's tensors are dense_states[e]'s; everything that is not an
+    expert tensor (norms, embeddings, shared K/V, dense attention) comes from dense_states[0];
+    routers are random. Every expert count in mix_cfg must equal len(dense_states) (or 0)."""
+    for E in (mix_cfg.ffn_experts, mix_cfg.attn_experts):
+        assert E in (0, len(dense_states))
+    gen = torch.Generator().manual_seed(router_seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(mix_cfg).items():
+        if name.endswith(("attn_router.weight", "ffn_router.weight")):
+            out[name] = (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[-1])).float()
+        elif ".attn_experts." in name or ".ffn_experts." in name:
+            dense_name = name.replace(".attn_experts.", ".attn.").replace(".ffn_experts.", ".ffn.")
+            out[name] = torch.stack([s[dense_name] for s in dense_states])
+        else:
+            out[name] = dense_states[0][name].clone()
+        assert tuple(out[name].shape) == shape, name
+    return out
+
+
+# ---- independent float64 reference -----------------------------------------------------------
+def ref_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if cfg.norm == "layernorm":
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)  # biased variance
+        y = (x - mu) / torch.sqrt(var + cfg.norm_eps) * weight
+    else:
+        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+    return y + bias if bias is not None else y
+
+
+def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "gelu":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    if name == "relu":
+        return torch.where(x > 0, x, torch.zeros_like(x))
+    if name in ("silu", "swiglu"):
+        return x / (1.0 + torch.exp(-x))
+    raise AssertionError(name)
+
+
+def ref_rope(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, Dh]: rotate the first rotary_dim dims; pair (a, b) seen as the complex a + ib."""
+    rot = cfg.rotary_dim
+    T = x.shape[1]
+    freqs = torch.tensor([cfg.rope_theta ** (-2.0 * i / rot) for i in range(rot // 2)], dtype=torch.float64)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None, :]  # [T, rot/2]
+    rotor = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]  # e^{i t w}
+    part = x[..., :rot]
+    if cfg.rope_interleaved:  # pairs (0,1), (2,3), ...
+        z = torch.complex(part[..., 0::2], part[..., 1::2]) * rotor
+        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    else:  # pairs (i, i + rot/2)
+        z = torch.complex(part[..., : rot // 2], part[..., rot // 2:]) * rotor
+        rotated = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def _lin(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    y = x @ w[f"{name}.weight"].T
+    b = w.get(f"{name}.bias")
+    return y + b if b is not None else y
+
+
+def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One multi-head attention; w has q/k/v/o .weight (and .bias) of one dense attention; x [B, T, D]."""
+    B, T, _ = x.shape
+    H, G, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = _lin(x, w, "q").reshape(B, T, H, Dh)
+    k = _lin(x, w, "k").reshape(B, T, G, Dh)
+    v = _lin(x, w, "v").reshape(B, T, G, Dh)
+    if cfg.position == "rope":
+        q, k = ref_rope(cfg, q), ref_rope(cfg, k)
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    heads = []
+    for h in range(H):
+        g = h // (H // G)  # the kv head this query head reads
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(Dh)  # [B, T, T]
+        scores = scores.masked_fill(future, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [B, T, Dh]
+    return _lin(torch.cat(heads, dim=-1), w, "o")
+
+
+def ref_ffn(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if cfg.activation == "swiglu":
+        h = ref_activation("silu", _lin(x, w, "gate")) * _lin(x, w, "up")
+    else:
+        h = ref_activation(cfg.activation, _lin(x, w, "up"))
+    return _lin(h, w, "down")
+
+
+def sub(state: dict[str, torch.Tensor], prefix: str, expert: int | None = None) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix.` with the prefix removed (expert: take slice [expert])."""
+    n = len(prefix) + 1
+    return {k[n:]: (v[expert] if expert is not None else v) for k, v in state.items() if k.startswith(prefix + ".")}
+
+
+def ref_gates(cfg: ModelConfig, router_w: torch.Tensor, x: torch.Tensor, top_k: int | None):
+    """Router: logits [N, E], full softmax p, gates [N, E] (top-k, normalized per cfg.gate_norm)."""
+    logits = x.reshape(-1, x.shape[-1]) @ router_w.T
+    p = torch.softmax(logits, dim=-1)
+    if top_k is None:
+        return logits, p, p, None
+    idx = p.argsort(dim=-1, descending=True)[:, :top_k]
+    keep = torch.zeros_like(p).scatter(-1, idx, 1.0)
+    gates = p * keep
+    if cfg.gate_norm == "topk_softmax":
+        gates = gates / gates.sum(-1, keepdim=True)
+    return logits, p, gates, idx
+
+
+def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor,
+                      attn_gates: torch.Tensor | None = None, ffn_gates: torch.Tensor | None = None):
+    """float64 forward of a dense or mixture model. Returns (logits [B, T, V], routers), routers being a
+    list of (kind, logits [N, E], p [N, E], top-k indices [N, K] or None). Given gates [E] force routing."""
+    s = {k: v.double() for k, v in state.items()}
+    B, T = tokens.shape
+    x = s["embed.weight"][tokens]
+    if cfg.position == "learned":
+        x = x + s["pos_embed.weight"][:T][None]
+    routers = []
+
+    def norm(prefix, h):
+        return ref_norm(cfg, h, s[f"{prefix}.weight"], s.get(f"{prefix}.bias"))
+
+    def mix(kind, n, p, E, top_k, forced, expert_fn):
+        if forced is not None:
+            gates = forced.double().expand(B * T, E)
+        else:
+            logits, probs, gates, idx = ref_gates(cfg, s[f"{p}.{kind}_router.weight"], n, top_k)
+            routers.append((kind, logits, probs, idx))
+        gates = gates.reshape(B, T, E)
+        return sum(gates[..., e, None] * expert_fn(e) for e in range(E))
+
+    def attention(p, n):
+        if not cfg.attn_experts:
+            return ref_attention(cfg, sub(s, f"{p}.attn"), n)
+
+        def expert(e):
+            w = sub(s, f"{p}.attn_experts", e)
+            if cfg.kv_mode == "shared":
+                w.update(sub(s, f"{p}.attn"))
+            return ref_attention(cfg, w, n)
+        return mix("attn", n, p, cfg.attn_experts, cfg.attn_top_k, attn_gates, expert)
+
+    def ffn(p, n):
+        if not cfg.ffn_experts:
+            return ref_ffn(cfg, sub(s, f"{p}.ffn"), n)
+        return mix("ffn", n, p, cfg.ffn_experts, cfg.ffn_top_k, ffn_gates,
+                   lambda e: ref_ffn(cfg, sub(s, f"{p}.ffn_experts", e), n))
+
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        if cfg.block == "sequential":
+            h = x + attention(p, norm(f"{p}.attn_norm", x))
+            x = h + ffn(p, norm(f"{p}.ffn_norm", h))
+        elif cfg.block == "parallel":
+            n = norm(f"{p}.attn_norm", x)
+            x = x + attention(p, n) + ffn(p, n)
+        else:
+            x = x + attention(p, norm(f"{p}.attn_norm", x)) + ffn(p, norm(f"{p}.ffn_norm", x))
+    x = norm("final_norm", x)
+    head = s["embed.weight"] if cfg.tie_embeddings else s["lm_head.weight"]
+    logits = x @ head.T
+    if "lm_head.bias" in s:
+        logits = logits + s["lm_head.bias"]
+    return logits * cfg.logit_scale, routers
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.fixture
+def tiny():
+    """The tiny config factory as a fixture (same as tiny_config)."""
+    return tiny_config
