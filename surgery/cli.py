@@ -1,0 +1,206 @@
+"""The bam-surgery command line: a thin layer over recipe -> plan -> execute.
+
+    bam-surgery merge --seed seed.safetensors --experts code.safetensors,math.safetensors --out mix.safetensors
+
+User errors (bad recipe, bad input, refused output path) print one line,
+`bam-surgery: error: <message>`, and exit with status 2; nothing is left at --out.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import USER_ERRORS, BamSurgeryError, one_line
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(click.ClickException):
+    exit_code = EXIT_USER_ERROR
+
+    def show(self, file=None) -> None:
+        click.echo(f"bam-surgery: error: {self.message}", err=True)
+
+
+class Group(click.Group):
+    """Turns the project's user errors into one-line messages in every command (CliRunner included)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as e:
+            raise UserError(one_line(e)) from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Model surgery for mixture-of-experts upcycling: merge dense checkpoints branched from one seed
+    into a BAM / BTX mixture, or upcycle one dense model."""
+
+
+def _split_list(value: tuple[str, ...]) -> list[str]:
+    return [p.strip() for v in value for p in v.split(",") if p.strip()]
+
+
+def _parse_weights(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise BamSurgeryError(f"--weights: cannot read {text!r}; write comma-separated numbers, e.g. 0.4,0.2,0.2,0.2"
+                              ) from None
+
+
+def _warn(msg: str) -> None:
+    click.echo(f"bam-surgery: warning: {msg}", err=True)
+
+
+@cli.command()
+@click.option("--seed", "seed", required=True, metavar="CKPT",
+              help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
+                   "--no-seed-expert.")
+@click.option("--experts", "experts", multiple=True, metavar="A,B,...",
+              help="Dense expert checkpoints branched from the seed, comma-separated (or the option repeated); "
+                   "they become experts 1, 2, ... in this order.")
+@click.option("--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
+              help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
+                   "shards with an index and config.json. Required unless --dry-run.")
+@click.option("--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
+              help="How tensors are merged: bam, bam-shared-kv, btx, upcycle, or the path of a recipe file "
+                   "(see recipes/README.md).")
+@click.option("--ffn-top-k", type=click.IntRange(min=1), metavar="K",
+              help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
+@click.option("--attention-routing", metavar="soft|topK",
+              help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
+                   "e.g. top2 (default: the recipe's).")
+@click.option("--gate-norm", type=click.Choice(["softmax", "topk_softmax"]),
+              help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
+                   "over the chosen top-k.")
+@click.option("--extra-ffn-experts", type=click.IntRange(min=0), metavar="N",
+              help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
+                   "for upcycle, the number of copies besides the seed's own slot).")
+@click.option("--seed-expert/--no-seed-expert", default=None,
+              help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
+                   "still the reference for shapes and for --extra-ffn-experts.")
+@click.option("--weights", metavar="W0,W1,...",
+              help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
+                   "order (seed first when it joins); normalized to sum 1. Default: uniform.")
+@click.option("--shared-kv-rule", type=click.Choice(["mean", "seed"]),
+              help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
+                   "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
+@click.option("--router-seed", type=int, default=0, show_default=True, metavar="N",
+              help="Seed of the random router init; each router's generator is seeded from N and its tensor "
+                   "name, so results do not depend on order.")
+@click.option("--router-std", type=click.FloatRange(min=0), metavar="X",
+              help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
+@click.option("--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
+              help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
+                   "0.01).")
+@click.option("--z-coef", type=click.FloatRange(min=0), metavar="BETA",
+              help="Router z-loss weight beta written into the output config (paper eq. 3; default 0.001).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
+                   "float32 either way.")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
+@click.option("--dry-run", is_flag=True,
+              help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
+                   "write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
+@click.option("--allow-pickle", is_flag=True,
+              help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
+def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
+          weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, dry_run,
+          force, allow_nonfinite, allow_pickle, quiet) -> None:
+    """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
+    from converters import open_checkpoint
+
+    from .execute import execute_plan, parse_size
+    from .plan import MergeOptions, compile_plan, format_plan
+    from .recipe import load_recipe
+
+    the_recipe = load_recipe(recipe)  # validated before any checkpoint is opened
+    if out is None and not dry_run:
+        raise BamSurgeryError("--out is required (or use --dry-run)")
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
+    if shard_bytes and out is not None and str(out).endswith(".safetensors"):
+        raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory path "
+                              "to write shards")
+    options = MergeOptions(seed_expert=seed_expert, extra_ffn_experts=extra_ffn_experts, ffn_top_k=ffn_top_k,
+                           attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
+                           z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
+                           router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite)
+    readers = []
+    try:
+        for spec in [seed, *_split_list(experts)]:
+            readers.append(_open(open_checkpoint, spec, allow_pickle))
+        plan = compile_plan(the_recipe, readers, options)
+        if dry_run:
+            click.echo(format_plan(plan))
+            click.echo("")
+            click.echo(_audit_text(plan))
+            if out is not None and Path(out).exists() and not force:
+                _warn(f"{out} exists; the merge would need --force")
+            return
+        path = execute_plan(plan, out, force=force, max_shard_bytes=shard_bytes,
+                            progress=not quiet and sys.stderr.isatty(), warn=_warn)
+        if not quiet:
+            cfg = plan.config
+            click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
+                       f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
+    finally:
+        for r in readers:
+            close = getattr(r, "close", None)
+            if close:
+                close()
+
+
+def _open(open_checkpoint, spec: str, allow_pickle: bool):
+    try:
+        return open_checkpoint(spec, allow_pickle=allow_pickle)
+    except USER_ERRORS:
+        raise
+    except OSError as e:
+        raise BamSurgeryError(f"{spec}: cannot open ({e.strerror or e})") from e
+
+
+def _audit_text(plan) -> str:
+    """Parameter counts of the planned output, from its shapes only (the count-params table)."""
+    from .audit import audit_checkpoint
+    from .cli_audit import render_audit
+    from .execute import PlanReader
+
+    return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
+
+
+# The header-only commands (count-params, inspect) live in their own module.
+from .cli_audit import count_params_cmd, inspect_cmd  # noqa: E402
+
+cli.add_command(count_params_cmd)
+cli.add_command(inspect_cmd)
+
+
+def _terminate(signum, frame) -> None:
+    # Unwind normally on SIGTERM so the atomic output's temporary files are removed.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (setup.py: bam-surgery = surgery.cli:main)."""
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        cli.main(args=argv, prog_name="bam-surgery")
+    except KeyboardInterrupt:
+        click.echo("bam-surgery: interrupted; nothing was written", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Compile a recipe and dense inputs into a plan: output tensor <- op(input tensors), from headers alone.
+
+    plan = compile_plan(load_recipe("bam"), [seed_reader, code_reader, math_reader], MergeOptions())
+    print(format_plan(plan))          # what --dry-run shows
+
+Inputs are a list of readers (converters.open_checkpoint protocol: .config, .names(), .shape(),
+.dtype(), .get(), .metadata); index 0 is the seed, then the --experts in order. Tensors are paired
+across inputs by canonical name, never by position. Compiling reads configs, names, shapes and
+dtypes only; it never calls reader.get.
+
+Mixture members are the inputs that become experts: the seed (expert 0, unless --no-seed-expert)
+then the --experts. Expert slot e of a stacked tensor comes from member e; FFN slots past the
+members (--extra-ffn-experts) are copies of the seed's FFN (paper, Table 6). `mean` averages over
+the members with weights w (uniform unless --weights; normalized to sum 1).
+
+Ops in a plan:
+    stack   out[e] = source_e                      [E, *dense_shape]
+    mean    out = sum_i w_i * source_i             accumulated in float32, then cast
+    copy    out = source_0                         (recipe op `seed`, or a mean over one member)
+    normal  out ~ normal(0, std), torch CPU generator seeded from (--router-seed, tensor name)
+    zeros   out = 0
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from runtime.checkpoint import DTYPE_NAMES, nbytes
+from runtime.config import ConfigError, ModelConfig
+from runtime.layout import tensor_shapes
+
+from .errors import BamSurgeryError, InputError
+from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
+
+# Output names that are not dense names: routers, and expert tensors stacked from a dense tensor.
+ROUTER = re.compile(r"^layers\.\d+\.(ffn_router|attn_router)\.weight$")
+STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\.(?P<rest>(q|k|v|o|gate|up|down)\.(weight|bias))$")
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Command-line options of a merge; None means: the recipe's default."""
+
+    seed_expert: bool | None = None
+    extra_ffn_experts: int | None = None
+    ffn_top_k: int | None = None
+    attention_routing: str | int | None = None  # soft | topK
+    gate_norm: str | None = None
+    lb_coef: float | None = None
+    z_coef: float | None = None
+    weights: tuple[float, ...] | None = None  # one per mixture member (seed first when it joins)
+    dtype: str | torch.dtype | None = None  # None: the seed's embedding dtype
+    router_seed: int = 0
+    router_std: float | None = None
+    shared_kv_rule: str | None = None  # mean | seed: how a shared K/V is made
+    allow_nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class Source:
+    input: int  # index into Plan.inputs (0 = seed)
+    name: str  # canonical dense tensor name in that input
+
+
+@dataclass(frozen=True)
+class TensorOp:
+    name: str  # canonical output name (runtime.layout for the output config)
+    op: str  # stack | mean | copy | normal | zeros
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: tuple[Source, ...] = ()
+    weights: tuple[float, ...] = ()  # mean: one per source
+    std: float = 0.0  # normal
+    rng_seed: int = 0  # normal
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.shape, self.dtype)
+
+    def provenance(self) -> dict[str, Any]:
+        """Compact record of how this tensor was made (stored in the output's metadata)."""
+        rec: dict[str, Any] = {"op": self.op}
+        if self.sources:
+            names = {s.name for s in self.sources}
+            if len(names) == 1:
+                rec["from"] = self.sources[0].name
+                rec["inputs"] = [s.input for s in self.sources]
+            else:
+                rec["sources"] = [[s.input, s.name] for s in self.sources]
+        if self.op == "mean":
+            rec["weights"] = list(self.weights)
+        if self.op == "normal":
+            rec["std"], rec["seed"] = self.std, self.rng_seed
+        return rec
+
+
+@dataclass
+class PlanInput:
+    index: int
+    role: str  # seed | expert
+    label: str  # what the user passed (path or hub id)
+    reader: Any
+
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    options: MergeOptions
+    inputs: list[PlanInput]
+    members: tuple[int, ...]  # input index of attention/FFN expert e, e < len(members)
+    ffn_slots: tuple[int, ...]  # input index of each FFN expert (members, then seed copies)
+    weights: tuple[float, ...]  # normalized mean weight per member
+    dense_config: ModelConfig
+    config: ModelConfig
+    dtype: torch.dtype
+    router_std: float
+    shared_kv_rule: str | None
+    tensors: list[TensorOp] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._by_name = {t.name: t for t in self.tensors}
+
+    def __getitem__(self, name: str) -> TensorOp:
+        return self._by_name[name]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def resolved_options(self) -> dict[str, Any]:
+        """Every option with its effective value (recipe defaults filled in), for provenance."""
+        cfg = self.config
+        return dict(seed_expert=self.members[:1] == (0,), extra_ffn_experts=len(self.ffn_slots) - len(self.members)
+                    if cfg.ffn_experts else 0, ffn_top_k=cfg.ffn_top_k, gate_norm=cfg.gate_norm,
+                    attention_routing="soft" if cfg.attn_top_k is None else f"top{cfg.attn_top_k}",
+                    lb_coef=cfg.lb_coef, z_coef=cfg.z_coef, weights=list(self.weights),
+                    dtype=str(self.dtype).removeprefix("torch."), router_seed=self.options.router_seed,
+                    router_std=self.router_std, router_init=self.recipe.router_init,
+                    shared_kv_rule=self.shared_kv_rule)
+
+
+def input_label(reader: Any, index: int) -> str:
+    path = getattr(reader, "path", None)
+    return str(path) if path is not None else f"input {index}"
+
+
+def router_rng_seed(router_seed: int, name: str) -> int:
+    """Per-tensor generator seed: depends on --router-seed and the tensor name only, never on order."""
+    digest = hashlib.sha256(f"{router_seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+# ---- input checks (headers only) ---------------------------------------------------------------
+def check_inputs(inputs: Sequence[PlanInput]) -> dict[str, tuple[int, ...]]:
+    """Every input is dense, agrees with the seed's config, and has exactly its canonical tensors.
+
+    Returns the dense layout {name: shape} all inputs share.
+    """
+    seed = inputs[0]
+    ref = seed.reader.config
+    if ref.is_mixture:
+        raise InputError(f"{seed.label}: the seed is a mixture (ffn_experts={ref.ffn_experts}, attn_experts="
+                         f"{ref.attn_experts}); merge takes dense checkpoints")
+    ref_fields = ref.to_dict()
+    for inp in inputs[1:]:
+        fields = inp.reader.config.to_dict()
+        diff = [k for k in ref_fields if k != "name" and fields.get(k) != ref_fields[k]]
+        if diff:
+            shown = ", ".join(f"{k}={fields.get(k)!r} (seed: {ref_fields[k]!r})" for k in diff[:3])
+            more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+            raise InputError(f"{inp.label}: config disagrees with the seed {seed.label}: {shown}{more}; "
+                             "every input must have the seed's architecture")
+    layout = tensor_shapes(ref)
+    for inp in inputs:
+        r = inp.reader
+        names = set(r.names())
+        for name, shape in layout.items():
+            if name not in names:
+                raise InputError(f"{inp.label}: tensor {name} is missing (its config, like the seed's, "
+                                 f"needs it with shape {list(shape)})")
+            found = tuple(r.shape(name))
+            if found != shape:
+                raise InputError(f"{_file_of(r, name, inp.label)}: tensor {name} has shape {list(found)}, "
+                                 f"expected {list(shape)} from the config")
+            if not r.dtype(name).is_floating_point:
+                raise InputError(f"{_file_of(r, name, inp.label)}: tensor {name} has dtype {r.dtype(name)}; "
+                                 "weights must be floating point")
+        extra = sorted(names - set(layout))
+        if extra:
+            raise InputError(f"{_file_of(r, extra[0], inp.label)}: unexpected tensor {extra[0]}: not in the "
+                             "canonical layout of its config" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
+    return layout
+
+
+def _file_of(reader: Any, name: str, label: str) -> str:
+    file_of = getattr(reader, "file_of", None)
+    try:
+        return str(file_of(name)) if file_of else label
+    except Exception:
+        return label
+
+
+# ---- compile -----------------------------------------------------------------------------------
+def compile_plan(recipe: Recipe, inputs: Sequence[Any], options: MergeOptions | None = None) -> Plan:
+    """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order."""
+    options = options or MergeOptions()
+    if not inputs:
+        raise BamSurgeryError("merge needs a --seed")
+    n_experts = len(inputs) - 1
+    if n_experts < recipe.min_experts:
+        raise BamSurgeryError(f"recipe {recipe.name} needs at least {recipe.min_experts} --experts "
+                              f"(experts.min), got {n_experts}")
+    if recipe.max_experts is not None and n_experts > recipe.max_experts:
+        what = "no --experts" if recipe.max_experts == 0 else f"at most {recipe.max_experts} --experts"
+        raise BamSurgeryError(f"recipe {recipe.name} takes {what} (experts.max), got {n_experts}")
+    plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", input_label(r, i), r) for i, r in enumerate(inputs)]
+    layout = check_inputs(plan_inputs)
+    dense_cfg = inputs[0].config
+
+    seed_expert = recipe.defaults["seed_expert"] if options.seed_expert is None else options.seed_expert
+    members = tuple(range(0 if seed_expert else 1, len(inputs)))
+    if not members:
+        raise BamSurgeryError(f"--no-seed-expert leaves recipe {recipe.name} with no input to build from; "
+                              "give --experts or let the seed join")
+    weights = _mean_weights(options.weights, plan_inputs, members)
+    if options.shared_kv_rule is not None:
+        if options.shared_kv_rule not in SHARED_KV_RULES:
+            raise BamSurgeryError(f"--shared-kv-rule: unknown rule {options.shared_kv_rule!r}; choose one of "
+                                  f"{', '.join(SHARED_KV_RULES)}")
+        if not recipe.shared_kv:
+            raise BamSurgeryError(f"--shared-kv-rule: recipe {recipe.name} has no shared K/V (it needs "
+                                  "tensors.attn.q: stack and tensors.attn.k: mean or seed)")
+    try:
+        out_cfg = mixture_config(recipe, dense_cfg, len(members), ffn_top_k=options.ffn_top_k,
+                                 attn_top_k=options.attention_routing, extra_ffn_experts=options.extra_ffn_experts,
+                                 gate_norm=options.gate_norm, lb_coef=options.lb_coef, z_coef=options.z_coef)
+    except ConfigError as e:
+        raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
+    dtype = _output_dtype(options.dtype, inputs[0])
+    router_std = recipe.router_std if options.router_std is None else float(options.router_std)
+    if not (math.isfinite(router_std) and router_std >= 0):
+        raise BamSurgeryError(f"--router-std: must be a finite number >= 0, got {router_std}")
+    ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
+    shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
+
+    tensors = []
+    for name, shape in tensor_shapes(out_cfg).items():
+        if ROUTER.match(name):
+            op = "normal" if recipe.router_init == "normal" else "zeros"
+            tensors.append(TensorOp(name, op, shape, dtype, std=router_std if op == "normal" else 0.0,
+                                    rng_seed=router_rng_seed(options.router_seed, name) if op == "normal" else 0))
+            continue
+        stacked = STACKED.match(name)
+        # the dense tensor it is made from: layers.3.ffn_experts.up.weight <- layers.3.ffn.up.weight
+        src = f"{stacked['layer']}.{stacked['group']}.{stacked['rest']}" if stacked else name
+        kind = dense_kind(src)
+        op = recipe.op(kind, shared_rule)
+        if stacked:
+            slots = ffn_slots if stacked["group"] == "ffn" else members
+            t = TensorOp(name, "stack", shape, dtype, tuple(Source(i, src) for i in slots))
+            expected = (len(slots), *layout[src])
+        elif op == "stack":  # cannot happen: mixture_config stacks exactly the recipe's stacked kinds
+            raise AssertionError(f"{name}: recipe stacks {kind} but the output layout does not")
+        elif op == "seed" or len(members) == 1:
+            t = TensorOp(name, "copy", shape, dtype, (Source(0 if op == "seed" else members[0], src),))
+            expected = layout[src]
+        else:
+            t = TensorOp(name, "mean", shape, dtype, tuple(Source(i, src) for i in members), weights)
+            expected = layout[src]
+        if tuple(expected) != tuple(shape):
+            raise AssertionError(f"{name}: planned shape {expected} != layout shape {shape}")
+        tensors.append(t)
+    return Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg, dtype,
+                router_std, shared_rule, tensors)
+
+
+def _mean_weights(weights: Sequence[float] | None, inputs: list[PlanInput], members: tuple[int, ...]
+                  ) -> tuple[float, ...]:
+    if weights is None:
+        return tuple(1.0 / len(members) for _ in members)
+    who = ", ".join(inputs[i].label for i in members)
+    if len(weights) != len(members):
+        raise BamSurgeryError(f"--weights: got {len(weights)} weight(s) for {len(members)} mixture input(s) "
+                              f"({who}); give one per input, in that order")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise BamSurgeryError(f"--weights: {list(weights)} must be finite, >= 0 and not all zero")
+    total = math.fsum(weights)
+    return tuple(float(w) / total for w in weights)
+
+
+def _output_dtype(dtype: str | torch.dtype | None, seed: Any) -> torch.dtype:
+    if dtype is None:
+        return seed.dtype("embed.weight")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[dtype]
+
+
+# ---- printing (--dry-run) ----------------------------------------------------------------------
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _ranges(xs: list[int]) -> str:
+    xs = sorted(xs)
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan, one line per tensor pattern; layers with identical patterns are folded into {i}."""
+    cfg, lines = plan.config, []
+    lines.append(f"recipe   {plan.recipe.name} ({plan.recipe.path}): {plan.recipe.summary()}")
+    for inp in plan.inputs:
+        member = (f"expert {plan.members.index(inp.index)}" if inp.index in plan.members else "not an expert")
+        lines.append(f"input {inp.index}  {inp.role:<6} {inp.label}  [{member}]")
+    extra = len(plan.ffn_slots) - len(plan.members) if cfg.ffn_experts else 0
+    routing = []
+    if cfg.ffn_experts:
+        routing.append(f"FFN experts {cfg.ffn_experts}" + (f" ({extra} copied from the seed)" if extra else "")
+                       + f", top-{cfg.ffn_top_k} {cfg.gate_norm}")
+    if cfg.attn_experts:
+        routing.append(f"attention experts {cfg.attn_experts} (kv {cfg.kv_mode}"
+                       + (f", shared K/V by {plan.shared_kv_rule}" if cfg.kv_mode == "shared" else "") + "), "
+                       + ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing"))
+    lines.append("output   " + ("; ".join(routing) or "dense") + f"; dtype {str(plan.dtype).removeprefix('torch.')}"
+                 f"; alpha={cfg.lb_coef} beta={cfg.z_coef}")
+    if cfg.ffn_experts or cfg.attn_experts:
+        lines.append(f"routers  {plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
+                     == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}")
+    if len(plan.members) > 1:
+        lines.append("mean     weights " + ", ".join(f"{w:.4g}" for w in plan.weights)
+                     + " over inputs " + ",".join(map(str, plan.members)))
+    lines.append("")
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    order: list[tuple] = []
+    for t in plan.tensors:
+        m = _LAYER.match(t.name)
+        layer = int(m.group(1)) if m else -1
+        pattern = _LAYER.sub("layers.{i}.", t.name)
+        srcs = tuple(_LAYER.sub("layers.{i}.", s.name) for s in t.sources)
+        key = (pattern, t.op, t.shape, tuple(s.input for s in t.sources), srcs)
+        if key not in groups:
+            order.append(key)
+        groups[key].append(layer)
+    width = max(len(k[0]) for k in order)
+    for key in order:
+        pattern, op, shape, ins, srcs = key
+        layers = groups[key]
+        where = "" if layers == [-1] else f"  i={_ranges(layers)}"
+        if op in ("stack", "mean"):
+            how = f"{op} inputs {','.join(map(str, ins))} <- {srcs[0]}" if len(set(srcs)) == 1 else f"{op} {srcs}"
+        elif op == "copy":
+            how = f"copy input {ins[0]} <- {srcs[0]}"
+        else:
+            how = op
+        lines.append(f"  {pattern:<{width}}  {str(list(shape)):<16} {how}{where}")
+    lines.append("")
+    lines.append(f"{len(plan.tensors)} tensors, {sum(math.prod(t.shape) for t in plan.tensors):,} parameters, "
+                 f"{plan.total_bytes:,} bytes")
+    return "\n".join(lines)

@@ -1,0 +1,334 @@
+"""Recipes: declarative YAML that says how each canonical tensor of a mixture is made from dense inputs.
+
+A recipe is validated against SCHEMA before any checkpoint is opened; every error names the recipe
+and the field, and says what to change. recipes/README.md documents the format with a worked example.
+
+    tensors:             one entry per dense tensor kind (KINDS), each one op:
+        stack            one slice per expert, copied from that expert's tensor -> *_experts [E, ...]
+        mean             (weighted) average over the mixture's inputs, accumulated in float32
+        seed             copied from the seed
+    routers:             routers are new tensors: init normal(0, std) or zeros
+    defaults:            option defaults (top-k, gate normalization, alpha/beta, ...); CLI overrides
+    experts: {min, max}  how many --experts the recipe accepts
+
+Which experts exist follows from the ops: ffn.* stacked -> FFN experts; attn.q/o stacked -> attention
+experts, with attn.k/v stacked (kv_mode "expert") or made once (kv_mode "shared").
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.config import GATE_NORMS, ConfigError, ModelConfig
+
+from .errors import RecipeError
+
+SCHEMA_VERSION = 1
+
+# Dense tensor kinds: a canonical dense name without its layer prefix and param suffix.
+# Weight and bias of a kind always share the op.
+KINDS = ("embed", "pos_embed", "attn_norm", "ffn_norm", "attn.q", "attn.k", "attn.v", "attn.o",
+         "ffn.gate", "ffn.up", "ffn.down", "final_norm", "lm_head")
+ATTENTION_KINDS = ("attn.q", "attn.k", "attn.v", "attn.o")
+FFN_KINDS = ("ffn.gate", "ffn.up", "ffn.down")
+OPS = ("stack", "mean", "seed")
+ROUTER_INITS = ("normal", "zeros")
+SHARED_KV_RULES = ("mean", "seed")
+
+# Built-in defaults for fields a recipe leaves out of `defaults:`.
+DEFAULTS: dict[str, Any] = dict(seed_expert=True, extra_ffn_experts=0, ffn_top_k=1, gate_norm="softmax",
+                                attention_routing="soft", lb_coef=0.01, z_coef=0.001)
+TOP_LEVEL = ("schema", "name", "description", "experts", "defaults", "routers", "tensors")
+
+_DENSE_NAME = re.compile(
+    r"^(?P<prefix>layers\.\d+\.)?(?P<kind>embed|pos_embed|attn_norm|ffn_norm|final_norm|lm_head|"
+    r"attn\.[qkvo]|ffn\.(?:gate|up|down))\.(?P<param>weight|bias)$")
+
+
+def dense_kind(name: str) -> str:
+    """The kind of a canonical dense tensor name: 'layers.3.attn.q.bias' -> 'attn.q'."""
+    m = _DENSE_NAME.match(name)
+    if not m:
+        raise KeyError(f"{name}: not a canonical dense tensor name")
+    return m.group("kind")
+
+
+def parse_attention_routing(value: Any) -> int | None:
+    """'soft' (or 0) -> None; 'top2' / 2 -> 2. Raises ValueError with a usable message."""
+    if value is None or value == "soft" or value == 0:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not soft or topK")
+    if isinstance(value, int) and value > 0:
+        return value
+    m = re.fullmatch(r"top-?(\d+)", str(value).strip().lower())
+    if m and int(m.group(1)) > 0:
+        return int(m.group(1))
+    raise ValueError(f"{value!r} is neither 'soft' nor 'topK' (e.g. top1, top2)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    tensors: dict[str, str]  # kind -> op
+    min_experts: int
+    max_experts: int | None
+    defaults: dict[str, Any]  # complete: DEFAULTS overridden by the recipe
+    router_init: str
+    router_std: float
+    text: str = ""  # the YAML source, recorded in output provenance
+    path: str | None = None
+
+    # -- structure implied by the ops ---------------------------------------------------------
+    @property
+    def ffn_experts(self) -> bool:
+        return self.tensors["ffn.up"] == "stack"
+
+    @property
+    def attention_experts(self) -> bool:
+        return self.tensors["attn.q"] == "stack"
+
+    @property
+    def kv_mode(self) -> str:
+        return "expert" if self.tensors["attn.k"] == "stack" else "shared"
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.attention_experts and self.kv_mode == "shared"
+
+    def op(self, kind: str, shared_kv_rule: str | None = None) -> str:
+        """The op for a kind; `shared_kv_rule` overrides the op of a shared K/V (attn.k, attn.v)."""
+        if shared_kv_rule is not None and self.shared_kv and kind in ("attn.k", "attn.v"):
+            return shared_kv_rule
+        return self.tensors[kind]
+
+    def summary(self) -> str:
+        parts = []
+        parts.append("FFN experts" if self.ffn_experts else f"FFN {self.tensors['ffn.up']}")
+        if self.attention_experts:
+            parts.append(f"attention experts (kv {self.kv_mode}"
+                         + (f", K/V {self.tensors['attn.k']})" if self.shared_kv else ")"))
+        else:
+            parts.append(f"attention {self.tensors['attn.q']}")
+        return ", ".join(parts)
+
+
+# ---- loading and validation -------------------------------------------------------------------
+def available_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A shipped recipe by name ('bam', 'btx', ...) or a YAML file by path."""
+    spec = str(name_or_path)
+    path = Path(spec)
+    if spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec:
+        if not path.is_file():
+            raise RecipeError(f"recipe {spec}: file not found")
+        return parse_recipe(path.read_text(encoding="utf-8"), str(path))
+    shipped = resources.files("recipes") / f"{spec}.yaml"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec) or not shipped.is_file():
+        raise RecipeError(f"recipe {spec!r}: no such recipe; choose one of {', '.join(available_recipes())} "
+                          "or give the path of a .yaml file")
+    return parse_recipe(shipped.read_text(encoding="utf-8"), f"{spec}.yaml")
+
+
+def parse_recipe(text: str, origin: str = "<recipe>") -> Recipe:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {origin}: not valid YAML ({' '.join(str(e).split())})") from e
+    return validate_recipe(doc, origin, text)
+
+
+def validate_recipe(doc: Any, origin: str = "<recipe>", text: str = "") -> Recipe:
+    def fail(fld: str, msg: str) -> RecipeError:
+        return RecipeError(f"recipe {origin}: {fld}: {msg}")
+
+    if not isinstance(doc, dict):
+        raise RecipeError(f"recipe {origin}: must be a YAML mapping with keys {', '.join(TOP_LEVEL)}")
+    for key in doc:
+        if key not in TOP_LEVEL:
+            raise fail(str(key), f"unknown field; the fields are {', '.join(TOP_LEVEL)}")
+    if doc.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise fail("schema", f"version {doc.get('schema')!r} is not supported; this tool reads schema {SCHEMA_VERSION}")
+    name = doc.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise fail("name", "required: a short identifier (letters, digits, '-', '_', '.')")
+    description = doc.get("description")
+    if not isinstance(description, str) or not description.strip():
+        raise fail("description", "required: one or more sentences saying what the recipe builds")
+
+    tensors = _validate_tensors(doc.get("tensors"), fail)
+    min_experts, max_experts = _validate_experts(doc.get("experts", {}), fail)
+    defaults = _validate_defaults(doc.get("defaults", {}), fail, tensors)
+    router_init, router_std = _validate_routers(doc.get("routers", {}), fail)
+    if defaults["extra_ffn_experts"] and tensors["ffn.up"] != "stack":
+        raise fail("defaults.extra_ffn_experts", "needs FFN experts (tensors.ffn.*: stack)")
+    return Recipe(name=name, description=" ".join(description.split()), tensors=tensors,
+                  min_experts=min_experts, max_experts=max_experts, defaults=defaults,
+                  router_init=router_init, router_std=router_std, text=text, path=origin)
+
+
+def _validate_tensors(section: Any, fail) -> dict[str, str]:
+    if not isinstance(section, dict):
+        raise fail("tensors", f"required: a mapping from each tensor kind ({', '.join(KINDS)}) to an op "
+                              f"({', '.join(OPS)})")
+    for kind in section:
+        if kind not in KINDS:
+            raise fail(f"tensors.{kind}", f"unknown tensor kind; the kinds are {', '.join(KINDS)}")
+    tensors: dict[str, str] = {}
+    for kind in KINDS:
+        if kind not in section:
+            raise fail(f"tensors.{kind}", f"missing; every kind needs an op ({', '.join(OPS)}), "
+                                          "even if the architecture has no such tensor")
+        op = section[kind]
+        if op not in OPS:
+            raise fail(f"tensors.{kind}", f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+        if op == "stack" and kind not in ATTENTION_KINDS + FFN_KINDS:
+            raise fail(f"tensors.{kind}", "only attention and FFN projections can be stacked into experts; "
+                                          "use mean or seed")
+        tensors[kind] = op
+    ffn_stacked = {k for k in FFN_KINDS if tensors[k] == "stack"}
+    if ffn_stacked and ffn_stacked != set(FFN_KINDS):
+        missing = next(k for k in FFN_KINDS if k not in ffn_stacked)
+        raise fail(f"tensors.{missing}", "FFN experts stack all of ffn.gate, ffn.up, ffn.down; set it to stack "
+                                         "too, or none of them")
+    if (tensors["attn.q"] == "stack") != (tensors["attn.o"] == "stack"):
+        raise fail("tensors.attn.o" if tensors["attn.q"] == "stack" else "tensors.attn.q",
+                   "an attention expert has its own query and output projections: stack attn.q and attn.o "
+                   "together, or neither")
+    if (tensors["attn.k"] == "stack") != (tensors["attn.v"] == "stack"):
+        raise fail("tensors.attn.v" if tensors["attn.k"] == "stack" else "tensors.attn.k",
+                   "stack attn.k and attn.v together (key/value experts), or neither (one shared K/V)")
+    if tensors["attn.k"] == "stack" and tensors["attn.q"] != "stack":
+        raise fail("tensors.attn.k", "key/value experts exist only inside attention experts: stack attn.q "
+                                     "and attn.o too, or set attn.k and attn.v to mean or seed")
+    return tensors
+
+
+def _validate_experts(section: Any, fail) -> tuple[int, int | None]:
+    if not isinstance(section, dict):
+        raise fail("experts", "must be a mapping with min and max (max: null for no limit)")
+    for key in section:
+        if key not in ("min", "max"):
+            raise fail(f"experts.{key}", "unknown field; the fields are min, max")
+    lo, hi = section.get("min", 1), section.get("max", None)
+    if not _is_int(lo) or lo < 0:
+        raise fail("experts.min", f"must be an integer >= 0, got {lo!r}")
+    if hi is not None and (not _is_int(hi) or hi < lo):
+        raise fail("experts.max", f"must be null or an integer >= experts.min ({lo}), got {hi!r}")
+    return lo, hi
+
+
+def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str, Any]:
+    if not isinstance(section, dict):
+        raise fail("defaults", f"must be a mapping; its fields are {', '.join(DEFAULTS)}")
+    for key in section:
+        if key not in DEFAULTS:
+            raise fail(f"defaults.{key}", f"unknown field; the fields are {', '.join(DEFAULTS)}")
+    d = {**DEFAULTS, **section}
+    if not isinstance(d["seed_expert"], bool):
+        raise fail("defaults.seed_expert", "must be true or false")
+    if not _is_int(d["extra_ffn_experts"]) or d["extra_ffn_experts"] < 0:
+        raise fail("defaults.extra_ffn_experts", "must be an integer >= 0")
+    if not _is_int(d["ffn_top_k"]) or d["ffn_top_k"] < 1:
+        raise fail("defaults.ffn_top_k", "must be an integer >= 1")
+    if d["gate_norm"] not in GATE_NORMS:
+        raise fail("defaults.gate_norm", f"choose one of {', '.join(GATE_NORMS)}")
+    try:
+        parse_attention_routing(d["attention_routing"])
+    except ValueError as e:
+        raise fail("defaults.attention_routing", str(e)) from None
+    if "attention_routing" in section and tensors["attn.q"] != "stack" and section["attention_routing"] != "soft":
+        raise fail("defaults.attention_routing", "the recipe has no attention experts (tensors.attn.q is not "
+                                                 "stack); remove this field")
+    for key in ("lb_coef", "z_coef"):
+        if not isinstance(d[key], (int, float)) or isinstance(d[key], bool) or d[key] < 0:
+            raise fail(f"defaults.{key}", "must be a number >= 0")
+        d[key] = float(d[key])
+    return d
+
+
+def _validate_routers(section: Any, fail) -> tuple[str, float]:
+    if not isinstance(section, dict):
+        raise fail("routers", "must be a mapping with init (normal | zeros) and std")
+    for key in section:
+        if key not in ("init", "std"):
+            raise fail(f"routers.{key}", "unknown field; the fields are init, std")
+    init = section.get("init", "normal")
+    if init not in ROUTER_INITS:
+        raise fail("routers.init", f"unknown init {init!r}; choose one of {', '.join(ROUTER_INITS)}")
+    std = section.get("std", 0.02)
+    if not isinstance(std, (int, float)) or isinstance(std, bool) or std < 0:
+        raise fail("routers.std", f"must be a number >= 0, got {std!r}")
+    return init, float(std)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---- the output config ------------------------------------------------------------------------
+def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
+                   ffn_top_k: int | None = None, attn_top_k: int | str | None = None,
+                   extra_ffn_experts: int | None = None, gate_norm: str | None = None,
+                   lb_coef: float | None = None, z_coef: float | None = None) -> ModelConfig:
+    """The config of the mixture a recipe builds from `n_inputs` dense models of shape `dense_cfg`.
+
+    n_inputs counts the mixture's members: the seed (when it joins) plus the --experts. Options left
+    at None take the recipe's defaults. attn_top_k: None = recipe default, 'soft' or 0 = soft routing,
+    k or 'topk' = top-k routing. FFN experts: n_inputs + extra_ffn_experts; attention experts: n_inputs.
+    """
+    if dense_cfg.is_mixture:
+        raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
+                          f"attn_experts={dense_cfg.attn_experts}); merge takes dense inputs")
+    d = recipe.defaults
+    extra = d["extra_ffn_experts"] if extra_ffn_experts is None else extra_ffn_experts
+    if not _is_int(extra) or extra < 0:
+        raise ConfigError(f"extra_ffn_experts: must be an integer >= 0, got {extra!r}")
+    if extra_ffn_experts and not recipe.ffn_experts:
+        raise ConfigError(f"extra_ffn_experts: recipe {recipe.name} has no FFN experts "
+                          f"(tensors.ffn.*: {recipe.tensors['ffn.up']})")
+    if ffn_top_k is not None and not recipe.ffn_experts:
+        raise ConfigError(f"ffn_top_k: recipe {recipe.name} has no FFN experts to route")
+    try:
+        attn_k = parse_attention_routing(d["attention_routing"] if attn_top_k is None else attn_top_k)
+    except ValueError as e:
+        raise ConfigError(f"attn_top_k: {e}") from None
+    if attn_k is not None and not recipe.attention_experts:
+        raise ConfigError(f"attn_top_k: recipe {recipe.name} has no attention experts "
+                          f"(attention is merged by {recipe.tensors['attn.q']}); only soft applies")
+
+    n_ffn = n_inputs + extra if recipe.ffn_experts else 0
+    n_attn = n_inputs if recipe.attention_experts else 0
+    for what, n in (("FFN", n_ffn), ("attention", n_attn)):
+        if n == 1:
+            hint = "add --experts or --extra-ffn-experts" if what == "FFN" else "add --experts"
+            raise ConfigError(f"{what.lower()}_experts: recipe {recipe.name} would build 1 {what} expert from "
+                              f"{n_inputs} input(s); a mixture needs at least 2 ({hint})")
+    top_k = d["ffn_top_k"] if ffn_top_k is None else ffn_top_k
+    if n_ffn and not 1 <= top_k <= n_ffn:
+        raise ConfigError(f"ffn_top_k: top-{top_k} routing needs between 1 and {n_ffn} FFN experts")
+    if attn_k is not None and not 1 <= attn_k <= n_attn:
+        raise ConfigError(f"attn_top_k: top-{attn_k} routing needs between 1 and {n_attn} attention experts")
+    base = f"{dense_cfg.name}-" if dense_cfg.name else ""
+    return dense_cfg.replace(
+        ffn_experts=n_ffn,
+        ffn_top_k=top_k if n_ffn else 1,
+        gate_norm=d["gate_norm"] if gate_norm is None else gate_norm,
+        attn_experts=n_attn,
+        attn_top_k=attn_k if n_attn else None,
+        kv_mode=recipe.kv_mode if n_attn else "expert",
+        router="linear",
+        lb_coef=d["lb_coef"] if lb_coef is None else float(lb_coef),
+        z_coef=d["z_coef"] if z_coef is None else float(z_coef),
+        name=f"{base}{recipe.name}",
+    )
