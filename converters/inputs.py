@@ -64,6 +64,9 @@ def _open_directory(path: Path, allow_pickle: bool):
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
     if isinstance(body, dict) and CONFIG_KEY in body:
         return CheckpointReader(path)
+    if isinstance(body, dict) and body.get("model_type") == "mixtral":  # e.g. a btx export read back
+        from .mixtral import import_mixtral
+        return import_mixtral(path)
     if isinstance(body, dict) and "model_type" in body:
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
     raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")

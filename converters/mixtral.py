@@ -39,12 +39,12 @@ from runtime.checkpoint import (INDEX_NAME, ST_TO_DTYPE, CheckpointError, Safete
 from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
 
+from .hf.config_map import CapabilityError  # one error type for every format's capability checks
+
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
 
 
-class CapabilityError(ValueError):
-    """The model cannot be expressed in the target format; the message says what is missing."""
 
 
 # ---- the one name table: canonical -> Mixtral ------------------------------------------------

@@ -177,30 +177,29 @@ def write_dir_config(directory: Path, config: ModelConfig, extra: Mapping[str, o
 
 
 # ---- whole-state save / load (small models, tests, training) -------------------------------
+class StateReader:
+    """An in-memory state dict seen through the reader protocol."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], config: ModelConfig):
+        self.state, self.config, self.path, self.metadata = state, config, None, {}
+
+    def names(self) -> list[str]:
+        return list(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.state[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+
 def save_checkpoint(state: Mapping[str, torch.Tensor], config: ModelConfig, path: str | os.PathLike,
                     metadata: Mapping[str, str] | None = None, max_shard_bytes: int | None = None) -> Path:
     """Save a canonical checkpoint. `path` ending in .safetensors -> one file; otherwise a directory."""
-    path = Path(path)
-    meta = {"format": FORMAT, CONFIG_KEY: config.to_json(), **(metadata or {})}
-    entries = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
-    if path.suffix == ".safetensors":
-        with atomic_path(path) as tmp, SafetensorsStreamWriter(tmp, entries, meta) as w:
-            for k, _, _ in entries:
-                w.write(k, state[k])
-        return path
-    with atomic_path(path, is_dir=True) as tmp:
-        tmp.mkdir(parents=True, exist_ok=True)
-        shards = plan_shards(entries, max_shard_bytes)
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = shard_name(i, len(shards))
-            with SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT}) as w:
-                for k, _, _ in shard:
-                    w.write(k, state[k])
-                    weight_map[k] = fname
-        write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), meta)
-        write_dir_config(tmp, config)
-    return path
+    return write_checkpoint(StateReader(state, config), path, metadata, max_shard_bytes)
 
 
 def _truncation(file: Path) -> str | None:
@@ -323,3 +322,35 @@ class CheckpointReader:
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     with CheckpointReader(path) as r:
         return r.config, {k: r.get(k) for k in r.names()}
+
+
+def write_checkpoint(reader, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+                     max_shard_bytes: int | None = None) -> Path:
+    """Stream any reader (.config, .names(), .shape(), .dtype(), .get()) into a canonical checkpoint,
+    one tensor in memory at a time. Tensors are written in canonical layout order."""
+    from .layout import tensor_shapes
+
+    config: ModelConfig = reader.config
+    names = set(reader.names())
+    order = [n for n in tensor_shapes(config) if n in names] + sorted(names - set(tensor_shapes(config)))
+    entries = [(n, tuple(reader.shape(n)), reader.dtype(n)) for n in order]
+    meta = {"format": FORMAT, CONFIG_KEY: config.to_json(), **(metadata or {})}
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        with atomic_path(path) as tmp, SafetensorsStreamWriter(tmp, entries, meta) as w:
+            for n, _, _ in entries:
+                w.write(n, reader.get(n))
+        return path
+    with atomic_path(path, is_dir=True) as tmp:
+        tmp.mkdir(parents=True, exist_ok=True)
+        shards = plan_shards(entries, max_shard_bytes)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = shard_name(i, len(shards))
+            with SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT}) as w:
+                for n, _, _ in shard:
+                    w.write(n, reader.get(n))
+                    weight_map[n] = fname
+        write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), meta)
+        write_dir_config(tmp, config)
+    return path

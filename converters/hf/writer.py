@@ -71,12 +71,14 @@ def _tokenizer_source(tokenizer_from) -> tuple[list[Path], dict]:
 
 
 def save_hf(source, out_dir: str | os.PathLike, architecture: str, tokenizer_from=None, *,
-            config: ModelConfig | None = None, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> Path:
+            config: ModelConfig | None = None, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+            model_card: str | None = None) -> Path:
     """Write a dense canonical model (a reader, or a state dict with `config=`) as an HF directory.
 
     architecture: the HF model_type to write (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi).
     tokenizer_from: a reader with tokenizer_files() (an HF input) or a directory; its tokenizer files
     are copied and its config's bos/eos/pad token ids carried over.
+    model_card: markdown written as README.md.
     """
     if isinstance(source, Mapping):
         if config is None:
@@ -140,4 +142,6 @@ def save_hf(source, out_dir: str | os.PathLike, architecture: str, tokenizer_fro
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for f in tok_files:
             shutil.copy2(f, tmp / f.name)
+        if model_card is not None:
+            (tmp / "README.md").write_text(model_card)
     return out_dir
