@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from runtime.config import ModelConfig
+from runtime.config import ConfigError, ModelConfig
 
 from .hf.config_map import CapabilityError
 from .mixtral import check_mixtral, export_mixtral
@@ -53,17 +53,28 @@ def export(reader, out_dir: str | os.PathLike, fmt: str, *, tokenizer_files: Ite
            dtype: torch.dtype | None = None, architecture: str | None = None, recipe: str | None = None,
            generation: Mapping[str, Any] | None = None) -> Path:
     """Write `reader` (a canonical checkpoint or a surgery PlanReader) to out_dir in format `fmt`."""
+    try:
+        return _export(reader, Path(out_dir), fmt, list(tokenizer_files), tokenizer_source, model_card,
+                       max_shard_bytes, dtype, architecture, recipe, generation)
+    except ConfigError:
+        raise
+    except ValueError as e:  # exporters refuse bad requests with one-line ValueErrors; keep them one line
+        raise CapabilityError(str(e)) from e
+
+
+def _export(reader, out_dir, fmt, tokenizer_files, tokenizer_source, model_card, max_shard_bytes, dtype,
+            architecture, recipe, generation) -> Path:
     cfg: ModelConfig = reader.config
     check_export(fmt, cfg, recipe=recipe, architecture=architecture)
     if fmt == "canonical":
         raise CapabilityError("canonical output is written by the merge itself, not by an exporter")
     if fmt == "mixtral":
-        return export_mixtral(reader, out_dir, tokenizer_files=list(tokenizer_files), model_card=model_card,
+        return export_mixtral(reader, out_dir, tokenizer_files=tokenizer_files, model_card=model_card,
                               max_shard_bytes=max_shard_bytes, generation_config=generation, recipe=recipe,
                               dtype=dtype)
     if cfg.is_mixture:
         from .hf_bam.export import export_hf_bam
-        return export_hf_bam(reader, out_dir, tokenizer_files=list(tokenizer_files), model_card=model_card,
+        return export_hf_bam(reader, out_dir, tokenizer_files=tokenizer_files, model_card=model_card,
                              max_shard_bytes=max_shard_bytes, dtype=dtype, generation=generation)
     from .hf.writer import save_hf
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}

@@ -107,6 +107,11 @@ def _warn(msg: str) -> None:
                    "float32 either way.")
 @click.option("--max-shard-size", metavar="SIZE",
               help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
+@click.option("--format", "fmt", type=click.Choice(["canonical", "mixtral", "hf"]), default="canonical",
+              show_default=True,
+              help="Output format: canonical (our safetensors, loads with runtime.load_model), mixtral (HF "
+                   "Mixtral directory, btx/upcycle of Llama-family inputs) or hf (HF directory loadable with "
+                   "trust_remote_code=True). Formats other than canonical need a directory OUT.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
                    "write nothing.")
@@ -117,7 +122,7 @@ def _warn(msg: str) -> None:
               help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
-          weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, dry_run,
+          weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, fmt, dry_run,
           force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from converters import open_checkpoint
@@ -133,6 +138,8 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
     if shard_bytes and out is not None and str(out).endswith(".safetensors"):
         raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory path "
                               "to write shards")
+    if fmt != "canonical" and out is not None and str(out).endswith(".safetensors"):
+        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
     options = MergeOptions(seed_expert=seed_expert, extra_ffn_experts=extra_ffn_experts, ffn_top_k=ffn_top_k,
                            attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
                            z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
@@ -142,6 +149,9 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
         for spec in [seed, *_split_list(experts)]:
             readers.append(_open(open_checkpoint, spec, allow_pickle))
         plan = compile_plan(the_recipe, readers, options)
+        if fmt != "canonical":  # capability check from the plan's config, before any tensor is read
+            from converters.export import check_export
+            check_export(fmt, plan.config, recipe=the_recipe.name)
         if dry_run:
             click.echo(format_plan(plan))
             click.echo("")
@@ -149,8 +159,11 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             if out is not None and Path(out).exists() and not force:
                 _warn(f"{out} exists; the merge would need --force")
             return
-        path = execute_plan(plan, out, force=force, max_shard_bytes=shard_bytes,
-                            progress=not quiet and sys.stderr.isatty(), warn=_warn)
+        if fmt == "canonical":
+            path = execute_plan(plan, out, force=force, max_shard_bytes=shard_bytes,
+                                progress=not quiet and sys.stderr.isatty(), warn=_warn)
+        else:
+            path = _merge_export(plan, Path(out), fmt, force, shard_bytes)
         if not quiet:
             cfg = plan.config
             click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
@@ -160,6 +173,71 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             close = getattr(r, "close", None)
             if close:
                 close()
+
+
+def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
+    """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
+    tensor when the exporter asks for it."""
+    from converters.export import export
+
+    from .card import check_tokenizers, generation_config, model_card
+    from .execute import PlanReader, check_branches, check_output_path
+
+    check_output_path(plan, out, force)
+    check_branches(plan, _warn)
+    tokenizer = check_tokenizers(plan, _warn)
+    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, tokenizer_files=tokenizer,
+                  model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
+                  recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader))
+
+
+@cli.command()
+@click.argument("source", metavar="CKPT")
+@click.option("--out", required=True, type=click.Path(), metavar="OUT",
+              help="Output path: .safetensors file or directory (canonical), or a directory (hf, mixtral).")
+@click.option("--format", "fmt", type=click.Choice(["canonical", "mixtral", "hf"]), default="canonical",
+              show_default=True,
+              help="canonical: our format (from any input: HF directory, hub id, Mixtral directory); hf: a dense "
+                   "model as its HF architecture, or a mixture as the remote-code BAM model; mixtral: an "
+                   "FFN-expert mixture as HF Mixtral.")
+@click.option("--architecture", metavar="MODEL_TYPE",
+              help="For --format hf of a dense model: the HF architecture to write (llama, mistral, qwen2, "
+                   "gpt_neox, gpt2, cohere, phi). Default: the input's own, when it came from HF.")
+@click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a directory output, e.g. 2GB.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--allow-pickle", is_flag=True,
+              help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
+def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
+    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
+    from converters import open_checkpoint
+    from converters.export import check_export, export
+    from runtime.checkpoint import write_checkpoint
+
+    from .card import generation_config, tokenizer_files
+    from .execute import parse_size
+
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
+    out_path = Path(out)
+    if fmt != "canonical" and out_path.suffix == ".safetensors":
+        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
+    reader = _open(open_checkpoint, source, allow_pickle)
+    try:
+        arch = architecture or getattr(getattr(reader, "architecture", None), "model_type", None)
+        if fmt != "canonical":
+            check_export(fmt, reader.config, architecture=arch)
+        if out_path.exists() and not force:
+            raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
+        if fmt == "canonical":
+            write_checkpoint(reader, out_path, {"bam_source": str(source)}, shard_bytes)
+        else:
+            export(reader, out_path, fmt, tokenizer_files=tokenizer_files(reader), tokenizer_source=reader
+                   if tokenizer_files(reader) else None, max_shard_bytes=shard_bytes, architecture=arch,
+                   generation=generation_config(reader))
+        click.echo(f"wrote {out_path} ({fmt})", err=True)
+    finally:
+        close = getattr(reader, "close", None)
+        if close:
+            close()
 
 
 def _open(open_checkpoint, spec: str, allow_pickle: bool):

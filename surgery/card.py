@@ -1,0 +1,109 @@
+"""Model cards (README.md) for exported directories, and tokenizer checks across inputs."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+from .audit import audit
+from .cli_audit import render_audit
+from .plan import Plan
+
+# Files whose content defines the token <-> id mapping (the rest: special tokens, chat templates).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+LOAD_SNIPPETS = {
+    "mixtral": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "model = AutoModelForCausalLM.from_pretrained(\"{out}\")   # MixtralForCausalLM\n"
+                "tokenizer = AutoTokenizer.from_pretrained(\"{out}\")"),
+    "hf-mixture": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                   "model = AutoModelForCausalLM.from_pretrained(\"{out}\", trust_remote_code=True)\n"
+                   "tokenizer = AutoTokenizer.from_pretrained(\"{out}\", trust_remote_code=True)\n"
+                   "# lm-eval: lm_eval --model hf --model_args pretrained={out},trust_remote_code=True ..."),
+    "hf-dense": ("from transformers import AutoModelForCausalLM\n"
+                 "model = AutoModelForCausalLM.from_pretrained(\"{out}\")"),
+}
+
+
+def tokenizer_files(reader) -> list[Path]:
+    """The tokenizer files of an HF input (generation_config.json is carried separately: exporters
+    write their own, see generation_config)."""
+    files = getattr(reader, "tokenizer_files", None)
+    return [f for f in files() if f.name != "generation_config.json"] if callable(files) else []
+
+
+def generation_config(reader) -> dict:
+    """The seed's generation settings: its generation_config.json, else the token ids of its config.json."""
+    source = getattr(reader, "source_dir", None)
+    gen_file = Path(source) / "generation_config.json" if source else None
+    if gen_file is not None and gen_file.is_file():
+        body = json.loads(gen_file.read_text())
+        return {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}
+    hf = getattr(reader, "hf_config", None) or {}
+    return {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+
+
+def _vocab_digest(files: list[Path]) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.name in _VOCAB_FILES}
+
+
+def check_tokenizers(plan: Plan, warn: Callable[[str], None]) -> list[Path]:
+    """The seed's tokenizer files (they go into every output). Vocabulary *sizes* must agree (the plan
+    already refuses a differing vocab_size, naming the file); same size but different token files
+    only warns, since the ids still line up but may mean different strings."""
+    seed_files = tokenizer_files(plan.inputs[0].reader)
+    seed_digest = _vocab_digest(seed_files)
+    for inp in plan.inputs[1:]:
+        other = _vocab_digest(tokenizer_files(inp.reader))
+        differing = sorted(n for n in seed_digest.keys() & other.keys() if seed_digest[n] != other[n])
+        if differing:
+            warn(f"{inp.label}: {differing[0]} differs from the seed's ({plan.inputs[0].label}) although the "
+                 f"vocabulary size is the same ({plan.config.vocab_size}); token ids may mean different strings")
+    return seed_files
+
+
+def model_card(plan: Plan, fmt: str, out: str) -> str:
+    cfg = plan.config
+    inputs = "\n".join(f"| {i.index} | {i.role} | `{i.label}` |" for i in plan.inputs)
+    opts = "\n".join(f"- `{k}`: {v}" for k, v in plan.resolved_options().items())
+    key = "mixtral" if fmt == "mixtral" else ("hf-mixture" if cfg.is_mixture else "hf-dense")
+    exact, paper = audit(cfg, "exact"), audit(cfg, "paper")
+    return f"""---
+library_name: transformers
+tags: [mixture-of-experts, bam-surgery, {plan.recipe.name}]
+---
+# {Path(out).name}
+
+A mixture built by **bam-surgery** with recipe **{plan.recipe.name}** from {len(plan.inputs)} dense
+checkpoints: {cfg.ffn_experts} FFN experts (top-{cfg.ffn_top_k}, gates `{cfg.gate_norm}`),
+{cfg.attn_experts} attention experts ({"dense attention" if not cfg.attn_experts else
+("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing") + f", KV {cfg.kv_mode}"}).
+Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg.lb_coef} * load balancing
++ {cfg.z_coef} * router z-loss).
+
+## Inputs
+
+| # | role | checkpoint |
+|---|---|---|
+{inputs}
+
+## Options
+
+{opts}
+
+## Parameters
+
+```
+{render_audit(exact, "this model")}
+```
+
+Total {exact.total:,}, active per token {exact.active:,} (exact); paper convention (Table 5 of the BAM
+paper): total {paper.total:,}, active {paper.active:,}.
+
+## Load
+
+```python
+{LOAD_SNIPPETS[key].format(out=out)}
+```
+"""
