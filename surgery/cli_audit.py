@@ -84,13 +84,20 @@ def render_inspection(ins: Inspection) -> str:
         out.append(f"  unreadable: {prov.error}")
     else:
         head = [("recipe", prov.recipe or "-"), ("tool", prov.tool_version or "-")]
-        shown = {"recipe", "tool", "tool_version", "version", "inputs"}
+        shown = {"recipe", "tool", "tool_version", "version", "inputs", "tensors"}
         head += [(k, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
                  for k, v in prov.fields.items() if k not in shown]
+        per_tensor = prov.fields.get("tensors")
+        if isinstance(per_tensor, dict):  # one line per op; the full map is in --json
+            ops: dict[str, int] = {}
+            for rec in per_tensor.values():
+                op = rec.get("op", "?") if isinstance(rec, dict) else "?"
+                ops[op] = ops.get(op, 0) + 1
+            head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
         if prov.inputs:
             cols = ["role", "path", "sha256"]
-            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"name", "spec"})
+            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"name", "spec", "files"})
             rows = [(i.get("role", i.get("name", "-")), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]

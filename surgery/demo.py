@@ -46,6 +46,13 @@ def show_dense(paths: list[Path], tokens: torch.Tensor) -> None:
         print(f"{p.name:<22}{n:>12,}  {[round(x, 4) for x in logits[0, -1, :4].tolist()]}")
 
 
+def run_cli(args: list[str], title: str) -> None:
+    from .cli import cli
+
+    print(f"\n== {title} ==\n$ bam-surgery {' '.join(args)}")
+    cli.main(args=args, prog_name="bam-surgery", standalone_mode=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints")
@@ -57,6 +64,27 @@ def main(argv: list[str] | None = None) -> None:
     print("== 1-2. branch: a seed and three specialists, saved and reloaded ==")
     seed_path, expert_paths = build_dense(out)
     show_dense([seed_path, *expert_paths], tokens)
+
+    mix = out / "mix.safetensors"
+    experts = ",".join(str(p) for p in expert_paths)
+    run_cli(["merge", "--seed", str(seed_path), "--experts", experts, "--recipe", "bam", "--out", str(mix),
+             "--force", "--quiet"], "3. mix: BAM (expert KV), the seed joins as expert 0")
+    run_cli(["inspect", str(mix)], "inspect the mixture")
+    run_cli(["count-params", str(mix)], "count its parameters")
+    run_cli(["count-params", "--preset", "paper-small", "--recipe", "bam", "--experts", "4", "--convention",
+             "paper"], "the paper's 590M setup, counted as in its Table 5")
+
+    print("\n== forward pass of the mixture ==")
+    model = load_model(mix)
+    with torch.no_grad():
+        out_mix = model(tokens, targets=tokens.roll(-1, dims=1))
+        print(f"logits {tuple(out_mix.logits.shape)}; nll {out_mix.nll.item():.4f}, load balancing "
+              f"{out_mix.lb_loss.item():.4f}, z-loss {out_mix.z_loss.item():.4f}, total {out_mix.loss.item():.4f}")
+        for i, p in enumerate([seed_path, *expert_paths]):
+            forced = model(tokens, routing=ForcedRouting(expert=i)).logits
+            dense = load_model(p)(tokens).logits
+            print(f"forced to expert {i} ({p.stem:>4}): max |logits - dense {p.stem} logits| = "
+                  f"{(forced - dense).abs().max().item():.2e}  (norms and embeddings are averaged, so not 0)")
 
 
 if __name__ == "__main__":
