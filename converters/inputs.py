@@ -17,7 +17,7 @@ from pathlib import Path
 
 from runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
 
-from .hf.reader import SAFETENSORS_INDEX, HFCheckpointReader, TOKENIZER_FILES
+from .hf.reader import SAFETENSORS_INDEX, HFCheckpointReader, TOKENIZER_FILES, read_hf_config
 
 # org/name with an optional @revision (branch, tag or commit)
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
@@ -55,19 +55,16 @@ def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False):
 
 
 def _open_directory(path: Path, allow_pickle: bool):
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (neither a canonical nor a Hugging Face model directory)")
-    try:
-        body = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if isinstance(body, dict) and CONFIG_KEY in body:
+    body = read_hf_config(path)
+    cfg_file = path / "config.json"
+    if CONFIG_KEY in body:
         return CheckpointReader(path)
-    if isinstance(body, dict) and body.get("model_type") == "mixtral":  # e.g. a btx export read back
+    if body.get("model_type") == "mixtral":  # e.g. a btx export read back
         from .mixtral import import_mixtral
         return import_mixtral(path)
-    if isinstance(body, dict) and "model_type" in body:
+    if "model_type" in body:
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
     raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")
 

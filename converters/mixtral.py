@@ -40,6 +40,7 @@ from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
 
 from .hf.config_map import CapabilityError  # one error type for every format's capability checks
+from .hf.reader import read_hf_config, weight_files
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
@@ -361,14 +362,7 @@ class MixtralReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        cfg_file = self.path / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointError(f"{self.path}: no config.json")
-        try:
-            hf = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file}: malformed JSON ({e})") from e
-        self.config = config_from_mixtral(hf, str(cfg_file))
+        self.config = config_from_mixtral(read_hf_config(self.path), str(self.path / "config.json"))
         self.metadata = {"source_format": MODEL_TYPE, "source": str(self.path)}
         self._handles: dict[Path, Any] = {}
         # canonical name -> {expert index or None: (file, Mixtral name)}
@@ -385,17 +379,8 @@ class MixtralReader:
         self._check()
 
     def _shard_files(self) -> list[Path]:
-        index = self.path / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: malformed index ({e})") from e
-            return [self.path / f for f in sorted(set(weight_map.values()))]
-        single = self.path / "model.safetensors"
-        if single.is_file():
-            return [single]
-        raise CheckpointError(f"{self.path}: no {INDEX_NAME} and no model.safetensors")
+        files, _, _ = weight_files(self.path)  # safetensors only: pickles are refused there
+        return sorted(files)
 
     def _open(self, file: Path):
         if not file.is_file():
