@@ -181,9 +181,9 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
     from converters.export import export
 
     from .card import check_tokenizers, generation_config, model_card
-    from .execute import PlanReader, check_branches, check_output_path
+    from .execute import PlanReader, check_branches, check_output_path, plan_inputs
 
-    check_output_path(plan, out, force)
+    check_output_path(out, force, plan_inputs(plan))
     check_branches(plan, _warn)
     tokenizer = check_tokenizers(plan, _warn)
     return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, tokenizer_files=tokenizer,
@@ -214,7 +214,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
     from runtime.checkpoint import write_checkpoint
 
     from .card import generation_config, tokenizer_files
-    from .execute import parse_size
+    from .execute import check_output_path, parse_size
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
@@ -225,8 +225,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
         arch = architecture or getattr(getattr(reader, "architecture", None), "model_type", None)
         if fmt != "canonical":
             check_export(fmt, reader.config, architecture=arch)
-        if out_path.exists() and not force:
-            raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
+        check_output_path(out_path, force, [(str(source), reader)])
         if fmt == "canonical":
             write_checkpoint(reader, out_path, {"bam_source": str(source)}, shard_bytes)
         else:

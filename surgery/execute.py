@@ -357,12 +357,16 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled, dynamic_ncols=True, leave=False)
 
 
-# What a directory may hold for --force to replace it: a checkpoint's own files, nothing else.
+# What a directory may hold for --force to replace it: a checkpoint's or an export's own files, nothing else.
 _CHECKPOINT_FILES = re.compile(r"^(config\.json|model\.safetensors\.index\.json|.*\.safetensors|"
-                               r"generation_config\.json|tokenizer.*|special_tokens_map\.json|.*\.model)$")
+                               r"generation_config\.json|tokenizer.*|special_tokens_map\.json|.*\.model|"
+                               r"vocab\.json|merges\.txt|added_tokens\.json|README\.md|"
+                               r"configuration_bam\.py|modeling_bam\.py)$")
 
 
-def check_output_path(plan: Plan, out: Path, force: bool) -> None:
+def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Any]]) -> None:
+    """Refuse an existing OUT without --force, a directory OUT holding anything but checkpoint files,
+    and an OUT that is (or contains) one of the inputs, given as (label, reader) pairs."""
     if out.exists() or out.is_symlink():
         if not force:
             raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
@@ -372,14 +376,18 @@ def check_output_path(plan: Plan, out: Path, force: bool) -> None:
                 raise BamSurgeryError(f"{out}: is a directory holding more than a checkpoint ({stray[0]}); "
                                       "--force only replaces checkpoints, remove it yourself or pick another OUT")
     resolved = out.resolve()
-    for inp in plan.inputs:
-        for f in input_files(inp.reader) + ([Path(inp.label)] if inp.label else []):
+    for label, reader in inputs:
+        for f in input_files(reader) + ([Path(label)] if label else []):
             try:
                 same = f.resolve() == resolved or resolved in f.resolve().parents
             except OSError:
                 same = False
             if same:
-                raise BamSurgeryError(f"{out}: is input {inp.label}; write the mixture somewhere else")
+                raise BamSurgeryError(f"{out}: is input {label}; write the output somewhere else")
+
+
+def plan_inputs(plan: Plan) -> list[tuple[str, Any]]:
+    return [(inp.label, inp.reader) for inp in plan.inputs]
 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
@@ -391,7 +399,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     if single_file and max_shard_bytes:
         raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory "
                               "path to write shards")
-    check_output_path(plan, out, force)
+    check_output_path(out, force, plan_inputs(plan))
     if check_branch:
         check_branches(plan, warn)
     reader = PlanReader(plan, warn=warn, hash_inputs=False)
