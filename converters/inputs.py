@@ -4,6 +4,7 @@ Accepted specs (everything that reads a checkpoint goes through `open_checkpoint
     mix.safetensors            canonical file (config JSON in the safetensors metadata)
     mix/                       canonical directory (config.json has "bam_config")
     path/to/llama/             Hugging Face model directory (config.json has "model_type")
+    path/to/export/            our Mixtral (model_type mixtral) or HF BAM (bam_mixture) exports
     org/name  org/name@rev     Hugging Face hub id: resolved with huggingface_hub.snapshot_download
                                (uses the local cache; honours HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE)
 Pickle weights (.bin) are read only with allow_pickle=True (the CLI's --allow-pickle).
@@ -64,6 +65,9 @@ def _open_directory(path: Path, allow_pickle: bool):
     if body.get("model_type") == "mixtral":  # e.g. a btx export read back
         from .mixtral import import_mixtral
         return import_mixtral(path)
+    if body.get("model_type") == "bam_mixture":  # an `--format hf` mixture export read back
+        from .hf_bam.reader import BamHFReader
+        return BamHFReader(path)
     if "model_type" in body:
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
     raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")

@@ -362,6 +362,21 @@ def test_convert_mixtral_back_to_canonical_equals_merge(btx, tmp_path):
             assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def test_convert_hf_bam_export_back_to_canonical_equals_merge(family, tmp_path):
+    dirs, _ = family
+    canonical, exported = tmp_path / "bam.safetensors", tmp_path / "bam-hf"
+    merge(dirs, canonical, "--recipe", "bam-shared-kv", "--quiet")
+    merge(dirs, exported, "--recipe", "bam-shared-kv", "--format", "hf", "--quiet")
+    back = tmp_path / "back.safetensors"
+    run_cli("convert", exported, "--out", back)
+    with CheckpointReader(canonical) as want, CheckpointReader(back) as got:
+        assert got.config == want.config
+        assert set(got.names()) == set(want.names())
+        for name in want.names():
+            a, b = want.get(name), got.get(name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_convert_refuses_existing_out_without_force(family, tmp_path):
     dirs, _ = family
     out = tmp_path / "seed.safetensors"
