@@ -202,6 +202,30 @@ def save_checkpoint(state: Mapping[str, torch.Tensor], config: ModelConfig, path
     return write_checkpoint(StateReader(state, config), path, metadata, max_shard_bytes)
 
 
+def read_tensor(file: Path, data_start: int, entry: Mapping) -> torch.Tensor:
+    """Read one tensor (a safetensors header entry) into memory of its own.
+
+    safetensors' get_tensor maps the whole file: every page a merge reads stays resident in the
+    process, so its RSS grows to the size of all inputs. Reading each tensor's byte range into a
+    private buffer keeps RSS bounded by the tensors alive; the page cache still serves repeats.
+    """
+    begin, end = entry["data_offsets"]
+    dtype, shape = ST_TO_DTYPE[entry["dtype"]], tuple(entry["shape"])
+    if end == begin:
+        return torch.empty(shape, dtype=dtype)
+    buf = bytearray(end - begin)
+    view = memoryview(buf)
+    with open(file, "rb", buffering=0) as f:
+        f.seek(data_start + begin)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{file}: truncated while reading tensor bytes {begin}-{end}")
+            got += n
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 def _truncation(file: Path) -> str | None:
     """If `file` has a readable header but ends early, say which tensor is cut off (else None)."""
     try:
@@ -281,6 +305,8 @@ class CheckpointReader:
         if file.stat().st_size < 8 + n + end:
             raise CheckpointError(f"{file}: truncated ({file.stat().st_size} bytes, header promises {8 + n + end})")
         self._header = getattr(self, "_header", {})
+        self._data_start = getattr(self, "_data_start", {})
+        self._data_start[file] = 8 + n
         for k, v in header.items():
             if k != "__metadata__":
                 self._header[k] = v
@@ -304,7 +330,8 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
-        return self._handles[self._where[name]].get_tensor(name)
+        file = self._where[name]
+        return read_tensor(file, self._data_start[file], self._header[name])
 
     def files(self) -> list[Path]:
         return list(self._handles)

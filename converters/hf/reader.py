@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from runtime.checkpoint import ST_TO_DTYPE, CheckpointError
+from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, read_tensor
 from runtime.config import ConfigError
 from runtime.layout import tensor_shapes
 
@@ -83,13 +84,16 @@ class _SafetensorsFile:
             self.handle = safe_open(str(file), framework="pt")
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-        self.meta = {}
-        for k in self.handle.keys():
-            sl = self.handle.get_slice(k)
-            self.meta[k] = (tuple(sl.get_shape()), ST_TO_DTYPE[sl.get_dtype()])
+        self.file = file
+        with open(file, "rb") as f:  # the header safe_open just validated
+            n = struct.unpack("<Q", f.read(8))[0]
+            self.entries = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+        self.data_start = 8 + n
+        self.meta = {k: (tuple(v["shape"]), ST_TO_DTYPE[v["dtype"]]) for k, v in self.entries.items()}
 
     def get(self, key: str) -> torch.Tensor:
-        return self.handle.get_tensor(key)
+        # private buffer, not the file mapping: RSS stays bounded by live tensors (see read_tensor)
+        return read_tensor(self.file, self.data_start, self.entries[key])
 
 
 class _PickleFile:
