@@ -213,17 +213,17 @@ def read_tensor(file: Path, data_start: int, entry: Mapping) -> torch.Tensor:
     dtype, shape = ST_TO_DTYPE[entry["dtype"]], tuple(entry["shape"])
     if end == begin:
         return torch.empty(shape, dtype=dtype)
-    buf = bytearray(end - begin)
-    view = memoryview(buf)
+    buf = torch.empty(end - begin, dtype=torch.uint8)  # uninitialized: readinto fills every byte
+    view = memoryview(buf.numpy())
     with open(file, "rb", buffering=0) as f:
         f.seek(data_start + begin)
         got = 0
-        while got < len(buf):
+        while got < len(view):
             n = f.readinto(view[got:])
             if not n:
                 raise CheckpointError(f"{file}: truncated while reading tensor bytes {begin}-{end}")
             got += n
-    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    return buf.view(dtype).reshape(shape)
 
 
 def _truncation(file: Path) -> str | None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import queue
 import re
 import sys
 import threading
@@ -422,15 +423,49 @@ def _placeholders(files: list[Path]) -> dict[Path, str]:
     return {f: f"sha256-pending-{k:06d}".ljust(64, "-") for k, f in enumerate(files)}
 
 
+def produced(reader: PlanReader, names: list[str], depth: int = 2):
+    """Yield (name, tensor) in order while a background thread computes the next `depth` tensors.
+
+    Reading, the ops and writing all release the GIL, so on two cores the next tensor is read and
+    merged while the current one is written. Memory: at most depth + 1 output tensors alive."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for name in names:
+                if stop.is_set():
+                    return
+                q.put((name, reader.get(name), None))
+        except BaseException as e:  # re-raised in the consumer, with its traceback
+            q.put((None, None, e))
+
+    thread = threading.Thread(target=work, name="bam-surgery-produce", daemon=True)
+    thread.start()
+    try:
+        for _ in names:
+            name, tensor, err = q.get()
+            if err is not None:
+                raise err
+            yield name, tensor
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
+
+
 def _write_file(plan: Plan, reader: PlanReader, path: Path, hasher: InputHasher, bar) -> None:
     pending = provenance(plan, _placeholders(hasher.files))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     with SafetensorsStreamWriter(path, entries, output_metadata(plan, None, pending)) as writer:
-        for t in plan.tensors:
-            x = reader.get(t.name)
-            writer.write(t.name, x)
+        for name, x in produced(reader, [t.name for t in plan.tensors]):
+            writer.write(name, x)
             del x
-            bar.update(t.nbytes)
+            bar.update(plan[name].nbytes)
     final = provenance(plan, hasher.result())
     changes = {}
     for before, after in zip(pending["inputs"], final["inputs"]):
@@ -465,8 +500,7 @@ def _write_dir(plan: Plan, reader: PlanReader, directory: Path, hasher: InputHas
     for i, shard in enumerate(shards):
         fname = shard_name(i, len(shards))
         with SafetensorsStreamWriter(directory / fname, shard, {"format": FORMAT}) as writer:
-            for name, _, _ in shard:
-                x = reader.get(name)
+            for name, x in produced(reader, [e[0] for e in shard]):
                 writer.write(name, x)
                 del x
                 weight_map[name] = fname
