@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-from runtime.checkpoint import (INDEX_NAME, ST_TO_DTYPE, CheckpointError, SafetensorsStreamWriter, atomic_path,
+from runtime.checkpoint import (INDEX_NAME, ReaderBase, ST_TO_DTYPE, CheckpointError, SafetensorsStreamWriter, atomic_path,
                                 nbytes, plan_shards, shard_name, write_index)
 from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
@@ -354,7 +354,7 @@ def export_mixtral(reader, out_dir: str | os.PathLike, tokenizer_files: Iterable
 
 
 # ---- import ---------------------------------------------------------------------------------
-class MixtralReader:
+class MixtralReader(ReaderBase):
     """Lazy view of an HF Mixtral directory under canonical names (CheckpointReader's protocol).
 
     `get` of a stacked expert tensor reads its E per-expert tensors and stacks them.
@@ -458,14 +458,6 @@ class MixtralReader:
             return self._handles[file].get_tensor(key)
         return stack_experts([self._handles[f].get_tensor(k) for f, k in (parts[e] for e in sorted(parts))])
 
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def import_mixtral(path: str | os.PathLike) -> MixtralReader:

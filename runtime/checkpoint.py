@@ -245,7 +245,22 @@ def _truncation(file: Path) -> str | None:
             f"(header promises {8 + n + tensors[-1][0]})")
 
 
-class CheckpointReader:
+class ReaderBase:
+    """Lifetime part of the reader protocol: `close()` drops open file handles; usable in `with`."""
+
+    _handles: dict
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CheckpointReader(ReaderBase):
     """Lazy, read-only view of a canonical checkpoint (file or directory); tensors are read on demand.
 
     Holds one open safetensors handle per shard (mmap); `get(name)` materializes one tensor.
@@ -336,14 +351,6 @@ class CheckpointReader:
     def files(self) -> list[Path]:
         return list(self._handles)
 
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -271,3 +271,17 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def tiny():
     """The tiny config factory as a fixture (same as tiny_config)."""
     return tiny_config
+
+
+@pytest.fixture(scope="module")
+def hf_modules(tmp_path_factory):
+    """Keep transformers' copies of remote code in a temporary directory, not in the user's HF cache."""
+    import transformers.dynamic_module_utils as dmu
+
+    cache = str(tmp_path_factory.mktemp("hf_modules"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dmu, "HF_MODULES_CACHE", cache)
+        mp.setenv("HF_MODULES_CACHE", cache)
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(sys, "path", list(sys.path))
+        yield cache

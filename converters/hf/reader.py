@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, read_tensor
+from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, ReaderBase, read_tensor
 from runtime.config import ConfigError
 from runtime.layout import tensor_shapes
 
@@ -114,7 +114,7 @@ class _PickleFile:
         return self.state[key]
 
 
-class HFCheckpointReader:
+class HFCheckpointReader(ReaderBase):
     """Reader protocol (as runtime.checkpoint.CheckpointReader) over a Hugging Face model directory."""
 
     def __init__(self, directory: str | os.PathLike, allow_pickle: bool = False):
@@ -237,9 +237,3 @@ class HFCheckpointReader:
     def close(self) -> None:
         self._files.clear()
         self._cache = (None, [])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.checkpoint import ST_TO_DTYPE, CheckpointError
+from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, ReaderBase
 from runtime.layout import tensor_shapes
 
 from ..hf.reader import read_hf_config, weight_files
 from .export import canonical_weight_name, config_from_hf_dict
 
 
-class BamHFReader:
+class BamHFReader(ReaderBase):
     """Lazy reader (CheckpointReader's protocol) over an HF BAM export."""
 
     def __init__(self, path: str | os.PathLike):
@@ -73,6 +73,3 @@ class BamHFReader:
     def tokenizer_files(self) -> list[Path]:
         from ..hf.reader import TOKENIZER_FILES
         return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
-
-    def close(self) -> None:
-        self._handles.clear()
