@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-from runtime.checkpoint import (INDEX_NAME, ReaderBase, ST_TO_DTYPE, CheckpointError, SafetensorsStreamWriter, atomic_path,
+from runtime.checkpoint import (INDEX_NAME, ReaderBase, iter_tensors, ST_TO_DTYPE, CheckpointError, SafetensorsStreamWriter, atomic_path,
                                 nbytes, plan_shards, shard_name, write_index)
 from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
@@ -327,15 +327,19 @@ def export_mixtral(reader, out_dir: str | os.PathLike, tokenizer_files: Iterable
     with atomic_path(out_dir, is_dir=True) as tmp:
         tmp.mkdir(parents=True, exist_ok=True)
         weight_map: dict[str, str] = {}
-        held_name, held = None, []  # the one canonical tensor in memory, as its output parts
+        held_name, held = None, []  # the canonical tensor being written, as its output parts
+        # canonical tensors in the order the shards need them, read ahead in a background thread
+        source = iter_tensors(reader, list(dict.fromkeys(s.canonical for s in steps)))
         for i, shard in enumerate(shards):
             fname = shard_name(i, len(shards))
             writer = SafetensorsStreamWriter(tmp / fname, shard, {"format": "pt"})
             for out_name, _, _ in shard:
                 step = by_name[out_name]
                 if step.canonical != held_name:
-                    held_name, held = None, []  # free the previous tensor before reading the next
-                    tensor = reader.get(step.canonical).to(step.dtype)
+                    held_name, held = None, []  # free the previous tensor before taking the next
+                    name, tensor = next(source)
+                    assert name == step.canonical, (name, step.canonical)
+                    tensor = tensor.to(step.dtype)
                     held = [tensor] if step.expert is None else unstack_experts(tensor)
                     held_name, tensor = step.canonical, None
                 writer.write(out_name, held[step.expert or 0])

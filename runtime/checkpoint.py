@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
@@ -143,6 +145,41 @@ class SafetensorsStreamWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+
+
+def iter_tensors(reader, names: list[str], depth: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) in order while a background thread computes the next `depth` tensors.
+
+    Reading, the ops and writing all release the GIL, so on two cores the next tensor is read and
+    merged while the current one is written. Memory: at most depth + 1 output tensors alive."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for name in names:
+                if stop.is_set():
+                    return
+                q.put((name, reader.get(name), None))
+        except BaseException as e:  # re-raised in the consumer, with its traceback
+            q.put((None, None, e))
+
+    thread = threading.Thread(target=work, name="bam-surgery-read-ahead", daemon=True)
+    thread.start()
+    try:
+        for _ in names:
+            name, tensor, err = q.get()
+            if err is not None:
+                raise err
+            yield name, tensor
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
 
 
 def plan_shards(entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int | None
@@ -372,8 +409,8 @@ def write_checkpoint(reader, path: str | os.PathLike, metadata: Mapping[str, str
     path = Path(path)
     if path.suffix == ".safetensors":
         with atomic_path(path) as tmp, SafetensorsStreamWriter(tmp, entries, meta) as w:
-            for n, _, _ in entries:
-                w.write(n, reader.get(n))
+            for n, tensor in iter_tensors(reader, [e[0] for e in entries]):
+                w.write(n, tensor)
         return path
     with atomic_path(path, is_dir=True) as tmp:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -382,8 +419,8 @@ def write_checkpoint(reader, path: str | os.PathLike, metadata: Mapping[str, str
         for i, shard in enumerate(shards):
             fname = shard_name(i, len(shards))
             with SafetensorsStreamWriter(tmp / fname, shard, {"format": FORMAT}) as w:
-                for n, _, _ in shard:
-                    w.write(n, reader.get(n))
+                for n, tensor in iter_tensors(reader, [e[0] for e in shard]):
+                    w.write(n, tensor)
                     weight_map[n] = fname
         write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), meta)
         write_dir_config(tmp, config)

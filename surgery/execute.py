@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import queue
 import re
 import sys
 import threading
@@ -35,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.checkpoint import (CONFIG_KEY, FORMAT, SafetensorsStreamWriter, atomic_path, plan_shards,
+from runtime.checkpoint import (CONFIG_KEY, FORMAT, SafetensorsStreamWriter, atomic_path, iter_tensors, plan_shards,
                                 shard_name, write_dir_config, write_index)
 
 from .errors import BamSurgeryError, InputError
@@ -423,46 +422,11 @@ def _placeholders(files: list[Path]) -> dict[Path, str]:
     return {f: f"sha256-pending-{k:06d}".ljust(64, "-") for k, f in enumerate(files)}
 
 
-def produced(reader: PlanReader, names: list[str], depth: int = 2):
-    """Yield (name, tensor) in order while a background thread computes the next `depth` tensors.
-
-    Reading, the ops and writing all release the GIL, so on two cores the next tensor is read and
-    merged while the current one is written. Memory: at most depth + 1 output tensors alive."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def work() -> None:
-        try:
-            for name in names:
-                if stop.is_set():
-                    return
-                q.put((name, reader.get(name), None))
-        except BaseException as e:  # re-raised in the consumer, with its traceback
-            q.put((None, None, e))
-
-    thread = threading.Thread(target=work, name="bam-surgery-produce", daemon=True)
-    thread.start()
-    try:
-        for _ in names:
-            name, tensor, err = q.get()
-            if err is not None:
-                raise err
-            yield name, tensor
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                pass
-            thread.join(timeout=0.05)
-
-
 def _write_file(plan: Plan, reader: PlanReader, path: Path, hasher: InputHasher, bar) -> None:
     pending = provenance(plan, _placeholders(hasher.files))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     with SafetensorsStreamWriter(path, entries, output_metadata(plan, None, pending)) as writer:
-        for name, x in produced(reader, [t.name for t in plan.tensors]):
+        for name, x in iter_tensors(reader, [t.name for t in plan.tensors]):
             writer.write(name, x)
             del x
             bar.update(plan[name].nbytes)
@@ -500,7 +464,7 @@ def _write_dir(plan: Plan, reader: PlanReader, directory: Path, hasher: InputHas
     for i, shard in enumerate(shards):
         fname = shard_name(i, len(shards))
         with SafetensorsStreamWriter(directory / fname, shard, {"format": FORMAT}) as writer:
-            for name, x in produced(reader, [e[0] for e in shard]):
+            for name, x in iter_tensors(reader, [e[0] for e in shard]):
                 writer.write(name, x)
                 del x
                 weight_map[name] = fname

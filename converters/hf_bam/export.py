@@ -26,7 +26,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from runtime.checkpoint import SafetensorsStreamWriter, atomic_path, nbytes, plan_shards, shard_name, write_index
+from runtime.checkpoint import (SafetensorsStreamWriter, atomic_path, iter_tensors, nbytes, plan_shards, shard_name,
+                                write_index)
 from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
 
@@ -160,8 +161,10 @@ def export_hf_bam(reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[
         for i, shard in enumerate(shards):
             fname = SINGLE_FILE if len(shards) == 1 else shard_name(i, len(shards))
             writer = SafetensorsStreamWriter(tmp / fname, shard, {"format": "pt"})
-            for hf, _, dt in shard:
-                writer.write(hf, reader.get(canonical_weight_name(hf)).to(dt))
+            dtypes = {hf: dt for hf, _, dt in shard}
+            for canonical, tensor in iter_tensors(reader, [canonical_weight_name(e[0]) for e in shard]):
+                hf = hf_weight_name(canonical)
+                writer.write(hf, tensor.to(dtypes[hf]))
                 weight_map[hf] = fname
             writer.close()
         if len(shards) > 1:
