@@ -32,10 +32,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
-from safetensors import safe_open
-
-from runtime.checkpoint import (INDEX_NAME, ReaderBase, iter_tensors, ST_TO_DTYPE, CheckpointError, SafetensorsStreamWriter, atomic_path,
-                                nbytes, plan_shards, shard_name, write_index)
+from runtime.checkpoint import (INDEX_NAME, CheckpointError, ReaderBase, SafetensorsFile, SafetensorsStreamWriter,
+                                atomic_path, iter_tensors, nbytes, plan_shards, shard_name, write_index)
 from runtime.config import ModelConfig
 from runtime.layout import tensor_shapes
 
@@ -386,19 +384,12 @@ class MixtralReader(ReaderBase):
         files, _, _ = weight_files(self.path)  # safetensors only: pickles are refused there
         return sorted(files)
 
-    def _open(self, file: Path):
-        if not file.is_file():
-            raise CheckpointError(f"{file}: file not found")
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
-        self._handles[file] = handle
-        return handle
+    def _open(self, file: Path) -> SafetensorsFile:
+        self._handles[file] = SafetensorsFile(file)
+        return self._handles[file]
 
     def _header(self, file: Path, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        sl = self._handles[file].get_slice(key)
-        return tuple(sl.get_shape()), ST_TO_DTYPE[sl.get_dtype()]
+        return self._handles[file].meta[key]
 
     def _check(self) -> None:
         E = self.config.ffn_experts
@@ -459,8 +450,8 @@ class MixtralReader(ReaderBase):
         parts = self._parts[name]
         if None in parts:
             file, key = parts[None]
-            return self._handles[file].get_tensor(key)
-        return stack_experts([self._handles[f].get_tensor(k) for f, k in (parts[e] for e in sorted(parts))])
+            return self._handles[file].get(key)
+        return stack_experts([self._handles[f].get(k) for f, k in (parts[e] for e in sorted(parts))])
 
 
 

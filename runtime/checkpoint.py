@@ -282,6 +282,41 @@ def _truncation(file: Path) -> str | None:
             f"(header promises {8 + n + tensors[-1][0]})")
 
 
+class SafetensorsFile:
+    """One safetensors file: header validated and parsed once, tensors read into private buffers.
+
+    Every reader of this project (canonical, HF, Mixtral, HF BAM exports) opens its files through
+    this class, so the error messages and the bounded-RSS reading (`read_tensor`) are the same
+    everywhere. `meta[key]` is (shape, dtype); `metadata` the header's string map.
+    """
+
+    def __init__(self, file: Path):
+        self.file = Path(file)
+        if not self.file.is_file():
+            raise CheckpointError(f"{self.file}: file not found")
+        try:
+            safe_open(str(self.file), framework="pt")  # validates the header (offsets, dtypes, coverage)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(_truncation(self.file) or f"{self.file}: unreadable safetensors file ({e})") from e
+        with open(self.file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        self.metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
+        self.entries: dict[str, dict] = header
+        self.data_start = 8 + n
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        size = self.file.stat().st_size
+        if size < self.data_start + end:  # a valid header over fewer bytes than its offsets promise
+            raise CheckpointError(f"{self.file}: truncated ({size} bytes, header promises {self.data_start + end})")
+        self.meta = {k: (tuple(v["shape"]), ST_TO_DTYPE[v["dtype"]]) for k, v in header.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get(self, key: str) -> torch.Tensor:
+        return read_tensor(self.file, self.data_start, self.entries[key])
+
+
 class ReaderBase:
     """Lifetime part of the reader protocol: `close()` drops open file handles; usable in `with`."""
 
@@ -300,12 +335,12 @@ class ReaderBase:
 class CheckpointReader(ReaderBase):
     """Lazy, read-only view of a canonical checkpoint (file or directory); tensors are read on demand.
 
-    Holds one open safetensors handle per shard (mmap); `get(name)` materializes one tensor.
+    One SafetensorsFile per shard (headers only); `get(name)` reads one tensor into its own memory.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, SafetensorsFile] = {}
         self._where: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
         try:
@@ -328,7 +363,7 @@ class CheckpointReader(ReaderBase):
                     self._open(self.path / fname)
             else:
                 h = self._open(self.path)
-                self.metadata = dict(h.metadata() or {})
+                self.metadata = dict(h.metadata)
                 if CONFIG_KEY not in self.metadata:
                     raise CheckpointError(f"{self.path}: safetensors metadata has no {CONFIG_KEY!r}; "
                                           "not a bam-surgery canonical checkpoint")
@@ -339,29 +374,11 @@ class CheckpointReader(ReaderBase):
             where = self.path / "config.json" if self.path.is_dir() else self.path
             raise ConfigError(f"{where}: {e}") from None
 
-    def _open(self, file: Path):
-        if not file.exists():
-            raise CheckpointError(f"{file}: file not found")
-        try:
-            h = safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(_truncation(file) or f"{file}: unreadable safetensors file ({e})") from e
+    def _open(self, file: Path) -> SafetensorsFile:
+        h = SafetensorsFile(file)
         self._handles[file] = h
         for k in h.keys():
             self._where[k] = file
-        # a truncated file has a valid header but fewer bytes than its offsets promise
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if file.stat().st_size < 8 + n + end:
-            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} bytes, header promises {8 + n + end})")
-        self._header = getattr(self, "_header", {})
-        self._data_start = getattr(self, "_data_start", {})
-        self._data_start[file] = 8 + n
-        for k, v in header.items():
-            if k != "__metadata__":
-                self._header[k] = v
         return h
 
     def names(self) -> list[str]:
@@ -374,16 +391,15 @@ class CheckpointReader(ReaderBase):
         return self._where[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._header[name]["shape"])
+        return self._handles[self._where[name]].meta[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        return ST_TO_DTYPE[self._header[name]["dtype"]]
+        return self._handles[self._where[name]].meta[name][1]
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
-        file = self._where[name]
-        return read_tensor(file, self._data_start[file], self._header[name])
+        return self._handles[self._where[name]].get(name)
 
     def files(self) -> list[Path]:
         return list(self._handles)

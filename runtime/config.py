@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")

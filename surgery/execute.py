@@ -304,7 +304,7 @@ class PlanReader:
 def sampled_names(cfg) -> list[str]:
     """A few matrices spread over depth and over attention/FFN: enough to tell a branch from a stranger."""
     L = cfg.n_layers
-    return list(dict.fromkeys([f"layers.0.attn.q.weight", f"layers.{L // 2}.attn.o.weight",
+    return list(dict.fromkeys(["layers.0.attn.q.weight", f"layers.{L // 2}.attn.o.weight",
                                f"layers.{L // 2}.ffn.down.weight", f"layers.{L - 1}.ffn.up.weight"]))
 
 

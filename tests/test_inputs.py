@@ -157,5 +157,6 @@ def test_truncated_weights_are_an_error(hf_dir, tmp_path):
     shutil.copytree(hf_dir, d)
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[:-64])
-    with pytest.raises(CheckpointError, match=r"truncated/model\.safetensors: unreadable safetensors file"):
+    # the same message as a truncated canonical file: it names the file and the first tensor cut off
+    with pytest.raises(CheckpointError, match=r"truncated/model\.safetensors: truncated: tensor \S+ ends at byte"):
         open_checkpoint(str(d))

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, ReaderBase, read_tensor
+from runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
 from runtime.config import ConfigError
 from runtime.layout import tensor_shapes
 
@@ -78,24 +76,6 @@ def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path
                           f"{SAFETENSORS_INDEX}, or pytorch_model.bin)")
 
 
-class _SafetensorsFile:
-    def __init__(self, file: Path):
-        try:
-            self.handle = safe_open(str(file), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
-        self.file = file
-        with open(file, "rb") as f:  # the header safe_open just validated
-            n = struct.unpack("<Q", f.read(8))[0]
-            self.entries = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
-        self.data_start = 8 + n
-        self.meta = {k: (tuple(v["shape"]), ST_TO_DTYPE[v["dtype"]]) for k, v in self.entries.items()}
-
-    def get(self, key: str) -> torch.Tensor:
-        # private buffer, not the file mapping: RSS stays bounded by live tensors (see read_tensor)
-        return read_tensor(self.file, self.data_start, self.entries[key])
-
-
 class _PickleFile:
     def __init__(self, file: Path):
         try:
@@ -133,10 +113,10 @@ class HFCheckpointReader(ReaderBase):
         if notes:
             self.metadata["notes"] = "; ".join(notes)
 
-        self._files: dict[Path, _SafetensorsFile | _PickleFile] = {}
+        self._files: dict[Path, SafetensorsFile | _PickleFile] = {}
         self._source: dict[str, tuple[Path, str]] = {}  # HF name (normalized) -> (file, key in file)
         files, index, is_pickle = weight_files(self.path, allow_pickle)
-        opener = _PickleFile if is_pickle else _SafetensorsFile
+        opener = _PickleFile if is_pickle else SafetensorsFile
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{file}: file not found (listed in the index)")

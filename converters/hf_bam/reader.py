@@ -9,9 +9,8 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runtime.checkpoint import ST_TO_DTYPE, CheckpointError, ReaderBase
+from runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
 from runtime.layout import tensor_shapes
 
 from ..hf.reader import read_hf_config, weight_files
@@ -29,7 +28,7 @@ class BamHFReader(ReaderBase):
             raise CheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.metadata = {"source_format": "bam_mixture", "source": str(self.path)}
         files, _, _ = weight_files(self.path)
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {f: SafetensorsFile(f) for f in files}
         self._where: dict[str, tuple[Path, str]] = {}
         for f, h in self._handles.items():
             for key in h.keys():
@@ -48,15 +47,15 @@ class BamHFReader(ReaderBase):
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def _slice(self, name: str):
+    def _meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         f, key = self._where[name]
-        return self._handles[f].get_slice(key)
+        return self._handles[f].meta[key]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._meta(name)[0]
 
     def dtype(self, name: str) -> torch.dtype:
-        return ST_TO_DTYPE[self._slice(name).get_dtype()]
+        return self._meta(name)[1]
 
     def file_of(self, name: str) -> Path:
         return self._where[name][0]
@@ -68,7 +67,7 @@ class BamHFReader(ReaderBase):
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
         f, key = self._where[name]
-        return self._handles[f].get_tensor(key)
+        return self._handles[f].get(key)
 
     def tokenizer_files(self) -> list[Path]:
         from ..hf.reader import TOKENIZER_FILES
