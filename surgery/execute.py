@@ -38,7 +38,7 @@ from runtime.checkpoint import (CONFIG_KEY, FORMAT, SafetensorsStreamWriter, ato
                                 shard_name, write_dir_config, write_index)
 
 from .errors import BamSurgeryError, InputError
-from .plan import Plan, Source, TensorOp
+from .plan import Plan, Source, TensorOp, file_label
 
 PROVENANCE_KEY = "bam_provenance"
 # Relative distance ||W_e - W_s|| / ||W_s|| above which an expert is reported as evidently not
@@ -80,11 +80,7 @@ def parse_size(text: str) -> int:
 # ---- reading inputs ------------------------------------------------------------------------------
 def _where(plan: Plan, src: Source) -> str:
     inp = plan.inputs[src.input]
-    file_of = getattr(inp.reader, "file_of", None)
-    try:
-        return str(file_of(src.name)) if file_of else inp.label
-    except Exception:
-        return inp.label
+    return file_label(inp.reader, src.name, inp.label)
 
 
 def all_finite(x: torch.Tensor) -> bool:

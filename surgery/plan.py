@@ -186,19 +186,20 @@ def check_inputs(inputs: Sequence[PlanInput]) -> dict[str, tuple[int, ...]]:
                                  f"needs it with shape {list(shape)})")
             found = tuple(r.shape(name))
             if found != shape:
-                raise InputError(f"{_file_of(r, name, inp.label)}: tensor {name} has shape {list(found)}, "
+                raise InputError(f"{file_label(r, name, inp.label)}: tensor {name} has shape {list(found)}, "
                                  f"expected {list(shape)} from the config")
             if not r.dtype(name).is_floating_point:
-                raise InputError(f"{_file_of(r, name, inp.label)}: tensor {name} has dtype {r.dtype(name)}; "
+                raise InputError(f"{file_label(r, name, inp.label)}: tensor {name} has dtype {r.dtype(name)}; "
                                  "weights must be floating point")
         extra = sorted(names - set(layout))
         if extra:
-            raise InputError(f"{_file_of(r, extra[0], inp.label)}: unexpected tensor {extra[0]}: not in the "
+            raise InputError(f"{file_label(r, extra[0], inp.label)}: unexpected tensor {extra[0]}: not in the "
                              "canonical layout of its config" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
     return layout
 
 
-def _file_of(reader: Any, name: str, label: str) -> str:
+def file_label(reader: Any, name: str, label: str) -> str:
+    """The file holding tensor `name` (for error messages), or the input's label if the reader cannot say."""
     file_of = getattr(reader, "file_of", None)
     try:
         return str(file_of(name)) if file_of else label
