@@ -22,7 +22,7 @@ install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
 demo: $(VENV)/.runtime-installed
-	$(PY) -m surgery.demo --out demo-out
+	$(PY) -m bam_surgery.surgery.demo --out demo-out
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q

@@ -49,9 +49,9 @@ if str(REPO) not in sys.path:  # `python benchmarks/merge.py` as well as `python
 
 import torch  # noqa: E402
 
-from runtime.checkpoint import CONFIG_KEY, FORMAT, CheckpointReader, SafetensorsStreamWriter  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.layout import tensor_shapes  # noqa: E402
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, FORMAT, CheckpointReader, SafetensorsStreamWriter  # noqa: E402
+from bam_surgery.runtime.config import ModelConfig  # noqa: E402
+from bam_surgery.runtime.layout import tensor_shapes  # noqa: E402
 
 from benchmarks.measure import Step, can_drop_caches, files_under, measure, total_bytes  # noqa: E402
 
@@ -142,7 +142,7 @@ def write_tokenizer(directory: Path) -> Path:
 
 def generate_hf(dense: list[Path], directory: Path) -> list[Path]:
     """HF LlamaForCausalLM copies of the canonical inputs (same values), via converters.hf.save_hf."""
-    from converters.hf import save_hf
+    from bam_surgery.converters.hf import save_hf
     out = [directory / p.stem for p in dense]
     marker = directory / "inputs.json"
     stamp = {"from": [p.name for p in dense], "mtimes": [p.stat().st_mtime_ns for p in dense]}
@@ -159,12 +159,12 @@ def generate_hf(dense: list[Path], directory: Path) -> list[Path]:
 
 # ---- the commands -------------------------------------------------------------------------------
 def merge_help() -> str:
-    return subprocess.run([sys.executable, "-m", "surgery.cli", "merge", "--help"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "bam_surgery.surgery.cli", "merge", "--help"], cwd=REPO,
                           capture_output=True, text=True).stdout
 
 
 def merge_cmd(recipe: str, inputs: list[Path], out: Path, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "surgery.cli", "merge", "--recipe", recipe, "--seed", str(inputs[0]),
+    return [sys.executable, "-m", "bam_surgery.surgery.cli", "merge", "--recipe", recipe, "--seed", str(inputs[0]),
             "--experts", ",".join(str(p) for p in inputs[1:]), "--out", str(out), "--force", *extra]
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.config import ConfigError, ModelConfig
 
 from .hf.config_map import CapabilityError
 from .mixtral import check_mixtral, export_mixtral

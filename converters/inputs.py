@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
 
 from .hf.reader import SAFETENSORS_INDEX, HFCheckpointReader, TOKENIZER_FILES, read_hf_config
 

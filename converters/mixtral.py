@@ -16,7 +16,7 @@ On disk (what `MixtralForCausalLM.save_pretrained` writes in transformers 5.x, a
 Canonical expert tensors are stacked [E, ...] (runtime/layout.py); each becomes E Mixtral tensors
 (`unstack_experts`), and `stack_experts` is the inverse used by `import_mixtral`.
 
-    from converters.mixtral import export_mixtral, import_mixtral
+    from bam_surgery.converters.mixtral import export_mixtral, import_mixtral
     export_mixtral(open_checkpoint("btx.safetensors"), "btx-mixtral/", tokenizer_files=[...])
     reader = import_mixtral("btx-mixtral/")     # canonical names, lazy, same protocol as CheckpointReader
 """
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
-from runtime.checkpoint import (INDEX_NAME, CheckpointError, ReaderBase, SafetensorsFile, SafetensorsStreamWriter,
+from bam_surgery.runtime.checkpoint import (INDEX_NAME, CheckpointError, ReaderBase, SafetensorsFile, SafetensorsStreamWriter,
                                 atomic_path, iter_tensors, nbytes, plan_shards, shard_name, write_index)
-from runtime.config import ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 from .hf.config_map import CapabilityError  # one error type for every format's capability checks
 from .hf.reader import read_hf_config, weight_files

@@ -1,6 +1,6 @@
 """Reference PyTorch runtime for dense and BAM mixture models. Imports nothing from the other layers.
 
-    from runtime import load_model, ForcedRouting
+    from bam_surgery.runtime import load_model, ForcedRouting
     model = load_model("mix.safetensors")           # config from the file's metadata
     out = model(tokens)                              # out.logits [B, T, V]
     out = model(tokens, routing=ForcedRouting(expert=2))

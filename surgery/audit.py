@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
-from runtime.config import ModelConfig
-from runtime.layout import GROUPS, Shape, tensor_group, tensor_shapes
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import GROUPS, Shape, tensor_group, tensor_shapes
 
 CONVENTIONS = ("exact", "paper")
 

@@ -125,7 +125,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
           weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, fmt, dry_run,
           force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
-    from converters import open_checkpoint
+    from bam_surgery.converters import open_checkpoint
 
     from .execute import execute_plan, parse_size
     from .plan import MergeOptions, compile_plan, format_plan
@@ -150,7 +150,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             readers.append(_open(open_checkpoint, spec, allow_pickle))
         plan = compile_plan(the_recipe, readers, options)
         if fmt != "canonical":  # capability check from the plan's config, before any tensor is read
-            from converters.export import check_export
+            from bam_surgery.converters.export import check_export
             check_export(fmt, plan.config, recipe=the_recipe.name)
         if dry_run:
             click.echo(format_plan(plan))
@@ -178,7 +178,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
     """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
     tensor when the exporter asks for it."""
-    from converters.export import export
+    from bam_surgery.converters.export import export
 
     from .card import check_tokenizers, generation_config, model_card
     from .execute import PlanReader, check_branches, check_output_path, plan_inputs
@@ -209,9 +209,9 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
               help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
-    from converters import open_checkpoint
-    from converters.export import check_export, export
-    from runtime.checkpoint import write_checkpoint
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.converters.export import check_export, export
+    from bam_surgery.runtime.checkpoint import write_checkpoint
 
     from .card import generation_config, tokenizer_files
     from .execute import check_output_path, parse_size

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import click
 
-from runtime.config import PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
 from .errors import USER_ERRORS, one_line
@@ -112,7 +112,7 @@ def render_inspection(ins: Inspection) -> str:
 
 # ---- resolving what to count ----------------------------------------------------------------
 def _open(spec: str):
-    from converters import open_checkpoint
+    from bam_surgery.converters import open_checkpoint
 
     try:
         return open_checkpoint(spec)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import ForcedRouting, Model, load_model, preset, save_model
+from bam_surgery.runtime import ForcedRouting, Model, load_model, preset, save_model
 
 DOMAINS = ("code", "law", "math")
 

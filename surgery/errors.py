@@ -6,8 +6,8 @@ exits with status 2, without a traceback. Anything else that escapes is a bug an
 """
 from __future__ import annotations
 
-from runtime.checkpoint import CheckpointError
-from runtime.config import ConfigError
+from bam_surgery.runtime.checkpoint import CheckpointError
+from bam_surgery.runtime.config import ConfigError
 
 
 class BamSurgeryError(Exception):

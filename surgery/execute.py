@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from runtime.checkpoint import (CONFIG_KEY, FORMAT, SafetensorsStreamWriter, atomic_path, iter_tensors, plan_shards,
+from bam_surgery.runtime.checkpoint import (CONFIG_KEY, FORMAT, SafetensorsStreamWriter, atomic_path, iter_tensors, plan_shards,
                                 shard_name, write_dir_config, write_index)
 
 from .errors import BamSurgeryError, InputError
@@ -51,16 +51,8 @@ Warn = Callable[[str], None]
 
 
 def tool_version() -> str:
-    try:
-        from surgery import __version__  # type: ignore[attr-defined]
-        return str(__version__)
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-        return version("bam-surgery")
-    except Exception:
-        return "unknown"
+    from bam_surgery import __version__
+    return __version__
 
 
 def parse_size(text: str) -> int:

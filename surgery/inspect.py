@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.config import ModelConfig
-from runtime.layout import GROUPS
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import GROUPS
 
 from .audit import Audit, ShapeReader, audit_checkpoint
 

@@ -31,9 +31,9 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.checkpoint import DTYPE_NAMES, nbytes
-from runtime.config import ConfigError, ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.checkpoint import DTYPE_NAMES, nbytes
+from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 from .errors import BamSurgeryError, InputError
 from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config

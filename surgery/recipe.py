@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from runtime.config import GATE_NORMS, ConfigError, ModelConfig
+from bam_surgery.runtime.config import GATE_NORMS, ConfigError, ModelConfig
 
 from .errors import RecipeError
 
@@ -122,7 +122,7 @@ class Recipe:
 
 # ---- loading and validation -------------------------------------------------------------------
 def available_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("recipes").iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name[:-5] for p in resources.files("bam_surgery.recipes").iterdir() if p.name.endswith(".yaml"))
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
@@ -133,7 +133,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe {spec}: file not found")
         return parse_recipe(path.read_text(encoding="utf-8"), str(path))
-    shipped = resources.files("recipes") / f"{spec}.yaml"
+    shipped = resources.files("bam_surgery.recipes") / f"{spec}.yaml"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec) or not shipped.is_file():
         raise RecipeError(f"recipe {spec!r}: no such recipe; choose one of {', '.join(available_recipes())} "
                           "or give the path of a .yaml file")

@@ -17,13 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.layout import tensor_shapes  # noqa: E402
-from runtime.model import Model  # noqa: E402
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.model import Model
 
 # Tiny dims: D 32, 2 layers, V 64, T 8 (head_dim 8 with 4 heads).
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, max_positions=16)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from runtime.checkpoint import save_checkpoint
-from runtime.config import ModelConfig, preset
-from runtime.layout import GROUPS, tensor_group, tensor_shapes
-from surgery.audit import PAPER_DEVIATIONS, audit, audit_checkpoint
-from surgery.cli_audit import count_params_cmd, inspect_cmd
-from surgery.inspect import inspect_checkpoint
+from bam_surgery.runtime.checkpoint import save_checkpoint
+from bam_surgery.runtime.config import ModelConfig, preset
+from bam_surgery.runtime.layout import GROUPS, tensor_group, tensor_shapes
+from bam_surgery.surgery.audit import PAPER_DEVIATIONS, audit, audit_checkpoint
+from bam_surgery.surgery.cli_audit import count_params_cmd, inspect_cmd
+from bam_surgery.surgery.inspect import inspect_checkpoint
 
 SMALL = preset("paper-small")
 LARGE = preset("paper-large")
@@ -194,7 +194,7 @@ META_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(META_CONFIGS))
 def test_meta_device_model_agrees(name):
-    from runtime.model import Model
+    from bam_surgery.runtime.model import Model
 
     cfg = META_CONFIGS[name]
     with torch.device("meta"):
@@ -250,7 +250,7 @@ class HeaderOnly:
 
 
 def test_audit_checkpoint_from_header(tiny_ckpt):
-    from converters import open_checkpoint
+    from bam_surgery.converters import open_checkpoint
 
     reader = HeaderOnly(open_checkpoint(str(tiny_ckpt)))
     for conv in ("exact", "paper"):
@@ -275,7 +275,7 @@ def broken_ckpt(tmp_path):
 
 
 def test_audit_checkpoint_reports_mismatches(broken_ckpt):
-    from converters import open_checkpoint
+    from bam_surgery.converters import open_checkpoint
 
     a = audit_checkpoint(open_checkpoint(str(broken_ckpt)))
     assert {(m.kind, m.name) for m in a.mismatches} == {

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import build_model, random_state, tiny_config, tokens_for
-import runtime.checkpoint as ckpt
-from runtime import load_model, save_model
-from runtime.config import ConfigError
-from runtime.checkpoint import (CONFIG_KEY, INDEX_NAME, CheckpointError, CheckpointReader, SafetensorsStreamWriter,
+import bam_surgery.runtime.checkpoint as ckpt
+from bam_surgery.runtime import load_model, save_model
+from bam_surgery.runtime.config import ConfigError
+from bam_surgery.runtime.checkpoint import (CONFIG_KEY, INDEX_NAME, CheckpointError, CheckpointReader, SafetensorsStreamWriter,
                                 load_checkpoint, save_checkpoint)
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.layout import tensor_shapes
 
 MIX = dict(ffn_experts=3, ffn_top_k=2, attn_experts=3, kv_mode="shared", position="learned", norm="layernorm",
            norm_bias=True, lm_head_bias=True, tie_embeddings=True)

@@ -25,9 +25,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from runtime import load_model
-from runtime.checkpoint import CheckpointReader
-from surgery.cli import cli
+from bam_surgery.runtime import load_model
+from bam_surgery.runtime.checkpoint import CheckpointReader
+from bam_surgery.surgery.cli import cli
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -232,7 +232,7 @@ def test_bam_to_mixtral_refused_in_one_line(family, tmp_path):
 
 
 def test_bam_to_mixtral_reads_no_tensor_data(family, tmp_path, monkeypatch):
-    from converters.hf.reader import HFCheckpointReader
+    from bam_surgery.converters.hf.reader import HFCheckpointReader
 
     def no_reads(self, name):
         raise AssertionError(f"tensor data read: {name}")

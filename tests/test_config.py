@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY, tiny_config
-from runtime.config import PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 
 
 @pytest.mark.parametrize("overrides", [

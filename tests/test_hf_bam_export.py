@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.hf_bam import (canonical_weight_name, check_hf_bam, config_from_hf_dict, export_hf_bam,
+from bam_surgery.converters.hf_bam import (canonical_weight_name, check_hf_bam, config_from_hf_dict, export_hf_bam,
                                hf_weight_name)
-from converters.hf_bam import modeling_bam
-from converters.hf_bam.configuration_bam import SUPPORTED
-from runtime import Model, ModelConfig, save_model
-from runtime.checkpoint import CheckpointReader
-from runtime.layout import tensor_shapes
+from bam_surgery.converters.hf_bam import modeling_bam
+from bam_surgery.converters.hf_bam.configuration_bam import SUPPORTED
+from bam_surgery.runtime import Model, ModelConfig, save_model
+from bam_surgery.runtime.checkpoint import CheckpointReader
+from bam_surgery.runtime.layout import tensor_shapes
 
 TOL = 1e-4
 V = 64
@@ -277,7 +277,7 @@ def test_rejects_damaged_checkpoint_without_output(tmp_path):
 
 def test_supported_table_matches_modeling_code():
     assert set(modeling_bam.ACTIVATIONS) == set(SUPPORTED["activation"])
-    from runtime import config as runtime_config
+    from bam_surgery.runtime import config as runtime_config
 
     # everything the runtime accepts today is exportable
     for fld, runtime_values in [("activation", runtime_config.ACTIVATIONS), ("norm", runtime_config.NORMS),

@@ -20,14 +20,14 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from converters import open_checkpoint  # noqa: E402
-from converters.hf import ARCHITECTURES, CapabilityError, HFCheckpointReader, save_hf  # noqa: E402
-from converters.hf import config_map as cm  # noqa: E402
-from converters.hf import ops  # noqa: E402
-from runtime.checkpoint import CheckpointError  # noqa: E402
-from runtime.config import ModelConfig, preset  # noqa: E402
-from runtime.layout import tensor_shapes  # noqa: E402
-from runtime.model import Model  # noqa: E402
+from bam_surgery.converters import open_checkpoint  # noqa: E402
+from bam_surgery.converters.hf import ARCHITECTURES, CapabilityError, HFCheckpointReader, save_hf  # noqa: E402
+from bam_surgery.converters.hf import config_map as cm  # noqa: E402
+from bam_surgery.converters.hf import ops  # noqa: E402
+from bam_surgery.runtime.checkpoint import CheckpointError  # noqa: E402
+from bam_surgery.runtime.config import ModelConfig, preset  # noqa: E402
+from bam_surgery.runtime.layout import tensor_shapes  # noqa: E402
+from bam_surgery.runtime.model import Model  # noqa: E402
 
 TOL = 1e-4
 SMALL = dict(vocab_size=100, num_hidden_layers=2)

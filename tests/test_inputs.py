@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters import open_checkpoint
-from converters.hf import HFCheckpointReader, save_hf
-from runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
-from runtime.config import ConfigError, ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.converters import open_checkpoint
+from bam_surgery.converters.hf import HFCheckpointReader, save_hf
+from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,12 +27,12 @@ import torch
 from click.testing import CliRunner
 
 from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, tokens_for
-from runtime import ForcedRouting, load_model
-from runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
-from surgery.cli import cli
-from surgery.execute import PlanReader, execute_plan, parse_size
-from surgery.plan import MergeOptions, compile_plan
-from surgery.recipe import load_recipe
+from bam_surgery.runtime import ForcedRouting, load_model
+from bam_surgery.runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+from bam_surgery.surgery.cli import cli
+from bam_surgery.surgery.execute import PlanReader, execute_plan, parse_size
+from bam_surgery.surgery.plan import MergeOptions, compile_plan
+from bam_surgery.surgery.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -397,7 +397,7 @@ def test_hugging_face_inputs_merge_by_name(tmp_path):
 # ---- atomicity --------------------------------------------------------------------------------------
 SLOW_MERGE = """
 import sys, time
-import runtime.checkpoint as ck
+import bam_surgery.runtime.checkpoint as ck
 write = ck.SafetensorsStreamWriter.write
 def slow_write(self, name, tensor):
     n = write(self, name, tensor)
@@ -405,7 +405,7 @@ def slow_write(self, name, tensor):
     time.sleep(0.5)
     return n
 ck.SafetensorsStreamWriter.write = slow_write
-from surgery.cli import main
+from bam_surgery.surgery.cli import main
 main(sys.argv[1:])
 """
 
@@ -604,11 +604,11 @@ def test_parse_size(text, size):
 
 def test_plan_compiles_from_headers_for_a_paper_sized_model(tmp_path):
     """The paper's 590M model (Table 4) planned from shapes alone: expert shapes as in Table 5."""
-    from runtime.config import preset
+    from bam_surgery.runtime.config import preset
 
     class Header:  # a reader with headers only: no data at all
         def __init__(self, cfg, path):
-            from runtime.layout import tensor_shapes
+            from bam_surgery.runtime.layout import tensor_shapes
             self.config, self.path, self.metadata = cfg, path, {}
             self._shapes = tensor_shapes(cfg)
 

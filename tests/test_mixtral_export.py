@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.mixtral import (CapabilityError, check_mixtral, export_mixtral, import_mixtral, load_state,
+from bam_surgery.converters.mixtral import (CapabilityError, check_mixtral, export_mixtral, import_mixtral, load_state,
                                 mixtral_names, canonical_name, MIXTRAL_NAMES)
-from runtime import save_model
-from runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
-from runtime.config import ModelConfig
-from runtime.layout import tensor_shapes
-from runtime.model import Model
+from bam_surgery.runtime import save_model
+from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.model import Model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,9 +16,9 @@ import torch
 
 from conftest import (T_TINY, build_model, dense_family, max_diff, mixture_state, random_state,
                       reference_forward, ref_attention, ref_ffn, ref_norm, sub, tiny_config, tokens_for)
-from runtime.config import preset
-from runtime.layout import tensor_shapes
-from runtime.model import ForcedRouting, Model, load_balancing_loss, z_loss
+from bam_surgery.runtime.config import preset
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.model import ForcedRouting, Model, load_balancing_loss, z_loss
 
 TOL = 1e-5
 

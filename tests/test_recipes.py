@@ -10,12 +10,12 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, tokens_for
-from runtime import ForcedRouting, load_model
-from runtime.checkpoint import save_checkpoint
-from runtime.config import ConfigError, preset
-from surgery.cli import cli
-from surgery.errors import RecipeError
-from surgery.recipe import KINDS, available_recipes, load_recipe, mixture_config, parse_recipe, validate_recipe
+from bam_surgery.runtime import ForcedRouting, load_model
+from bam_surgery.runtime.checkpoint import save_checkpoint
+from bam_surgery.runtime.config import ConfigError, preset
+from bam_surgery.surgery.cli import cli
+from bam_surgery.surgery.errors import RecipeError
+from bam_surgery.surgery.recipe import KINDS, available_recipes, load_recipe, mixture_config, parse_recipe, validate_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "recipes" / "README.md").read_text()

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from runtime.config import ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 from . import config_map as cm
 from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, TRANSPOSE, ReshapeOp

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from runtime.config import ModelConfig, ConfigError
+from bam_surgery.runtime.config import ModelConfig, ConfigError
 
 REQUIRED = object()  # sentinel: the key must be present in config.json
 

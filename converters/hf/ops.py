@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from runtime.config import ModelConfig
+from bam_surgery.runtime.config import ModelConfig
 
 Shape = tuple[int, ...]
 

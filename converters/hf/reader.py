@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
-from runtime.config import ConfigError
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
+from bam_surgery.runtime.config import ConfigError
+from bam_surgery.runtime.layout import tensor_shapes
 
 from .architectures import Architecture, Binding, BoundRule, architecture, bind
 from .config_map import hf_to_model_config

@@ -18,10 +18,10 @@ from typing import Mapping
 
 import torch
 
-from runtime.checkpoint import (CheckpointError, SafetensorsStreamWriter, atomic_path, nbytes, plan_shards,
+from bam_surgery.runtime.checkpoint import (CheckpointError, SafetensorsStreamWriter, atomic_path, nbytes, plan_shards,
                                 shard_name, write_index)
-from runtime.config import ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 from .architectures import architecture as lookup_architecture
 from .architectures import bind

@@ -26,10 +26,10 @@ from typing import Iterable, Mapping
 
 import torch
 
-from runtime.checkpoint import (SafetensorsStreamWriter, atomic_path, iter_tensors, nbytes, plan_shards, shard_name,
+from bam_surgery.runtime.checkpoint import (SafetensorsStreamWriter, atomic_path, iter_tensors, nbytes, plan_shards, shard_name,
                                 write_index)
-from runtime.config import ModelConfig
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 from .configuration_bam import SUPPORTED, BamConfig
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
-from runtime.layout import tensor_shapes
+from bam_surgery.runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
+from bam_surgery.runtime.layout import tensor_shapes
 
 from ..hf.reader import read_hf_config, weight_files
 from .export import canonical_weight_name, config_from_hf_dict

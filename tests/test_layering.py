@@ -1,0 +1,111 @@
+"""The layers import downward only, and the package installs one import name.
+
+    surgery     (CLI, recipes -> plan -> execute, pipeline)    may import train, converters, runtime
+    train       (data, loop, checkpoints, eval)                  may import converters, runtime
+    converters  (HF formats, exporters)                          may import runtime
+    runtime     (config, layout, checkpoint format, model)       imports torch & co. only
+
+Imports are read with `ast` from every module of every layer (function-level imports included), so a
+lazy import inside a function cannot hide an upward dependency.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("runtime", "converters", "train", "surgery")  # each may import the ones before it
+LAYER_DIRS = ORDER + ("recipes",)
+# files shipped into exported HF folders run without bam_surgery installed: torch/transformers only
+STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py")}
+
+def _modules(layer: str, root: Path = ROOT) -> list[Path]:
+    d = root / layer
+    return sorted(d.rglob("*.py")) if d.is_dir() else []
+
+def _imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, bool]]:
+    """(line, absolute module name, relative?) for every import in `path`; relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = ["bam_surgery", *path.relative_to(root).parent.parts]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, False) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append((node.lineno, name, bool(node.level)))
+    return out
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "bam_surgery" and len(parts) > 1 and parts[1] in LAYER_DIRS:
+        return parts[1]
+    return None
+
+def layering_problems(root: Path = ROOT) -> list[str]:
+    problems = []
+    for layer in ORDER:
+        allowed = set(ORDER[: ORDER.index(layer) + 1]) | {"recipes"}
+        for path in _modules(layer, root):
+            for line, module, relative in _imports(path, root):
+                top = module.split(".")[0]
+                where = f"{path.relative_to(root)}:{line}"
+                if top in LAYER_DIRS:
+                    problems.append(f"{where}: imports top-level {module!r}; use bam_surgery.{module}")
+                target = _layer_of(module)
+                if target is not None and target not in allowed:
+                    problems.append(f"{where}: layer {layer} imports {module} (layer {target} is above it)")
+                sibling = relative and Path(*module.split(".")[1:]).with_suffix(".py") in STANDALONE
+                if path.relative_to(root) in STANDALONE and (top == "bam_surgery" or target) and not sibling:
+                    problems.append(f"{where}: shipped remote-code file imports {module}")
+    return problems
+
+def test_every_layer_imports_downward_only():
+    problems = layering_problems()
+    assert not problems, "\n".join(problems)
+
+def test_runtime_imports_torch_and_co_only():
+    third_party_ok = {"torch", "numpy", "safetensors", "tqdm"}
+    problems = []
+    for path in _modules("runtime"):
+        for line, module, _ in _imports(path):
+            top = module.split(".")[0]
+            if top == "bam_surgery":
+                continue  # checked above: runtime only
+            if top in sys.stdlib_module_names or top in third_party_ok or top == "__future__":
+                continue
+            problems.append(f"{path.relative_to(ROOT)}:{line}: runtime imports {module}")
+    assert not problems, "\n".join(problems)
+
+def test_layering_check_catches_upward_and_top_level_imports(tmp_path):
+    """The checker itself, on a made-up tree: an upward lazy import and a top-level layer name."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "converters").mkdir()
+    (tmp_path / "runtime" / "probe.py").write_text("def f():\n    from ..converters import open_checkpoint\n")
+    (tmp_path / "converters" / "probe.py").write_text("import runtime.config\nfrom ..surgery import cli\n")
+    problems = "\n".join(layering_problems(tmp_path))
+    assert "runtime/probe.py:2: layer runtime imports bam_surgery.converters" in problems
+    assert "converters/probe.py:1: imports top-level 'runtime.config'" in problems
+    assert "converters/probe.py:2: layer converters imports bam_surgery.surgery" in problems
+
+def test_wheel_installs_only_the_bam_surgery_namespace(tmp_path):
+    """`pip install .` adds one import name: every file of the wheel lives under bam_surgery/."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("bam_surgery-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"bam_surgery"}
+    for layer in LAYER_DIRS:
+        if layer != "train" or (ROOT / "train").is_dir():
+            assert f"bam_surgery/{layer}/__init__.py" in names
+    assert "bam_surgery/recipes/bam.yaml" in names
+    assert "bam_surgery/converters/hf_bam/modeling_bam.py" in names
