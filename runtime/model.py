@@ -61,7 +61,9 @@ class ModelOutput:
     nll: Tensor | None = None
     lb_loss: Tensor | None = None  # summed over routers that balance load
     z_loss: Tensor | None = None  # summed over all routers
-    router_probs: list[tuple[str, Tensor]] = field(default_factory=list)  # (router name, p [B*T, E])
+    # every router of the forward pass by name ("layers.3.ffn_router"), in execution order: the gates
+    # actually applied [B*T, E], and (unless forced) the logits, full softmax and top-k choices
+    routing: dict[str, "Routing"] = field(default_factory=dict)
 
 
 # ---- building blocks ------------------------------------------------------------------------
@@ -355,9 +357,9 @@ class Model(nn.Module):
         zero = logits.new_zeros((), dtype=torch.float32)
         lb, z = zero, zero
         for name, r, balances in aux:
+            out.routing[name] = r
             if r.logits is None:  # forced routing: nothing learned to regularize
                 continue
-            out.router_probs.append((name, r.probs))
             z = z + z_loss(r.logits)
             if balances:
                 lb = lb + load_balancing_loss(r.probs, r.topk, r.probs.shape[-1])

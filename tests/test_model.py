@@ -98,7 +98,7 @@ def check_forward_backward(cfg, seed):
         assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
     # Stacked experts: the slice of expert e has a gradient iff some token was routed to it.
     usage = {name: expert_usage(probs, cfg.ffn_top_k if "ffn" in name else cfg.attn_top_k)
-             for name, probs in out.router_probs}
+             for name, probs in ((n, r.probs) for n, r in out.routing.items())}
     for name, p in params.items():
         if ".ffn_experts." in name or ".attn_experts." in name:
             router = name.split(".ffn_experts.")[0] + ".ffn_router" if ".ffn_experts." in name \
@@ -376,7 +376,7 @@ def test_zero_routers_give_uniform_probabilities():
     out = build_model(cfg, state)(tokens_for(cfg))
     assert out.lb_loss.item() == pytest.approx(2 * 1.0, abs=1e-6)  # two FFN routers; soft attention: none
     assert out.z_loss.item() == pytest.approx(2 * math.log(4) ** 2 + 2 * math.log(3) ** 2, abs=1e-5)
-    for _, p in out.router_probs:
+    for p in (r.probs for r in out.routing.values()):
         assert torch.allclose(p, torch.full_like(p, 1.0 / p.shape[-1]))
 
 
@@ -442,3 +442,23 @@ def test_paper_large_parameter_count():
     hand = 256000 * D + 18 * per_block + D
     assert hand == 1_991_289_600
     assert n_params(preset("paper-large")) == hand
+
+
+def test_routing_trace_exposes_applied_gates_and_topk_choices():
+    """ModelOutput.routing: every router by name, with the gates actually applied and the top-k choices."""
+    cfg = tiny_config(ffn_experts=4, ffn_top_k=2, attn_experts=3, attn_top_k=None)
+    model = build_model(cfg, random_state(cfg))
+    out = model(tokens_for(cfg))
+    n_tok = tokens_for(cfg).numel()
+    assert list(out.routing) == [f"layers.{i}.{r}" for i in range(cfg.n_layers) for r in ("attn_router", "ffn_router")]
+    for name, r in out.routing.items():
+        E = 4 if "ffn" in name else 3
+        assert r.gates.shape == r.probs.shape == r.logits.shape == (n_tok, E)
+        if "ffn" in name:  # top-2 of the full softmax: the gates are p_i on the chosen experts, 0 elsewhere
+            assert r.topk.shape == (n_tok, 2)
+            assert ((r.gates > 0).sum(-1) == 2).all()
+            assert torch.equal(r.gates.gather(-1, r.topk), r.probs.gather(-1, r.topk))
+        else:  # soft: every expert, the full softmax
+            assert r.topk is None and torch.equal(r.gates, r.probs)
+    forced = model(tokens_for(cfg), routing=ForcedRouting(expert=1)).routing
+    assert all(r.logits is None and (r.gates.argmax(-1) == 1).all() for r in forced.values())
