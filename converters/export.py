@@ -1,10 +1,15 @@
-"""One entry point for every output format, with capability checks that run before any I/O.
+"""Output formats: one `Exporter` per format, all in one table (`exporters()`).
 
-    check_export(fmt, cfg, recipe=..., architecture=...)   raises CapabilityError (one line)
-    export(reader, out_dir, fmt, ...)                      streams reader -> out_dir (atomic)
+`merge --format`, `convert --format` and the Python API pick formats from this table; a new format
+is a class with a name, a capability check from the config alone and a `write(reader, out,
+options)`, plus one line in `exporters()`.
+
+    exporter("mixtral").check(cfg, recipe="btx")      CapabilityError (one line), before any I/O
+    exporter("mixtral").write(reader, out, ExportOptions(...))   streams reader -> out (atomic)
 
 Formats:
-    canonical   our own safetensors (file or directory); written by surgery.execute, not here
+    canonical   our own safetensors (file or directory); a merge writes it itself (surgery.execute),
+                with its provenance
     mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
@@ -12,73 +17,99 @@ Formats:
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.reader import Reader
 
-from .hf.config_map import CapabilityError
-from .mixtral import check_mixtral, export_mixtral
 
-FORMATS = ("canonical", "mixtral", "hf")
+class CapabilityError(ConfigError):
+    """A format, architecture or option cannot express this model; raised from the config alone,
+    before any tensor is read. The message is one line saying what is needed and what the model has."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything an exporter may use besides the reader; each format reads the fields it needs."""
+
+    tokenizer_files: tuple[Path, ...] = ()  # copied into the output by name
+    tokenizer_source: Reader | None = None  # dense hf: carry this reader's tokenizer files and token ids
+    generation: Mapping[str, Any] | None = None  # generation_config.json entries; *_token_id also go to config.json
+    model_card: str | None = None  # README.md
+    max_shard_bytes: int | None = None  # None: the format's default (one file for most)
+    dtype: torch.dtype | None = None  # cast every tensor (None: keep each tensor's dtype)
+    architecture: str | None = None  # dense hf: the HF model_type to write
+    recipe: str | None = None  # named in capability messages
+    metadata: Mapping[str, str] = field(default_factory=dict)  # canonical: extra metadata entries
+
+
+class Exporter(ABC):
+    """One output format."""
+
+    name: str
+    summary: str  # a few words for --format's help
+    writes_directory: bool = True  # False: OUT may also be a single file (canonical .safetensors)
+    # File-name globs this format writes; `--force` replaces a directory holding nothing else.
+    writes: tuple[str, ...] = ()
+
+    @abstractmethod
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        """Raise CapabilityError if the format cannot express this config (no I/O)."""
+
+    @abstractmethod
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        """Check (again, with the reader's tensors) and write `out` atomically; return it."""
+
+
+class CanonicalExporter(Exporter):
+    name = "canonical"
+    summary = "our safetensors, loads with runtime.load_model"
+    writes_directory = False
+    writes = ("config.json", "model.safetensors.index.json", "*.safetensors")
+
+    def check(self, cfg, *, recipe=None, architecture=None) -> None:
+        pass  # every ModelConfig has a canonical layout
+
+    def write(self, reader, out, options) -> Path:
+        from bam_surgery.runtime.checkpoint import write_checkpoint
+        if options.dtype is not None:
+            raise CapabilityError("canonical output keeps each tensor's dtype (no dtype cast)")
+        return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes)
+
+
+def exporters() -> dict[str, Exporter]:
+    """The table of output formats, in --format order. Adding a format: one entry here."""
+    from .hf_export import HFExporter
+    from .mixtral import MixtralExporter
+
+    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter())}
+
+
+def exporter(fmt: str) -> Exporter:
+    table = exporters()
+    if fmt not in table:
+        raise CapabilityError(f"unknown format {fmt!r}; choose one of {', '.join(table)}")
+    return table[fmt]
 
 
 def check_export(fmt: str, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
     """Refuse, in one line, a model the format cannot express, before any tensor is read."""
-    if fmt not in FORMATS:
-        raise CapabilityError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt == "mixtral":
-        check_mixtral(cfg, recipe)
-    elif fmt == "hf":
-        if cfg.is_mixture:
-            from .hf_bam.export import check_hf_bam
-            try:
-                check_hf_bam(cfg)
-            except ValueError as e:
-                raise CapabilityError(str(e)) from None
-        else:
-            if not architecture:
-                raise CapabilityError("hf export of a dense model needs the architecture to write "
-                                      "(--architecture llama|mistral|qwen2|gpt_neox|gpt2|cohere|phi)")
-            from .hf.architectures import architecture as lookup
-            from .hf.config_map import model_config_to_hf
-            arch = lookup(architecture)
-            model_config_to_hf(cfg, arch.config, arch.model_type)  # raises the architecture's capability error
+    exporter(fmt).check(cfg, recipe=recipe, architecture=architecture)
 
 
-def export(reader, out_dir: str | os.PathLike, fmt: str, *, tokenizer_files: Iterable[Path] = (),
-           tokenizer_source=None, model_card: str | None = None, max_shard_bytes: int | None = None,
-           dtype: torch.dtype | None = None, architecture: str | None = None, recipe: str | None = None,
-           generation: Mapping[str, Any] | None = None) -> Path:
-    """Write `reader` (a canonical checkpoint or a surgery PlanReader) to out_dir in format `fmt`."""
-    try:
-        return _export(reader, Path(out_dir), fmt, list(tokenizer_files), tokenizer_source, model_card,
-                       max_shard_bytes, dtype, architecture, recipe, generation)
-    except ConfigError:
-        raise
-    except ValueError as e:  # exporters refuse bad requests with one-line ValueErrors; keep them one line
-        raise CapabilityError(str(e)) from e
+def export(reader: Reader, out: str | os.PathLike, fmt: str, options: ExportOptions | None = None,
+           **fields: Any) -> Path:
+    """Write `reader` (a checkpoint or a merge's PlanReader) to `out` in format `fmt`; `fields`
+    override entries of `options` (ExportOptions)."""
+    options = replace(options or ExportOptions(), **fields)
+    chosen = exporter(fmt)
+    chosen.check(reader.config, recipe=options.recipe, architecture=options.architecture)
+    return chosen.write(reader, Path(out), options)
 
 
-def _export(reader, out_dir, fmt, tokenizer_files, tokenizer_source, model_card, max_shard_bytes, dtype,
-            architecture, recipe, generation) -> Path:
-    cfg: ModelConfig = reader.config
-    check_export(fmt, cfg, recipe=recipe, architecture=architecture)
-    if fmt == "canonical":
-        raise CapabilityError("canonical output is written by the merge itself, not by an exporter")
-    if fmt == "mixtral":
-        return export_mixtral(reader, out_dir, tokenizer_files=tokenizer_files, model_card=model_card,
-                              max_shard_bytes=max_shard_bytes, generation_config=generation, recipe=recipe,
-                              dtype=dtype)
-    if cfg.is_mixture:
-        from .hf_bam.export import export_hf_bam
-        return export_hf_bam(reader, out_dir, tokenizer_files=tokenizer_files, model_card=model_card,
-                             max_shard_bytes=max_shard_bytes, dtype=dtype, generation=generation)
-    from .hf.writer import save_hf
-    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    return save_hf(reader, out_dir, architecture, tokenizer_from=tokenizer_source, model_card=model_card, **kwargs)
-
-
-__all__ = ["FORMATS", "CapabilityError", "check_export", "export"]
+__all__ = ["CapabilityError", "Exporter", "ExportOptions", "check_export", "export", "exporter", "exporters"]

@@ -17,21 +17,24 @@ import re
 from pathlib import Path
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
+from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.shards import INDEX_NAME
 
-from .hf.reader import SAFETENSORS_INDEX, HFCheckpointReader, TOKENIZER_FILES, read_hf_config
+from .hf.files import TOKENIZER_FILES, read_hf_config
+from .hf.reader import HFCheckpointReader
 
 # org/name with an optional @revision (branch, tag or commit)
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
 # model*.safetensors: not the duplicate weights some repos also carry (e.g. consolidated.safetensors)
-HUB_PATTERNS = ["config.json", "model*.safetensors", SAFETENSORS_INDEX, *TOKENIZER_FILES]
+HUB_PATTERNS = ["config.json", "model*.safetensors", INDEX_NAME, *TOKENIZER_FILES]
 HUB_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 FILE_SUFFIXES = (".safetensors", ".json", *PICKLE_SUFFIXES)  # a spec ending so is a path, never a hub id
 HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 
-def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False):
-    """A reader (.config, .names(), .shape(n), .dtype(n), .get(n), .file_of(n), .files(), .metadata, .path)."""
+def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Reader:
+    """The reader (runtime.reader protocol) of a checkpoint spec."""
     path = Path(spec)
     if path.is_dir():
         return _open_directory(path, allow_pickle)
@@ -55,20 +58,17 @@ def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False):
     raise CheckpointError(f"{spec}: no such file or directory (and not a hub id of the form org/name[@revision])")
 
 
-def _open_directory(path: Path, allow_pickle: bool):
+def _open_directory(path: Path, allow_pickle: bool) -> Reader:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (neither a canonical nor a Hugging Face model directory)")
     body = read_hf_config(path)
     cfg_file = path / "config.json"
     if CONFIG_KEY in body:
         return CheckpointReader(path)
-    if body.get("model_type") == "mixtral":  # e.g. a btx export read back
-        from .mixtral import import_mixtral
-        return import_mixtral(path)
     if body.get("model_type") == "bam_mixture":  # an `--format hf` mixture export read back
         from .hf_bam.reader import BamHFReader
         return BamHFReader(path)
-    if "model_type" in body:
+    if "model_type" in body:  # an HF architecture, Mixtral (e.g. a btx export read back) included
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
     raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")
 

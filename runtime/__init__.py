@@ -13,15 +13,15 @@ import torch
 
 from .checkpoint import CheckpointError, CheckpointReader, load_checkpoint, save_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, preset
-from .layout import tensor_shapes
 from .model import ForcedRouting, Model, ModelOutput
+from .reader import Reader, StateReader, check_layout
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> Model:
     """Rebuild a model from a canonical checkpoint (file or directory) alone."""
     with CheckpointReader(path) as reader:
-        check_layout(reader)
+        check_layout(reader)  # errors name the file and tensor, instead of load_state_dict's message
         cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
     with torch.device("meta"):
         model = Model(cfg)
@@ -32,27 +32,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model.eval()
 
 
-def check_layout(reader: CheckpointReader) -> None:
-    """Every tensor the config's canonical layout needs, with its shape, and nothing else; errors
-    name the file and the tensor (instead of torch's load_state_dict message)."""
-    want = tensor_shapes(reader.config)
-    for name in reader.names():
-        if name not in want:
-            raise CheckpointError(f"{reader.file_of(name)}: unexpected tensor {name}: not in the canonical "
-                                  "layout of its config")
-        if tuple(reader.shape(name)) != want[name]:
-            raise CheckpointError(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
-                                  f"its config implies {list(want[name])}")
-    missing = [name for name in want if name not in reader]
-    if missing:
-        raise CheckpointError(f"{reader.path}: tensor {missing[0]} is missing"
-                              + (f" ({len(missing) - 1} more)" if len(missing) > 1 else ""))
-
-
 def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] | None = None,
                max_shard_bytes: int | None = None):
     return save_checkpoint(model.state_dict(), model.config, path, metadata, max_shard_bytes)
 
 
 __all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelOutput",
-           "PRESETS", "check_layout", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]
+           "PRESETS", "Reader", "StateReader", "check_layout", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]

@@ -30,6 +30,8 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 from .config import ModelConfig
 
@@ -120,6 +122,39 @@ def tensor_group(name: str) -> str:
     raise KeyError(f"{name}: not a canonical tensor name")
 
 
-def layer_index(name: str) -> int | None:
-    m = re.match(r"^layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+# ---- layout check: a checkpoint's names and shapes against its config ----------------------
+@dataclass(frozen=True)
+class Mismatch:
+    """A checkpoint tensor that disagrees with the layout its own config implies."""
+
+    name: str
+    kind: str  # missing | unexpected | shape
+    expected: Shape | None
+    found: Shape | None
+
+    def message(self) -> str:
+        if self.kind == "missing":
+            return f"tensor {self.name} is missing (config expects shape {list(self.expected)})"
+        if self.kind == "unexpected":
+            return f"tensor {self.name} {list(self.found)} is not part of the config's layout"
+        return f"tensor {self.name} has shape {list(self.found)}, config expects {list(self.expected)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, kind=self.kind, message=self.message(),
+                    expected=list(self.expected) if self.expected is not None else None,
+                    found=list(self.found) if self.found is not None else None)
+
+
+def layout_mismatches(expected: dict[str, Shape], found: Iterable[tuple[str, Shape]]) -> list[Mismatch]:
+    """Every difference between the expected layout and (name, shape) pairs found: unexpected and
+    wrongly shaped tensors in the order found, then the missing ones in layout order."""
+    out: list[Mismatch] = []
+    seen = set()
+    for name, shape in found:
+        seen.add(name)
+        if name not in expected:
+            out.append(Mismatch(name, "unexpected", None, tuple(shape)))
+        elif tuple(expected[name]) != tuple(shape):
+            out.append(Mismatch(name, "shape", tuple(expected[name]), tuple(shape)))
+    out.extend(Mismatch(n, "missing", tuple(s), None) for n, s in expected.items() if n not in seen)
+    return out

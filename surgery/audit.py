@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable
 
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.runtime.layout import GROUPS, Shape, tensor_group, tensor_shapes
+from bam_surgery.runtime.dtypes import dtype_name, nbytes
+from bam_surgery.runtime.layout import GROUPS, Mismatch, Shape, layout_mismatches, tensor_group, tensor_shapes
+from bam_surgery.runtime.reader import Reader
 
 CONVENTIONS = ("exact", "paper")
 
@@ -172,28 +174,6 @@ class GroupCount:
     active: int
 
 
-@dataclass(frozen=True)
-class Mismatch:
-    """A checkpoint tensor that disagrees with the layout its own config implies."""
-
-    name: str
-    kind: str  # missing | unexpected | shape
-    expected: Shape | None
-    found: Shape | None
-
-    def message(self) -> str:
-        if self.kind == "missing":
-            return f"tensor {self.name} is missing (config expects shape {list(self.expected)})"
-        if self.kind == "unexpected":
-            return f"tensor {self.name} {list(self.found)} is not part of the config's layout"
-        return f"tensor {self.name} has shape {list(self.found)}, config expects {list(self.expected)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(name=self.name, kind=self.kind, message=self.message(),
-                    expected=list(self.expected) if self.expected is not None else None,
-                    found=list(self.found) if self.found is not None else None)
-
-
 @dataclass
 class Audit:
     config: ModelConfig
@@ -261,42 +241,7 @@ def audit(cfg: ModelConfig, convention: str = "exact") -> Audit:
     return _finish(cfg, counts, convention, [])
 
 
-class ShapeReader(Protocol):
-    """What an audit needs from a checkpoint reader (converters.open_checkpoint returns one)."""
-
-    config: ModelConfig
-    metadata: dict[str, str]
-
-    def names(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dtype(self, name: str) -> Any: ...
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _element_size(dtype: Any) -> int:
-    size = getattr(dtype, "itemsize", None)  # torch.dtype and numpy dtypes both have it
-    if size is None:
-        raise TypeError(f"cannot tell the element size of dtype {dtype!r}")
-    return int(size)
-
-
-def layout_mismatches(expected: dict[str, Shape], found: Iterable[tuple[str, Shape]]) -> list[Mismatch]:
-    out: list[Mismatch] = []
-    seen = set()
-    for name, shape in found:
-        seen.add(name)
-        if name not in expected:
-            out.append(Mismatch(name, "unexpected", None, tuple(shape)))
-        elif tuple(expected[name]) != tuple(shape):
-            out.append(Mismatch(name, "shape", tuple(expected[name]), tuple(shape)))
-    out.extend(Mismatch(n, "missing", tuple(s), None) for n, s in expected.items() if n not in seen)
-    return out
-
-
-def audit_checkpoint(reader: ShapeReader, convention: str = "exact", config: ModelConfig | None = None) -> Audit:
+def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelConfig | None = None) -> Audit:
     """Audit a checkpoint from its header: names, shapes and dtypes only (no tensor data is read).
 
     `config` overrides reader.config (e.g. to count a BTX checkpoint's active parameters at another
@@ -313,5 +258,5 @@ def audit_checkpoint(reader: ShapeReader, convention: str = "exact", config: Mod
         except KeyError:
             continue  # not a canonical name: already reported as "unexpected"
         dtype = reader.dtype(name)
-        counts.append(exact_count(cfg, name, shape, _dtype_name(dtype), math.prod(shape) * _element_size(dtype)))
+        counts.append(exact_count(cfg, name, shape, dtype_name(dtype), nbytes(shape, dtype)))
     return _finish(cfg, counts, convention, mismatches)

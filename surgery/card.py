@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from bam_surgery.converters.hf.files import GENERATION_CONFIG
+from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
+from bam_surgery.runtime.reader import Reader
+
 from .audit import audit
 from .cli_audit import render_audit
 from .plan import Plan
@@ -26,22 +30,20 @@ LOAD_SNIPPETS = {
 }
 
 
-def tokenizer_files(reader) -> list[Path]:
+def tokenizer_files(reader: Reader) -> list[Path]:
     """The tokenizer files of an HF input (generation_config.json is carried separately: exporters
     write their own, see generation_config)."""
-    files = getattr(reader, "tokenizer_files", None)
-    return [f for f in files() if f.name != "generation_config.json"] if callable(files) else []
+    return [f for f in reader.tokenizer_files() if f.name != GENERATION_CONFIG]
 
 
-def generation_config(reader) -> dict:
+def generation_config(reader: Reader) -> dict:
     """The seed's generation settings: its generation_config.json, else the token ids of its config.json."""
-    source = getattr(reader, "source_dir", None)
-    gen_file = Path(source) / "generation_config.json" if source else None
+    gen_file = reader.source_dir / GENERATION_CONFIG if reader.source_dir is not None else None
     if gen_file is not None and gen_file.is_file():
         body = json.loads(gen_file.read_text())
         return {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}
-    hf = getattr(reader, "hf_config", None) or {}
-    return {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    hf = reader.hf_config or {}
+    return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
 
 
 def _vocab_digest(files: list[Path]) -> dict[str, str]:

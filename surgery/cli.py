@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
+
+from bam_surgery.converters.export import exporters
 
 from .errors import USER_ERRORS, BamSurgeryError, one_line
 
@@ -57,6 +60,16 @@ def _parse_weights(text: str | None) -> tuple[float, ...] | None:
 
 def _warn(msg: str) -> None:
     click.echo(f"bam-surgery: warning: {msg}", err=True)
+
+
+FORMATS = {name: e.summary for name, e in exporters().items()}  # converters.export's table, in order
+
+
+def _check_format_out(fmt: str, out: str | None) -> None:
+    from bam_surgery.converters.export import exporter
+
+    if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
+        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
 
 
 @cli.command()
@@ -107,11 +120,9 @@ def _warn(msg: str) -> None:
                    "float32 either way.")
 @click.option("--max-shard-size", metavar="SIZE",
               help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
-@click.option("--format", "fmt", type=click.Choice(["canonical", "mixtral", "hf"]), default="canonical",
-              show_default=True,
-              help="Output format: canonical (our safetensors, loads with runtime.load_model), mixtral (HF "
-                   "Mixtral directory, btx/upcycle of Llama-family inputs) or hf (HF directory loadable with "
-                   "trust_remote_code=True). Formats other than canonical need a directory OUT.")
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
+              help="Output format: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ". Formats other "
+                   "than canonical need a directory OUT.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
                    "write nothing.")
@@ -126,10 +137,12 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
           force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters import open_checkpoint
+    from bam_surgery.converters.export import check_export
 
-    from .execute import execute_plan, parse_size
+    from .execute import execute_plan
     from .plan import MergeOptions, compile_plan, format_plan
     from .recipe import load_recipe
+    from .sizes import parse_size
 
     the_recipe = load_recipe(recipe)  # validated before any checkpoint is opened
     if out is None and not dry_run:
@@ -138,20 +151,16 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
     if shard_bytes and out is not None and str(out).endswith(".safetensors"):
         raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory path "
                               "to write shards")
-    if fmt != "canonical" and out is not None and str(out).endswith(".safetensors"):
-        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
+    _check_format_out(fmt, out)
     options = MergeOptions(seed_expert=seed_expert, extra_ffn_experts=extra_ffn_experts, ffn_top_k=ffn_top_k,
                            attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
                            z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
                            router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite)
-    readers = []
-    try:
-        for spec in [seed, *_split_list(experts)]:
-            readers.append(_open(open_checkpoint, spec, allow_pickle))
+    with ExitStack() as opened:
+        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle))
+                   for spec in [seed, *_split_list(experts)]]
         plan = compile_plan(the_recipe, readers, options)
-        if fmt != "canonical":  # capability check from the plan's config, before any tensor is read
-            from bam_surgery.converters.export import check_export
-            check_export(fmt, plan.config, recipe=the_recipe.name)
+        check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
         if dry_run:
             click.echo(format_plan(plan))
             click.echo("")
@@ -168,38 +177,33 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             cfg = plan.config
             click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
                        f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
-    finally:
-        for r in readers:
-            close = getattr(r, "close", None)
-            if close:
-                close()
 
 
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
     """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
     tensor when the exporter asks for it."""
-    from bam_surgery.converters.export import export
+    from bam_surgery.converters.export import ExportOptions, export
 
+    from .branches import check_branches
     from .card import check_tokenizers, generation_config, model_card
-    from .execute import PlanReader, check_branches, check_output_path, plan_inputs
+    from .output_path import check_output_path, plan_inputs
+    from .plan_reader import PlanReader
 
     check_output_path(out, force, plan_inputs(plan))
     check_branches(plan, _warn)
-    tokenizer = check_tokenizers(plan, _warn)
-    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, tokenizer_files=tokenizer,
-                  model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
-                  recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader))
+    options = ExportOptions(tokenizer_files=tuple(check_tokenizers(plan, _warn)),
+                            model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
+                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader))
+    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, options)
 
 
 @cli.command()
 @click.argument("source", metavar="CKPT")
 @click.option("--out", required=True, type=click.Path(), metavar="OUT",
               help="Output path: .safetensors file or directory (canonical), or a directory (hf, mixtral).")
-@click.option("--format", "fmt", type=click.Choice(["canonical", "mixtral", "hf"]), default="canonical",
-              show_default=True,
-              help="canonical: our format (from any input: HF directory, hub id, Mixtral directory); hf: a dense "
-                   "model as its HF architecture, or a mixture as the remote-code BAM model; mixtral: an "
-                   "FFN-expert mixture as HF Mixtral.")
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
+              help="Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral "
+                   "or HF BAM export): " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ".")
 @click.option("--architecture", metavar="MODEL_TYPE",
               help="For --format hf of a dense model: the HF architecture to write (llama, mistral, qwen2, "
                    "gpt_neox, gpt2, cohere, phi). Default: the input's own, when it came from HF.")
@@ -210,33 +214,25 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
     from bam_surgery.converters import open_checkpoint
-    from bam_surgery.converters.export import check_export, export
-    from bam_surgery.runtime.checkpoint import write_checkpoint
+    from bam_surgery.converters.export import ExportOptions, check_export, export
 
     from .card import generation_config, tokenizer_files
-    from .execute import check_output_path, parse_size
+    from .output_path import check_output_path
+    from .sizes import parse_size
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
-    if fmt != "canonical" and out_path.suffix == ".safetensors":
-        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
-    reader = _open(open_checkpoint, source, allow_pickle)
-    try:
-        arch = architecture or getattr(getattr(reader, "architecture", None), "model_type", None)
-        if fmt != "canonical":
-            check_export(fmt, reader.config, architecture=arch)
+    _check_format_out(fmt, out)
+    with _open(open_checkpoint, source, allow_pickle) as reader:
+        arch = architecture or reader.architecture
+        check_export(fmt, reader.config, architecture=arch)
         check_output_path(out_path, force, [(str(source), reader)])
-        if fmt == "canonical":
-            write_checkpoint(reader, out_path, {"bam_source": str(source)}, shard_bytes)
-        else:
-            export(reader, out_path, fmt, tokenizer_files=tokenizer_files(reader), tokenizer_source=reader
-                   if tokenizer_files(reader) else None, max_shard_bytes=shard_bytes, architecture=arch,
-                   generation=generation_config(reader))
+        tokenizer = tuple(tokenizer_files(reader))
+        options = ExportOptions(tokenizer_files=tokenizer, tokenizer_source=reader if tokenizer else None,
+                                generation=generation_config(reader), max_shard_bytes=shard_bytes,
+                                architecture=arch, metadata={"bam_source": str(source)})
+        export(reader, out_path, fmt, options)
         click.echo(f"wrote {out_path} ({fmt})", err=True)
-    finally:
-        close = getattr(reader, "close", None)
-        if close:
-            close()
 
 
 def _open(open_checkpoint, spec: str, allow_pickle: bool):
@@ -252,7 +248,7 @@ def _audit_text(plan) -> str:
     """Parameter counts of the planned output, from its shapes only (the count-params table)."""
     from .audit import audit_checkpoint
     from .cli_audit import render_audit
-    from .execute import PlanReader
+    from .plan_reader import PlanReader
 
     return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
 

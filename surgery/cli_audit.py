@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import click
 
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
@@ -66,7 +67,7 @@ def render_inspection(ins: Inspection) -> str:
     out = [f"checkpoint  {ins.path}", f"kind        {describe_kind(cfg)}"]
     if ins.files:
         out.append(f"files       {len(ins.files)}: " + ", ".join(f.rsplit('/', 1)[-1] for f in ins.files))
-    other = {k: v for k, v in ins.metadata.items() if k not in ("bam_config", "bam_provenance", "total_size")}
+    other = {k: v for k, v in ins.metadata.items() if k not in (CONFIG_KEY, PROVENANCE_KEY, "total_size")}
     if other:
         out += ["", "metadata", render_table(("key", "value"), [(k, v if len(v) <= 100 else v[:97] + "...")
                                                                for k, v in other.items()], indent="  ", left=2)]
@@ -79,7 +80,7 @@ def render_inspection(ins: Inspection) -> str:
     out += ["", "provenance"]
     prov = ins.provenance
     if prov is None:
-        out.append("  none (no 'bam_provenance' in the checkpoint metadata)")
+        out.append(f"  none (no {PROVENANCE_KEY!r} in the checkpoint metadata)")
     elif prov.fields is None:
         out.append(f"  unreadable: {prov.error}")
     else:
@@ -201,11 +202,8 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
         raise click.UsageError("--recipe needs --experts N")
 
     if ckpt:
-        reader = _open(ckpt)
-        try:
+        with _open(ckpt) as reader:
             a = audit_checkpoint(reader, convention)
-        finally:
-            _close(reader)
         _refuse_mismatches(ckpt, a)
         base, source = reader.config, ckpt
     else:
@@ -225,12 +223,6 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
         click.echo(render_audit(a, source))
 
 
-def _close(reader) -> None:
-    close = getattr(reader, "close", None)
-    if callable(close):
-        close()
-
-
 def _refuse_mismatches(ckpt: str, a: Audit) -> None:
     if a.mismatches:
         n = len(a.mismatches)
@@ -247,11 +239,8 @@ def inspect_cmd(ckpt, as_json):
     Reads the header only. Layout mismatches (tensors that disagree with the checkpoint's own
     config) are listed and make the command exit with status 1.
     """
-    reader = _open(ckpt)
-    try:
+    with _open(ckpt) as reader:
         ins = inspect_checkpoint(reader)
-    finally:
-        _close(reader)
     click.echo(json.dumps(ins.to_dict(), indent=2) if as_json else render_inspection(ins))
     if ins.audit.mismatches:
         click.get_current_context().exit(1)

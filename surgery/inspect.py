@@ -9,12 +9,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import GROUPS
+from bam_surgery.runtime.reader import Reader
 
-from .audit import Audit, ShapeReader, audit_checkpoint
-
-PROVENANCE_KEY = "bam_provenance"
+from .audit import Audit, audit_checkpoint
 
 # The config fields a reader wants first; the JSON output carries the whole config.
 KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
@@ -114,7 +114,7 @@ class Inspection:
         return sum(g.bytes for g in self.groups.values())
 
     def to_dict(self) -> dict[str, Any]:
-        other_meta = {k: v for k, v in self.metadata.items() if k not in ("bam_config", PROVENANCE_KEY)}
+        other_meta = {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, PROVENANCE_KEY)}
         prov = None
         if self.provenance is not None:
             prov = self.provenance.fields if self.provenance.fields is not None else {
@@ -136,7 +136,7 @@ class Inspection:
         )
 
 
-def inspect_checkpoint(reader: ShapeReader) -> Inspection:
+def inspect_checkpoint(reader: Reader) -> Inspection:
     """Summarize an open checkpoint reader (header only)."""
     a = audit_checkpoint(reader, "exact")
     acc: dict[str, list] = {g: [0, 0, 0, 0, set()] for g in GROUPS}
@@ -148,8 +148,6 @@ def inspect_checkpoint(reader: ShapeReader) -> Inspection:
         s[3] += t.nbytes or 0
         s[4].add(t.dtype)
     groups = {g: GroupStorage(s[0], s[1], s[2], s[3], tuple(sorted(d for d in s[4] if d))) for g, s in acc.items()}
-    files_of = getattr(reader, "files", None)
-    files = [str(f) for f in files_of()] if callable(files_of) else []
-    metadata = dict(getattr(reader, "metadata", {}) or {})
-    return Inspection(str(getattr(reader, "path", "")), reader.config, a, files, metadata,
+    metadata = dict(reader.metadata)
+    return Inspection(str(reader.path or ""), reader.config, a, [str(f) for f in reader.files()], metadata,
                       parse_provenance(metadata), groups)

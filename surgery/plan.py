@@ -3,8 +3,8 @@
     plan = compile_plan(load_recipe("bam"), [seed_reader, code_reader, math_reader], MergeOptions())
     print(format_plan(plan))          # what --dry-run shows
 
-Inputs are a list of readers (converters.open_checkpoint protocol: .config, .names(), .shape(),
-.dtype(), .get(), .metadata); index 0 is the seed, then the --experts in order. Tensors are paired
+Inputs are a list of readers (runtime.reader protocol, as converters.open_checkpoint returns them);
+index 0 is the seed, then the --experts in order. Tensors are paired
 across inputs by canonical name, never by position. Compiling reads configs, names, shapes and
 dtypes only; it never calls reader.get.
 
@@ -31,9 +31,10 @@ from typing import Any, Sequence
 
 import torch
 
-from bam_surgery.runtime.checkpoint import DTYPE_NAMES, nbytes
 from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
 from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.reader import Reader, check_layout
 
 from .errors import BamSurgeryError, InputError
 from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
@@ -105,7 +106,7 @@ class PlanInput:
     index: int
     role: str  # seed | expert
     label: str  # what the user passed (path or hub id)
-    reader: Any
+    reader: Reader
 
 
 @dataclass
@@ -145,9 +146,8 @@ class Plan:
                     shared_kv_rule=self.shared_kv_rule)
 
 
-def input_label(reader: Any, index: int) -> str:
-    path = getattr(reader, "path", None)
-    return str(path) if path is not None else f"input {index}"
+def input_label(reader: Reader, index: int) -> str:
+    return str(reader.path) if reader.path is not None else f"input {index}"
 
 
 def router_rng_seed(router_seed: int, name: str) -> int:
@@ -177,38 +177,18 @@ def check_inputs(inputs: Sequence[PlanInput]) -> dict[str, tuple[int, ...]]:
             raise InputError(f"{inp.label}: config disagrees with the seed {seed.label}: {shown}{more}; "
                              "every input must have the seed's architecture")
     layout = tensor_shapes(ref)
-    for inp in inputs:
-        r = inp.reader
-        names = set(r.names())
-        for name, shape in layout.items():
-            if name not in names:
-                raise InputError(f"{inp.label}: tensor {name} is missing (its config, like the seed's, "
-                                 f"needs it with shape {list(shape)})")
-            found = tuple(r.shape(name))
-            if found != shape:
-                raise InputError(f"{file_label(r, name, inp.label)}: tensor {name} has shape {list(found)}, "
-                                 f"expected {list(shape)} from the config")
-            if not r.dtype(name).is_floating_point:
-                raise InputError(f"{file_label(r, name, inp.label)}: tensor {name} has dtype {r.dtype(name)}; "
-                                 "weights must be floating point")
-        extra = sorted(names - set(layout))
-        if extra:
-            raise InputError(f"{file_label(r, extra[0], inp.label)}: unexpected tensor {extra[0]}: not in the "
-                             "canonical layout of its config" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for inp in inputs:  # merges compute in float: FP8 or integer weights are refused here, not mid-merge
+        check_layout(inp.reader, layout, label=inp.label, dtypes=COMPUTE_DTYPES.values())
     return layout
 
 
-def file_label(reader: Any, name: str, label: str) -> str:
+def file_label(reader: Reader, name: str, label: str) -> str:
     """The file holding tensor `name` (for error messages), or the input's label if the reader cannot say."""
-    file_of = getattr(reader, "file_of", None)
-    try:
-        return str(file_of(name)) if file_of else label
-    except Exception:
-        return label
+    return str(reader.file_of(name) or label)
 
 
 # ---- compile -----------------------------------------------------------------------------------
-def compile_plan(recipe: Recipe, inputs: Sequence[Any], options: MergeOptions | None = None) -> Plan:
+def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None) -> Plan:
     """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order."""
     options = options or MergeOptions()
     if not inputs:
@@ -295,14 +275,14 @@ def _mean_weights(weights: Sequence[float] | None, inputs: list[PlanInput], memb
     return tuple(float(w) / total for w in weights)
 
 
-def _output_dtype(dtype: str | torch.dtype | None, seed: Any) -> torch.dtype:
+def _output_dtype(dtype: str | torch.dtype | None, seed: Reader) -> torch.dtype:
     if dtype is None:
         return seed.dtype("embed.weight")
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPE_NAMES:
-        raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    return DTYPE_NAMES[dtype]
+    if dtype not in COMPUTE_DTYPES:
+        raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[dtype]
 
 
 # ---- printing (--dry-run) ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from bam_surgery.converters.hf_bam import modeling_bam
 from bam_surgery.converters.hf_bam.configuration_bam import SUPPORTED
 from bam_surgery.runtime import Model, ModelConfig, save_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
+from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.layout import tensor_shapes
 
 TOL = 1e-4
@@ -237,7 +238,7 @@ def test_rejects_unsupported_config_before_writing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-class EditedReader:
+class EditedReader(Reader):
     """Wraps a reader, hiding or reshaping one tensor, to stand for a damaged checkpoint."""
 
     def __init__(self, reader, drop: str | None = None, reshape: str | None = None):
@@ -264,7 +265,7 @@ def test_rejects_damaged_checkpoint_without_output(tmp_path):
     with CheckpointReader(tmp_path / "c.safetensors") as reader:
         with pytest.raises(ValueError, match=f"c.safetensors: tensor {tensor} is missing"):
             export_hf_bam(EditedReader(reader, drop=tensor), tmp_path / "out")
-        with pytest.raises(ValueError, match=rf"tensor {tensor} has shape \(1,\)"):
+        with pytest.raises(ValueError, match=rf"tensor {tensor} has shape \[1\]"):
             export_hf_bam(EditedReader(reader, reshape=tensor), tmp_path / "out")
         with pytest.raises(ValueError, match="tokenizer file not found"):
             export_hf_bam(reader, tmp_path / "out", tokenizer_files=[tmp_path / "nope.json"])

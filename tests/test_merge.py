@@ -30,7 +30,9 @@ from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, 
 from bam_surgery.runtime import ForcedRouting, load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 from bam_surgery.surgery.cli import cli
-from bam_surgery.surgery.execute import PlanReader, execute_plan, parse_size
+from bam_surgery.surgery.execute import execute_plan
+from bam_surgery.surgery.plan_reader import PlanReader
+from bam_surgery.surgery.sizes import parse_size
 from bam_surgery.surgery.plan import MergeOptions, compile_plan
 from bam_surgery.surgery.recipe import load_recipe
 
@@ -397,14 +399,14 @@ def test_hugging_face_inputs_merge_by_name(tmp_path):
 # ---- atomicity --------------------------------------------------------------------------------------
 SLOW_MERGE = """
 import sys, time
-import bam_surgery.runtime.checkpoint as ck
-write = ck.SafetensorsStreamWriter.write
+import bam_surgery.runtime.safetensors_file as sf
+write = sf.SafetensorsStreamWriter.write
 def slow_write(self, name, tensor):
     n = write(self, name, tensor)
     print("wrote", name, flush=True)
     time.sleep(0.5)
     return n
-ck.SafetensorsStreamWriter.write = slow_write
+sf.SafetensorsStreamWriter.write = slow_write
 from bam_surgery.surgery.cli import main
 main(sys.argv[1:])
 """

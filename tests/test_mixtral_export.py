@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bam_surgery.converters.mixtral import (CapabilityError, check_mixtral, export_mixtral, import_mixtral, load_state,
-                                mixtral_names, canonical_name, MIXTRAL_NAMES)
+from bam_surgery.converters.hf.architectures import ARCHITECTURES, bind
+from bam_surgery.converters.hf.ops import STACK
+from bam_surgery.converters.mixtral import CapabilityError, check_mixtral, export_mixtral, import_mixtral, load_state
 from bam_surgery.runtime import save_model
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
 from bam_surgery.runtime.config import ModelConfig
@@ -190,17 +191,19 @@ def test_softmax_gates_over_all_experts_are_exportable():
 
 # ---- (d) round trip and the name table -------------------------------------------------------
 def test_name_table_round_trips():
+    """The Mixtral table bound to a config: every canonical tensor once, in layout order; expert e's
+    tensors at slot e of the stacked tensor; every Mixtral name once; stack and unstack invert."""
     cfg = mixture_config()
-    seen = set()
-    for name in tensor_shapes(cfg):
-        for e, theirs in enumerate(mixtral_names(name, cfg.ffn_experts)):
-            back, expert = canonical_name(theirs)
-            assert back == name and expert in (None, e)
-            seen.add(theirs)
-    assert len(seen) == 2 * (2 + 4 + 1 + 3 * 4) + 3  # per layer: 2 norms, q k v o, router, 3x4 experts
-    assert len(set(MIXTRAL_NAMES.values())) == len(MIXTRAL_NAMES)
-    with pytest.raises(KeyError):
-        canonical_name("model.layers.0.mlp.experts.gate_up_proj")
+    binding = bind(ARCHITECTURES["mixtral"], cfg)
+    assert [c for row in binding.active for c in row.canonical] == list(tensor_shapes(cfg))
+    hf_names = [n for row in binding.active for n in row.hf]
+    assert len(set(hf_names)) == len(hf_names) == 2 * (2 + 4 + 1 + 3 * 4) + 3  # per layer: 2 norms, q k v o,
+    for row in binding.active:                                                # router, 3x4 experts
+        if row.op is STACK:
+            assert [int(n.split(".experts.")[1].split(".")[0]) for n in row.hf] == list(range(cfg.ffn_experts))
+            stacked = torch.arange(cfg.ffn_experts * 6.0).reshape(cfg.ffn_experts, 2, 3)
+            assert torch.equal(STACK.forward(STACK.inverse([stacked], cfg), cfg)[0], stacked)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in binding.known()
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
@@ -246,27 +249,38 @@ def test_import_rejects_bad_directories(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     good_config = json.loads((out / "config.json").read_text())
 
-    def rewrite(tensors=tensors, **config_changes):
+    good_index = json.loads((out / "model.safetensors.index.json").read_text())
+
+    def rewrite(tensors=tensors, index=True, **config_changes):
         save_file(tensors, str(shard), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps({**good_config, **config_changes}))
+        weight_map = {k: shard.name for k in tensors} if index else good_index["weight_map"]
+        (out / "model.safetensors.index.json").write_text(json.dumps({**good_index, "weight_map": weight_map}))
 
     missing = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
     rewrite({k: v for k, v in tensors.items() if k != missing})
     with pytest.raises(CheckpointError, match=re.escape(f"tensor {missing} is missing")):
         import_mixtral(out)
     fused = "model.layers.0.mlp.experts.gate_up_proj"
+    rewrite({**tensors, fused: torch.zeros(4, 80, 48)}, index=False)
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: tensor {fused} is not listed in the index")):
+        import_mixtral(out)
     rewrite({**tensors, fused: torch.zeros(4, 80, 48)})
-    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: tensor {fused} is not a Mixtral weight name")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: tensor {fused} is not part of the mixtral mapping")):
         import_mixtral(out)
     rewrite(num_local_experts=5)
-    with pytest.raises(CheckpointError, match=r"block_sparse_moe\.gate\.weight has shape \(4, 48\), "
-                                              r"config\.json implies \(5, 48\)"):
+    with pytest.raises(CheckpointError, match=r"block_sparse_moe\.gate\.weight has shape \[4, 48\], which gives "
+                                              r"layers\.0\.ffn_router\.weight \[4, 48\]; config\.json implies \[5, 48\]"):
         import_mixtral(out)
     rewrite(num_hidden_layers=1)
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.1\..* does not fit config\.json"):
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.1\..* is not part of the mixtral mapping"):
         import_mixtral(out)
     rewrite(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(CheckpointError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(CapabilityError, match="config.json: rope_type 'yarn' is not supported"):
+        import_mixtral(out)
+    expert = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    rewrite({**tensors, expert: tensors[expert].to(torch.bfloat16)})
+    with pytest.raises(CheckpointError, match="mixed dtypes"):
         import_mixtral(out)
     rewrite()
     assert import_mixtral(out).config.ffn_experts == 4

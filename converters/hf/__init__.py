@@ -3,12 +3,14 @@
     architectures.py  one weight-mapping table per model_type (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi)
     config_map.py     config.json <-> ModelConfig, one spec per model_type
     ops.py            the named reshape ops the tables use, each with its inverse
+    files.py          the files of a model directory (config, weights, index, tokenizer)
     reader.py         HFCheckpointReader: canonical reader protocol over an HF directory
     writer.py         save_hf: canonical dense model -> HF directory, streamed
 """
 from .architectures import ARCHITECTURES, Architecture, WeightRule, architecture, bind
 from .config_map import CapabilityError, hf_to_model_config, model_config_to_hf
-from .reader import TOKENIZER_FILES, HFCheckpointReader
+from .files import TOKENIZER_FILES
+from .reader import HFCheckpointReader
 from .writer import save_hf
 
 __all__ = ["ARCHITECTURES", "Architecture", "CapabilityError", "HFCheckpointReader", "TOKENIZER_FILES",

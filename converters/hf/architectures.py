@@ -1,8 +1,10 @@
 """One weight-mapping table per Hugging Face architecture, registered by config.json's model_type.
 
 A table row (`WeightRule`) says: these HF tensors <-> these canonical tensors, through this named
-reshape op. `{}` in a name is the layer index. Import runs `op.forward`; export runs `op.inverse`
-over the same rows, so the canonical -> HF direction is never written by hand.
+reshape op. `{}` in a name is the layer index; `{e}` in an HF name the expert index, expanded to one
+HF tensor per FFN expert (Mixtral's experts, stacked into one canonical [E, ...] tensor by STACK).
+Import runs `op.forward`; export runs `op.inverse` over the same rows, so the canonical -> HF
+direction is never written by hand.
 
 Which rows apply depends on the config (bias rows only when the config has biases, lm_head only
 when embeddings are untied): a row is active when all its canonical tensors are in
@@ -17,8 +19,10 @@ from typing import Mapping
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
+from ..export import CapabilityError
 from . import config_map as cm
-from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, TRANSPOSE, ReshapeOp
+from .mixtral_config import MIXTRAL
+from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, STACK, TRANSPOSE, ReshapeOp
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,10 @@ class WeightRule:
     @property
     def per_layer(self) -> bool:
         return any("{}" in n for n in self.hf + self.canonical)
+
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in n for n in self.hf)
 
 
 def w(hf: str | tuple[str, ...], canonical: str | tuple[str, ...] | None, op: ReshapeOp = IDENTITY) -> WeightRule:
@@ -64,9 +72,14 @@ class Architecture:
     hf_class: str  # config.json "architectures" entry written on export
     base_prefix: str  # prefix of the base model inside the *ForCausalLM (checkpoints of the base model lack it)
     weights: tuple[WeightRule, ...]
-    config: cm.ConfigSpec
+    config: cm.ConfigMap
     # other spellings of an HF name prefix, accepted on import (export writes the table's spelling)
     alias_prefixes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def mixture(self) -> bool:
+        """An architecture with FFN experts (Mixtral); the others are dense."""
+        return any(r.per_expert for r in self.weights)
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -148,6 +161,20 @@ _PHI_WEIGHTS = (
     w("lm_head.bias", "lm_head.bias"),
 )
 
+# Mixtral: the Llama names, with a routed FFN of E experts (w1 = gate, w3 = up, w2 = down), no biases.
+_MIXTRAL_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    *[w(f"model.layers.{{}}.self_attn.{p}_proj.weight", f"layers.{{}}.attn.{p}.weight") for p in "qkvo"],
+    w("model.layers.{}.block_sparse_moe.gate.weight", "layers.{}.ffn_router.weight"),
+    w("model.layers.{}.block_sparse_moe.experts.{e}.w1.weight", "layers.{}.ffn_experts.gate.weight", STACK),
+    w("model.layers.{}.block_sparse_moe.experts.{e}.w3.weight", "layers.{}.ffn_experts.up.weight", STACK),
+    w("model.layers.{}.block_sparse_moe.experts.{e}.w2.weight", "layers.{}.ffn_experts.down.weight", STACK),
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+)
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),
     Architecture("mistral", "MistralForCausalLM", "model.", _LLAMA_WEIGHTS, cm.MISTRAL),
@@ -157,12 +184,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _GPT2_WEIGHTS, cm.GPT2),
     Architecture("cohere", "CohereForCausalLM", "model.", _COHERE_WEIGHTS, cm.COHERE),
     Architecture("phi", "PhiForCausalLM", "model.", _PHI_WEIGHTS, cm.PHI),
+    Architecture("mixtral", "MixtralForCausalLM", "model.", _MIXTRAL_WEIGHTS, MIXTRAL),
 )}
 
 
 def architecture(model_type: str | None) -> Architecture:
     if model_type not in ARCHITECTURES:
-        raise cm.CapabilityError(f"model_type={model_type!r} is not supported "
+        raise CapabilityError(f"model_type={model_type!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return ARCHITECTURES[model_type]
 
@@ -189,18 +217,23 @@ class Binding:
         return {n for r in self.active for n in r.hf} | self.optional_drops | set(self.inactive)
 
 
-def _expand(rule: WeightRule, n_layers: int) -> list[BoundRule]:
-    idx = range(n_layers) if rule.per_layer else [None]
-    return [BoundRule(tuple(n.format(i) for n in rule.hf) if i is not None else rule.hf,
-                      tuple(n.format(i) for n in rule.canonical) if i is not None else rule.canonical,
-                      rule.op, rule) for i in idx]
+def _expand(rule: WeightRule, cfg: ModelConfig) -> list[BoundRule]:
+    """The rows of one rule: one per layer if it has `{}`; `{e}` HF names once per FFN expert, in order."""
+    experts = range(cfg.ffn_experts) if rule.per_expert else [None]
+    out = []
+    for i in range(cfg.n_layers) if rule.per_layer else [None]:
+        fill = (lambda n, e=None: n.format(i, e=e)) if i is not None else (lambda n, e=None: n.format(e=e))
+        hf = tuple(fill(n, e) for n in rule.hf for e in experts) if rule.per_expert or i is not None else rule.hf
+        canonical = tuple(fill(n) for n in rule.canonical) if i is not None else rule.canonical
+        out.append(BoundRule(hf, canonical, rule.op, rule))
+    return out
 
 
 def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
     """The rows of `arch`'s table that apply to `cfg`, with every canonical tensor produced once."""
     expected = tensor_shapes(cfg)
     b = Binding(active=[], optional_drops=set(), inactive={}, producer={})
-    bound = [br for r in arch.weights for br in _expand(r, cfg.n_layers)]
+    bound = [br for r in arch.weights for br in _expand(r, cfg)]
     for br in bound:
         present = [c in expected for c in br.canonical]
         if not br.canonical:
@@ -209,10 +242,10 @@ def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
             b.active.append(br)
             for j, c in enumerate(br.canonical):
                 if c in b.producer:
-                    raise cm.CapabilityError(f"{arch.model_type} table maps {c} twice")
+                    raise CapabilityError(f"{arch.model_type} table maps {c} twice")
                 b.producer[c] = (br, j)
         elif any(present):
-            raise cm.CapabilityError(f"{arch.model_type} table row {br.hf} -> {br.canonical} only partly "
+            raise CapabilityError(f"{arch.model_type} table row {br.hf} -> {br.canonical} only partly "
                                      "applies to this config")
         elif br.rule.tied_alias and cfg.tie_embeddings:
             b.optional_drops.update(br.hf)  # a stored copy of the tied embeddings; the model reuses embed
@@ -223,5 +256,5 @@ def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
     b.active.sort(key=lambda br: min(order[c] for c in br.canonical))
     missing = [c for c in expected if c not in b.producer]
     if missing:
-        raise cm.CapabilityError(f"{arch.model_type} has no HF tensor for canonical {missing[0]}")
+        raise CapabilityError(f"{arch.model_type} has no HF tensor for canonical {missing[0]}")
     return b

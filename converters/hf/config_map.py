@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
-from bam_surgery.runtime.config import ModelConfig, ConfigError
+from bam_surgery.runtime.config import ConfigError, ModelConfig
+
+from ..export import CapabilityError
 
 REQUIRED = object()  # sentinel: the key must be present in config.json
-
-
-class CapabilityError(ConfigError):
-    """The HF architecture or option is not something the canonical model can represent."""
 
 
 def _value(hf: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -294,8 +292,19 @@ class Require(Field):
         return {self.hf_key: self.value}
 
 
+class ConfigMap(Protocol):
+    """config.json <-> ModelConfig for one architecture (what Architecture.config holds)."""
+
+    def read(self, hf: Mapping[str, Any], name: str = "") -> tuple[ModelConfig, list[str]]: ...
+
+    def write(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class ConfigSpec:
+    """The declarative ConfigMap of the dense architectures; `read` and `write` are each other's
+    inverse. (Mixtral's is converters.hf.mixtral_config.MixtralConfigMap.)"""
+
     fields: tuple[Field, ...]
     fixed: Mapping[str, Any] = field(default_factory=dict)
 
@@ -306,31 +315,38 @@ class ConfigSpec:
             out.update(f.canonical)
         return out
 
+    def read(self, hf: Mapping[str, Any], name: str = "") -> tuple[ModelConfig, list[str]]:
+        """config.json dict -> (ModelConfig, notes about accepted-but-unmodelled features)."""
+        out: dict[str, Any] = dict(self.fixed)
+        notes: list[str] = []
+        for f in self.fields:
+            f.read(hf, out, notes)
+        out["name"] = name
+        return ModelConfig(**out), notes
+
+    def write(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+        """ModelConfig -> config.json entries for `model_type`; capability errors before any I/O."""
+        if cfg.is_mixture:
+            raise CapabilityError(f"cannot export to {model_type}: the model is a mixture "
+                                  f"(ffn_experts={cfg.ffn_experts}, attn_experts={cfg.attn_experts}); "
+                                  "a dense architecture holds one FFN and one attention per layer")
+        for fname, want in self.fixed.items():
+            have = getattr(cfg, fname)
+            if have != want:
+                raise CapabilityError(f"cannot export to {model_type}: it needs {fname}={want!r}, "
+                                      f"the model has {have!r}")
+        body: dict[str, Any] = {}
+        for f in self.fields:
+            body.update(f.write(cfg, model_type))
+        return body
+
 
 def hf_to_model_config(hf: Mapping[str, Any], spec: ConfigSpec, name: str = "") -> tuple[ModelConfig, list[str]]:
-    """config.json dict -> (ModelConfig, notes about accepted-but-unmodelled features)."""
-    out: dict[str, Any] = dict(spec.fixed)
-    notes: list[str] = []
-    for f in spec.fields:
-        f.read(hf, out, notes)
-    out["name"] = name
-    return ModelConfig(**out), notes
+    return spec.read(hf, name)
 
 
 def model_config_to_hf(cfg: ModelConfig, spec: ConfigSpec, model_type: str) -> dict[str, Any]:
-    """ModelConfig -> config.json entries for `model_type`; capability errors before any I/O."""
-    if cfg.is_mixture:
-        raise CapabilityError(f"cannot export to {model_type}: the model is a mixture "
-                              f"(ffn_experts={cfg.ffn_experts}, attn_experts={cfg.attn_experts}); "
-                              "a dense architecture holds one FFN and one attention per layer")
-    for fname, want in spec.fixed.items():
-        have = getattr(cfg, fname)
-        if have != want:
-            raise CapabilityError(f"cannot export to {model_type}: it needs {fname}={want!r}, the model has {have!r}")
-    body: dict[str, Any] = {}
-    for f in spec.fields:
-        body.update(f.write(cfg, model_type))
-    return body
+    return spec.write(cfg, model_type)
 
 
 # ---- the specs ------------------------------------------------------------------------------

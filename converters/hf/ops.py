@@ -20,11 +20,9 @@ Shape = tuple[int, ...]
 
 
 class ReshapeOp:
-    """Base class: `n_hf` HF tensors <-> `n_canonical` canonical tensors (None = any count)."""
+    """Base class: a tuple of HF tensors <-> a tuple of canonical tensors (the table row says which)."""
 
     name = "op"
-    n_hf: int | None = 1
-    n_canonical: int | None = 1
 
     def forward(self, hf: Sequence[Tensor], cfg: ModelConfig) -> list[Tensor]:
         raise NotImplementedError
@@ -61,7 +59,6 @@ class Drop(ReshapeOp):
     """A HF tensor dropped on purpose (rotary inv_freq buffers, causal-mask buffers): nothing canonical."""
 
     name = "drop"
-    n_canonical = 0
 
     def forward(self, hf, cfg):
         return []
@@ -89,7 +86,6 @@ class SplitQKV(ReshapeOp):
     """
 
     name = "split_qkv"
-    n_canonical = 3
 
     def forward(self, hf, cfg):
         sizes = [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
@@ -108,7 +104,6 @@ class SplitQKVPerHead(ReshapeOp):
     """
 
     name = "split_qkv_per_head"
-    n_canonical = 3
 
     def forward(self, hf, cfg):
         H, Dh = cfg.n_heads, cfg.head_dim
@@ -129,10 +124,11 @@ class SplitQKVPerHead(ReshapeOp):
 
 
 class Stack(ReshapeOp):
-    """Several HF tensors (one per expert) <-> one canonical tensor with a leading expert dim E."""
+    """E HF tensors [...] (one per expert, Mixtral's experts.{e}.w1) <-> one canonical tensor [E, ...].
+
+    The inverse hands out views of the stacked tensor (no copy)."""
 
     name = "stack"
-    n_hf = None
 
     def forward(self, hf, cfg):
         return [torch.stack(list(hf), dim=0)]
@@ -147,7 +143,6 @@ class Chain(ReshapeOp):
     def __init__(self, *ops: ReshapeOp):
         self.ops = ops
         self.name = "+".join(op.name for op in ops)
-        self.n_hf, self.n_canonical = ops[0].n_hf, ops[-1].n_canonical
 
     def forward(self, hf, cfg):
         xs = list(hf)

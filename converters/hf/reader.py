@@ -13,68 +13,19 @@ read only with allow_pickle=True, through torch.load(weights_only=True, mmap=Tru
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from bam_surgery.runtime.checkpoint import CheckpointError, ReaderBase, SafetensorsFile
 from bam_surgery.runtime.config import ConfigError
+from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.safetensors_file import SafetensorsFile
 
 from .architectures import Architecture, Binding, BoundRule, architecture, bind
-from .config_map import hf_to_model_config
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-PICKLE_INDEX = "pytorch_model.bin.index.json"
-
-
-def read_hf_config(directory: Path) -> dict:
-    cfg_file = directory / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{directory}: no config.json (not a Hugging Face model directory)")
-    try:
-        body = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object")
-    return body
-
-
-def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:
-    """(weight files, index {HF name: file} or None, is_pickle). Prefers safetensors over pickles."""
-    def from_index(index: Path) -> dict[str, Path]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {str(k): directory / str(f) for k, f in weight_map.items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-
-    def listing(index: dict[str, Path], is_pickle: bool):
-        return list(dict.fromkeys(index.values())), index, is_pickle
-
-    if (directory / SAFETENSORS_INDEX).is_file():
-        return listing(from_index(directory / SAFETENSORS_INDEX), False)
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [single], None, False
-    shards = sorted(directory.glob("model-*-of-*.safetensors"))
-    if shards:
-        return shards, None, False
-    pickle_index = directory / PICKLE_INDEX
-    pickles = [pickle_index] if pickle_index.is_file() else sorted(directory.glob("pytorch_model*.bin"))
-    if pickles:
-        if not allow_pickle:
-            raise CheckpointError(f"{pickles[0]}: pickle weights (.bin) are not loaded by default; pass "
-                                  "--allow-pickle to load them (torch.load with weights_only=True)")
-        return listing(from_index(pickle_index), True) if pickle_index.is_file() else (pickles, None, True)
-    raise CheckpointError(f"{directory}: no weights found (model.safetensors, shards with "
-                          f"{SAFETENSORS_INDEX}, or pytorch_model.bin)")
-
+from .files import read_hf_config, tokenizer_files_in, weight_files
 
 class _PickleFile:
     def __init__(self, file: Path):
@@ -94,22 +45,23 @@ class _PickleFile:
         return self.state[key]
 
 
-class HFCheckpointReader(ReaderBase):
-    """Reader protocol (as runtime.checkpoint.CheckpointReader) over a Hugging Face model directory."""
+class HFCheckpointReader(Reader):
+    """The reader protocol (runtime.reader) over a Hugging Face model directory.
+
+    `architecture` is the directory's model_type; `table` its weight-mapping table."""
 
     def __init__(self, directory: str | os.PathLike, allow_pickle: bool = False):
         self.path = self.source_dir = Path(directory)
         hf_config = read_hf_config(self.path)
         cfg_file = self.path / "config.json"
         try:
-            self.architecture: Architecture = architecture(hf_config.get("model_type"))
-            self.config, notes = hf_to_model_config(hf_config, self.architecture.config,
-                                                    name=self.architecture.model_type)
+            self.table: Architecture = architecture(hf_config.get("model_type"))
+            self.config, notes = self.table.config.read(hf_config, name=self.table.model_type)
         except ConfigError as e:  # CapabilityError included: keep the type, name the file
             raise type(e)(f"{cfg_file}: {e}") from None
         self.hf_config = hf_config
-        self.metadata: dict[str, str] = {"format": "hf", "model_type": self.architecture.model_type,
-                                         "source": str(self.path)}
+        self.architecture = self.table.model_type
+        self.metadata: dict[str, str] = {"format": "hf", "model_type": self.architecture, "source": str(self.path)}
         if notes:
             self.metadata["notes"] = "; ".join(notes)
 
@@ -122,7 +74,7 @@ class HFCheckpointReader(ReaderBase):
                 raise CheckpointError(f"{file}: file not found (listed in the index)")
             self._files[file] = opener(file)
         try:
-            self.binding: Binding = bind(self.architecture, self.config)
+            self.binding: Binding = bind(self.table, self.config)
         except ConfigError as e:
             raise type(e)(f"{cfg_file}: {e}") from None
         self._known = self.binding.known()
@@ -132,13 +84,19 @@ class HFCheckpointReader(ReaderBase):
             if key not in self._files[file].meta:
                 raise CheckpointError(f"{file}: tensor {key} is missing (the index lists it here)")
             self._take(key, file)
+        if index is not None:  # a tensor the index does not list would be left out without a word
+            listed = set(index.items())
+            for file, handle in self._files.items():
+                for key in handle.meta:
+                    if (key, file) not in listed:
+                        raise CheckpointError(f"{file}: tensor {key} is not listed in the index")
         self._check_and_derive_shapes()
         self._cache: tuple[BoundRule | None, list[torch.Tensor]] = (None, [])
 
     # -- opening ---------------------------------------------------------------------------
     def _take(self, key: str, file: Path) -> None:
         """Map a stored HF key to its table name (base-model checkpoints lack the prefix; old names)."""
-        arch, b, known = self.architecture, self.binding, self._known
+        arch, b, known = self.table, self.binding, self._known
         candidates = [key, arch.base_prefix + key]
         for old, new in arch.alias_prefixes.items():
             candidates += [new + c[len(old):] for c in list(candidates) if c.startswith(old)]
@@ -165,6 +123,10 @@ class HFCheckpointReader(ReaderBase):
                                           f"(needed for canonical {', '.join(br.canonical)})")
             metas = [self._files[f].meta[k] for f, k in (self._source[n] for n in br.hf)]
             where = f"{self._source[br.hf[0]][0]}: tensor {self._source[br.hf[0]][1]}"
+            dtypes = sorted({str(m[1]) for m in metas})
+            if len(dtypes) > 1:  # e.g. the experts of one stacked tensor
+                raise CheckpointError(f"{where}: the tensors that make {', '.join(br.canonical)} have mixed "
+                                      f"dtypes {dtypes}")
             try:
                 shapes = br.op.forward_shapes([m[0] for m in metas], self.config)
             except (ValueError, RuntimeError) as e:
@@ -189,7 +151,9 @@ class HFCheckpointReader(ReaderBase):
     def dtype(self, name: str) -> torch.dtype:
         return self._dtype[name]
 
-    def file_of(self, name: str) -> Path:
+    def file_of(self, name: str) -> Path | None:
+        if name not in self.binding.producer:
+            return None
         br, _ = self.binding.producer[name]
         return self._source[br.hf[0]][0]
 
@@ -212,7 +176,7 @@ class HFCheckpointReader(ReaderBase):
         return outputs[j]
 
     def tokenizer_files(self) -> list[Path]:
-        return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+        return tokenizer_files_in(self.path)
 
     def close(self) -> None:
         self._files.clear()

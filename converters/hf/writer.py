@@ -1,12 +1,14 @@
-"""Canonical dense model -> Hugging Face model directory, streamed tensor by tensor.
+"""Canonical readers -> Hugging Face model directories, streamed tensor by tensor.
 
-    save_hf(reader, "out/llama", "llama", tokenizer_from=hf_reader)
+    save_hf(reader, "out/llama", "llama", tokenizer_from=hf_reader)      a dense architecture
+    export_architecture(reader, out, ARCHITECTURES["mixtral"], ...)       any table, Mixtral included
 
-The HF names, shapes and reshapes come from the architecture's import table run backwards
-(`op.inverse`), and config.json from the same config spec run backwards: nothing here knows an
-architecture by name. Capability checks (a mixture, a parallel block for llama, ...) run before
-any I/O. Output: config.json, model.safetensors (or shards + model.safetensors.index.json),
-tokenizer files copied from `tokenizer_from`; written to a temporary directory, renamed at the end.
+Every HF format (the dense architectures, Mixtral, the HF BAM remote-code model) is written here:
+rows of (HF tensors <- op.inverse(canonical tensors)) from a weight table (architectures.py, run
+backwards: nothing here knows an architecture by name), shards from the one shard writer
+(runtime.shards), config.json and the other small files from the caller. Checks (capability,
+layout, file names) run before any I/O; the directory is written under a temporary name and
+renamed at the end.
 """
 from __future__ import annotations
 
@@ -14,134 +16,149 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from bam_surgery.runtime.checkpoint import (CheckpointError, SafetensorsStreamWriter, atomic_path, nbytes, plan_shards,
-                                shard_name, write_index)
+from bam_surgery.runtime.atomic import atomic_dir
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.dtypes import dtype_name, main_dtype
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.read_ahead import iter_tensors
+from bam_surgery.runtime.reader import Reader, StateReader, check_layout
+from bam_surgery.runtime.safetensors_file import Entry
+from bam_surgery.runtime.shards import INDEX_NAME, total_size, write_index, write_shards
 
+from .architectures import Architecture, BoundRule
 from .architectures import architecture as lookup_architecture
 from .architectures import bind
-from .config_map import model_config_to_hf
-from .reader import TOKENIZER_FILES, read_hf_config
+from .files import CONFIG_FILE, SINGLE_FILE, read_hf_config, tokenizer_files_in
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64"}
-# token ids live in the model's config.json in HF; carried over from the tokenizer's source
-_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained puts in each weight file
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # live in config.json in HF
 
 
-class _StateReader:
-    """The reader protocol over an in-memory canonical state dict."""
-
-    def __init__(self, state: Mapping[str, torch.Tensor], config: ModelConfig):
-        self.state, self.config = state, config
-
-    def names(self):
-        return list(self.state)
-
-    def shape(self, name):
-        return tuple(self.state[name].shape)
-
-    def dtype(self, name):
-        return self.state[name].dtype
-
-    def get(self, name):
-        return self.state[name]
+# ---- weights: rows of a table, streamed -------------------------------------------------------
+def plan_weights(reader: Reader, rows: Sequence[BoundRule], dtype: torch.dtype | None = None) -> list[Entry]:
+    """Every HF tensor (name, shape, dtype) the rows make from the reader's tensors, in row order."""
+    cfg = reader.config
+    entries: list[Entry] = []
+    for row in rows:
+        dtypes = {reader.dtype(c) for c in row.canonical}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{reader.where(row.canonical[0])}: tensors {', '.join(row.canonical)} have "
+                                  f"different dtypes {sorted(map(str, dtypes))}; they are written as {row.hf[0]}")
+        out_dtype = dtype or dtypes.pop()
+        shapes = row.op.inverse_shapes([tuple(reader.shape(c)) for c in row.canonical], cfg)
+        entries += [(name, shape, out_dtype) for name, shape in zip(row.hf, shapes)]
+    return entries
 
 
-def _tokenizer_source(tokenizer_from) -> tuple[list[Path], dict]:
+def stream_weights(reader: Reader, rows: Sequence[BoundRule], dtype: torch.dtype | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in plan_weights' order: the canonical tensors read ahead in a background
+    thread, each row's inverse op applied (views where it can: an expert of a stacked tensor)."""
+    cfg = reader.config
+    source = iter_tensors(reader, [c for row in rows for c in row.canonical])
+    for row in rows:
+        inputs = [tensor for _, tensor in (next(source) for _ in row.canonical)]
+        outputs = row.op.inverse(inputs, cfg)
+        for name, tensor in zip(row.hf, outputs):
+            yield name, tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+        tensor = inputs = outputs = None  # free this row before the next is read
+
+
+def check_copies(files: Iterable[str | os.PathLike], writes: Iterable[str]) -> list[Path]:
+    """Files to copy into an export by name: they exist, and none would overwrite a file the
+    export writes itself (`writes`, the weights and the index) or another copy."""
+    reserved, seen, out = set(writes) | {INDEX_NAME, "README.md"}, set(), []
+    for p in map(Path, files):
+        if not p.is_file():
+            raise CheckpointError(f"{p}: tokenizer file not found")
+        if p.name in reserved or p.name.endswith(".safetensors") or p.name.startswith("model-"):
+            raise CheckpointError(f"{p}: a tokenizer file may not be named {p.name} (the export writes that file)")
+        if p.name in seen:
+            raise CheckpointError(f"{p}: two tokenizer files are named {p.name}")
+        seen.add(p.name)
+        out.append(p)
+    return out
+
+
+def write_hf_directory(out_dir: str | os.PathLike, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
+                       *, texts: Mapping[str, str], copies: Sequence[Path] = (), code: Sequence[Path] = (),
+                       max_shard_bytes: int | None = None, single_file: str | None = SINGLE_FILE,
+                       always_index: bool = False) -> Path:
+    """The directory, atomically: weight shards (one `single_file` when they fit, None: shard names
+    even then), the index when sharded (or always), `texts` {file name: content}, then `copies`
+    and `code` copied by name."""
+    with atomic_dir(out_dir) as tmp:
+        weight_map = write_shards(tmp, entries, tensors, max_shard_bytes, file_metadata=SHARD_METADATA,
+                                  single_file=single_file)
+        if always_index or len(set(weight_map.values())) > 1:
+            write_index(tmp, weight_map, total_size(entries), {})
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        for p in [*copies, *code]:
+            shutil.copyfile(p, tmp / p.name)
+    return Path(out_dir)
+
+
+def config_json(body: Mapping[str, Any], sort_keys: bool = True) -> str:
+    return json.dumps(body, indent=2, sort_keys=sort_keys) + "\n"
+
+
+# ---- an architecture's table, run backwards ---------------------------------------------------
+def export_architecture(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, *,
+                        token_ids: Mapping[str, Any], texts: Mapping[str, str] = {}, copies: Sequence[Path] = (),
+                        max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
+                        single_file: str | None = SINGLE_FILE, always_index: bool = False) -> Path:
+    """Write `reader` as `arch`: its config map gives config.json (capability errors first), its
+    table the weights. `texts` are extra small files (README.md, generation_config.json)."""
+    cfg = reader.config
+    body = arch.config.write(cfg, arch.model_type)  # capability errors, before any I/O
+    check_layout(reader)
+    rows = bind(arch, cfg).active
+    entries = plan_weights(reader, rows, dtype)
+    copies = check_copies(copies, [CONFIG_FILE, *texts])
+    model_dtype = dtype_name(main_dtype(entries))
+    hf_config = {"architectures": [arch.hf_class], "model_type": arch.model_type, **body,
+                 "dtype": model_dtype, **token_ids, "torch_dtype": model_dtype}  # torch_dtype: transformers < 5
+    return write_hf_directory(out_dir, entries, stream_weights(reader, rows, dtype),
+                              texts={CONFIG_FILE: config_json(hf_config), **texts}, copies=copies,
+                              max_shard_bytes=max_shard_bytes, single_file=single_file, always_index=always_index)
+
+
+def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:
     """(tokenizer files, HF config.json of that source or {}) from a reader or a directory."""
     if tokenizer_from is None:
         return [], {}
-    if hasattr(tokenizer_from, "tokenizer_files"):
-        return list(tokenizer_from.tokenizer_files()), dict(getattr(tokenizer_from, "hf_config", {}) or {})
-    if not isinstance(tokenizer_from, (str, os.PathLike)):
-        raise CheckpointError(f"{getattr(tokenizer_from, 'path', tokenizer_from)}: has no tokenizer files "
-                              "(pass an HF model directory or its reader)")
+    if isinstance(tokenizer_from, Reader):
+        return tokenizer_from.tokenizer_files(), tokenizer_from.hf_config or {}
     d = Path(tokenizer_from)
     if not d.is_dir():
         raise CheckpointError(f"{d}: tokenizer source is not a directory")
-    hf = read_hf_config(d) if (d / "config.json").is_file() else {}
-    return [d / n for n in TOKENIZER_FILES if (d / n).is_file()], hf
+    return tokenizer_files_in(d), read_hf_config(d) if (d / CONFIG_FILE).is_file() else {}
 
 
-def save_hf(source, out_dir: str | os.PathLike, architecture: str, tokenizer_from=None, *,
-            config: ModelConfig | None = None, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
-            model_card: str | None = None) -> Path:
+def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathLike, architecture: str,
+            tokenizer_from: Reader | str | os.PathLike | None = None, *, config: ModelConfig | None = None,
+            max_shard_bytes: int | None = DEFAULT_SHARD_BYTES, model_card: str | None = None,
+            dtype: torch.dtype | None = None) -> Path:
     """Write a dense canonical model (a reader, or a state dict with `config=`) as an HF directory.
 
     architecture: the HF model_type to write (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi).
-    tokenizer_from: a reader with tokenizer_files() (an HF input) or a directory; its tokenizer files
+    tokenizer_from: a reader (an HF input) or a directory; its tokenizer files and generation config
     are copied and its config's bos/eos/pad token ids carried over.
     model_card: markdown written as README.md.
     """
     if isinstance(source, Mapping):
         if config is None:
             raise ValueError("save_hf: a state dict needs config=ModelConfig")
-        source = _StateReader(source, config)
-    cfg: ModelConfig = source.config
+        source = StateReader(source, config)
     arch = lookup_architecture(architecture)
-    body = model_config_to_hf(cfg, arch.config, arch.model_type)  # capability errors, before any I/O
-    binding = bind(arch, cfg)
-    expected = tensor_shapes(cfg)
-    names = set(source.names())
-    for c in expected:
-        if c not in names:
-            raise CheckpointError(f"{getattr(source, 'path', 'source')}: tensor {c} is missing")
-        if tuple(source.shape(c)) != expected[c]:
-            raise CheckpointError(f"{getattr(source, 'path', 'source')}: tensor {c} has shape "
-                                  f"{list(source.shape(c))}, config implies {list(expected[c])}")
-    extra = sorted(names - set(expected))
-    if extra:
-        raise CheckpointError(f"{getattr(source, 'path', 'source')}: tensor {extra[0]} is not part of a dense "
-                              f"{arch.model_type} model")
-
-    # plan: every HF tensor with its shape and dtype, in model order
-    entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    rule_of = {}
-    for br in binding.active:
-        dtypes = {source.dtype(c) for c in br.canonical}
-        if len(dtypes) != 1:
-            raise CheckpointError(f"tensors {', '.join(br.canonical)} have different dtypes {sorted(map(str, dtypes))}; "
-                                  f"they are fused into {br.hf[0]}")
-        (dtype,) = dtypes
-        for n, s in zip(br.hf, br.op.inverse_shapes([expected[c] for c in br.canonical], cfg)):
-            entries.append((n, s, dtype))
-            rule_of[n] = br
-    main_dtype = max({e[2] for e in entries}, key=lambda d: sum(nbytes(e[1], e[2]) for e in entries if e[2] == d))
     tok_files, tok_config = _tokenizer_source(tokenizer_from)
-    hf_config = {"architectures": [arch.hf_class], "model_type": arch.model_type, **body,
-                 "dtype": _DTYPE_NAME.get(main_dtype, str(main_dtype).removeprefix("torch.")),
-                 **{k: tok_config[k] for k in _TOKEN_ID_KEYS if k in tok_config}}
-    hf_config["torch_dtype"] = hf_config["dtype"]  # the key transformers < 5 reads
-
-    out_dir = Path(out_dir)
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        tmp.mkdir(parents=True, exist_ok=True)
-        shards = plan_shards(entries, max_shard_bytes)
-        weight_map: dict[str, str] = {}
-        pending: dict[str, torch.Tensor] = {}  # HF outputs of the current row not yet written
-        for i, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else shard_name(i, len(shards))
-            writer = SafetensorsStreamWriter(tmp / fname, shard, {"format": "pt"})
-            for n, _, _ in shard:
-                if n not in pending:
-                    br = rule_of[n]
-                    outs = br.op.inverse([source.get(c) for c in br.canonical], cfg)
-                    pending = dict(zip(br.hf, outs))
-                writer.write(n, pending.pop(n))
-                weight_map[n] = fname
-            writer.close()
-        if len(shards) > 1:
-            write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), {})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-        for f in tok_files:
-            shutil.copy2(f, tmp / f.name)
-        if model_card is not None:
-            (tmp / "README.md").write_text(model_card)
-    return out_dir
+    return export_architecture(source, out_dir, arch, token_ids={k: tok_config[k] for k in TOKEN_ID_KEYS
+                                                                 if k in tok_config},
+                               texts={} if model_card is None else {"README.md": model_card}, copies=tok_files,
+                               max_shard_bytes=max_shard_bytes, dtype=dtype)

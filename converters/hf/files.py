@@ -1,0 +1,76 @@
+"""The files of a Hugging Face model directory: which names hold what, and how to list them.
+
+    config.json                                   read_hf_config
+    model.safetensors | model-0000i-of-0000N.safetensors + model.safetensors.index.json
+    pytorch_model*.bin (+ pytorch_model.bin.index.json)   only with allow_pickle
+    tokenizer files, generation_config.json       TOKENIZER_FILES
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.shards import INDEX_NAME
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE_FILE = "model.safetensors"  # the weights of an unsharded directory
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+# What a model directory carries besides config and weights; copied into exports of it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", GENERATION_CONFIG)
+
+# File-name globs of what an export to an HF directory writes (weights, index, config, card, and
+# the tokenizer files it carries): `--force` replaces a directory holding nothing else.
+HF_DIRECTORY_FILES = (CONFIG_FILE, GENERATION_CONFIG, "README.md", INDEX_NAME, "*.safetensors", "tokenizer*",
+                      "special_tokens_map.json", "*.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def read_hf_config(directory: Path) -> dict:
+    cfg_file = directory / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{directory}: no config.json (not a Hugging Face model directory)")
+    try:
+        body = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object")
+    return body
+
+
+def tokenizer_files_in(directory: Path) -> list[Path]:
+    """The tokenizer files (and generation config) present in a model directory."""
+    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+
+
+def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:
+    """(weight files, index {HF name: file} or None, is_pickle). Prefers safetensors over pickles."""
+    def from_index(index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {str(k): directory / str(f) for k, f in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+
+    def listing(index: dict[str, Path], is_pickle: bool):
+        return list(dict.fromkeys(index.values())), index, is_pickle
+
+    if (directory / INDEX_NAME).is_file():
+        return listing(from_index(directory / INDEX_NAME), False)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [single], None, False
+    shards = sorted(directory.glob("model-*-of-*.safetensors"))
+    if shards:
+        return shards, None, False
+    pickle_index = directory / PICKLE_INDEX
+    pickles = [pickle_index] if pickle_index.is_file() else sorted(directory.glob("pytorch_model*.bin"))
+    if pickles:
+        if not allow_pickle:
+            raise CheckpointError(f"{pickles[0]}: pickle weights (.bin) are not loaded by default; pass "
+                                  "--allow-pickle to load them (torch.load with weights_only=True)")
+        return listing(from_index(pickle_index), True) if pickle_index.is_file() else (pickles, None, True)
+    raise CheckpointError(f"{directory}: no weights found (model.safetensors, shards with "
+                          f"{INDEX_NAME}, or pytorch_model.bin)")

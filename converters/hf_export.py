@@ -1,0 +1,46 @@
+"""The `hf` format: a Hugging Face directory that transformers loads.
+
+A dense model is written as its own architecture (llama, gpt2, ...: converters/hf/writer.py, which
+needs `architecture`); a mixture as the remote-code BAM model (converters/hf_bam, loaded with
+trust_remote_code=True).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.reader import Reader
+
+from .export import CapabilityError, ExportOptions, Exporter
+from .hf.architectures import ARCHITECTURES, architecture as lookup_architecture
+from .hf.files import HF_DIRECTORY_FILES
+from .hf.writer import save_hf
+from .hf_bam.export import CODE_FILES, check_hf_bam, export_hf_bam
+
+DENSE = ", ".join(m for m, a in ARCHITECTURES.items() if not a.mixture)
+
+
+class HFExporter(Exporter):
+    name = "hf"
+    summary = ("HF directory: a dense model as its HF architecture, a mixture as the remote-code BAM model "
+               "(trust_remote_code=True)")
+    writes = HF_DIRECTORY_FILES + CODE_FILES
+
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        if cfg.is_mixture:
+            check_hf_bam(cfg)
+            return
+        if not architecture:
+            raise CapabilityError(f"hf export of a dense model needs the architecture to write "
+                                  f"(--architecture {DENSE.replace(', ', '|')})")
+        arch = lookup_architecture(architecture)
+        arch.config.write(cfg, arch.model_type)
+
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        if reader.config.is_mixture:
+            return export_hf_bam(reader, out, tokenizer_files=options.tokenizer_files, model_card=options.model_card,
+                                 max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
+                                 generation=options.generation)
+        shards = {} if options.max_shard_bytes is None else {"max_shard_bytes": options.max_shard_bytes}
+        return save_hf(reader, out, options.architecture, tokenizer_from=options.tokenizer_source,
+                       model_card=options.model_card, dtype=options.dtype, **shards)

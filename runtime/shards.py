@@ -1,0 +1,78 @@
+"""The one shard writer: tensors streamed into size-bounded safetensors files, plus the index.
+
+    model-00001-of-0000N.safetensors ...      (or one file with the format's single-file name)
+    model.safetensors.index.json              {"metadata": {"total_size": ..., ...}, "weight_map": {name: file}}
+
+Every directory output (canonical checkpoints, merges, HF, Mixtral and HF BAM exports) is written
+by `write_shards`; the formats differ only in the file names, the per-file metadata and whether
+they write an index for a single shard, which the caller says.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from .dtypes import nbytes
+from .safetensors_file import Entry, SafetensorsStreamWriter
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def plan_shards(entries: list[Entry], max_shard_bytes: int | None) -> list[list[Entry]]:
+    """Split entries (in order) into shards of at most max_shard_bytes (a single bigger tensor gets its own)."""
+    if not max_shard_bytes:
+        return [list(entries)]
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        b = nbytes(e[1], e[2])
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += b
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_file(path: Path, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
+               metadata: Mapping[str, str] | None = None, on_write: Callable[[str], None] | None = None) -> None:
+    """One safetensors file: the next len(entries) (name, tensor) pairs of `tensors`, in entries' order."""
+    with SafetensorsStreamWriter(path, entries, metadata) as writer:
+        for name, tensor in itertools.islice(tensors, len(entries)):
+            writer.write(name, tensor)
+            del tensor  # free it before the next one is taken
+            if on_write is not None:
+                on_write(name)
+
+
+def write_shards(directory: Path, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
+                 max_shard_bytes: int | None, *, file_metadata: Mapping[str, str], single_file: str | None = None,
+                 on_write: Callable[[str], None] | None = None) -> dict[str, str]:
+    """Write `tensors` ((name, tensor) in entries' order) as shards into `directory`; return the
+    weight map {name: file}. single_file: the file name when everything fits one shard (None: the
+    shard name model-00001-of-00001.safetensors)."""
+    shards = plan_shards(entries, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    tensors = iter(tensors)
+    for i, shard in enumerate(shards):
+        fname = single_file if single_file and len(shards) == 1 else shard_name(i, len(shards))
+        write_file(directory / fname, shard, tensors, file_metadata, on_write)
+        weight_map.update((name, fname) for name, _, _ in shard)
+    return weight_map
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int, metadata: Mapping[str, str]) -> None:
+    index = {"metadata": {"total_size": total_size, **metadata}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+
+def total_size(entries: list[Entry]) -> int:
+    return sum(nbytes(shape, dtype) for _, shape, dtype in entries)

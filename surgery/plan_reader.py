@@ -1,0 +1,93 @@
+"""A merge plan seen as a checkpoint reader: `get(name)` computes that output tensor on demand.
+
+Exporters take any reader, so with a PlanReader they write any format straight from the inputs,
+with no intermediate canonical file. Every input tensor is checked against its header and for
+non-finite values as it is read.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from bam_surgery.runtime.reader import Reader
+
+from .errors import InputError
+from .hashing import InputHasher
+from .kernels import run_op
+from .plan import Plan, Source, file_label
+from .provenance import output_metadata, plan_input_files
+
+Warn = Callable[[str], None]
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in x. aminmax propagates NaN and surfaces +-Inf as the min/max; it runs in the
+    input's dtype, ~10x faster than isfinite().all() on bf16. Every input tensor goes through this."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def read_source(plan: Plan, src: Source, allow_nonfinite: bool, warn: Warn | None = None) -> torch.Tensor:
+    """One input tensor, checked against its header and for non-finite values."""
+    inp = plan.inputs[src.input]
+    reader, where = inp.reader, file_label(inp.reader, src.name, inp.label)
+    try:
+        x = reader.get(src.name)
+    except Exception as e:
+        raise InputError(f"{where}: tensor {src.name} could not be read ({' '.join(str(e).split())})") from e
+    if tuple(x.shape) != tuple(reader.shape(src.name)):
+        raise InputError(f"{where}: tensor {src.name} has shape {list(x.shape)}, its header says "
+                         f"{list(reader.shape(src.name))}")
+    if not all_finite(x):
+        bad = int((~torch.isfinite(x)).sum())
+        msg = f"{where}: tensor {src.name} has {bad} non-finite value(s) (NaN or Inf)"
+        if not allow_nonfinite:
+            raise InputError(msg + "; fix the input or pass --allow-nonfinite to merge anyway")
+        if warn:
+            warn(msg + " (kept: --allow-nonfinite)")
+    return x
+
+
+class PlanReader(Reader):
+    """The reader protocol over a plan. `metadata` carries the provenance, with the inputs' sha256:
+    the first access hashes every input file (a full read of the inputs; pass hash_inputs=False to
+    leave the digests out)."""
+
+    def __init__(self, plan: Plan, allow_nonfinite: bool | None = None, warn: Warn | None = None,
+                 hash_inputs: bool = True):
+        self.plan = plan
+        self.config = plan.config
+        self.allow_nonfinite = plan.options.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
+        self.warn = warn
+        self.hash_inputs = hash_inputs
+        self._metadata: dict[str, str] | None = None
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.plan.tensors]
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            self.plan[name]
+        except KeyError:
+            return False
+        return True
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.plan[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.plan[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return run_op(self.plan[name], lambda s: read_source(self.plan, s, self.allow_nonfinite, self.warn))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        if self._metadata is None:
+            digests = InputHasher(plan_input_files(self.plan)).result() if self.hash_inputs else None
+            self._metadata = output_metadata(self.plan, digests)
+        return self._metadata

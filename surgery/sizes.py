@@ -1,0 +1,19 @@
+"""Byte sizes as users write them on the command line (--max-shard-size)."""
+from __future__ import annotations
+
+import re
+
+from .errors import BamSurgeryError
+
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """'2GB' -> 2_000_000_000, '500MiB' -> 524_288_000, '1000' -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise BamSurgeryError(f"{option}: cannot read {text!r}; write e.g. 2GB, 500MB or 1GiB")
+    size = int(float(m.group(1)) * _SCALE[(m.group(2) or "").lower()])
+    if size <= 0:
+        raise BamSurgeryError(f"{option}: must be positive, got {text!r}")
+    return size
