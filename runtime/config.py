@@ -17,30 +17,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
-ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
-NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("rope", "learned", "none")
-BLOCKS = ("sequential", "parallel", "parallel_two_norms")
-GATE_NORMS = ("softmax", "topk_softmax")
-KV_MODES = ("expert", "shared")
-ROUTERS = ("linear",)
+# Fields with a fixed set of values; the tuples are the same sets, for messages and checks.
+Activation = Literal["swiglu", "gelu", "gelu_tanh", "relu", "silu"]
+Norm = Literal["layernorm", "rmsnorm"]
+Position = Literal["rope", "learned", "none"]
+Block = Literal["sequential", "parallel", "parallel_two_norms"]
+GateNorm = Literal["softmax", "topk_softmax"]
+KVMode = Literal["expert", "shared"]
+Router = Literal["linear"]  # the router kinds; a new kind is a value here and a branch in runtime.model
+ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
+GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
 class ConfigError(ValueError):
     """A config field is missing, unknown or inconsistent; the message names the field."""
 
 
-# Field annotations are strings here (postponed annotations): "int", "int | None", "float", ...
-_TYPE_CHECKS = {
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "bool": lambda v: isinstance(v, bool),
-    "str": lambda v: isinstance(v, str),
-    "None": lambda v: v is None,
-}
+def _type_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
+    """(does a JSON value fit the annotation, how to name the annotation). A Literal only needs a
+    string here: validate() names the allowed values."""
+    if get_origin(hint) is Literal:
+        return (lambda v: isinstance(v, str)), "str"
+    if get_origin(hint) in (Union, types.UnionType):
+        parts = [_type_check(a) for a in get_args(hint)]
+        return (lambda v: any(check(v) for check, _ in parts)), " | ".join(name for _, name in parts)
+    checks = {
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        bool: lambda v: isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        type(None): lambda v: v is None,
+    }
+    return checks[hint], "None" if hint is type(None) else hint.__name__
 
 
 @dataclass
@@ -53,30 +65,30 @@ class ModelConfig:
     ffn_hidden: int
     n_kv_heads: int | None = None  # None -> n_heads (MHA); < n_heads -> GQA; 1 -> MQA
     head_dim: int | None = None  # None -> d_model // n_heads
-    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh | relu | silu
-    norm: str = "rmsnorm"  # layernorm | rmsnorm
+    activation: Activation = "swiglu"
+    norm: Norm = "rmsnorm"
     norm_bias: bool = False  # layernorm only: learnable bias
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     o_bias: bool = False
     ffn_bias: bool = False
     lm_head_bias: bool = False
-    position: str = "rope"  # rope | learned (absolute table) | none
+    position: Position = "rope"  # learned: an absolute position table
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # fraction of head_dim that is rotated (NeoX/Phi partial rotary)
     rope_interleaved: bool = False  # False: rotate halves (Llama/NeoX); True: rotate pairs (GPT-J/Cohere)
     max_positions: int = 2048
-    block: str = "sequential"  # sequential | parallel (one shared norm) | parallel_two_norms (NeoX)
+    block: Block = "sequential"  # parallel: one shared norm; parallel_two_norms: NeoX
     tie_embeddings: bool = False
     logit_scale: float = 1.0  # multiplies the logits (Cohere)
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
-    gate_norm: str = "softmax"  # softmax: p_i from the full softmax (paper); topk_softmax: renormalized over top-k (Mixtral/BTX)
+    gate_norm: GateNorm = "softmax"  # softmax: p_i from the full softmax (paper); topk_softmax: renormalized over top-k (Mixtral/BTX)
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
-    kv_mode: str = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
-    router: str = "linear"
+    kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
+    router: Router = "linear"
     lb_coef: float = 0.01  # alpha, load-balancing loss weight
     z_coef: float = 0.001  # beta, router z-loss weight
     name: str = ""  # free-form label (preset name, source architecture)
@@ -84,8 +96,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # JSON configs can carry "32" or null where 32 belongs
             v = getattr(self, f.name)
-            if not any(_TYPE_CHECKS[t.strip()](v) for t in str(f.type).split("|")):
-                raise ConfigError(f"{f.name}: expected {f.type}, got {v!r}")
+            check, expected = _field_types(type(self))[f.name]
+            if not check(v):
+                raise ConfigError(f"{f.name}: expected {expected}, got {v!r}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -197,6 +210,16 @@ class ModelConfig:
     @classmethod
     def from_json(cls, s: str) -> "ModelConfig":
         return cls.from_dict(json.loads(s))
+
+
+_FIELD_TYPES: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+
+def _field_types(cls: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """Per field of a config class: its type check and name (resolved from the annotations once)."""
+    if cls not in _FIELD_TYPES:
+        _FIELD_TYPES[cls] = {name: _type_check(hint) for name, hint in get_type_hints(cls).items()}
+    return _FIELD_TYPES[cls]
 
 
 # ---- presets: data, with their source ------------------------------------------------------
