@@ -49,7 +49,8 @@ if str(REPO) not in sys.path:  # `python benchmarks/merge.py` as well as `python
 
 import torch  # noqa: E402
 
-from bam_surgery.runtime.checkpoint import CONFIG_KEY, FORMAT, CheckpointReader, SafetensorsStreamWriter  # noqa: E402
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, FORMAT, CheckpointReader  # noqa: E402
+from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter  # noqa: E402
 from bam_surgery.runtime.config import ModelConfig  # noqa: E402
 from bam_surgery.runtime.layout import tensor_shapes  # noqa: E402
 

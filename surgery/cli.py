@@ -14,8 +14,9 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters.export import exporters
+from bam_surgery.runtime.config import GATE_NORMS
 
+from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
 from .errors import USER_ERRORS, BamSurgeryError, one_line
 
 EXIT_USER_ERROR = 2
@@ -62,9 +63,6 @@ def _warn(msg: str) -> None:
     click.echo(f"bam-surgery: warning: {msg}", err=True)
 
 
-FORMATS = {name: e.summary for name, e in exporters().items()}  # converters.export's table, in order
-
-
 def _check_format_out(fmt: str, out: str | None) -> None:
     from bam_surgery.converters.export import exporter
 
@@ -90,7 +88,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--attention-routing", metavar="soft|topK",
               help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
                    "e.g. top2 (default: the recipe's).")
-@click.option("--gate-norm", type=click.Choice(["softmax", "topk_softmax"]),
+@click.option("--gate-norm", type=click.Choice(GATE_NORMS),
               help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
                    "over the chosen top-k.")
 @click.option("--extra-ffn-experts", type=click.IntRange(min=0), metavar="N",
@@ -118,19 +116,15 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
                    "float32 either way.")
-@click.option("--max-shard-size", metavar="SIZE",
-              help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
-@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
-              help="Output format: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ". Formats other "
-                   "than canonical need a directory OUT.")
+@MAX_SHARD_SIZE
+@format_option("Output format.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
                    "write nothing.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@OUT_FORCE
 @click.option("--allow-nonfinite", is_flag=True,
               help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
-@click.option("--allow-pickle", is_flag=True,
-              help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
+@ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
           weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, fmt, dry_run,
@@ -201,16 +195,14 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @click.argument("source", metavar="CKPT")
 @click.option("--out", required=True, type=click.Path(), metavar="OUT",
               help="Output path: .safetensors file or directory (canonical), or a directory (hf, mixtral).")
-@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
-              help="Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral "
-                   "or HF BAM export): " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ".")
+@format_option("Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral or HF "
+               "BAM export).")
 @click.option("--architecture", metavar="MODEL_TYPE",
               help="For --format hf of a dense model: the HF architecture to write (llama, mistral, qwen2, "
                    "gpt_neox, gpt2, cohere, phi). Default: the input's own, when it came from HF.")
-@click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a directory output, e.g. 2GB.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--allow-pickle", is_flag=True,
-              help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with weights_only=True).")
+@MAX_SHARD_SIZE
+@OUT_FORCE
+@ALLOW_PICKLE
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
     from bam_surgery.converters import open_checkpoint

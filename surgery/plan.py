@@ -22,6 +22,7 @@ Ops in a plan:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -191,15 +192,7 @@ def file_label(reader: Reader, name: str, label: str) -> str:
 def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None) -> Plan:
     """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order."""
     options = options or MergeOptions()
-    if not inputs:
-        raise BamSurgeryError("merge needs a --seed")
-    n_experts = len(inputs) - 1
-    if n_experts < recipe.min_experts:
-        raise BamSurgeryError(f"recipe {recipe.name} needs at least {recipe.min_experts} --experts "
-                              f"(experts.min), got {n_experts}")
-    if recipe.max_experts is not None and n_experts > recipe.max_experts:
-        what = "no --experts" if recipe.max_experts == 0 else f"at most {recipe.max_experts} --experts"
-        raise BamSurgeryError(f"recipe {recipe.name} takes {what} (experts.max), got {n_experts}")
+    _check_expert_count(recipe, len(inputs) - 1)
     plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", input_label(r, i), r) for i, r in enumerate(inputs)]
     layout = check_inputs(plan_inputs)
     dense_cfg = inputs[0].config
@@ -210,55 +203,73 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
         raise BamSurgeryError(f"--no-seed-expert leaves recipe {recipe.name} with no input to build from; "
                               "give --experts or let the seed join")
     weights = _mean_weights(options.weights, plan_inputs, members)
-    if options.shared_kv_rule is not None:
-        if options.shared_kv_rule not in SHARED_KV_RULES:
-            raise BamSurgeryError(f"--shared-kv-rule: unknown rule {options.shared_kv_rule!r}; choose one of "
-                                  f"{', '.join(SHARED_KV_RULES)}")
-        if not recipe.shared_kv:
-            raise BamSurgeryError(f"--shared-kv-rule: recipe {recipe.name} has no shared K/V (it needs "
-                                  "tensors.attn.q: stack and tensors.attn.k: mean or seed)")
+    _check_shared_kv_rule(recipe, options.shared_kv_rule)
     try:
         out_cfg = mixture_config(recipe, dense_cfg, len(members), ffn_top_k=options.ffn_top_k,
                                  attn_top_k=options.attention_routing, extra_ffn_experts=options.extra_ffn_experts,
                                  gate_norm=options.gate_norm, lb_coef=options.lb_coef, z_coef=options.z_coef)
     except ConfigError as e:
         raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
-    dtype = _output_dtype(options.dtype, inputs[0])
     router_std = recipe.router_std if options.router_std is None else float(options.router_std)
     if not (math.isfinite(router_std) and router_std >= 0):
         raise BamSurgeryError(f"--router-std: must be a finite number >= 0, got {router_std}")
     ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
     shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
+    choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
+                   _output_dtype(options.dtype, inputs[0]), router_std, shared_rule)  # everything but the tensors
+    return dataclasses.replace(choices, tensors=[_tensor_op(choices, layout, name, shape)
+                                                 for name, shape in tensor_shapes(out_cfg).items()])
 
-    tensors = []
-    for name, shape in tensor_shapes(out_cfg).items():
-        if ROUTER.match(name):
-            op = "normal" if recipe.router_init == "normal" else "zeros"
-            tensors.append(TensorOp(name, op, shape, dtype, std=router_std if op == "normal" else 0.0,
-                                    rng_seed=router_rng_seed(options.router_seed, name) if op == "normal" else 0))
-            continue
-        stacked = STACKED.match(name)
-        # the dense tensor it is made from: layers.3.ffn_experts.up.weight <- layers.3.ffn.up.weight
-        src = f"{stacked['layer']}.{stacked['group']}.{stacked['rest']}" if stacked else name
-        kind = dense_kind(src)
-        op = recipe.op(kind, shared_rule)
-        if stacked:
-            slots = ffn_slots if stacked["group"] == "ffn" else members
-            t = TensorOp(name, "stack", shape, dtype, tuple(Source(i, src) for i in slots))
-            expected = (len(slots), *layout[src])
-        elif op == "stack":  # cannot happen: mixture_config stacks exactly the recipe's stacked kinds
-            raise AssertionError(f"{name}: recipe stacks {kind} but the output layout does not")
-        elif op == "seed" or len(members) == 1:
-            t = TensorOp(name, "copy", shape, dtype, (Source(0 if op == "seed" else members[0], src),))
-            expected = layout[src]
-        else:
-            t = TensorOp(name, "mean", shape, dtype, tuple(Source(i, src) for i in members), weights)
-            expected = layout[src]
-        if tuple(expected) != tuple(shape):
-            raise AssertionError(f"{name}: planned shape {expected} != layout shape {shape}")
-        tensors.append(t)
-    return Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg, dtype,
-                router_std, shared_rule, tensors)
+
+def _check_expert_count(recipe: Recipe, n_experts: int) -> None:
+    if n_experts < 0:
+        raise BamSurgeryError("merge needs a --seed")
+    if n_experts < recipe.min_experts:
+        raise BamSurgeryError(f"recipe {recipe.name} needs at least {recipe.min_experts} --experts "
+                              f"(experts.min), got {n_experts}")
+    if recipe.max_experts is not None and n_experts > recipe.max_experts:
+        what = "no --experts" if recipe.max_experts == 0 else f"at most {recipe.max_experts} --experts"
+        raise BamSurgeryError(f"recipe {recipe.name} takes {what} (experts.max), got {n_experts}")
+
+
+def _check_shared_kv_rule(recipe: Recipe, rule: str | None) -> None:
+    if rule is None:
+        return
+    if rule not in SHARED_KV_RULES:
+        raise BamSurgeryError(f"--shared-kv-rule: unknown rule {rule!r}; choose one of {', '.join(SHARED_KV_RULES)}")
+    if not recipe.shared_kv:
+        raise BamSurgeryError(f"--shared-kv-rule: recipe {recipe.name} has no shared K/V (it needs "
+                              "tensors.attn.q: stack and tensors.attn.k: mean or seed)")
+
+
+def _tensor_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...]) -> TensorOp:
+    """How output tensor `name` is made: a router init, a stack over expert slots, a copy or a mean."""
+    dtype, members = plan.dtype, plan.members
+    if ROUTER.match(name):
+        if plan.recipe.router_init != "normal":
+            return TensorOp(name, "zeros", shape, dtype)
+        return TensorOp(name, "normal", shape, dtype, std=plan.router_std,
+                        rng_seed=router_rng_seed(plan.options.router_seed, name))
+    stacked = STACKED.match(name)
+    # the dense tensor it is made from: layers.3.ffn_experts.up.weight <- layers.3.ffn.up.weight
+    src = f"{stacked['layer']}.{stacked['group']}.{stacked['rest']}" if stacked else name
+    kind = dense_kind(src)
+    op = plan.recipe.op(kind, plan.shared_kv_rule)
+    if stacked:
+        slots = plan.ffn_slots if stacked["group"] == "ffn" else members
+        t = TensorOp(name, "stack", shape, dtype, tuple(Source(i, src) for i in slots))
+        expected = (len(slots), *layout[src])
+    elif op == "stack":  # cannot happen: mixture_config stacks exactly the recipe's stacked kinds
+        raise AssertionError(f"{name}: recipe stacks {kind} but the output layout does not")
+    elif op == "seed" or len(members) == 1:
+        t = TensorOp(name, "copy", shape, dtype, (Source(0 if op == "seed" else members[0], src),))
+        expected = layout[src]
+    else:
+        t = TensorOp(name, "mean", shape, dtype, tuple(Source(i, src) for i in members), plan.weights)
+        expected = layout[src]
+    if tuple(expected) != tuple(shape):
+        raise AssertionError(f"{name}: planned shape {expected} != layout shape {shape}")
+    return t
 
 
 def _mean_weights(weights: Sequence[float] | None, inputs: list[PlanInput], members: tuple[int, ...]
