@@ -26,6 +26,7 @@ import torch
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.shards import INDEX_NAME
 
 
 class CapabilityError(ConfigError):
@@ -70,7 +71,7 @@ class CanonicalExporter(Exporter):
     name = "canonical"
     summary = "our safetensors, loads with runtime.load_model"
     writes_directory = False
-    writes = ("config.json", "model.safetensors.index.json", "*.safetensors")
+    writes = ("config.json", INDEX_NAME, "*.safetensors")
 
     def check(self, cfg, *, recipe=None, architecture=None) -> None:
         pass  # every ModelConfig has a canonical layout

@@ -109,3 +109,9 @@ def test_wheel_installs_only_the_bam_surgery_namespace(tmp_path):
             assert f"bam_surgery/{layer}/__init__.py" in names
     assert "bam_surgery/recipes/bam.yaml" in names
     assert "bam_surgery/converters/hf_bam/modeling_bam.py" in names
+
+
+def test_cli_starts_without_transformers():
+    """transformers (about a second to import) loads only when a command needs it (HF BAM remote code)."""
+    code = "import sys, bam_surgery.surgery.cli; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

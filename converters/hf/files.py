@@ -23,8 +23,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # File-name globs of what an export to an HF directory writes (weights, index, config, card, and
 # the tokenizer files it carries): `--force` replaces a directory holding nothing else.
-HF_DIRECTORY_FILES = (CONFIG_FILE, GENERATION_CONFIG, "README.md", INDEX_NAME, "*.safetensors", "tokenizer*",
-                      "special_tokens_map.json", "*.model", "vocab.json", "merges.txt", "added_tokens.json")
+HF_DIRECTORY_FILES = (CONFIG_FILE, "README.md", INDEX_NAME, "*.safetensors", *TOKENIZER_FILES)
 
 
 def read_hf_config(directory: Path) -> dict:

@@ -35,7 +35,6 @@ from ..hf.architectures import BoundRule
 from ..hf.files import CONFIG_FILE, GENERATION_CONFIG
 from ..hf.ops import IDENTITY
 from ..hf.writer import check_copies, plan_weights, stream_weights, write_hf_directory
-from .configuration_bam import SUPPORTED, BamConfig
 
 CODE_DIR = Path(__file__).parent
 CODE_FILES = ("configuration_bam.py", "modeling_bam.py")
@@ -65,8 +64,14 @@ def weight_rows(cfg: ModelConfig) -> list[BoundRule]:
 
 
 # ---- capability check -----------------------------------------------------------------------
+def _remote_config():  # imports transformers (a second at startup): only when a BAM export is made or read
+    from . import configuration_bam
+    return configuration_bam
+
+
 def check_hf_bam(cfg: ModelConfig) -> None:
     """Raise a one-line CapabilityError if modeling_bam.py cannot run this config; runs before any I/O."""
+    BamConfig, SUPPORTED = _remote_config().BamConfig, _remote_config().SUPPORTED
     known = set(inspect.signature(BamConfig.__init__).parameters)
     for f in dataclasses.fields(cfg):
         if f.name not in known:
@@ -83,6 +88,7 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: torch.dtype,
                    generation: Mapping[str, object] | None = None) -> dict[str, object]:
     """config.json: the ModelConfig fields under their own names, plus what transformers needs to load it."""
     tokens = {k: v for k, v in (generation or {}).items() if k.endswith("_token_id")}
+    BamConfig = _remote_config().BamConfig
     return {
         "architectures": [ARCHITECTURE],
         "auto_map": dict(AUTO_MAP),
@@ -96,6 +102,7 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: torch.dtype,
 
 def config_from_hf_dict(body: Mapping[str, object]) -> ModelConfig:
     """Inverse of hf_config_dict: the ModelConfig of an exported directory's config.json."""
+    BamConfig = _remote_config().BamConfig
     if body.get("model_type") != BamConfig.model_type:
         raise ValueError(f"config.json has model_type {body.get('model_type')!r}, not {BamConfig.model_type!r}")
     return ModelConfig.from_dict({f.name: body[f.name] for f in dataclasses.fields(ModelConfig) if f.name in body})
