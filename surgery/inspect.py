@@ -139,15 +139,13 @@ class Inspection:
 def inspect_checkpoint(reader: Reader) -> Inspection:
     """Summarize an open checkpoint reader (header only)."""
     a = audit_checkpoint(reader, "exact")
-    acc: dict[str, list] = {g: [0, 0, 0, 0, set()] for g in GROUPS}
+    nbytes: dict[str, int] = {g: 0 for g in GROUPS}
+    dtypes: dict[str, set[str]] = {g: set() for g in GROUPS}
     for t in a.tensors:
-        s = acc[t.group]
-        s[0] += 1
-        s[1] += t.total
-        s[2] += t.active
-        s[3] += t.nbytes or 0
-        s[4].add(t.dtype)
-    groups = {g: GroupStorage(s[0], s[1], s[2], s[3], tuple(sorted(d for d in s[4] if d))) for g, s in acc.items()}
+        nbytes[t.group] += t.nbytes or 0
+        dtypes[t.group].add(t.dtype)
+    groups = {g: GroupStorage(c.tensors, c.total, c.active, nbytes[g], tuple(sorted(d for d in dtypes[g] if d)))
+              for g, c in a.groups.items()}
     metadata = dict(reader.metadata)
     return Inspection(str(reader.path or ""), reader.config, a, [str(f) for f in reader.files()], metadata,
                       parse_provenance(metadata), groups)
