@@ -411,6 +411,21 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tor
         return r.config, {k: r.get(k) for k in r.names()}
 
 
+RESERVED_METADATA = ("format", CONFIG_KEY, "total_size")
+
+
+def check_metadata(metadata: Mapping[str, str] | None) -> None:
+    """User metadata may not replace the keys the format itself writes (a file whose "bam_config"
+    was replaced would not load); values must be strings, as safetensors stores them."""
+    for key, value in (metadata or {}).items():
+        if key in RESERVED_METADATA:
+            raise CheckpointError(f"metadata key {key!r} is reserved by the checkpoint format "
+                                  f"(reserved: {', '.join(RESERVED_METADATA)}); choose another key")
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"metadata {key!r}: keys and values must be strings, got "
+                                  f"{type(value).__name__} (json.dumps it first)")
+
+
 def write_checkpoint(reader, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
                      max_shard_bytes: int | None = None) -> Path:
     """Stream any reader (.config, .names(), .shape(), .dtype(), .get()) into a canonical checkpoint,
@@ -418,6 +433,7 @@ def write_checkpoint(reader, path: str | os.PathLike, metadata: Mapping[str, str
     from .layout import tensor_shapes
 
     config: ModelConfig = reader.config
+    check_metadata(metadata)
     names = set(reader.names())
     order = [n for n in tensor_shapes(config) if n in names] + sorted(names - set(tensor_shapes(config)))
     entries = [(n, tuple(reader.shape(n)), reader.dtype(n)) for n in order]
