@@ -5,7 +5,7 @@ One import namespace, `bam_surgery`: the repository's top-level layer folders ar
 """
 from setuptools import find_packages, setup
 
-LAYERS = ("runtime", "converters", "surgery", "recipes")
+LAYERS = ("runtime", "converters", "train", "surgery", "recipes")
 packages = ["bam_surgery"]
 package_dir = {"bam_surgery": "bam_surgery"}
 for layer in LAYERS:
