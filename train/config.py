@@ -11,6 +11,7 @@ RUN/config.yaml, which `--resume` reads back.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,16 +174,22 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in d:
             if key not in known:
-                close = [k for k in known if k.replace("_", "") == str(key).replace("-", "").replace("_", "")]
+                close = difflib.get_close_matches(str(key).replace("-", "_"), known, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (docs/training.md lists every knob)"
                 raise TrainError(f"{where}: {key}: unknown training knob{hint}")
         d = dict(d)
         if isinstance(d.get("trainable"), str):
             d["trainable"] = split_patterns(d["trainable"])
-        for k in ("lr", "min_lr_ratio", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "grad_clip",
-                  "lb_coef", "z_coef", "init_std", "peak_tflops"):
-            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
-                d[k] = float(d[k])
+        for f in dataclasses.fields(cls):
+            v = d.get(f.name)
+            if str(f.type).startswith("float") and not isinstance(v, bool):
+                if isinstance(v, int):
+                    d[f.name] = float(v)
+                elif isinstance(v, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+                    try:
+                        d[f.name] = float(v)
+                    except ValueError:
+                        pass
         try:
             cfg = cls(**d)
         except TrainError as e:
