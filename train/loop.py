@@ -446,10 +446,12 @@ def _read_model_config(path: Path) -> ModelConfig:
     import yaml
 
     try:
-        body = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
+        text = path.read_text(encoding="utf-8")
+        # JSON as JSON: YAML 1.1 would read 1e-05 (no dot) as a string
+        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except FileNotFoundError:
         raise TrainError(f"--model-config {path}: file not found") from None
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
         raise TrainError(f"--model-config {path}: cannot read ({' '.join(str(e).split())[:200]})") from None
     if isinstance(body, dict) and "bam_config" in body:  # a canonical directory's config.json
         body = body["bam_config"]
