@@ -96,7 +96,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                 if real:
                     nll_sum += nll.double().cpu()
                     count += targets.numel()
-                    acc.add(out.routing)
+                acc.add(out.routing, count=real)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
             n = int(sums[1])
@@ -119,7 +119,7 @@ def _group(windows: list[tuple[int, int]], batch_size: int) -> list[list[tuple[i
 
 def reduce_routing(acc: RoutingAccumulator, d: Dist) -> RoutingAccumulator:
     """Add the routing sums of every process (one all-reduce of a flat tensor)."""
-    if not d.active or not acc.sums:
+    if not d.active or not acc.sums:  # every process ran the same forward passes: same routers (or none)
         return acc
     names = sorted(acc.sums)
     parts = []

@@ -88,8 +88,21 @@ class _Run:
     """One training run's state; `run()` is the whole of it, in order."""
 
     def __init__(self, cfg: TrainConfig, resume: bool, d: dist_.Dist, log: Log):
-        self.cfg, self.resume, self.d, self.log = cfg, resume, d, log
+        self.cfg, self.resume, self.d, self._out = cfg, resume, d, log
         self.dir = Path(cfg.out)
+        self._held: list[str] | None = []  # set-up messages wait until set-up succeeded
+
+    def log(self, msg: str) -> None:
+        """Messages of the set-up are printed once it has succeeded, so bad input shows one error line."""
+        if self._held is None:
+            self._out(msg)
+        else:
+            self._held.append(msg)
+
+    def _release_log(self) -> None:
+        held, self._held = self._held or [], None
+        for msg in held:
+            self._out(msg)
 
     # ---- set-up -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -110,6 +123,7 @@ class _Run:
         self._setup_optimizer()
         if self.resume:
             self._restore_trainer_state()
+        self._release_log()
         return self._loop()
 
     def _check_resume_config(self) -> None:

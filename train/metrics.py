@@ -48,13 +48,17 @@ class RoutingAccumulator:
     def __init__(self):
         self.sums: dict[str, dict[str, Any]] = {}
 
-    def add(self, routing: dict) -> None:
+    def add(self, routing: dict, count: bool = True) -> None:
+        """Add a forward pass's routing; count=False only registers the routers (with zero sums), so
+        that every process reduces the same routers."""
         for name, r in routing.items():
             gates = r.gates.detach().float()  # [N, E]
             E = gates.shape[-1]
             s = self.sums.setdefault(name, {"assign": torch.zeros(E, dtype=torch.float64),
                                             "gates": torch.zeros(E, dtype=torch.float64),
                                             "token_entropy": 0.0, "tokens": 0, "with_probs": 0})
+            if not count:
+                continue
             if r.topk is not None:
                 s["assign"] += torch.bincount(r.topk.detach().reshape(-1).cpu(), minlength=E).double()
             else:
