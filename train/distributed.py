@@ -87,15 +87,22 @@ def on_main(d: Dist, fn: Callable[[], Any]) -> Any:
     if not d.active:
         return fn()
     box: list[Any] = [None]
+    failure: BaseException | None = None
     if d.is_main:
         try:
             box[0] = ("ok", fn())
         except TrainError as e:
             box[0] = ("error", str(e))
+        except BaseException as e:  # a bug: rank 0 keeps its traceback, the others stop too
+            box[0], failure = ("crash", f"{type(e).__name__}: {e}"), e
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
+    if failure is not None:
+        raise failure
     if status == "error":
         raise TrainError(value)
+    if status == "crash":
+        raise RuntimeError(f"rank 0 failed: {value}")
     return value
 
 

@@ -225,8 +225,8 @@ class _Run:
 
         def prepare() -> None:
             for s in sources:
-                self.log(f"data: {s.describe()}")
-                tokenize_source(s, self.tok, cache)
+                tf = tokenize_source(s, self.tok, cache)
+                self.log(f"data: {s.describe()}: {len(tf):,} tokens, {tf.documents:,} documents")
 
         dist_.on_main(self.d, prepare)
         return sources, [tokenize_source(s, self.tok, cache) for s in sources]
