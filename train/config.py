@@ -107,7 +107,7 @@ class TrainConfig:
     seed: int = knob(0, "Seed of the random init, the domain sampling and the sequence order.")
     save_every: int = knob(1000, "Write a checkpoint every N steps (0: only at the end).")
     keep_last: int = knob(3, "Keep the newest K checkpoints (the final one is always kept).")
-    eval_every: int = knob(0, "Evaluate on the held-out data every N steps (0: only at the end).")
+    eval_every: int = knob(0, "Evaluate on the held-out data every N steps (0: only at the end; -1: never).")
     eval_tokens: int = knob(262144, "Held-out tokens evaluated per domain (0: all).")
     eval_batch: int | None = knob(None, "Sequences per forward pass when evaluating. Default: micro_batch.")
     progress: bool = knob(True, "Show a progress bar (step, loss, tokens/s) on a terminal.")
@@ -141,8 +141,9 @@ class TrainConfig:
         for name in ("seq_len", "batch_tokens", "eval_batch"):
             v = getattr(self, name)
             need(v is None or v > 0, name, f"must be > 0, got {v}")
-        for name in ("warmup_steps", "save_every", "eval_every", "eval_tokens"):
+        for name in ("warmup_steps", "save_every", "eval_tokens"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        need(self.eval_every >= -1, "eval_every", f"must be >= -1 (-1: never), got {self.eval_every}")
         need(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
         need(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")

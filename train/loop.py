@@ -241,7 +241,9 @@ class _Run:
                                  f"seq_len + 1 = {self.seq_len + 1}")
         self.sampler = MixtureSampler([tf.tokens for tf in files], [dom.weight for dom in self.domains],
                                       self.seq_len, cfg.seed)
-        if cfg.eval_data:
+        if cfg.eval_every < 0:
+            eval_domains = []
+        elif cfg.eval_data:
             eval_domains = parse_data_spec(cfg.eval_data, "--eval-data")
         else:
             eval_domains = [dom for dom in self.domains if has_split(dom, "val")]
@@ -357,7 +359,7 @@ class _Run:
                 last_loss = rec["loss"]
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-                if self.eval_streams and ((cfg.eval_every and n % cfg.eval_every == 0) or n == cfg.steps):
+                if self.eval_streams and ((cfg.eval_every > 0 and n % cfg.eval_every == 0) or n == cfg.steps):
                     last_eval = self._evaluate(n)
                     metrics.write(last_eval)
                 if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
