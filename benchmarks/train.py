@@ -120,7 +120,7 @@ def run_mixtral(cfg, a, work: Path) -> dict:
             rates.append(a.micro_batch * a.seq_len / (t2 - t0))
             data_s += t1 - t0
             step_s += t2 - t0
-    return {"tokens_per_s": statistics.median(rates), "data_share": data_s / step_s, "final_loss": float(loss),
+    return {"tokens_per_s": statistics.median(rates), "data_share": data_s / step_s, "final_loss": float(loss.detach()),
             "steps": a.steps}
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     meta = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "args": vars(a)}
     (work / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"\n| model | tokens/s (median) | data wait share | final loss |\n|---|---|---|---|")
+    print("\n| model | tokens/s (median) | data wait share | final loss |\n|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['data_share']:.2f}% | {r['final_loss']:.3f} |")
 

@@ -27,7 +27,7 @@ def model_card(cfg: ModelConfig, run: dict[str, Any], step: int, tokens: int, lo
             lines.append(f"- {label}: " + ", ".join(f"{e} `{n}`" for e, n in enumerate(experts[kind])))
     lines += [f"- Steps: {step:,} ({tokens:,} tokens), sequence length {run['seq_len']}, "
               f"{run['world_size']} process(es), strategy {run['strategy']}",
-              f"- Data: " + ", ".join(f"{d['domain']} {d['weight']:.3g}" for d in run["data"]),
+              "- Data: " + ", ".join(f"{d['domain']} {d['weight']:.3g}" for d in run["data"]),
               f"- Tokenizer: {run['tokenizer']['name']}"]
     if loss is not None:
         lines.append(f"- Training loss at this step: {loss:.4f}")

@@ -28,9 +28,10 @@ STRATEGIES = ("ddp", "fsdp")
 CHOICES = {"schedule": SCHEDULES, "precision": PRECISIONS, "device": DEVICES, "strategy": STRATEGIES}
 
 # Fields that may change when a run is resumed: they do not change the numbers of the steps already
-# taken (extending `steps` moves the cosine's end, which the user asks for by changing it).
+# taken (extending `steps` moves the cosine's end, which the user asks for by changing it; another
+# strategy, device or process count keeps the global batch, batch_tokens).
 RESUMABLE = ("steps", "save_every", "keep_last", "eval_every", "eval_tokens", "eval_batch", "progress", "plot",
-             "peak_tflops", "token_cache")
+             "peak_tflops", "token_cache", "strategy", "device")
 
 
 def knob(default: Any, help: str, **extra: Any) -> Any:

@@ -24,17 +24,16 @@ from typing import Any, Callable
 import torch
 
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
-from bam_surgery.runtime.checkpoint import CheckpointError
 from bam_surgery.runtime.config import PRESETS, ConfigError
 
 from . import distributed as dist_
 from .card import model_card
 from .checkpoints import (TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
-                          resolve_checkpoint, save_run_checkpoint)
+                          resolve_checkpoint, save_run_checkpoint, step_dir_name)
 from .config import RESUMABLE, TrainConfig
 from .data import Domain, has_split, open_source, parse_data_spec
 from .errors import TrainError
-from .evaluation import autocast, evaluate_streams, reduce_routing
+from .evaluation import evaluate_streams, reduce_routing
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
 from .optim import apply_trainable, build_optimizer, lr_at, set_lr
 from .packing import MixtureSampler, micro_batches
@@ -127,9 +126,10 @@ class _Run:
         return self._loop()
 
     def _check_resume_config(self) -> None:
-        """The saved config, with the given one's RESUMABLE changes; knobs left None take the saved
-        (resolved) value; any other difference is an error."""
-        given = {k: v for k, v in self.cfg.to_dict().items() if v is not None and k != "out"}
+        """The saved config, with the given one's RESUMABLE changes; knobs left None or at their
+        default take the saved (resolved) value; any other difference is an error."""
+        defaults = TrainConfig().to_dict()
+        given = {k: v for k, v in self.cfg.to_dict().items() if v is not None and v != defaults[k] and k != "out"}
         self.cfg = load_run_config(self.dir, given).replace(out=self.cfg.out)
 
     def _check_fresh_out(self) -> None:
@@ -150,7 +150,8 @@ class _Run:
         self.run_info = json.loads((self.dir / "run.json").read_text())
         self.provenance_in = self.run_info["init"].get("provenance")
         self.experts = self.run_info["experts"]
-        self.init_reader = CheckpointReader(ckpt)  # for the carried tokenizer
+        with CheckpointReader(ckpt) as reader:  # for the tokenizer the checkpoint carries
+            self.init_reader = reader
 
     def _load_init(self) -> None:
         cfg = self.cfg
@@ -439,7 +440,6 @@ class _Run:
             meta = {"step": step, "tokens": self.tokens_seen, "sampler": self.sampler.state(),
                     "optimizer_params": self.opt_names, "elapsed_s": self.elapsed, "world_size": d.world,
                     "strategy": d.strategy}
-            from .checkpoints import step_dir_name
             rel = f"{self.dir}/checkpoints/{step_dir_name(step)}"
             card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
                               self.experts, rel)
