@@ -80,8 +80,8 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
             windows = eval_windows(tokens, seq_len, max_tokens)
             batches = _group(windows, batch_size)
             rounds = math.ceil(len(batches) / d.world) if batches else 0
-            nll_sum = torch.zeros((), dtype=torch.float64)
-            count = torch.zeros((), dtype=torch.float64)
+            nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no sync per batch
+            count = torch.zeros((), dtype=torch.float64, device=device)
             acc = RoutingAccumulator()
             for r in range(rounds):
                 i = r * d.world + d.rank
@@ -94,7 +94,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                 nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1),
                                       reduction="sum")
                 if real:
-                    nll_sum += nll.double().cpu()
+                    nll_sum += nll.double()
                     count += targets.numel()
                 acc.add(out.routing, count=real)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
@@ -118,24 +118,16 @@ def _group(windows: list[tuple[int, int]], batch_size: int) -> list[list[tuple[i
 
 
 def reduce_routing(acc: RoutingAccumulator, d: Dist) -> RoutingAccumulator:
-    """Add the routing sums of every process (one all-reduce of a flat tensor)."""
+    """Add the routing sums of every process (one all-reduce of the concatenated vectors)."""
     if not d.active or not acc.sums:  # every process ran the same forward passes: same routers (or none)
         return acc
     names = sorted(acc.sums)
-    parts = []
-    for n in names:
-        s = acc.sums[n]
-        parts += [s["assign"], s["gates"], torch.tensor([s["token_entropy"], s["tokens"], s["with_probs"]],
-                                                        dtype=torch.float64)]
-    flat = all_sum(d, torch.cat(parts)).cpu()
+    flat = all_sum(d, torch.cat([acc.sums[n].to(d.device) for n in names]))
     k = 0
     for n in names:
-        s = acc.sums[n]
-        E = len(s["assign"])
-        s["assign"], s["gates"] = flat[k:k + E].clone(), flat[k + E:k + 2 * E].clone()
-        te, tok, wp = flat[k + 2 * E:k + 2 * E + 3].tolist()
-        s["token_entropy"], s["tokens"], s["with_probs"] = te, int(tok), int(wp)
-        k += 2 * E + 3
+        size = len(acc.sums[n])
+        acc.sums[n] = flat[k:k + size].clone()
+        k += size
     return acc
 
 

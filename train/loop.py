@@ -354,8 +354,8 @@ class _Run:
                 rec.update(tokens=self.tokens_seen, lr=lr, tokens_per_s=round(tps, 1),
                            mfu=round(flops_tok * tps / (peak * d.world), 5) if peak else None,
                            step_s=round(step_s, 4), data_s=round(data_s, 5),
-                           router_entropy={name: round(entropy_bits(s["assign"]), 5)
-                                           for name, s in racc.sums.items()})
+                           router_entropy={name: round(entropy_bits(a), 5)
+                                           for name, a in racc.assignments().items()})
                 metrics.write(rec)
                 last_loss = rec["loss"]
                 bar.update(1)
@@ -382,7 +382,7 @@ class _Run:
         d, dev = self.d, self.d.device
         samples = self.sampler.draw(self.global_seqs)
         mbs = micro_batches(samples, self.cfg.micro_batch, d.world, d.rank)
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, nll, lb, z: sums of micro-batch means
+        sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, nll, lb, z: sums of micro-batch means
         racc = RoutingAccumulator()
         data_s = 0.0
         for a, mb in enumerate(mbs):
@@ -397,7 +397,7 @@ class _Run:
                     loss = out.nll + self.alpha * out.lb_loss + self.beta * out.z_loss
                 (loss / self.accum).backward()
             sums += torch.stack([loss.detach(), out.nll.detach(), out.lb_loss.detach(),
-                                 out.z_loss.detach()]).double().cpu()
+                                 out.z_loss.detach()]).double()  # stays on the device: no sync per micro-batch
             racc.add(out.routing)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
         grad_norm = float(dist_.local_value(norm))

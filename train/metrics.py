@@ -43,63 +43,61 @@ def gini(u: torch.Tensor) -> float:
 
 
 class RoutingAccumulator:
-    """Sums, per router, what the statistics above need; `add(out.routing)` after each forward."""
+    """Sums, per router, what the statistics above need; `add(out.routing)` after each forward.
+
+    Each router's sums are one float64 vector on the routing's device, [assign (E), gates (E),
+    token entropy, tokens, tokens with probabilities], so adding never waits for the device and one
+    all-reduce adds every process's sums (evaluation.reduce_routing)."""
 
     def __init__(self):
-        self.sums: dict[str, dict[str, Any]] = {}
+        self.sums: dict[str, torch.Tensor] = {}
 
     def add(self, routing: dict, count: bool = True) -> None:
         """Add a forward pass's routing; count=False only registers the routers (with zero sums), so
         that every process reduces the same routers."""
         for name, r in routing.items():
-            gates = r.gates.detach().float()  # [N, E]
+            gates = r.gates.detach()  # [N, E]
             E = gates.shape[-1]
-            s = self.sums.setdefault(name, {"assign": torch.zeros(E, dtype=torch.float64),
-                                            "gates": torch.zeros(E, dtype=torch.float64),
-                                            "token_entropy": 0.0, "tokens": 0, "with_probs": 0})
+            v = self.sums.get(name)
+            if v is None:
+                v = self.sums[name] = torch.zeros(2 * E + 3, dtype=torch.float64, device=gates.device)
             if not count:
                 continue
             if r.topk is not None:
-                s["assign"] += torch.bincount(r.topk.detach().reshape(-1).cpu(), minlength=E).double()
+                v[:E] += torch.bincount(r.topk.detach().reshape(-1), minlength=E).double()
             else:
-                s["assign"] += gates.sum(0).double().cpu()
-            s["gates"] += gates.sum(0).double().cpu()
-            s["tokens"] += gates.shape[0]
+                v[:E] += gates.double().sum(0)
+            v[E:2 * E] += gates.double().sum(0)
+            v[2 * E + 1] += gates.shape[0]
             if r.probs is not None:
                 p = r.probs.detach().double()
-                s["token_entropy"] += float(-(p * p.clamp_min(1e-300).log2()).sum())
-                s["with_probs"] += p.shape[0]
+                v[2 * E] += -(p * p.clamp_min(1e-300).log2()).sum()
+                v[2 * E + 2] += p.shape[0]
 
-    def merge_from(self, sums_list: list[dict]) -> None:
-        """Add the sums of other processes (gathered objects)."""
-        for other in sums_list:
-            for name, o in other.items():
-                if name not in self.sums:
-                    self.sums[name] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in o.items()}
-                    continue
-                s = self.sums[name]
-                for k in ("assign", "gates"):
-                    s[k] += o[k]
-                for k in ("token_entropy", "tokens", "with_probs"):
-                    s[k] += o[k]
+    def assignments(self) -> dict[str, torch.Tensor]:
+        """Router -> assignment counts (or summed soft gates) per expert, on the CPU."""
+        return {name: v[:(len(v) - 3) // 2].cpu() for name, v in self.sums.items()}
 
     def stats(self, names: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
         """Per router: usage, mean_gate, entropy, token_entropy, gini; experts named if `names`
         maps "ffn"/"attn" to expert names."""
         out = {}
-        for router, s in self.sums.items():
-            assign = s["assign"]
+        for router, v in self.sums.items():
+            v = v.cpu()
+            E = (len(v) - 3) // 2
+            assign, gates = v[:E], v[E:2 * E]
+            token_entropy, tokens, with_probs = float(v[2 * E]), int(v[2 * E + 1]), int(v[2 * E + 2])
             usage = assign / assign.sum() if float(assign.sum()) > 0 else assign
             kind = "attn" if router.endswith("attn_router") else "ffn"
-            labels = (names or {}).get(kind) or [f"expert{e}" for e in range(len(usage))]
+            labels = (names or {}).get(kind) or [f"expert{e}" for e in range(E)]
             out[router] = {
-                "experts": list(labels[:len(usage)]),
+                "experts": list(labels[:E]),
                 "usage": [round(float(u), 6) for u in usage],
-                "mean_gate": [round(float(g), 6) for g in s["gates"] / max(1, s["tokens"])],
+                "mean_gate": [round(float(g), 6) for g in gates / max(1, tokens)],
                 "entropy": round(entropy_bits(assign), 6),
-                "token_entropy": round(s["token_entropy"] / s["with_probs"], 6) if s["with_probs"] else None,
+                "token_entropy": round(token_entropy / with_probs, 6) if with_probs else None,
                 "gini": round(gini(usage), 6),
-                "tokens": s["tokens"],
+                "tokens": tokens,
             }
         return out
 
