@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,9 +238,13 @@ def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> N
     eos = np.array([tok.eos_id], dtype=dtype)
     fd, tmp_bin = tempfile.mkstemp(prefix=f".{key}.", suffix=".bin.partial", dir=cache_dir)
     n_tokens = n_docs = 0
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"tokenizing {source.describe()}", unit=" docs", leave=False, disable=not sys.stderr.isatty())
     try:
         with os.fdopen(fd, "wb") as f:
             for batch in _batches(source.documents(), _BATCH_DOCS):
+                bar.update(len(batch))
                 for ids in tok.encode_batch(batch):
                     if len(ids) and int(ids.max()) >= 1 << (8 * dtype.itemsize):
                         raise TrainError(f"{tok.name}: token id {int(ids.max())} does not fit the cache dtype")
@@ -258,5 +263,6 @@ def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> N
             json.dump(meta, f, indent=1)
         os.replace(tmp_json, cache_dir / f"{key}.json")
     finally:
+        bar.close()
         if os.path.exists(tmp_bin):
             os.unlink(tmp_bin)
