@@ -12,7 +12,7 @@
                                   step, tokens, data position, elapsed time (JSON)
           tokenizer.json ...      the tokenizer the run used (absent for the byte-level one)
           README.md               model card: experts, training summary, last evaluation
-        latest                    the newest complete checkpoint's folder name
+        latest                    the newest checkpoint's folder name (for people and scripts)
 
 A checkpoint is written into a temporary folder beside its final name and renamed into place when
 complete; `latest` is then replaced atomically, and only after that are checkpoints beyond the newest
@@ -62,13 +62,8 @@ def list_checkpoints(run: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run: Path) -> Path | None:
-    """The newest complete checkpoint: the one `latest` names, else the highest step folder."""
-    root = Path(run) / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if (root / name).is_dir():
-            return root / name
+    """The newest checkpoint: the highest step folder (every step folder is complete, since it is
+    renamed into place whole; `latest` may lag it by one if a crash came between the two renames)."""
     found = list_checkpoints(run)
     return found[-1][1] if found else None
 
