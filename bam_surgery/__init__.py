@@ -4,6 +4,7 @@ The one import namespace of the project. Its layers live in the repository's top
 are mapped here by setup.py (package_dir); imports point down only:
 
     bam_surgery.surgery      recipes -> plan -> streamed execution, audits, inspect, the CLI
+    bam_surgery.train        training and evaluation: data, tokenizers, the run loop, DDP/FSDP2
     bam_surgery.converters   Hugging Face architectures <-> canonical names, exporters
     bam_surgery.runtime      config, canonical layout, checkpoint format, the model
     bam_surgery.recipes      the shipped YAML recipes (data)

@@ -83,6 +83,21 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tor
         return r.config, {k: r.get(k) for k in r.names()}
 
 
+RESERVED_METADATA = ("format", CONFIG_KEY, "total_size")
+
+
+def check_metadata(metadata: Mapping[str, str] | None) -> None:
+    """User metadata may not replace the keys the format itself writes (a file whose "bam_config"
+    was replaced would not load); values must be strings, as safetensors stores them."""
+    for key, value in (metadata or {}).items():
+        if key in RESERVED_METADATA:
+            raise CheckpointError(f"metadata key {key!r} is reserved by the checkpoint format "
+                                  f"(reserved: {', '.join(RESERVED_METADATA)}); choose another key")
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"metadata {key!r}: keys and values must be strings, got "
+                                  f"{type(value).__name__} (json.dumps it first)")
+
+
 def write_dir_config(directory: Path, config: ModelConfig, extra: Mapping[str, object] | None = None) -> None:
     body = {"format": FORMAT, CONFIG_KEY: config.to_dict(), **(extra or {})}
     (directory / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True))
@@ -98,6 +113,7 @@ def write_checkpoint(reader: Reader, path: str | os.PathLike, metadata: Mapping[
     """Stream any reader into a canonical checkpoint, one tensor in memory at a time (plus the
     read-ahead). Tensors are written in canonical layout order, then any others by name."""
     config = reader.config
+    check_metadata(metadata)
     layout = tensor_shapes(config)
     names = set(reader.names())
     order = [n for n in layout if n in names] + sorted(names - set(layout))

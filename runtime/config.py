@@ -249,10 +249,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
+def preset(name: str, /, **overrides: Any) -> ModelConfig:
+    """A preset's config with fields overridden; `name` is positional-only so that the config's own
+    `name` field can be overridden too: preset("tiny", name="seed")."""
     if name not in PRESETS:
         raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     fields = {k: v for k, v in PRESETS[name].items() if k != "source"}
+    fields["name"] = name
     fields.update(overrides)
-    fields.setdefault("name", name)
     return ModelConfig(**fields)

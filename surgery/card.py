@@ -65,6 +65,14 @@ def check_tokenizers(plan: Plan, warn: Callable[[str], None]) -> list[Path]:
     return seed_files
 
 
+def _untrained_note(cfg) -> str:
+    """Top-k softmax gates (the paper's) scale each FFN output by ~1/E until the routers learn."""
+    if not cfg.ffn_experts or cfg.gate_norm != "softmax":
+        return ""
+    return (f" Until the routers learn, the softmax gates give each chosen FFN expert about 1/{cfg.ffn_experts} of "
+            "its output, so perplexity before training is far above the dense models' (expected).")
+
+
 def model_card(plan: Plan, fmt: str, out: str) -> str:
     cfg = plan.config
     inputs = "\n".join(f"| {i.index} | {i.role} | `{i.label}` |" for i in plan.inputs)
@@ -82,7 +90,7 @@ checkpoints: {cfg.ffn_experts} FFN experts (top-{cfg.ffn_top_k}, gates `{cfg.gat
 {cfg.attn_experts} attention experts ({"dense attention" if not cfg.attn_experts else
 ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing") + f", KV {cfg.kv_mode}"}).
 Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg.lb_coef} * load balancing
-+ {cfg.z_coef} * router z-loss).
++ {cfg.z_coef} * router z-loss; `bam-surgery train`).{_untrained_note(cfg)}
 
 ## Inputs
 

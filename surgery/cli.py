@@ -251,6 +251,12 @@ from .cli_audit import count_params_cmd, inspect_cmd  # noqa: E402
 cli.add_command(count_params_cmd)
 cli.add_command(inspect_cmd)
 
+from .cli_train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
+
+cli.add_command(train_cmd)
+cli.add_command(eval_cmd)
+cli.add_command(plot_cmd)
+
 
 def _terminate(signum, frame) -> None:
     # Unwind normally on SIGTERM so the atomic output's temporary files are removed.

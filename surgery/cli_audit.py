@@ -85,9 +85,13 @@ def render_inspection(ins: Inspection) -> str:
         out.append(f"  unreadable: {prov.error}")
     else:
         head = [("recipe", prov.recipe or "-"), ("tool", prov.tool_version or "-")]
-        shown = {"recipe", "tool", "tool_version", "version", "inputs", "tensors"}
+        shown = {"recipe", "tool", "tool_version", "version", "inputs", "tensors", "training", "experts"}
         head += [(k, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
                  for k, v in prov.fields.items() if k not in shown]
+        experts = prov.fields.get("experts")
+        if isinstance(experts, dict):
+            head.append(("experts", "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in experts.items()
+                                              if isinstance(v, list) and v) or "-"))
         per_tensor = prov.fields.get("tensors")
         if isinstance(per_tensor, dict):  # one line per op; the full map is in --json
             ops: dict[str, int] = {}
@@ -102,6 +106,12 @@ def render_inspection(ins: Inspection) -> str:
             rows = [(i.get("role", i.get("name", "-")), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
+        if prov.training:  # the chain: merge (above) -> each training run, oldest first
+            rows = [(i + 1, (r.get("init") or {}).get("spec", "-"), r.get("steps", "-"), r.get("tokens", "-"),
+                     ", ".join(f"{d.get('domain')} {d.get('weight', 0):.2g}" for d in r.get("data") or []) or "-")
+                    for i, r in enumerate(prov.training)]
+            out += ["  training (oldest first)", render_table(("run", "init", "steps", "tokens", "data"), rows,
+                                                              indent="    ", left=2)]
     out += ["", "layout check"]
     if ins.audit.mismatches:
         out.append(f"  {len(ins.audit.mismatches)} mismatches with the layout its config implies:")

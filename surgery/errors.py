@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bam_surgery.runtime.checkpoint import CheckpointError
 from bam_surgery.runtime.config import ConfigError
+from bam_surgery.train.errors import TrainError
 
 
 class BamSurgeryError(Exception):
@@ -22,9 +23,9 @@ class InputError(BamSurgeryError):
     """An input checkpoint is unusable for this merge; the message names the file and tensor."""
 
 
-# Errors raised by the layers below (reading checkpoints, validating configs) already carry a
+# Errors raised by the layers below (reading checkpoints, validating configs, training) already carry a
 # one-line message naming file/field; the CLI reports them the same way.
-USER_ERRORS: tuple[type[BaseException], ...] = (BamSurgeryError, CheckpointError, ConfigError)
+USER_ERRORS: tuple[type[BaseException], ...] = (BamSurgeryError, CheckpointError, ConfigError, TrainError)
 
 
 def one_line(err: BaseException) -> str:

@@ -79,6 +79,12 @@ class Provenance:
         return None if tool is None else str(tool)
 
     @property
+    def training(self) -> list[dict[str, Any]]:
+        """Training runs since the merge (or the first run), oldest first (bam_surgery.train.provenance)."""
+        runs = (self.fields or {}).get("training") or []
+        return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+    @property
     def inputs(self) -> list[dict[str, Any]]:
         ins = (self.fields or {}).get("inputs") or []
         if isinstance(ins, dict):  # {role: {...}} or {role: path}

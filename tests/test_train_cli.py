@@ -1,0 +1,147 @@
+"""`bam-surgery train`, `eval`, `plot` from the command line, and every bad input the issue names:
+one line `bam-surgery: error: ...`, exit 2, and no checkpoint overwritten or lost."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bam_surgery.runtime import Model, preset, save_model
+from bam_surgery.surgery.cli import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "data" / "domains"
+SMALL = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_positions=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tokens")
+
+
+@pytest.fixture
+def mix(tmp_path) -> Path:
+    model = Model(preset("tiny", **SMALL, ffn_experts=2, attn_experts=2))
+    model.reset_parameters(seed=1)
+    return save_model(model, tmp_path / "mix.safetensors")
+
+
+def run(*args, code: int = 0):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
+    return result
+
+
+def error_line(*args) -> str:
+    """The command fails with exactly one line on stderr, `bam-surgery: error: ...`, status 2."""
+    result = run(*args, code=2)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
+    return lines[0]
+
+
+def train_args(init: Path, out: Path, cache: Path, data: str | None = None, *extra) -> list:
+    return ["train", "--init", init, "--data", data or f"code={CORPUS}/code,law={CORPUS}/law:0.5", "--out", out,
+            "--seq-len", 16, "--micro-batch", 2, "--steps", 2, "--warmup-steps", 1, "--lr", 1e-3,
+            "--eval-tokens", 64, "--token-cache", cache, "--no-plot", "--no-progress", *extra]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_train_eval_plot_inspect(tmp_path, mix, cache):
+    run(*train_args(mix, tmp_path / "run", cache, None, "--save-every", 1, "--eval-every", 1))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert (ckpt / "trainer.safetensors").is_file() and (tmp_path / "run" / "config.yaml").is_file()
+    out = run("eval", tmp_path / "run", "--data", f"code={CORPUS}/code,law={CORPUS}/law", "--max-tokens", 100,
+              "--seq-len", 16, "--token-cache", cache).output
+    assert f"checkpoint  {ckpt}" in out and "FFN experts: share of tokens" in out
+    assert "attention experts: mean gate" in out and "expert0" in out
+    body = json.loads(run("eval", ckpt, "--data", f"code={CORPUS}/code", "--max-tokens", 100, "--seq-len", 16,
+                          "--token-cache", cache, "--json").output)
+    code = body["domains"]["code"]
+    assert code["tokens"] == 100 and set(code["routing"]) == {"ffn", "attn"}
+    assert set(code["routers"]) == {"layers.0.ffn_router", "layers.0.attn_router"}
+    result = run("plot", tmp_path / "run", "--out", tmp_path / "png")
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["eval.png", "loss.png", "lr.png"]
+    assert (tmp_path / "png" / "loss.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in result.stderr
+    shown = run("inspect", ckpt).output
+    assert "training (oldest first)" in shown and "code 0.67, law 0.33" in shown
+
+
+@pytest.mark.parametrize("data, message", [
+    ("code={missing}", "code={missing}: no such file or folder"),
+    ("code={empty}", "code={empty} (train split): no text"),
+    ("code={corpus}/code:-1", "weight -1 must be a finite number >= 0"),
+    ("code={corpus}/code:lots", "weight 'lots' is not a number"),
+    ("code={corpus}/code:0.5,code={corpus}/law", "domain 'code' appears twice"),
+])
+def test_bad_data(tmp_path, mix, cache, data, message):
+    (tmp_path / "empty.txt").write_text("\n\n<|doc|>\n  \n")
+    fill = dict(missing=tmp_path / "nope", empty=tmp_path / "empty.txt", corpus=CORPUS)
+    line = error_line(*train_args(mix, tmp_path / "run", cache, data.format(**fill)))
+    assert message.format(**fill) in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_tokenizer_that_does_not_fit_the_vocabulary(tmp_path, cache):
+    small = save_model(Model(preset("tiny", **{**SMALL, "vocab_size": 64})), tmp_path / "small.safetensors")
+    line = error_line(*train_args(small, tmp_path / "run", cache))
+    assert "tokenizer bytes has 256 tokens but the model's vocabulary has 64 (vocab_size)" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_folder_without_resume(tmp_path, mix, cache):
+    run(*train_args(mix, tmp_path / "run", cache))
+    before = _digest(tmp_path / "run")
+    line = error_line(*train_args(mix, tmp_path / "run", cache))
+    assert "--out " in line and "run folder exists; pass --resume" in line
+    assert _digest(tmp_path / "run") == before
+
+
+def test_resume_refuses_corrupt_checkpoints_and_changed_settings(tmp_path, mix, cache):
+    run(*train_args(mix, tmp_path / "run", cache, None, "--save-every", 1))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert "differs from the run's" in error_line("train", "--out", tmp_path / "run", "--resume", "--lr", 0.5)
+    weights = ckpt / "model-00001-of-00001.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    before = _digest(tmp_path / "run")
+    line = error_line("train", "--out", tmp_path / "run", "--resume", "--steps", 4)
+    assert f"cannot resume from {ckpt}" in line and "truncated" in line
+    assert _digest(tmp_path / "run") == before
+    trainer = ckpt / "trainer.safetensors"
+    weights.unlink()
+    trainer.write_bytes(b"garbage")
+    assert f"cannot resume from {ckpt}" in error_line("train", "--out", tmp_path / "run", "--resume")
+    assert "nothing to resume" in error_line("train", "--out", tmp_path / "other", "--resume")
+
+
+def test_other_bad_inputs(tmp_path, mix, cache):
+    assert "give exactly one of --init CKPT, --preset NAME" in error_line(
+        "train", "--data", f"code={CORPUS}/code", "--out", tmp_path / "r")
+    assert "no such file or directory" in error_line(*train_args(tmp_path / "nope.safetensors", tmp_path / "r",
+                                                                 cache))
+    assert "batch_tokens 100 is not a multiple of" in error_line(*train_args(mix, tmp_path / "r", cache, None,
+                                                                            "--batch-tokens", 100))
+    assert "pattern 'expertz' matches no parameter" in error_line(*train_args(mix, tmp_path / "r", cache, None,
+                                                                             "--trainable", "expertz"))
+    assert "seq_len 64 exceeds the model's max_positions (32)" in error_line(
+        *train_args(mix, tmp_path / "r", cache, None, "--seq-len", 64))
+    (tmp_path / "t.yaml").write_text("warmup: 5\n")
+    assert "warmup: unknown training knob" in error_line("train", "--config", tmp_path / "t.yaml")
+    assert "no training metrics" in error_line("plot", tmp_path)
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,148 @@
+"""The run folder and its checkpoints.
+
+    RUN/
+      config.yaml                 the resolved TrainConfig (what --resume reads back)
+      run.json                    what the run resolved once: world size, accumulation, tokenizer, data
+      metrics.jsonl               one line per step ({"kind": "train", ...}) and per evaluation ("eval")
+      loss.png lr.png eval.png    `bam-surgery plot RUN` (and the end of the run)
+      checkpoints/
+        step-00000200/            a canonical checkpoint directory (loads with load_model / open_checkpoint)
+          config.json  model.safetensors.index.json  model-00001-of-00001.safetensors
+          trainer.safetensors     optimizer moments and step per parameter, RNG; metadata "bam_trainer":
+                                  step, tokens, data position, elapsed time (JSON)
+          tokenizer.json ...      the tokenizer the run used (absent for the byte-level one)
+          README.md               model card: experts, training summary, last evaluation
+        latest                    the newest checkpoint's folder name (for people and scripts)
+
+A checkpoint is written into a temporary folder beside its final name and renamed into place when
+complete; `latest` is then replaced atomically, and only after that are checkpoints beyond the newest
+`keep_last` removed (the final one of a run is never removed). A crash at any point leaves every
+complete checkpoint as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bam_surgery.runtime.atomic import atomic_path
+from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader
+from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
+from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
+from bam_surgery.runtime.config import ConfigError
+
+from .errors import TrainError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_FILE = "trainer.safetensors"
+TRAINER_KEY = "bam_trainer"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_run_folder(path: Path) -> bool:
+    return (path / "config.yaml").is_file() and (path / CHECKPOINTS).is_dir()
+
+
+def list_checkpoints(run: Path) -> list[tuple[int, Path]]:
+    root = Path(run) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(out)
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The newest checkpoint: the highest step folder (every step folder is complete, since it is
+    renamed into place whole; `latest` may lag it by one if a crash came between the two renames)."""
+    found = list_checkpoints(run)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(spec: str) -> str:
+    """A run folder stands for its latest checkpoint; anything else is returned as is."""
+    path = Path(spec)
+    if path.is_dir() and is_run_folder(path):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise TrainError(f"{spec}: run folder has no checkpoint yet")
+        return str(latest)
+    return spec
+
+
+def _write_trainer_state(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    with SafetensorsStreamWriter(path, entries, {TRAINER_KEY: json.dumps(meta, sort_keys=True)}) as w:
+        for k, v in tensors.items():
+            w.write(k, v.contiguous())
+
+
+def save_run_checkpoint(run: Path, step: int, model_state: dict[str, torch.Tensor], model_config,
+                        metadata: dict[str, str], trainer_tensors: dict[str, torch.Tensor],
+                        trainer_meta: dict[str, Any], extra_files: list[Path], card: str) -> Path:
+    """Write RUN/checkpoints/step-N atomically and point `latest` at it."""
+    root = Path(run) / CHECKPOINTS
+    target = root / step_dir_name(step)
+    if target.exists():
+        raise TrainError(f"{target}: exists already; refusing to overwrite a checkpoint")
+    with atomic_path(target, is_dir=True) as tmp:
+        write_canonical(model_state, model_config, tmp, metadata)
+        _write_trainer_state(tmp / TRAINER_FILE, trainer_tensors, trainer_meta)
+        for f in extra_files:
+            shutil.copyfile(f, tmp / f.name)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+    _write_text_atomic(root / LATEST, target.name + "\n")
+    return target
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def prune_checkpoints(run: Path, keep_last: int, protect: set[int] = frozenset()) -> list[Path]:
+    """Remove all but the newest keep_last checkpoints (and those in protect); returns what went."""
+    found = list_checkpoints(run)
+    latest = latest_checkpoint(run)
+    gone = []
+    for step, path in found[:-keep_last] if keep_last else found:
+        if step in protect or path == latest:
+            continue
+        shutil.rmtree(path)
+        gone.append(path)
+    return gone
+
+
+def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], Any, dict[str, str],
+                                              dict[str, torch.Tensor], dict[str, Any]]:
+    """(model state, model config, model metadata, trainer tensors, trainer meta) of a checkpoint
+    folder; anything unreadable is a TrainError naming the file."""
+    from bam_surgery.runtime import check_layout
+
+    path = Path(path)
+    try:
+        with CheckpointReader(path) as reader:
+            check_layout(reader)
+            state = {n: reader.get(n) for n in reader.names()}
+            cfg, metadata = reader.config, dict(reader.metadata)
+        trainer = SafetensorsFile(path / TRAINER_FILE)
+        meta = json.loads(trainer.metadata[TRAINER_KEY])
+        tensors = {k: trainer.get(k) for k in trainer.keys()}
+    except (CheckpointError, ConfigError) as e:
+        raise TrainError(f"cannot resume from {path}: {e}") from None
+    except (KeyError, json.JSONDecodeError, OSError) as e:
+        raise TrainError(f"cannot resume from {path}: {path / TRAINER_FILE} is unreadable "
+                         f"({type(e).__name__}: {e})") from None
+    return state, cfg, metadata, tensors, meta

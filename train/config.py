@@ -1,0 +1,236 @@
+"""One dataclass, `TrainConfig`, for every knob of a training run; YAML in, resolved YAML out.
+
+    cfg = TrainConfig.from_yaml("train.yaml", overrides={"steps": 200})
+    cfg = TrainConfig(init="mix.safetensors", data="code=data/code:0.5,law=data/law:0.5", out="run")
+
+Each field carries its help sentence (field metadata "help"): the CLI builds its flags from them
+and docs/training.md documents every one (a test keeps the two in step). Fields left None are
+resolved when the run starts (from the model config and the world size) and written resolved to
+RUN/config.yaml, which `--resume` reads back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import TrainError
+
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("ddp", "fsdp")
+CHOICES = {"schedule": SCHEDULES, "precision": PRECISIONS, "device": DEVICES, "strategy": STRATEGIES}
+
+# Fields that may change when a run is resumed: they do not change the numbers of the steps already
+# taken (extending `steps` moves the cosine's end, which the user asks for by changing it; another
+# strategy, device or process count keeps the global batch, batch_tokens).
+RESUMABLE = ("steps", "save_every", "keep_last", "eval_every", "eval_tokens", "eval_batch", "progress", "plot",
+             "peak_tflops", "token_cache", "strategy", "device")
+
+
+def knob(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def knob_list(default: list[str], help: str) -> Any:
+    return field(default_factory=lambda: list(default), metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # ---- where the model comes from ------------------------------------------------------
+    init: str | None = knob(None, "Checkpoint to start from: anything `open_checkpoint` accepts (canonical file or "
+                                  "directory, Hugging Face directory or hub id, our exports, a run folder: its latest "
+                                  "checkpoint).")
+    preset: str | None = knob(None, "Start from random weights with this preset's architecture (tiny, paper-small, "
+                                    "paper-large) instead of --init.")
+    model_config: str | None = knob(None, "Start from random weights with the ModelConfig in this JSON or YAML file "
+                                          "instead of --init.")
+    init_std: float = knob(0.02, "Standard deviation of the random init (normal) of matrices, for --preset and "
+                                 "--model-config.")
+    # ---- data ----------------------------------------------------------------------------
+    data: str = knob("", "Training data: comma-separated domains NAME=SOURCE[:WEIGHT] (see docs/training.md); "
+                         "weights are normalized, default equal.")
+    eval_data: str | None = knob(None, "Held-out data for the periodic evaluation, same syntax as --data. Default: "
+                                       "the held-out split (val*) of each training source that has one.")
+    text_field: str = knob("text", "Field (JSONL) or column (Parquet, datasets) that holds the document text.")
+    tokenizer: str | None = knob(None, "Tokenizer: a tokenizer.json file, a directory holding one, or 'bytes' (the "
+                                       "byte-level tokenizer). Default: the checkpoint's own, else bytes for "
+                                       "vocabularies of at most 512 tokens.")
+    eos_id: int | None = knob(None, "Token id put between documents. Default: the tokenizer's end-of-text token "
+                                    "(0 for bytes).")
+    token_cache: str | None = knob(None, "Folder of the tokenized-data cache. Default: $BAM_SURGERY_CACHE/tokens, "
+                                         "else ~/.cache/bam-surgery/tokens.")
+    seq_len: int | None = knob(None, "Tokens per training sequence. Default: the model's max_positions.")
+    # ---- batch ---------------------------------------------------------------------------
+    micro_batch: int = knob(8, "Sequences per forward pass on each process.")
+    batch_tokens: int | None = knob(None, "Tokens per optimizer step over all processes (the paper: 1M); reached "
+                                          "by gradient accumulation. Default: one micro-batch per process.")
+    # ---- optimization --------------------------------------------------------------------
+    steps: int = knob(1000, "Optimizer steps to train for (the schedule ends here).")
+    lr: float = knob(1.2e-4, "Peak learning rate (the paper, Appendix B.2: 1.2e-4).")
+    min_lr_ratio: float = knob(0.1, "The cosine ends at this fraction of the peak (the paper: a tenth).")
+    warmup_steps: int = knob(1500, "Linear warm-up from 0 to the peak over this many steps (the paper: 1500).")
+    schedule: str = knob("cosine", "After warm-up: cosine (decay to min_lr_ratio * lr at the last step) or "
+                                   "constant.", choices=SCHEDULES)
+    weight_decay: float = knob(0.1, "AdamW weight decay (the paper: 0.1); matrices only unless the two switches "
+                                    "below say otherwise.")
+    decay_embeddings: bool = knob(False, "Also decay the token and position embeddings.")
+    decay_norms_and_biases: bool = knob(False, "Also decay norm weights and biases.")
+    adam_beta1: float = knob(0.9, "AdamW beta1.")
+    adam_beta2: float = knob(0.95, "AdamW beta2.")
+    adam_eps: float = knob(1e-8, "AdamW epsilon.")
+    grad_clip: float = knob(1.0, "Clip the global gradient norm to this value (0: no clipping).")
+    lb_coef: float | None = knob(None, "alpha, the load-balancing loss weight (default: the model config's, "
+                                       "0.01 for merges).")
+    z_coef: float | None = knob(None, "beta, the router z-loss weight (default: the model config's, 0.001 for "
+                                      "merges).")
+    trainable: list[str] = knob_list(["*"], "Which parameters train: patterns over canonical names (fnmatch) or "
+                                            "group names (routers, ffn_experts, attention_experts, attention, ffn, "
+                                            "embeddings, norms), applied in order; a leading ! freezes.")
+    # ---- hardware ------------------------------------------------------------------------
+    precision: str = knob("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; fp32; bf16 (autocast, fp32 weights "
+                                  "and optimizer).", choices=PRECISIONS)
+    device: str = knob("auto", "auto (CUDA when available), cpu or cuda.", choices=DEVICES)
+    strategy: str = knob("ddp", "Under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard per "
+                                "block).", choices=STRATEGIES)
+    peak_tflops: float | None = knob(None, "Peak TFLOP/s of one device for the MFU estimate. Default: known GPUs "
+                                           "in bf16 (H100, H200, A100, ...); none on CPU.")
+    # ---- the run -------------------------------------------------------------------------
+    out: str = knob("", "Run folder: checkpoints, metrics.jsonl, config.yaml, plots. Must not exist unless "
+                        "--resume.")
+    seed: int = knob(0, "Seed of the random init, the domain sampling and the sequence order.")
+    save_every: int = knob(1000, "Write a checkpoint every N steps (0: only at the end).")
+    keep_last: int = knob(3, "Keep the newest K checkpoints (the final one is always kept).")
+    eval_every: int = knob(0, "Evaluate on the held-out data every N steps (0: only at the end; -1: never).")
+    eval_tokens: int = knob(262144, "Held-out tokens evaluated per domain (0: all).")
+    eval_batch: int | None = knob(None, "Sequences per forward pass when evaluating. Default: micro_batch.")
+    progress: bool = knob(True, "Show a progress bar (step, loss, tokens/s) on a terminal.")
+    plot: bool = knob(True, "Draw the loss, learning-rate and eval curves (PNG) into the run folder at the end.")
+
+    def __post_init__(self) -> None:
+        self.check_types()
+
+    # -- validation ------------------------------------------------------------------------
+    def check_types(self, where: str = "config") -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not _type_ok(str(f.type), v):
+                raise TrainError(f"{where}: {f.name}: expected {f.type}, got {v!r}")
+            if f.name in CHOICES and v not in CHOICES[f.name]:
+                raise TrainError(f"{where}: {f.name}: {v!r} is not one of {', '.join(CHOICES[f.name])}")
+
+    def validate(self) -> None:
+        """Value checks that do not need the model (the run calls it before reading anything)."""
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise TrainError(f"{name}: {msg}")
+
+        sources = [n for n in ("init", "preset", "model_config") if getattr(self, n)]
+        need(len(sources) == 1, "init", "give exactly one of --init CKPT, --preset NAME, --model-config FILE"
+             + (f" (got {', '.join('--' + s.replace('_', '-') for s in sources)})" if sources else ""))
+        need(bool(self.data.strip()), "data", "no training data: give --data NAME=SOURCE[:WEIGHT],...")
+        need(bool(self.out), "out", "no run folder: give --out RUN")
+        for name in ("micro_batch", "steps"):
+            need(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("seq_len", "batch_tokens", "eval_batch"):
+            v = getattr(self, name)
+            need(v is None or v > 0, name, f"must be > 0, got {v}")
+        for name in ("warmup_steps", "save_every", "eval_tokens"):
+            need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        need(self.eval_every >= -1, "eval_every", f"must be >= -1 (-1: never), got {self.eval_every}")
+        need(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        need(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1/adam_beta2", "must be in [0, 1)")
+        need(self.adam_eps > 0, "adam_eps", "must be > 0")
+        need(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        for name in ("lb_coef", "z_coef"):
+            v = getattr(self, name)
+            need(v is None or v >= 0, name, f"must be >= 0, got {v}")
+        need(self.init_std > 0, "init_std", "must be > 0")
+        need(bool(self.trainable), "trainable", "no patterns: give at least one (e.g. '*')")
+        need(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "must be > 0")
+
+    # -- (de)serialization -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> "TrainConfig":
+        if not isinstance(d, dict):
+            raise TrainError(f"{where}: expected a mapping of training knobs, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                close = difflib.get_close_matches(str(key).replace("-", "_"), known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else " (docs/training.md lists every knob)"
+                raise TrainError(f"{where}: {key}: unknown training knob{hint}")
+        d = dict(d)
+        if isinstance(d.get("trainable"), str):
+            d["trainable"] = split_patterns(d["trainable"])
+        for f in dataclasses.fields(cls):
+            v = d.get(f.name)
+            if str(f.type).startswith("float") and not isinstance(v, bool):
+                if isinstance(v, int):
+                    d[f.name] = float(v)
+                elif isinstance(v, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+                    try:
+                        d[f.name] = float(v)
+                    except ValueError:
+                        pass
+        try:
+            cfg = cls(**d)
+        except TrainError as e:
+            raise TrainError(f"{where}: {str(e).removeprefix('config: ')}") from None
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        path = Path(path)
+        try:
+            body = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise TrainError(f"{path}: config file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainError(f"{path}: cannot read ({e})") from None
+        except yaml.YAMLError as e:
+            raise TrainError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise TrainError(f"{path}: expected a mapping of training knobs, got {type(body).__name__}")
+        return cls.from_dict({**body, **(overrides or {})}, where=str(path))
+
+
+def split_patterns(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _type_ok(annotation: str, value: Any) -> bool:
+    checks = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "None": lambda v: v is None,
+        "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    }
+    return any(checks[t.strip()](value) for t in annotation.split("|"))
+
+
+def knob_help() -> dict[str, str]:
+    """Field name -> help sentence, for the CLI and the docs check."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}

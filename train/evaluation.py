@@ -1,0 +1,171 @@
+"""Per-domain held-out loss, perplexity and routing statistics.
+
+    report = evaluate("run/checkpoints/step-00000200", "code=data/domains/code,law=data/domains/law")
+    report.domains["code"].loss, report.domains["code"].perplexity, report.domains["code"].routing
+
+Each domain's held-out token stream is cut into consecutive windows of seq_len + 1 tokens that
+overlap by one (packing.eval_windows): every token but the first is predicted exactly once, with
+as much context as the window gives. loss = (sum of next-token NLL) / (tokens predicted), in nats;
+perplexity = exp(loss). Routing statistics (metrics.py) are over the same tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import parse_data_spec, open_source
+from .distributed import Dist, all_sum
+from .errors import TrainError
+from .metrics import RoutingAccumulator, summarize_routing
+from .packing import eval_windows
+
+
+@dataclass
+class DomainResult:
+    name: str
+    tokens: int
+    loss: float
+    perplexity: float
+    routing: dict[str, dict[str, Any]] = field(default_factory=dict)  # per router (metrics.py)
+    routing_summary: dict[str, Any] = field(default_factory=dict)  # means over layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "loss": self.loss, "perplexity": self.perplexity,
+                "routing": self.routing_summary, "routers": self.routing}
+
+
+@dataclass
+class EvalReport:
+    checkpoint: str
+    tokenizer: str
+    seq_len: int
+    domains: dict[str, DomainResult]
+    experts: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "seq_len": self.seq_len,
+                "experts": self.experts, "domains": {n: d.to_dict() for n, d in self.domains.items()}}
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast for precision bf16 (auto means bf16 on CUDA, fp32 on CPU)."""
+    use = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+
+@torch.no_grad()
+def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: int, batch_size: int = 8,
+                     max_tokens: int = 0, device: torch.device | None = None, precision: str = "auto",
+                     routing=None, expert_names: dict[str, list[str]] | None = None,
+                     d: Dist | None = None) -> dict[str, DomainResult]:
+    """Evaluate a model on tokenized streams {domain: 1-D token array}.
+
+    Under torchrun every process runs the same number of forward passes (FSDP needs it): batch i
+    goes to process i mod world, a process with nothing left in the last round runs a batch whose
+    result it discards, and the sums are added over processes."""
+    d = d or Dist(device=device or next(model.parameters()).device)
+    device = device or d.device
+    was_training = model.training
+    model.eval()
+    results = {}
+    try:
+        for name, tokens in streams.items():
+            windows = eval_windows(tokens, seq_len, max_tokens)
+            batches = _group(windows, batch_size)
+            rounds = math.ceil(len(batches) / d.world) if batches else 0
+            nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no sync per batch
+            count = torch.zeros((), dtype=torch.float64, device=device)
+            acc = RoutingAccumulator()
+            for r in range(rounds):
+                i = r * d.world + d.rank
+                real = i < len(batches)
+                wins = batches[i if real else 0]
+                seq = torch.stack([torch.from_numpy(np.asarray(tokens[s:e], dtype=np.int64)) for s, e in wins])
+                inputs, targets = seq[:, :-1].to(device), seq[:, 1:].to(device)
+                with autocast(device, precision):
+                    out = model(inputs, routing=routing)
+                nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1),
+                                      reduction="sum")
+                if real:
+                    nll_sum += nll.double()
+                    count += targets.numel()
+                acc.add(out.routing, count=real)
+            sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
+            acc = reduce_routing(acc, d)
+            n = int(sums[1])
+            loss = float(sums[0] / n) if n else float("nan")
+            per_router = acc.stats(expert_names)
+            results[name] = DomainResult(name, n, loss, math.exp(loss) if n else float("nan"), per_router,
+                                         summarize_routing(per_router))
+    finally:
+        model.train(was_training)
+    return results
+
+
+def _group(windows: list[tuple[int, int]], batch_size: int) -> list[list[tuple[int, int]]]:
+    """Batches of equal-length windows (the last, shorter window gets a batch of its own)."""
+    full = [w for w in windows if w[1] - w[0] == windows[0][1] - windows[0][0]] if windows else []
+    rest = windows[len(full):]
+    out = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+    return out + [[w] for w in rest]
+
+
+def reduce_routing(acc: RoutingAccumulator, d: Dist) -> RoutingAccumulator:
+    """Add the routing sums of every process (one all-reduce of the concatenated vectors)."""
+    if not d.active or not acc.sums:  # every process ran the same forward passes: same routers (or none)
+        return acc
+    names = sorted(acc.sums)
+    flat = all_sum(d, torch.cat([acc.sums[n].to(d.device) for n in names]))
+    k = 0
+    for n in names:
+        size = len(acc.sums[n])
+        acc.sums[n] = flat[k:k + size].clone()
+        k += size
+    return acc
+
+
+def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,
+             seq_len: int | None = None, batch_size: int = 8, max_tokens: int = 0, text_field: str = "text",
+             token_cache: str | Path | None = None, device: str = "auto", precision: str = "auto",
+             split: str = "val", routing=None) -> EvalReport:
+    """Evaluate a checkpoint (anything open_checkpoint accepts, or a run folder: its latest
+    checkpoint) on the held-out split of each domain of `data` (a domain SPEC)."""
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.runtime import Model
+
+    from .checkpoints import resolve_checkpoint
+    from .distributed import pick_device
+    from .provenance import expert_names, read_provenance
+    from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
+
+    domains = parse_data_spec(data)
+    spec = resolve_checkpoint(checkpoint)
+    reader = open_checkpoint(spec)
+    try:
+        cfg = reader.config
+        tok = resolve_tokenizer(tokenizer, reader, cfg.vocab_size, eos_id)
+        state = {n: reader.get(n) for n in reader.names()}
+        names = expert_names(read_provenance(getattr(reader, "metadata", None)), cfg)
+    finally:
+        close = getattr(reader, "close", None)
+        if callable(close):
+            close()
+    T = seq_len or cfg.max_positions
+    if T > cfg.max_positions:
+        raise TrainError(f"seq_len {T} exceeds the model's max_positions ({cfg.max_positions})")
+    cache = Path(token_cache) if token_cache else default_cache_dir()
+    streams = {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
+    dev = pick_device(device)
+    with torch.device("meta"):
+        model = Model(cfg)
+    model.load_state_dict(state, assign=True)
+    model = model.float().to(dev)
+    results = evaluate_streams(model, streams, T, batch_size, max_tokens, dev, precision, routing, names)
+    return EvalReport(spec, tok.name, T, results, names)

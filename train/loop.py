@@ -1,0 +1,477 @@
+"""The training run: set-up, the step loop, evaluation and checkpoints, top to bottom.
+
+    from bam_surgery.train import TrainConfig, train
+    result = train(TrainConfig(init="mix.safetensors", data="code=data/domains/code,law=data/domains/law",
+                               out="run", steps=200, warmup_steps=20, lr=3e-4))
+
+One optimizer step: the learning rate of update n (optim.lr_at); the step's G global sequences
+(packing.MixtureSampler); on each process its micro-batches, each a forward pass with targets and
+loss = NLL + alpha * L_LB + beta * L_z (the model's terms, summed over routers), backward of
+loss / accumulation, gradients synchronized on the last micro-batch only; the global gradient norm
+clipped; AdamW. Every step writes a metrics line; evaluation and checkpoints at their intervals
+and at the end.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
+from bam_surgery.runtime.config import PRESETS, ConfigError
+
+from . import distributed as dist_
+from .card import model_card
+from .checkpoints import (TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
+                          resolve_checkpoint, save_run_checkpoint, step_dir_name)
+from .config import RESUMABLE, TrainConfig
+from .data import Domain, has_split, open_source, parse_data_spec
+from .errors import TrainError
+from .evaluation import evaluate_streams, reduce_routing
+from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
+from .optim import apply_trainable, build_optimizer, lr_at, set_lr
+from .packing import MixtureSampler, micro_batches
+from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
+from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainResult:
+    run: Path
+    steps: int
+    tokens: int
+    checkpoint: Path | None  # the final checkpoint
+    loss: float | None  # the last step's training loss
+    eval: dict[str, Any] | None  # the last evaluation ({"step", "domains": {...}})
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def train(cfg: TrainConfig, resume: bool = False, log: Log | None = None) -> TrainResult:
+    """Run (or, with resume=True, continue) the training run cfg.out. Under torchrun every process
+    calls this with the same config."""
+    log = log or _stderr
+    d = dist_.setup(cfg.device, cfg.strategy)
+    try:
+        return _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
+    finally:
+        dist_.teardown(d)
+
+
+def load_run_config(run: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """RUN/config.yaml with overrides; only the RESUMABLE knobs may differ from the saved run."""
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise TrainError(f"{run}: not a run folder (no config.yaml); nothing to resume")
+    saved = TrainConfig.from_yaml(path)
+    changes = {k: v for k, v in (overrides or {}).items() if v != getattr(saved, k)}
+    bad = [k for k in changes if k not in RESUMABLE and k != "out"]
+    if bad:
+        raise TrainError(f"--resume: {bad[0]} differs from the run's ({getattr(saved, bad[0])!r} in {path}, "
+                         f"{changes[bad[0]]!r} given); a resumed run keeps its settings except "
+                         f"{', '.join(RESUMABLE)}")
+    return saved.replace(**changes)
+
+
+class _Run:
+    """One training run's state; `run()` is the whole of it, in order."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool, d: dist_.Dist, log: Log):
+        self.cfg, self.resume, self.d, self._out = cfg, resume, d, log
+        self.dir = Path(cfg.out)
+        self._held: list[str] | None = []  # set-up messages wait until set-up succeeded
+
+    def log(self, msg: str) -> None:
+        """Messages of the set-up are printed once it has succeeded, so bad input shows one error line."""
+        if self._held is None:
+            self._out(msg)
+        else:
+            self._held.append(msg)
+
+    def _release_log(self) -> None:
+        held, self._held = self._held or [], None
+        for msg in held:
+            self._out(msg)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        cfg.validate()
+        if self.resume:
+            self._check_resume_config()
+            self._load_resume_point()
+        else:
+            self._check_fresh_out()
+            self._load_init()
+        self._setup_tokenizer()
+        self._setup_model()
+        self._setup_data()
+        self._setup_batching()
+        if not self.resume:
+            dist_.on_main(self.d, self._create_run_folder)
+        self._setup_optimizer()
+        if self.resume:
+            self._restore_trainer_state()
+        self._release_log()
+        return self._loop()
+
+    def _check_resume_config(self) -> None:
+        """The saved config, with the given one's RESUMABLE changes; knobs left None or at their
+        default take the saved (resolved) value; any other difference is an error."""
+        defaults = TrainConfig().to_dict()
+        given = {k: v for k, v in self.cfg.to_dict().items() if v is not None and v != defaults[k] and k != "out"}
+        self.cfg = load_run_config(self.dir, given).replace(out=self.cfg.out)
+
+    def _check_fresh_out(self) -> None:
+        if self.dir.exists() and (not self.dir.is_dir() or any(self.dir.iterdir())):
+            what = "run folder" if (self.dir / "config.yaml").is_file() else "path"
+            raise TrainError(f"--out {self.dir}: {what} exists; pass --resume to continue that run, or choose "
+                             "a new --out (nothing was changed)")
+        dist_.barrier(self.d)  # every process checked before rank 0 creates the folder
+
+    def _load_resume_point(self) -> None:
+        ckpt = latest_checkpoint(self.dir)
+        if ckpt is None:
+            raise TrainError(f"--resume: {self.dir} has no checkpoint yet; start it again without --resume "
+                             "in a new --out")
+        self.resume_dir = ckpt
+        (self.state, self.model_config, meta, self.trainer_tensors,
+         self.trainer_meta) = read_run_checkpoint(ckpt)
+        self.run_info = json.loads((self.dir / "run.json").read_text())
+        self.provenance_in = self.run_info["init"].get("provenance")
+        self.experts = self.run_info["experts"]
+        with CheckpointReader(ckpt) as reader:  # for the tokenizer the checkpoint carries
+            self.init_reader = reader
+
+    def _load_init(self) -> None:
+        cfg = self.cfg
+        self.init_reader = None
+        if cfg.init:
+            from bam_surgery.converters import open_checkpoint
+
+            spec = resolve_checkpoint(cfg.init)
+            reader = open_checkpoint(spec)
+            try:
+                if isinstance(reader, CheckpointReader):
+                    check_layout(reader)
+                self.model_config = reader.config
+                self.state = {n: reader.get(n) for n in reader.names()}
+                files = reader.files() if callable(getattr(reader, "files", None)) else []
+                self.init_desc = {"spec": cfg.init, "resolved": spec, "files": [
+                    {"name": Path(f).name, "sha256": _sha256(Path(f))} for f in files]}
+                self.provenance_in = read_provenance(getattr(reader, "metadata", None))
+            finally:
+                if callable(getattr(reader, "close", None)):
+                    reader.close()
+            self.init_reader = reader  # closed; still tells where its tokenizer is
+        else:
+            if cfg.preset:
+                if cfg.preset not in PRESETS:
+                    raise TrainError(f"--preset {cfg.preset}: unknown preset; choose one of {', '.join(PRESETS)}")
+                self.model_config = preset(cfg.preset)
+                self.init_desc = {"spec": f"preset:{cfg.preset}", "random_init": {"std": cfg.init_std,
+                                                                                  "seed": cfg.seed}}
+            else:
+                self.model_config = _read_model_config(Path(cfg.model_config))
+                self.init_desc = {"spec": f"config:{cfg.model_config}", "config": self.model_config.to_dict(),
+                                  "random_init": {"std": cfg.init_std, "seed": cfg.seed}}
+            self.state = None
+            self.provenance_in = None
+        self.experts = expert_names(self.provenance_in, self.model_config)
+
+    def _setup_tokenizer(self) -> None:
+        cfg = self.cfg
+        self.tok = resolve_tokenizer(cfg.tokenizer, self.init_reader, self.model_config.vocab_size, cfg.eos_id)
+        if self.resume and self.tok.fingerprint != self.run_info["tokenizer"]["fingerprint"]:
+            raise TrainError(f"--resume: the tokenizer ({self.tok.name}) is not the one the run used "
+                             f"({self.run_info['tokenizer']['name']})")
+
+    def _setup_model(self) -> None:
+        cfg, mcfg = self.cfg, self.model_config
+        self.seq_len = cfg.seq_len or mcfg.max_positions
+        if self.seq_len > mcfg.max_positions:
+            raise TrainError(f"seq_len {self.seq_len} exceeds the model's max_positions ({mcfg.max_positions})")
+        self.alpha = mcfg.lb_coef if cfg.lb_coef is None else cfg.lb_coef
+        self.beta = mcfg.z_coef if cfg.z_coef is None else cfg.z_coef
+        if self.state is None:
+            model = Model(mcfg)
+            model.reset_parameters(std=cfg.init_std, seed=cfg.seed)
+        else:
+            with torch.device("meta"):
+                model = Model(mcfg)
+            try:
+                model.load_state_dict(self.state, assign=True)
+            except RuntimeError as e:
+                raise TrainError(f"{cfg.init}: its tensors do not fit its config "
+                                 f"({' '.join(str(e).split())[:300]})") from None
+            self.state = None
+        # fp32 master weights (and optimizer state) whatever the checkpoint's dtype; autocast does bf16
+        self.model = model.float().to(self.d.device).train()
+        self.trainable = apply_trainable(self.model, cfg.trainable)
+
+    def _tokenized(self, domains: list[Domain], split: str) -> list:
+        """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
+        cache = Path(self.cfg.token_cache) if self.cfg.token_cache else default_cache_dir()
+        sources = [open_source(dom, split, self.cfg.text_field) for dom in domains]
+
+        def prepare() -> None:
+            for s in sources:
+                tf = tokenize_source(s, self.tok, cache)
+                self.log(f"data: {s.describe()}: {len(tf):,} tokens, {tf.documents:,} documents")
+
+        dist_.on_main(self.d, prepare)
+        return sources, [tokenize_source(s, self.tok, cache) for s in sources]
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        self.domains = parse_data_spec(cfg.data)
+        self.sources, files = self._tokenized(self.domains, "train")
+        for dom, tf in zip(self.domains, files):
+            if len(tf) <= self.seq_len:
+                raise TrainError(f"--data {dom.name}={dom.source}: {len(tf)} tokens, fewer than one sequence of "
+                                 f"seq_len + 1 = {self.seq_len + 1}")
+        self.sampler = MixtureSampler([tf.tokens for tf in files], [dom.weight for dom in self.domains],
+                                      self.seq_len, cfg.seed)
+        if cfg.eval_every < 0:
+            eval_domains = []
+        elif cfg.eval_data:
+            eval_domains = parse_data_spec(cfg.eval_data, "--eval-data")
+        else:
+            eval_domains = [dom for dom in self.domains if has_split(dom, "val")]
+            skipped = [dom.name for dom in self.domains if dom not in eval_domains]
+            if skipped:
+                self.log(f"eval: no held-out split for {', '.join(skipped)} (give --eval-data to evaluate them)")
+        self.eval_sources, eval_files = self._tokenized(eval_domains, "val") if eval_domains else ([], [])
+        self.eval_streams = {dom.name: tf.tokens for dom, tf in zip(eval_domains, eval_files)}
+
+    def _setup_batching(self) -> None:
+        cfg, d = self.cfg, self.d
+        per_micro = cfg.micro_batch * self.seq_len * d.world
+        batch_tokens = cfg.batch_tokens or per_micro
+        if batch_tokens % per_micro:
+            raise TrainError(f"batch_tokens {batch_tokens} is not a multiple of micro_batch * seq_len * processes = "
+                             f"{cfg.micro_batch} * {self.seq_len} * {d.world} = {per_micro}")
+        self.accum = batch_tokens // per_micro
+        self.global_seqs = self.accum * cfg.micro_batch * d.world
+        self.tokens_per_step = self.global_seqs * self.seq_len
+        self.cfg = cfg.replace(seq_len=self.seq_len, batch_tokens=batch_tokens, lb_coef=self.alpha, z_coef=self.beta)
+        if self.cfg.warmup_steps > self.cfg.steps:
+            self.log(f"note: warmup_steps {self.cfg.warmup_steps} > steps {self.cfg.steps}: the learning rate "
+                     f"reaches {lr_at(self.cfg.steps, self.cfg):.3g}, never the peak {self.cfg.lr:.3g}")
+
+    def _create_run_folder(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
+        (self.dir / "run.json").write_text(json.dumps(self._run_info(), indent=1, sort_keys=True), encoding="utf-8")
+
+    def _run_info(self) -> dict[str, Any]:
+        from bam_surgery import __version__
+
+        def data(domains, sources):
+            return [{"domain": dom.name, "source": dom.source, "weight": dom.weight, "split": s.split,
+                     "files": s.hashes()} for dom, s in zip(domains, sources)]
+
+        self.run_info = {
+            "tool": {"name": "bam-surgery", "version": __version__},
+            "init": {**self.init_desc, "provenance": self.provenance_in},
+            "model": self.model_config.to_dict(),
+            "experts": self.experts,
+            "tokenizer": {"name": self.tok.name, "fingerprint": self.tok.fingerprint, "eos_id": self.tok.eos_id,
+                          "vocab_size": self.tok.vocab_size},
+            "data": data(self.domains, self.sources),
+            "eval_data": data([Domain(s.name, s.spec, 0.0) for s in self.eval_sources], self.eval_sources),
+            "seq_len": self.seq_len, "world_size": self.d.world, "strategy": self.d.strategy,
+            "accumulation": self.accum, "tokens_per_step": self.tokens_per_step,
+        }
+        return self.run_info
+
+    def _setup_optimizer(self) -> None:
+        self.wrapped = dist_.wrap(self.model, self.d)
+        self.opt, self.opt_names = build_optimizer(self.model, self.cfg)
+        self.start_step, self.tokens_seen, self.elapsed = 0, 0, 0.0
+
+    def _restore_trainer_state(self) -> None:
+        meta, tensors = self.trainer_meta, self.trainer_tensors
+        where = self.resume_dir / TRAINER_FILE
+        if meta.get("optimizer_params") != self.opt_names:
+            raise TrainError(f"cannot resume from {self.resume_dir}: {where} holds optimizer state for other "
+                             "parameters (were the trainable patterns changed?)")
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            if key.startswith("optim."):
+                name, _, slot = key[len("optim."):].rpartition(".")
+                state.setdefault(name, {})[slot] = t
+        missing = [n for n in self.opt_names if n not in state and meta["step"] > 0]
+        if missing:
+            raise TrainError(f"cannot resume from {self.resume_dir}: {where} has no optimizer state for {missing[0]}")
+        dist_.load_optimizer_state(self.model, self.opt, self.opt_names, state, self.d)
+        self.sampler.load_state(meta["sampler"])
+        if "rng.torch" in tensors:
+            torch.set_rng_state(tensors["rng.torch"])
+        self.start_step, self.tokens_seen, self.elapsed = meta["step"], meta["tokens"], meta.get("elapsed_s", 0.0)
+        if self.d.is_main:
+            truncate_metrics(self.dir / "metrics.jsonl", self.start_step)
+        self.log(f"resuming {self.dir} at step {self.start_step} ({self.resume_dir.name})")
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg, d = self.cfg, self.d
+        flops_tok = flops_per_token(self.model_config, self.seq_len)
+        precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and d.device.type == "cuda") \
+            else "fp32"
+        peak = peak_flops(d.device, precision, cfg.peak_tflops)
+        metrics = MetricsWriter(self.dir / "metrics.jsonl", enabled=d.is_main)
+        bar = tqdm(total=cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
+                   disable=not (cfg.progress and d.is_main and sys.stderr.isatty()))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        last_loss, last_eval, final = None, None, None
+        self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
+                 f"{self.global_seqs} sequences x {self.seq_len} tokens per step "
+                 f"({self.accum} micro-batches of {cfg.micro_batch} on each of {d.world} process(es))")
+        try:
+            for n in range(self.start_step + 1, cfg.steps + 1):
+                t0 = time.perf_counter()
+                lr = lr_at(n, cfg)
+                set_lr(self.opt, lr)
+                rec, racc, data_s = self._step(params, precision)
+                step_s = time.perf_counter() - t0
+                self.elapsed += step_s
+                self.tokens_seen += self.tokens_per_step
+                tps = self.tokens_per_step / step_s
+                rec = {"kind": "train", "step": n, **rec}
+                rec.update(tokens=self.tokens_seen, lr=lr, tokens_per_s=round(tps, 1),
+                           mfu=round(flops_tok * tps / (peak * d.world), 5) if peak else None,
+                           step_s=round(step_s, 4), data_s=round(data_s, 5),
+                           router_entropy={name: round(entropy_bits(a), 5)
+                                           for name, a in racc.assignments().items()})
+                metrics.write(rec)
+                last_loss = rec["loss"]
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+                if self.eval_streams and ((cfg.eval_every > 0 and n % cfg.eval_every == 0) or n == cfg.steps):
+                    last_eval = self._evaluate(n)
+                    metrics.write(last_eval)
+                if (cfg.save_every and n % cfg.save_every == 0) or n == cfg.steps:
+                    path = self._save(n, last_loss, last_eval)
+                    if n == cfg.steps:
+                        final = path
+        finally:
+            bar.close()
+            metrics.close()
+        if d.is_main and cfg.plot:
+            from .plot import plot_run
+
+            self.log("plots: " + ", ".join(str(p) for p in plot_run(self.dir)))
+        return TrainResult(self.dir, cfg.steps, self.tokens_seen, final or latest_checkpoint(self.dir), last_loss,
+                           last_eval)
+
+    def _step(self, params: list[torch.Tensor], precision: str) -> tuple[dict[str, Any], RoutingAccumulator, float]:
+        """Forward/backward over this process's micro-batches, then clip and update."""
+        d, dev = self.d, self.d.device
+        samples = self.sampler.draw(self.global_seqs)
+        mbs = micro_batches(samples, self.cfg.micro_batch, d.world, d.rank)
+        sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, nll, lb, z: sums of micro-batch means
+        racc = RoutingAccumulator()
+        data_s = 0.0
+        for a, mb in enumerate(mbs):
+            t = time.perf_counter()
+            batch = self.sampler.batch(mb)
+            inputs = batch.inputs.to(dev, non_blocking=True)
+            targets = batch.targets.to(dev, non_blocking=True)
+            data_s += time.perf_counter() - t
+            with dist_.sync_context(self.wrapped, d, a == len(mbs) - 1):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    out = self.wrapped(inputs, targets=targets)
+                    loss = out.nll + self.alpha * out.lb_loss + self.beta * out.z_loss
+                (loss / self.accum).backward()
+            sums += torch.stack([loss.detach(), out.nll.detach(), out.lb_loss.detach(),
+                                 out.z_loss.detach()]).double()  # stays on the device: no sync per micro-batch
+            racc.add(out.routing)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        grad_norm = float(dist_.local_value(norm))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sums = dist_.all_sum(d, sums).cpu() / (self.accum * d.world)
+        racc = reduce_routing(racc, d)
+        rec = {"loss": float(sums[0]), "nll": float(sums[1]), "lb_loss": float(sums[2]), "z_loss": float(sums[3]),
+               "grad_norm": grad_norm}
+        return rec, racc, data_s
+
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        res = evaluate_streams(self.model, self.eval_streams, self.seq_len,
+                               self.cfg.eval_batch or self.cfg.micro_batch, self.cfg.eval_tokens, self.d.device,
+                               self.cfg.precision, None, self.experts, self.d)
+        shown = ", ".join(f"{n} {r.loss:.4f}" for n, r in res.items())
+        self.log(f"eval step {step}: loss {shown}")
+        return {"kind": "eval", "step": step, "domains": {n: {"tokens": r.tokens, "loss": r.loss,
+                                                              "perplexity": r.perplexity, "routing": r.routing_summary}
+                                                          for n, r in res.items()}}
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def _save(self, step: int, loss: float | None, last_eval: dict | None) -> Path | None:
+        d = self.d
+        model_state = dist_.full_model_state(self.model, d)
+        optim_state = dist_.full_optimizer_state(self.model, self.opt, self.opt_names, d)
+        path = None
+        if d.is_main:
+            record = {"tool": self.run_info["tool"], "init": {k: v for k, v in self.run_info["init"].items()
+                                                              if k != "provenance"},
+                      "config": self.cfg.to_dict(), "data": self.run_info["data"],
+                      "tokenizer": self.run_info["tokenizer"], "steps": step, "tokens": self.tokens_seen,
+                      "world_size": d.world, "strategy": d.strategy}
+            prov = chain(self.provenance_in, record, self.experts)
+            metadata = {PROVENANCE_KEY: dumps(prov)}
+            if self.tok.name == BYTES:
+                metadata[TOKENIZER_KEY] = BYTES
+            tensors = {f"optim.{name}.{slot}": t for name, st in optim_state.items() for slot, t in st.items()}
+            tensors["rng.torch"] = torch.get_rng_state()
+            meta = {"step": step, "tokens": self.tokens_seen, "sampler": self.sampler.state(),
+                    "optimizer_params": self.opt_names, "elapsed_s": self.elapsed, "world_size": d.world,
+                    "strategy": d.strategy}
+            rel = f"{self.dir}/checkpoints/{step_dir_name(step)}"
+            card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
+                              self.experts, rel)
+            path = save_run_checkpoint(self.dir, step, model_state, self.model_config, metadata, tensors, meta,
+                                       list(self.tok.files), card)
+            prune_checkpoints(self.dir, self.cfg.keep_last, protect={self.cfg.steps})
+        dist_.barrier(d)
+        return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_model_config(path: Path) -> ModelConfig:
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        # JSON as JSON: YAML 1.1 would read 1e-05 (no dot) as a string
+        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except FileNotFoundError:
+        raise TrainError(f"--model-config {path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise TrainError(f"--model-config {path}: cannot read ({' '.join(str(e).split())[:200]})") from None
+    if isinstance(body, dict) and "bam_config" in body:  # a canonical directory's config.json
+        body = body["bam_config"]
+    try:
+        return ModelConfig.from_dict(body if isinstance(body, dict) else {})
+    except (ConfigError, TypeError) as e:
+        raise TrainError(f"--model-config {path}: {e}") from None

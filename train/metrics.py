@@ -1,0 +1,211 @@
+"""Routing statistics, FLOP and MFU estimates, and the metrics.jsonl writer.
+
+Routing statistics per router, over the tokens seen:
+    usage      share of the routing assignments per expert: top-k routers count each (token, slot)
+               choice (shares sum to 1); soft routers and forced gates count each token's gates
+               (the mean gate per expert)
+    mean_gate  mean gate actually applied per expert (zeros for unselected experts)
+    entropy    of the usage distribution, in bits (log2 E: perfectly balanced; 0: one expert)
+    token_entropy  mean per-token entropy of the full softmax, in bits (how sure the router is)
+    gini       Gini coefficient of usage: sum_ij |u_i - u_j| / (2 E sum_i u_i) (0 balanced, (E-1)/E one expert)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bam_surgery.runtime.config import ModelConfig
+
+# Dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0),
+                    ("L4", 121.0), ("A10G", 125.0), ("A10", 125.0), ("V100", 125.0), ("RTX 4090", 165.0),
+                    ("RTX 3090", 71.0))
+
+
+def entropy_bits(p: torch.Tensor) -> float:
+    p = p.double()
+    p = p / p.sum() if float(p.sum()) > 0 else p
+    nz = p[p > 0]
+    return float(-(nz * nz.log2()).sum()) if nz.numel() else 0.0
+
+
+def gini(u: torch.Tensor) -> float:
+    u = u.double()
+    total = float(u.sum())
+    if total <= 0:
+        return 0.0
+    return float((u[:, None] - u[None, :]).abs().sum() / (2 * u.numel() * total))
+
+
+class RoutingAccumulator:
+    """Sums, per router, what the statistics above need; `add(out.routing)` after each forward.
+
+    Each router's sums are one float64 vector on the routing's device, [assign (E), gates (E),
+    token entropy, tokens, tokens with probabilities], so adding never waits for the device and one
+    all-reduce adds every process's sums (evaluation.reduce_routing)."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, routing: dict, count: bool = True) -> None:
+        """Add a forward pass's routing; count=False only registers the routers (with zero sums), so
+        that every process reduces the same routers."""
+        for name, r in routing.items():
+            gates = r.gates.detach()  # [N, E]
+            E = gates.shape[-1]
+            v = self.sums.get(name)
+            if v is None:
+                v = self.sums[name] = torch.zeros(2 * E + 3, dtype=torch.float64, device=gates.device)
+            if not count:
+                continue
+            if r.topk is not None:
+                v[:E] += torch.bincount(r.topk.detach().reshape(-1), minlength=E).double()
+            else:
+                v[:E] += gates.double().sum(0)
+            v[E:2 * E] += gates.double().sum(0)
+            v[2 * E + 1] += gates.shape[0]
+            if r.probs is not None:
+                p = r.probs.detach().double()
+                v[2 * E] += -(p * p.clamp_min(1e-300).log2()).sum()
+                v[2 * E + 2] += p.shape[0]
+
+    def assignments(self) -> dict[str, torch.Tensor]:
+        """Router -> assignment counts (or summed soft gates) per expert, on the CPU."""
+        return {name: v[:(len(v) - 3) // 2].cpu() for name, v in self.sums.items()}
+
+    def stats(self, names: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
+        """Per router: usage, mean_gate, entropy, token_entropy, gini; experts named if `names`
+        maps "ffn"/"attn" to expert names."""
+        out = {}
+        for router, v in self.sums.items():
+            v = v.cpu()
+            E = (len(v) - 3) // 2
+            assign, gates = v[:E], v[E:2 * E]
+            token_entropy, tokens, with_probs = float(v[2 * E]), int(v[2 * E + 1]), int(v[2 * E + 2])
+            usage = assign / assign.sum() if float(assign.sum()) > 0 else assign
+            kind = "attn" if router.endswith("attn_router") else "ffn"
+            labels = (names or {}).get(kind) or [f"expert{e}" for e in range(E)]
+            out[router] = {
+                "experts": list(labels[:E]),
+                "usage": [round(float(u), 6) for u in usage],
+                "mean_gate": [round(float(g), 6) for g in gates / max(1, tokens)],
+                "entropy": round(entropy_bits(assign), 6),
+                "token_entropy": round(token_entropy / with_probs, 6) if with_probs else None,
+                "gini": round(gini(usage), 6),
+                "tokens": tokens,
+            }
+        return out
+
+
+def summarize_routing(per_router: dict[str, dict]) -> dict[str, Any]:
+    """Means over layers, per kind: FFN expert shares, attention mean gates, entropy, Gini."""
+    out: dict[str, Any] = {}
+    for kind, suffix, key in (("ffn", "ffn_router", "usage"), ("attn", "attn_router", "mean_gate")):
+        rs = [r for n, r in per_router.items() if n.endswith(suffix)]
+        if not rs:
+            continue
+        E = len(rs[0][key])
+        out[kind] = {
+            "experts": rs[0]["experts"],
+            "share" if kind == "ffn" else "mean_gate": [round(sum(r[key][e] for r in rs) / len(rs), 6)
+                                                       for e in range(E)],
+            "entropy_bits": round(sum(r["entropy"] for r in rs) / len(rs), 6),
+            "gini": round(sum(r["gini"] for r in rs) / len(rs), 6),
+        }
+        te = [r["token_entropy"] for r in rs if r["token_entropy"] is not None]
+        if te:
+            out[kind]["token_entropy_bits"] = round(sum(te) / len(te), 6)
+    return out
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+def active_matmul_params(cfg: ModelConfig) -> int:
+    """Parameters a token multiplies through: every matrix except the input embedding lookups,
+    FFN experts scaled by top_k / E, attention experts by (top_k or E) / E (soft: all run)."""
+    from bam_surgery.runtime.layout import tensor_shapes
+
+    total = 0.0
+    for name, shape in tensor_shapes(cfg).items():
+        n = math.prod(shape)
+        if name.startswith(("embed.", "pos_embed.")) or len(shape) < 2:
+            continue
+        if ".ffn_experts." in name:
+            n = n * cfg.ffn_top_k / cfg.ffn_experts
+        elif ".attn_experts." in name and cfg.attn_top_k is not None:
+            n = n * cfg.attn_top_k / cfg.attn_experts
+        total += n
+    if cfg.tie_embeddings:  # the LM head is the embedding matrix
+        total += cfg.vocab_size * cfg.d_model
+    return int(total)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, PaLM's appendix-B estimate): 6 * active matmul
+    parameters + 12 * layers * T * (query width), the latter times the attention experts a token
+    runs."""
+    attn_runs = (cfg.attn_top_k or cfg.attn_experts) if cfg.attn_experts else 1
+    return 6.0 * active_matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * cfg.q_dim * attn_runs
+
+
+def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device for MFU: the override, else known GPUs in bf16; None otherwise."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+# ---- metrics.jsonl ----------------------------------------------------------------------------
+class MetricsWriter:
+    """Appends one JSON object per line and flushes it (a crash loses at most the current line)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self._f = open(self.path, "a", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a metrics.jsonl (a torn last line, from a crash, is skipped)."""
+    out = []
+    if not Path(path).is_file():
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only records up to `last_step` (a resumed run re-logs the steps after its checkpoint)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in keep:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,268 @@
+"""Tokenizers and the token cache.
+
+Which tokenizer a run uses (first match):
+  1. --tokenizer: a tokenizer.json, a folder holding one, or `bytes`;
+  2. the checkpoint's own tokenizer.json (Hugging Face folders and hub ids, our exports and run
+     checkpoints, which carry the one they were trained with), or `bytes` when its metadata says so;
+  3. the byte-level tokenizer when the model's vocabulary has at most 512 tokens (tiny models);
+  4. otherwise an error asking for --tokenizer.
+The byte-level tokenizer maps text to its UTF-8 bytes (ids 1..255; NUL bytes are dropped) and uses id 0
+as end-of-text, so it needs vocab_size >= 256. A tokenizer whose vocabulary is larger than the
+model's is refused, naming both sizes.
+
+Token cache: each (source split, tokenizer) is tokenized once into `KEY.bin` (raw little-endian
+uint16, or uint32 for vocabularies over 65,536), documents in order, each followed by the EOS id,
+with `KEY.json` beside it; KEY is a sha256 of the data's content hash and the tokenizer's hash.
+Files are written under temporary names and renamed, the .json last: a present .json means a complete
+cache entry. Readers memory-map the .bin file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from .data import Source
+from .errors import TrainError
+
+BYTES = "bytes"
+BYTE_VOCAB = 256
+BYTE_FALLBACK_MAX_VOCAB = 512
+CACHE_VERSION = 1
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+_BATCH_DOCS = 512
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids (1..255; NUL dropped); id 0 ends a document."""
+
+    name = BYTES
+    vocab_size = BYTE_VOCAB
+    files: tuple[Path, ...] = ()
+
+    def __init__(self, eos_id: int | None = None):
+        self.eos_id = 0 if eos_id is None else eos_id
+
+    @property
+    def fingerprint(self) -> str:
+        return f"bytes-v1-eos{self.eos_id}"
+
+    def encode_batch(self, docs: list[str]) -> list[np.ndarray]:
+        out = []
+        for d in docs:
+            ids = np.frombuffer(d.encode("utf-8"), dtype=np.uint8)
+            out.append(ids[ids != 0])
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer.json; documents are encoded without special tokens, EOS appended."""
+
+    def __init__(self, path: Path, eos_id: int | None = None, fallback_eos: int | None = None):
+        from tokenizers import Tokenizer
+
+        self.path = path
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a plain Exception for malformed files
+            raise TrainError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
+        self.name = str(path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.files = tuple(p for p in (path, path.parent / "tokenizer_config.json",
+                                       path.parent / "special_tokens_map.json") if p.is_file())
+        self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
+        self._digest = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    @property
+    def fingerprint(self) -> str:
+        return f"tokenizers-{self._digest}-eos{self.eos_id}"
+
+    def _find_eos(self, fallback: int | None) -> int:
+        cfg_file = self.path.parent / "tokenizer_config.json"
+        if cfg_file.is_file():
+            try:
+                eos = json.loads(cfg_file.read_text(encoding="utf-8")).get("eos_token")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                eos = None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
+                return self.tok.token_to_id(eos)
+        if fallback is not None:
+            return fallback
+        for cand in EOS_CANDIDATES:
+            if self.tok.token_to_id(cand) is not None:
+                return self.tok.token_to_id(cand)
+        raise TrainError(f"{self.path}: no end-of-text token found (tokenizer_config.json eos_token, or one of "
+                         f"{', '.join(EOS_CANDIDATES)}); pass --eos-id")
+
+    def encode_batch(self, docs: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tok.encode_batch(docs, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids))
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def _tokenizer_json(path: Path, where: str) -> Path:
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return path / "tokenizer.json"
+        if (path / "tokenizer.model").is_file():
+            raise TrainError(f"{where}: {path} has tokenizer.model but no tokenizer.json; save a fast tokenizer "
+                             "(transformers: AutoTokenizer.from_pretrained(...).save_pretrained(...)) or pass "
+                             "--tokenizer")
+        raise TrainError(f"{where}: {path} holds no tokenizer.json")
+    if path.is_file():
+        return path
+    raise TrainError(f"{where}: {path}: no such file or folder")
+
+
+def checkpoint_tokenizer(reader) -> str | None:
+    """The tokenizer a checkpoint carries: a tokenizer.json path, 'bytes', or None."""
+    files = getattr(reader, "tokenizer_files", None)
+    if callable(files):
+        for f in files():
+            if Path(f).name == "tokenizer.json":
+                return str(f)
+    path = getattr(reader, "path", None)
+    if path is not None and Path(path).is_dir() and (Path(path) / "tokenizer.json").is_file():
+        return str(Path(path) / "tokenizer.json")
+    if (getattr(reader, "metadata", None) or {}).get("bam_tokenizer") == BYTES:
+        return BYTES
+    return None
+
+
+def resolve_tokenizer(option: str | None, reader, vocab_size: int, eos_id: int | None = None) -> Tokenizer:
+    """Apply the rules in the module docstring; check the vocabulary fits the model's."""
+    if option:
+        where = f"--tokenizer {option}"
+        tok = ByteTokenizer(eos_id) if option == BYTES else HFTokenizer(_tokenizer_json(Path(option), where),
+                                                                      eos_id)
+    else:
+        carried = checkpoint_tokenizer(reader) if reader is not None else None
+        hf_eos = (getattr(reader, "hf_config", None) or {}).get("eos_token_id")
+        if isinstance(hf_eos, list):
+            hf_eos = hf_eos[0] if hf_eos else None
+        if carried == BYTES:
+            tok = ByteTokenizer(eos_id)
+        elif carried is not None:
+            tok = HFTokenizer(Path(carried), eos_id, fallback_eos=hf_eos)
+        elif vocab_size <= BYTE_FALLBACK_MAX_VOCAB:
+            tok = ByteTokenizer(eos_id)
+        else:
+            raise TrainError(f"no tokenizer found for a model with vocab_size {vocab_size}: the checkpoint carries "
+                             "no tokenizer.json; pass --tokenizer PATH/tokenizer.json (or --tokenizer bytes)")
+    if tok.vocab_size > vocab_size:
+        raise TrainError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocabulary has "
+                         f"{vocab_size} (vocab_size); use the model's own tokenizer")
+    if not 0 <= tok.eos_id < vocab_size:
+        raise TrainError(f"eos_id {tok.eos_id} is outside the model's vocabulary (vocab_size {vocab_size})")
+    return tok
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    root = os.environ.get("BAM_SURGERY_CACHE")
+    return Path(root) / "tokens" if root else Path.home() / ".cache" / "bam-surgery" / "tokens"
+
+
+@dataclass
+class TokenFile:
+    """One tokenized source split: `tokens` is a read-only memory map [N] (uint16 or uint32)."""
+
+    path: Path
+    tokens: np.ndarray
+    documents: int
+    key: str
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def cache_key(source: Source, tok: Tokenizer) -> str:
+    body = f"v{CACHE_VERSION}|{source.fingerprint()}|{tok.fingerprint}"
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def tokenize_source(source: Source, tok: Tokenizer, cache_dir: Path) -> TokenFile:
+    """The source split's tokens, from the cache or tokenized now (then cached)."""
+    cache_dir = Path(cache_dir)
+    key = cache_key(source, tok)
+    meta_file, bin_file = cache_dir / f"{key}.json", cache_dir / f"{key}.bin"
+    if not meta_file.is_file() or not bin_file.is_file():
+        _write_cache(source, tok, cache_dir, key)
+    return open_token_file(meta_file, bin_file, source)
+
+
+def open_token_file(meta_file: Path, bin_file: Path, source: Source) -> TokenFile:
+    try:
+        meta = json.loads(meta_file.read_text())
+        dtype = np.dtype(meta["dtype"])
+        if bin_file.stat().st_size != meta["tokens"] * dtype.itemsize:
+            raise ValueError("size does not match its .json")
+        tokens = np.memmap(bin_file, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainError(f"{bin_file}: unusable token cache entry ({e}); delete it to tokenize again") from None
+    if meta["tokens"] <= meta["documents"]:  # only EOS tokens
+        raise TrainError(f"{source.describe()}: no text (no documents, or only empty ones)")
+    return TokenFile(bin_file, tokens, meta["documents"], meta_file.stem)
+
+
+def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> None:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
+    eos = np.array([tok.eos_id], dtype=dtype)
+    fd, tmp_bin = tempfile.mkstemp(prefix=f".{key}.", suffix=".bin.partial", dir=cache_dir)
+    n_tokens = n_docs = 0
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"tokenizing {source.describe()}", unit=" docs", leave=False, disable=not sys.stderr.isatty())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for batch in _batches(source.documents(), _BATCH_DOCS):
+                bar.update(len(batch))
+                for ids in tok.encode_batch(batch):
+                    if len(ids) and int(ids.max()) >= 1 << (8 * dtype.itemsize):
+                        raise TrainError(f"{tok.name}: token id {int(ids.max())} does not fit the cache dtype")
+                    f.write(ids.astype(dtype).tobytes())
+                    f.write(eos.tobytes())
+                    n_tokens += len(ids) + 1
+                    n_docs += 1
+        if n_docs == 0:
+            raise TrainError(f"{source.describe()}: no text (no documents, or only empty ones)")
+        meta = {"version": CACHE_VERSION, "dtype": dtype.str, "tokens": n_tokens, "documents": n_docs,
+                "source": source.describe(), "text_field": source.text_field, "tokenizer": tok.name,
+                "eos_id": tok.eos_id}
+        os.replace(tmp_bin, cache_dir / f"{key}.bin")
+        fd, tmp_json = tempfile.mkstemp(prefix=f".{key}.", suffix=".json.partial", dir=cache_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp_json, cache_dir / f"{key}.json")
+    finally:
+        bar.close()
+        if os.path.exists(tmp_bin):
+            os.unlink(tmp_bin)
