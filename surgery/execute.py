@@ -64,7 +64,8 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     hasher = InputHasher(plan_input_files(plan))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     try:
-        with atomic_path(out, is_dir=not single_file) as tmp, _progress(plan.total_bytes, progress) as bar:
+        with atomic_path(out, is_dir=not single_file, replace=force, on_stale=warn) as tmp, \
+                _progress(plan.total_bytes, progress) as bar:
             tensors = iter_tensors(reader, [t.name for t in plan.tensors])
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731
             if single_file:  # header first, with placeholders for the digests

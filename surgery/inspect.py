@@ -11,6 +11,8 @@ from typing import Any
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.jsonfile import parse_json
 from bam_surgery.runtime.layout import GROUPS
 from bam_surgery.runtime.reader import Reader
 
@@ -91,11 +93,9 @@ def parse_provenance(metadata: dict[str, str]) -> Provenance | None:
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return Provenance(None, f"not valid JSON ({e})", raw)
-    if not isinstance(value, dict):
-        return Provenance(None, f"expected a JSON object, got {type(value).__name__}", raw)
+        value = parse_json(raw, PROVENANCE_KEY, expect=dict)
+    except CheckpointError as e:  # shown as a finding of inspect, not an error
+        return Provenance(None, str(e).removeprefix(f"{PROVENANCE_KEY}: "), raw)
     return Provenance(value)
 
 

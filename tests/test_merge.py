@@ -412,7 +412,7 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
     cfg = CONFIGS["parallel"]
     paths = save_family(tmp_path, cfg, branched_family(cfg, 3, seed=15))
@@ -429,8 +429,15 @@ def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
         proc.kill()
     assert proc.returncode != 0
     assert not out.exists()
-    if sig == signal.SIGTERM:  # unwinds: the temporary file is removed too
-        assert leftovers(out.parent) == []
+    if sig == signal.SIGINT:  # Ctrl-C: one line, exit status 130
+        assert proc.returncode == 130 and proc.stderr.read() == "bam-surgery: interrupted; nothing was written\n"
+    if sig != signal.SIGKILL:  # unwinds: the work folder is removed too, and the folder the run created for OUT
+        assert not out.parent.exists()
+    else:  # kill -9 leaves the work folder; the next run on the same OUT removes it
+        assert leftovers(out.parent) == [f".{out.name}.bam-surgery.partial"]
+        result = merge("--seed", paths[0], "--experts", f"{paths[1]},{paths[2]}", "--out", out)
+        assert "removed" in result.stderr and "interrupted run" in result.stderr
+        assert out.is_file() and leftovers(out.parent) == []
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -516,7 +523,11 @@ def test_existing_out_is_refused_without_force(tmp_path):
     result = merge_family(paths, out, ok=False)
     assert result.exit_code == 2 and str(out) in result.stderr and "--force" in result.stderr
     assert out.read_bytes() == b"precious"
-    merge_family(paths, out, "--force")
+    result = merge_family(paths, out, "--force", ok=False)  # not ours: --force does not replace it either
+    assert result.exit_code == 2 and "did not write" in result.stderr and out.read_bytes() == b"precious"
+    out.unlink()
+    merge_family(paths, out)
+    merge_family(paths, out, "--force", "--router-seed", "9")  # ours: replaced
     assert load_checkpoint(out)[0].attn_experts == 3
     result = merge_family(paths, paths[1], "--force", ok=False)  # never over an input
     assert result.exit_code == 2 and "is input" in result.stderr
@@ -525,7 +536,7 @@ def test_existing_out_is_refused_without_force(tmp_path):
     home = tmp_path / "home"
     (home / "notes").mkdir(parents=True)
     result = merge_family(paths, home, "--force", ok=False)  # nor over a directory that is not a checkpoint
-    assert result.exit_code == 2 and "more than a checkpoint" in result.stderr and (home / "notes").is_dir()
+    assert result.exit_code == 2 and "notes" in result.stderr and (home / "notes").is_dir()
     merge_family(paths, tmp_path / "dir")
     merge_family(paths, tmp_path / "dir", "--force", "--max-shard-size", "50KB")  # a checkpoint dir is replaced
     assert len(list((tmp_path / "dir").glob("model-*.safetensors"))) > 1
