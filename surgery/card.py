@@ -83,7 +83,7 @@ def check_tokenizers(plan: Plan, warn: Callable[[str], None]) -> list[Path]:
 
 def model_card(plan: Plan, fmt: str, out: str) -> str:
     cfg = plan.config
-    inputs = "\n".join(f"| {i.index} | {i.role} | `{i.label}` |" for i in plan.inputs)
+    inputs = "\n".join(f"| {i.index} | {i.name} | {i.role} | `{i.label}` |" for i in plan.inputs)
     opts = "\n".join(f"- `{k}`: {v}" for k, v in plan.resolved_options().items())
     key = "mixtral" if fmt == "mixtral" else ("hf-mixture" if cfg.is_mixture else "hf-dense")
     exact, paper = audit(cfg, "exact"), audit(cfg, "paper")
@@ -102,8 +102,8 @@ Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg
 
 ## Inputs
 
-| # | role | checkpoint |
-|---|---|---|
+| # | name | role | checkpoint |
+|---|---|---|---|
 {inputs}
 
 ## Options

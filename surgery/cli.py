@@ -112,10 +112,6 @@ def cli() -> None:
     into a BAM / BTX mixture, or upcycle one dense model."""
 
 
-def _split_list(value: tuple[str, ...]) -> list[str]:
-    return [p.strip() for v in value for p in v.split(",") if p.strip()]
-
-
 def _parse_weights(text: str | None) -> tuple[float, ...] | None:
     if text is None:
         return None
@@ -138,12 +134,13 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 
 
 @cli.command()
-@click.option("--seed", "seed", required=True, metavar="CKPT",
+@click.option("--seed", "seed", required=True, metavar="[NAME=]CKPT",
               help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
-                   "--no-seed-expert.")
-@click.option("--experts", "experts", multiple=True, metavar="A,B,...",
-              help="Dense expert checkpoints branched from the seed, comma-separated (or the option repeated); "
-                   "they become experts 1, 2, ... in this order.")
+                   "--no-seed-expert. Named 'seed' unless given NAME=CKPT.")
+@click.option("--experts", "experts", multiple=True, metavar="[NAME=]CKPT,...",
+              help="Dense expert checkpoints branched from the seed, as NAME=CKPT (e.g. code=ckpt/code) or CKPT "
+                   "(named after its file or folder), comma-separated or the option repeated (one each, for a "
+                   "path holding a comma); they become experts 1, 2, ... in this order.")
 @click.option("--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
               help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
                    "shards with an index and config.json. Required unless --dry-run.")
@@ -201,6 +198,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
     from bam_surgery.converters.export import check_export
 
     from .execute import execute_plan
+    from .names import input_names, parse_named, split_specs
     from .plan import MergeOptions, compile_plan, format_plan
     from .recipe import load_recipe
     from .sizes import parse_size
@@ -217,10 +215,11 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
                            attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
                            z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
                            router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite)
+    named = [parse_named(seed), *split_specs(experts)]
+    names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
-        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle))
-                   for spec in [seed, *_split_list(experts)]]
-        plan = compile_plan(the_recipe, readers, options)
+        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle)) for _, spec in named]
+        plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
         if dry_run:
             click.echo(format_plan(plan))
@@ -238,6 +237,20 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             cfg = plan.config
             click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
                        f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
+            note = untrained_gate_note(cfg)
+            if note:
+                click.echo(f"bam-surgery: note: {note}", err=True)
+
+
+def untrained_gate_note(cfg) -> str | None:
+    """What to expect from a fresh top-k < E mixture with softmax gates (the paper's BAM setting):
+    each FFN expert's output is multiplied by its p_i from the full softmax, about 1/E while the
+    routers are random, so the merged model's loss before training says little about it."""
+    E, k = cfg.ffn_experts, cfg.ffn_top_k
+    if not E or cfg.gate_norm != "softmax" or k >= E:
+        return None
+    return (f"until the routers are trained each FFN output is scaled by its gate, about 1/{E} = {1 / E:.2g} "
+            f"(softmax gates, top-{k} of {E}), so perplexity before training is not representative")
 
 
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:

@@ -100,9 +100,9 @@ def render_inspection(ins: Inspection) -> str:
             head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
         if prov.inputs:
-            cols = ["role", "path", "sha256"]
-            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"name", "spec", "files"})
-            rows = [(i.get("role", i.get("name", "-")), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
+            cols = ["name", "role", "path", "sha256"]
+            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"spec", "files"})
+            rows = [(i.get("name", "-"), i.get("role", "-"), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
     out += ["", "layout check"]

@@ -48,6 +48,16 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled, dynamic_ncols=True, leave=False)
 
 
+def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, str]:
+    """The inputs' digests, once every input file is checked to be the file the merge opened: an
+    input modified in place while the merge read it (even to the same size) fails the merge
+    instead of giving an output that mixes old and new bytes under a digest matching neither."""
+    digests = hasher.result()
+    for inp in plan.inputs:
+        inp.reader.check_unchanged()
+    return digests
+
+
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
                  progress: bool = False, warn: Warn | None = None, check_branch: bool = True) -> Path:
     """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory)."""
@@ -71,12 +81,14 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
             if single_file:  # header first, with placeholders for the digests
                 pending = provenance(plan, placeholders(hasher.files))
                 write_file(tmp, entries, tensors, output_metadata(plan, None, pending), on_write)
-                patch_header(tmp, digest_replacements(pending, provenance(plan, hasher.result())))
+                digests = _digests_of_unchanged_inputs(plan, hasher)
+                patch_header(tmp, digest_replacements(pending, provenance(plan, digests)))
             else:  # the index last, with the digests
-                tmp.mkdir(parents=True, exist_ok=True)
+                tmp.mkdir()
                 weight_map = write_shards(tmp, entries, tensors, max_shard_bytes, file_metadata=SHARD_METADATA,
                                           on_write=on_write)
-                write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, hasher.result()))
+                write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, _digests_of_unchanged_inputs(
+                    plan, hasher)))
                 write_dir_config(tmp, plan.config)
     except BaseException:
         hasher.cancel()

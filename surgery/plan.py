@@ -38,6 +38,7 @@ from bam_surgery.runtime.layout import ranges, tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from .errors import BamSurgeryError, InputError
+from .names import input_names
 from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
 
 # Output names that are not dense names: routers, and expert tensors stacked from a dense tensor.
@@ -106,8 +107,9 @@ class TensorOp:
 class PlanInput:
     index: int
     role: str  # seed | expert
-    label: str  # what the user passed (path or hub id)
+    label: str  # where it was read from (path)
     reader: Reader
+    name: str = ""  # unique identifier: "seed", "code", ... (surgery.names)
 
 
 @dataclass
@@ -189,11 +191,18 @@ def file_label(reader: Reader, name: str, label: str) -> str:
 
 
 # ---- compile -----------------------------------------------------------------------------------
-def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None) -> Plan:
-    """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order."""
+def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None,
+                 names: Sequence[str | None] | None = None) -> Plan:
+    """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order.
+    `names`: one per input (None: the default, surgery.names), kept in provenance."""
     options = options or MergeOptions()
     _check_expert_count(recipe, len(inputs) - 1)
-    plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", input_label(r, i), r) for i, r in enumerate(inputs)]
+    labels = [input_label(r, i) for i, r in enumerate(inputs)]
+    if names is not None and len(names) != len(inputs):
+        raise ValueError(f"compile_plan: {len(names)} names for {len(inputs)} inputs")
+    names = input_names(labels, list(names) if names is not None else [None] * len(inputs))
+    plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", label, r, name)
+                   for i, (r, label, name) in enumerate(zip(inputs, labels, names))]
     layout = check_inputs(plan_inputs)
     dense_cfg = inputs[0].config
 
@@ -320,7 +329,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"recipe   {plan.recipe.name} ({plan.recipe.path}): {plan.recipe.summary()}")
     for inp in plan.inputs:
         member = (f"expert {plan.members.index(inp.index)}" if inp.index in plan.members else "not an expert")
-        lines.append(f"input {inp.index}  {inp.role:<6} {inp.label}  [{member}]")
+        lines.append(f"input {inp.index}  {inp.role:<6} {inp.name}={inp.label}  [{member}]")
     extra = len(plan.ffn_slots) - len(plan.members) if cfg.ffn_experts else 0
     routing = []
     if cfg.ffn_experts:

@@ -3,7 +3,7 @@
     tool      name and version
     recipe    name, file and full text
     options   every option with its effective value
-    inputs    each input: role, path as given, expert slot, sha256 (of its file, or of its manifest
+    inputs    each input: name (unique identifier: seed, code, ...), role, path, expert slot, sha256 (of its file, or of its manifest
               "<sha256>  <file name>" lines, sorted, for a sharded input) and its files
     tensors   each output tensor's op and sources
 
@@ -42,7 +42,7 @@ def provenance(plan: Plan, digests: dict[Path, str] | None) -> dict[str, Any]:
     for inp in plan.inputs:
         files = [{"name": f.name, "bytes": f.stat().st_size,
                   "sha256": digests.get(f) if digests is not None else None} for f in input_files(inp.reader)]
-        inputs.append({"index": inp.index, "role": inp.role, "path": inp.label,
+        inputs.append({"index": inp.index, "name": inp.name, "role": inp.role, "path": inp.label,
                        "expert": plan.members.index(inp.index) if inp.index in plan.members else None,
                        "sha256": input_digest(files), "files": files})
     return {

@@ -412,3 +412,30 @@ def test_ctrl_c_says_nothing_was_written(tmp_path, monkeypatch):
     for args in (["merge", "--seed", "s", "--out", tmp_path / "m"], ["inspect", "s"], ["convert", "s", "--out", "o"]):
         result = run(*args)
         assert result.exit_code == 130 and result.stderr == "bam-surgery: interrupted; nothing was written\n"
+
+
+# ---- an input rewritten while the merge reads it -------------------------------------------------
+@pytest.mark.parametrize("out_name", ["mix.safetensors", "mix"])
+def test_an_input_rewritten_in_place_during_the_merge_fails_it(tmp_path, monkeypatch, out_name):
+    from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
+
+    seed = save_checkpoint(random_state(CFG), CFG, tmp_path / "seed.safetensors")
+    code = save_checkpoint({k: v * 1.01 for k, v in random_state(CFG).items()}, CFG, tmp_path / "code.safetensors")
+    real_write, done = SafetensorsStreamWriter.write, []
+
+    def write_and_rewrite_input(self, name, tensor):
+        if not done:  # same size, same mtime afterwards: only the bytes (and the ctime) change
+            st = code.stat()
+            time.sleep(0.02)
+            with open(code, "r+b") as f:
+                f.seek(st.st_size - 64)
+                f.write(bytes(64))
+            os.utime(code, ns=(st.st_atime_ns, st.st_mtime_ns))
+            done.append(1)
+        return real_write(self, name, tensor)
+
+    monkeypatch.setattr(SafetensorsStreamWriter, "write", write_and_rewrite_input)
+    out = tmp_path / out_name
+    one_line(run("merge", "--seed", seed, "--experts", code, "--recipe", "btx", "--out", out, "--quiet"),
+             str(code), "modified while it was being read")
+    assert not out.exists()

@@ -348,7 +348,7 @@ def test_execution_streams_one_tensor_at_a_time(tmp_path):
             self._r = CheckpointReader(path)
             self.config, self.metadata, self.path = self._r.config, self._r.metadata, self._r.path
             self.names, self.shape, self.dtype = self._r.names, self._r.shape, self._r.dtype
-            self.files, self.file_of = self._r.files, self._r.file_of
+            self.files, self.file_of, self.check_unchanged = self._r.files, self._r.file_of, self._r.check_unchanged
 
         def get(self, name):
             t = self._r.get(name)
@@ -644,3 +644,53 @@ def test_plan_compiles_from_headers_for_a_paper_sized_model(tmp_path):
     assert plan.config.ffn_experts == plan.config.attn_experts == 4
     total = sum(math.prod(t.shape) for t in plan.tensors)
     assert total == 776_002_560  # Table 5, BAM total
+
+
+# ---- expert names ---------------------------------------------------------------------------------
+def test_experts_carry_names_into_provenance_inspect_and_the_plan(tmp_path):
+    cfg, states, paths = _family(tmp_path)
+    odd = tmp_path / "with,comma"
+    odd.mkdir()
+    comma_path = save_checkpoint(states[2], cfg, odd / "math.safetensors")
+    out = tmp_path / "mix.safetensors"
+    result = merge("--seed", f"base={paths[0]}", "--experts", f"code={paths[1]}", "--experts", comma_path,
+                   "--out", out)
+    prov = json.loads(CheckpointReader(out).metadata["bam_provenance"])
+    assert [(i["name"], i["role"]) for i in prov["inputs"]] == [("base", "seed"), ("code", "expert"),
+                                                               ("math", "expert")]
+    assert prov["inputs"][2]["path"] == str(comma_path)
+    text = CliRunner().invoke(cli, ["inspect", str(out)]).stdout
+    assert re.search(r"^\s+code\s+expert\s+\S*code\.safetensors", text, re.M)
+    dry = merge("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])), "--dry-run").stdout
+    assert f"input 1  expert code={paths[1]}" in dry and f"input 0  seed   seed={paths[0]}" in dry
+    assert result.exit_code == 0
+
+
+@pytest.mark.parametrize("experts,needle", [
+    (["code=A", "code=B"], "expert name 'code' is given twice"),
+    (["1st=A"], "no such file"),  # not a name: the whole value is a path
+    (["seed=A"], "expert name 'seed' is given twice"),
+])
+def test_bad_expert_names_are_one_line(tmp_path, experts, needle):
+    _, _, paths = _family(tmp_path)
+    args = [e.replace("=A", f"={paths[1]}").replace("=B", f"={paths[2]}") for e in experts]
+    result = merge("--seed", f"seed={paths[0]}", *[x for a in args for x in ("--experts", a)], "--dry-run", ok=False)
+    assert result.exit_code == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_same_expert_twice_is_warned_about(tmp_path):
+    _, _, paths = _family(tmp_path)
+    result = merge("--seed", paths[0], "--experts", paths[1], "--experts", paths[1], "--experts", paths[2],
+                   "--out", tmp_path / "mix.safetensors")
+    assert "(expert code_2): identical to" in result.stderr and "the same expert given twice" in result.stderr
+
+
+def test_untrained_softmax_top1_mixture_gets_a_note(tmp_path):
+    _, _, paths = _family(tmp_path)
+    args = ("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])))
+    note = "bam-surgery: note: until the routers are trained each FFN output is scaled by its gate, about 1/3"
+    result = CliRunner().invoke(cli, ["merge", *map(str, args), "--out", str(tmp_path / "a.safetensors")])
+    assert note in result.stderr and "perplexity before training is not representative" in result.stderr
+    for extra in (["--gate-norm", "topk_softmax"], ["--ffn-top-k", "3"]):  # gates sum to 1: no note
+        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"{extra[0]}")])
+        assert result.exit_code == 0 and "note:" not in result.stderr

@@ -24,7 +24,7 @@ from bam_surgery.runtime.config import ConfigError
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader
-from bam_surgery.runtime.safetensors_file import SafetensorsFile
+from bam_surgery.runtime.safetensors_file import FileIdentity, SafetensorsFile
 
 from .architectures import Architecture, Binding, BoundRule, architecture, bind
 from .files import read_hf_config, tokenizer_files_in, weight_files
@@ -53,6 +53,7 @@ class _PickleFile:
             raise CheckpointError(f"{file}: expected a dict of tensors (a state dict)")
         self.state = state
         self.meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        self.identity = FileIdentity.of(os.stat(file))
 
     def get(self, key: str) -> torch.Tensor:
         return self.state[key]
@@ -172,6 +173,10 @@ class HFCheckpointReader(Reader):
 
     def files(self) -> list[Path]:
         return list(self._files)
+
+    def check_unchanged(self) -> None:
+        for file, handle in self._files.items():
+            handle.identity.check_path(file)
 
     def hf_name_of(self, name: str) -> tuple[str, ...]:
         """The HF tensor(s) a canonical tensor is made from (for messages and plans)."""
