@@ -439,3 +439,45 @@ def test_an_input_rewritten_in_place_during_the_merge_fails_it(tmp_path, monkeyp
     one_line(run("merge", "--seed", seed, "--experts", code, "--recipe", "btx", "--out", out, "--quiet"),
              str(code), "modified while it was being read")
     assert not out.exists()
+
+
+# ---- convert checks the layout; commands added later get the contract for free -----------------
+@pytest.mark.parametrize("damage", ["transposed", "renamed", "missing", "vocab"])
+def test_convert_refuses_a_checkpoint_that_contradicts_its_own_config(tmp_path, damage):
+    cfg = tiny_config(norm="rmsnorm", block="sequential")  # writable as llama too
+    state = random_state(cfg)
+    if damage == "transposed":
+        state["layers.0.ffn.up.weight"] = state["layers.0.ffn.up.weight"].T.contiguous()
+    elif damage == "renamed":
+        state["layers.0.ffn.upper.weight"] = state.pop("layers.0.ffn.up.weight")
+    elif damage == "missing":
+        del state["layers.1.attn.o.weight"]
+    else:
+        cfg = cfg.replace(vocab_size=10**9)
+    path = tmp_path / "bad.safetensors"
+    save_file(state, str(path), metadata={"format": "bam-surgery/1", CONFIG_KEY: cfg.to_json()})
+    for fmt in ("canonical", "hf"):
+        out = tmp_path / f"out-{fmt}"
+        one_line(run("convert", path, "--out", out, "--format", fmt, "--architecture", "llama"), "bad.safetensors")
+        assert not out.exists()
+
+
+def test_a_command_added_later_gets_the_error_contract(monkeypatch):
+    import click
+
+    from bam_surgery.surgery.errors import BamSurgeryError
+
+    raised = {"user": BamSurgeryError("x.yaml: field: wrong"), "os": PermissionError(13, "Permission denied", "/d/x"),
+              "ctrl-c": KeyboardInterrupt()}
+
+    @click.command("later")
+    @click.argument("what")
+    def later(what):
+        raise raised[what]
+
+    monkeypatch.setitem(cli.commands, "later", later)
+    assert one_line(run("later", "user")) == "bam-surgery: error: x.yaml: field: wrong"
+    assert one_line(run("later", "os")) == "bam-surgery: error: /d/x: Permission denied"
+    result = run("later", "ctrl-c")
+    assert result.exit_code == 130 and result.stderr == "bam-surgery: interrupted; nothing was written\n"
+    one_line(run("later"), "Missing argument")
