@@ -15,7 +15,7 @@ from bam_surgery.runtime.errors import printable
 
 from .cli_options import ALLOW_PICKLE
 from .errors import USER_ERRORS, BamSurgeryError, one_line
-from .inspect import Inspection, describe_kind, inspect_checkpoint, key_config
+from .inspect import Inspection, describe_kind, input_digest, inspect_checkpoint, key_config
 from .recipe import load_recipe, mixture_config, parse_attention_routing
 
 
@@ -100,9 +100,10 @@ def render_inspection(ins: Inspection) -> str:
             head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
         if prov.inputs:
-            cols = ["name", "role", "path", "sha256"]
-            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"spec", "files"})
-            rows = [(i.get("name", "-"), i.get("role", "-"), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
+            cols = ["name", "role", "path", "digest", "how it was obtained"]
+            extra = sorted({k for i in prov.inputs for k in i} - {"name", "role", "path", "spec", "files", "digest",
+                                                                    "sha256"})
+            rows = [(i.get("name", "-"), i.get("role", "-"), i.get("path", i.get("spec", "-")), *input_digest(i),
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
     out += ["", "layout check"]

@@ -88,6 +88,28 @@ class Provenance:
         return [i if isinstance(i, dict) else {"path": i} for i in ins]
 
 
+HOW_OBTAINED = {
+    "bytes": "BLAKE3 of the file's bytes",
+    "hf-blob": "sha256 from the Hugging Face cache's blob name (checked by huggingface_hub when downloaded)",
+}
+
+
+def input_digest(entry: dict[str, Any]) -> tuple[str, str]:
+    """(digest, how it was obtained) of one provenance input, for every provenance version: older
+    merges recorded a bare sha256 of each file (or of a sha256sum manifest for a sharded input)."""
+    files = entry.get("files") if isinstance(entry.get("files"), list) else []
+    if "digest" in entry:
+        hows = sorted({f.get("how") for f in files if isinstance(f, dict)} - {None})
+        how = "; ".join(HOW_OBTAINED.get(h, str(h)) for h in hows) or "-"
+        if len(files) > 1:
+            how = f"BLAKE3 of the manifest of {len(files)} files ({how})"
+        return str(entry["digest"] or "-"), how
+    if "sha256" in entry:
+        what = "sha256 of the file's bytes" if len(files) <= 1 else f"sha256 of the sha256sum manifest of {len(files)} files"
+        return f"sha256:{entry['sha256']}" if entry["sha256"] else "-", f"{what} (older bam-surgery)"
+    return "-", "-"
+
+
 def parse_provenance(metadata: dict[str, str]) -> Provenance | None:
     raw = metadata.get(PROVENANCE_KEY)
     if raw is None:

@@ -53,7 +53,7 @@ def read_source(plan: Plan, src: Source, allow_nonfinite: bool, warn: Warn | Non
 
 
 class PlanReader(Reader):
-    """The reader protocol over a plan. `metadata` carries the provenance, with the inputs' sha256:
+    """The reader protocol over a plan. `metadata` carries the provenance, with the inputs' digests:
     the first access hashes every input file (a full read of the inputs; pass hash_inputs=False to
     leave the digests out)."""
 

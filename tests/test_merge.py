@@ -101,6 +101,12 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def b3(path: Path) -> str:
+    """The provenance's digest of a file: BLAKE3 of its bytes, self-describing."""
+    import blake3
+    return "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
+
+
 def leftovers(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.endswith(".partial")]
 
@@ -277,8 +283,8 @@ def test_deterministic_output_and_provenance(tmp_path):
     assert prov["recipe"]["text"] == (ROOT / "recipes" / "bam.yaml").read_text()
     assert [i["role"] for i in prov["inputs"]] == ["seed", "expert", "expert"]
     for entry, p in zip(prov["inputs"], paths):
-        assert entry["files"] == [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}]
-        assert entry["sha256"] == sha256(p) and entry["path"] == str(p)
+        assert entry["files"] == [{"name": p.name, "bytes": p.stat().st_size, "digest": b3(p), "how": "bytes"}]
+        assert entry["digest"] == b3(p) and entry["path"] == str(p)
     assert prov["tool"]["name"] == "bam-surgery"
     t = prov["tensors"]
     assert t["layers.0.attn_experts.k.weight"] == {"op": "stack", "from": "layers.0.attn.k.weight",
@@ -305,9 +311,9 @@ def test_directory_output_with_shards(tmp_path):
     assert cfg1 == cfg2 and one.keys() == many.keys()
     assert all(torch.equal(one[k], many[k]) for k in one)
     prov = json.loads(CheckpointReader(tmp_path / "dir").metadata["bam_provenance"])
-    assert prov["inputs"][0]["files"][0]["sha256"] == prov["inputs"][0]["sha256"] == sha256(paths[0])
+    assert prov["inputs"][0]["files"][0]["digest"] == prov["inputs"][0]["digest"] == b3(paths[0])
 
-    # a sharded input: one digest per shard, and the input's digest is that of its sha256sum manifest
+    # a sharded input: one digest per shard, and the input's digest is the BLAKE3 of its manifest
     seed_dir = tmp_path / "seed-dir"
     save_checkpoint(load_checkpoint(paths[0])[1], cfg, seed_dir, max_shard_bytes=30_000)
     merge_family([seed_dir, *paths[1:]], tmp_path / "from-dir.safetensors")
@@ -315,9 +321,11 @@ def test_directory_output_with_shards(tmp_path):
     entry = json.loads(CheckpointReader(tmp_path / "from-dir.safetensors").metadata["bam_provenance"])["inputs"][0]
     shards = sorted(seed_dir.glob("*.safetensors"))
     assert len(shards) > 1 and entry["path"] == str(seed_dir)
-    assert entry["files"] == [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256(f)} for f in shards]
-    manifest = "".join(f"{sha256(f)}  {f.name}\n" for f in shards)
-    assert entry["sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
+    assert entry["files"] == [{"name": f.name, "bytes": f.stat().st_size, "digest": b3(f), "how": "bytes"}
+                              for f in shards]
+    import blake3
+    manifest = "".join(f"{b3(f)}  {f.name}\n" for f in shards)
+    assert entry["digest"] == "blake3:" + blake3.blake3(manifest.encode()).hexdigest()
 
 
 def test_plan_reader_matches_the_written_file(tmp_path):
