@@ -189,29 +189,7 @@ def read_header(file: Path, f, size: int) -> Header:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise bad("__metadata__ must map strings to strings")
-    spans = []
-    for name, entry in header.items():
-        shown = printable(name)
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {shown} must have exactly dtype, shape and data_offsets")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or (dtype not in SAFETENSORS_DTYPES and dtype not in _PACKED):
-            raise bad(f"tensor {shown} has unknown dtype {printable(str(dtype)[:40])!r}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise bad(f"tensor {shown} has shape {printable(str(shape)[:80])}, not a list of integers >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-            raise bad(f"tensor {shown} has data_offsets {printable(str(offsets)[:80])}, not [begin, end]")
-        begin, end = offsets
-        bits = 8 * SAFETENSORS_DTYPES[dtype].itemsize if dtype in SAFETENSORS_DTYPES else _PACKED[dtype]
-        numel = math.prod(shape)
-        if numel * bits >= 8 * _U64 or end >= _U64:
-            raise CheckpointError(f"{file}: corrupt safetensors header: tensor {shown} ({shape} {dtype}, offsets "
-                                  f"{offsets}) overflows 64-bit sizes; this is not a truncated file")
-        if numel * bits % 8 or end - begin != numel * bits // 8:
-            raise bad(f"tensor {shown} is {shape} {dtype} ({numel * bits / 8:g} bytes) but its data_offsets "
-                      f"[{begin}, {end}] span {end - begin} bytes")
-        spans.append((begin, end, name))
-    spans.sort()
+    spans = sorted(_span(file, name, entry) for name, entry in header.items())
     at = 0
     for begin, end, name in spans:
         if begin != at:
@@ -220,13 +198,38 @@ def read_header(file: Path, f, size: int) -> Header:
         at = end
     data_start = 8 + n
     if data_start + at > size:
-        cut = next(name for begin, end, name in spans if data_start + end > size)
-        end = next(end for begin, end, name in spans if name == cut)
+        end, cut = next((end, name) for _, end, name in spans if data_start + end > size)
         raise CheckpointError(f"{file}: truncated: tensor {printable(cut)} ends at byte {data_start + end} but the "
                               f"file has {size} bytes (header promises {data_start + at})")
     if data_start + at < size:
         raise bad(f"the file has {size - data_start - at:,} bytes after its last tensor (a corrupt or appended file)")
     return Header(metadata, header, data_start, data_start + at)
+
+
+def _span(file: Path, name: str, entry) -> tuple[int, int, str]:
+    """(begin, end, name) of one header entry, checked: dtype, shape, offsets, size."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{file}: unreadable safetensors header: tensor {printable(name)} {msg}")
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise bad("must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or (dtype not in SAFETENSORS_DTYPES and dtype not in _PACKED):
+        raise bad(f"has unknown dtype {printable(str(dtype)[:40])!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"has shape {printable(str(shape)[:80])}, not a list of integers >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise bad(f"has data_offsets {printable(str(offsets)[:80])}, not [begin, end]")
+    begin, end = offsets
+    bits = 8 * SAFETENSORS_DTYPES[dtype].itemsize if dtype in SAFETENSORS_DTYPES else _PACKED[dtype]
+    numel = math.prod(shape)
+    if numel * bits >= 8 * _U64 or end >= _U64:
+        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {printable(name)} ({shape} {dtype}, "
+                              f"offsets {offsets}) overflows 64-bit sizes; this is not a truncated file")
+    if numel * bits % 8 or end - begin != numel * bits // 8:
+        raise bad(f"is {shape} {dtype} ({numel * bits / 8:g} bytes) but its data_offsets [{begin}, {end}] span "
+                  f"{end - begin} bytes")
+    return begin, end, name
 
 
 def _is_count(v) -> bool:
