@@ -25,8 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
-from bam_surgery.runtime.reader import Reader
-from bam_surgery.runtime.shards import INDEX_NAME
+from bam_surgery.runtime.reader import Reader, check_layout
 
 
 class CapabilityError(ConfigError):
@@ -47,6 +46,7 @@ class ExportOptions:
     architecture: str | None = None  # dense hf: the HF model_type to write
     recipe: str | None = None  # named in capability messages
     metadata: Mapping[str, str] = field(default_factory=dict)  # canonical: extra metadata entries
+    replace: bool = True  # an existing OUT may be replaced if it is our own output (False: refuse; --force: True)
 
 
 class Exporter(ABC):
@@ -55,8 +55,6 @@ class Exporter(ABC):
     name: str
     summary: str  # a few words for --format's help
     writes_directory: bool = True  # False: OUT may also be a single file (canonical .safetensors)
-    # File-name globs this format writes; `--force` replaces a directory holding nothing else.
-    writes: tuple[str, ...] = ()
 
     @abstractmethod
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
@@ -71,7 +69,6 @@ class CanonicalExporter(Exporter):
     name = "canonical"
     summary = "our safetensors, loads with runtime.load_model"
     writes_directory = False
-    writes = ("config.json", INDEX_NAME, "*.safetensors")
 
     def check(self, cfg, *, recipe=None, architecture=None) -> None:
         pass  # every ModelConfig has a canonical layout
@@ -80,7 +77,8 @@ class CanonicalExporter(Exporter):
         from bam_surgery.runtime.checkpoint import write_checkpoint
         if options.dtype is not None:
             raise CapabilityError("canonical output keeps each tensor's dtype (no dtype cast)")
-        return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes)
+        check_layout(reader)  # a checkpoint whose tensors contradict its own config is never written
+        return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes, replace=options.replace)
 
 
 def exporters() -> dict[str, Exporter]:

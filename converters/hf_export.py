@@ -13,9 +13,8 @@ from bam_surgery.runtime.reader import Reader
 
 from .export import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES, architecture as lookup_architecture
-from .hf.files import HF_DIRECTORY_FILES
 from .hf.writer import save_hf
-from .hf_bam.export import CODE_FILES, check_hf_bam, export_hf_bam
+from .hf_bam.export import check_hf_bam, export_hf_bam
 
 DENSE = ", ".join(m for m, a in ARCHITECTURES.items() if not a.mixture)
 
@@ -24,7 +23,6 @@ class HFExporter(Exporter):
     name = "hf"
     summary = ("HF directory: a dense model as its HF architecture, a mixture as the remote-code BAM model "
                "(trust_remote_code=True)")
-    writes = HF_DIRECTORY_FILES + CODE_FILES
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         if cfg.is_mixture:
@@ -40,7 +38,7 @@ class HFExporter(Exporter):
         if reader.config.is_mixture:
             return export_hf_bam(reader, out, tokenizer_files=options.tokenizer_files, model_card=options.model_card,
                                  max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
-                                 generation=options.generation)
+                                 generation=options.generation, replace=options.replace)
         shards = {} if options.max_shard_bytes is None else {"max_shard_bytes": options.max_shard_bytes}
         return save_hf(reader, out, options.architecture, tokenizer_from=options.tokenizer_source,
-                       model_card=options.model_card, dtype=options.dtype, **shards)
+                       model_card=options.model_card, dtype=options.dtype, replace=options.replace, **shards)

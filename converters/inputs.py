@@ -11,12 +11,12 @@ Pickle weights (.bin) are read only with allow_pickle=True (the CLI's --allow-pi
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, CheckpointError, CheckpointReader
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.shards import INDEX_NAME
 
@@ -54,7 +54,11 @@ def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Read
         return CheckpointReader(path)
     match = HUB_ID.match(str(spec))
     if match and not str(spec).startswith((".", "/", "~")) and path.suffix not in FILE_SUFFIXES:
-        return _open_directory(_snapshot(match.group("repo"), match.group("revision"), allow_pickle), allow_pickle)
+        repo, revision = match.group("repo"), match.group("revision")
+        if ".." in repo or (revision is not None and (".." in revision.split("/") or revision.startswith("/"))):
+            raise CheckpointError(f"{spec}: a hub id may not contain '..' (the revision names a branch, tag "
+                                  "or commit, never a path)")
+        return _open_directory(_snapshot(repo, revision, allow_pickle), allow_pickle)
     raise CheckpointError(f"{spec}: no such file or directory (and not a hub id of the form org/name[@revision])")
 
 
@@ -75,10 +79,10 @@ def _open_directory(path: Path, allow_pickle: bool) -> Reader:
 
 def _is_hf_directory(path: Path) -> bool:
     try:
-        body = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        body = read_json(path / "config.json", expect=dict)
+    except CheckpointError:
         return False
-    return isinstance(body, dict) and "model_type" in body and CONFIG_KEY not in body
+    return "model_type" in body and CONFIG_KEY not in body
 
 
 def _truthy(value: str | None) -> bool:

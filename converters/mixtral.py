@@ -33,7 +33,7 @@ from bam_surgery.runtime.reader import Reader
 
 from .export import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES
-from .hf.files import GENERATION_CONFIG, HF_DIRECTORY_FILES
+from .hf.files import GENERATION_CONFIG
 from .hf.mixtral_config import MODEL_TYPE, check_mixtral
 from .hf.reader import HFCheckpointReader
 from .hf.writer import TOKEN_ID_KEYS, export_architecture
@@ -44,7 +44,6 @@ __all__ = ["CapabilityError", "MixtralExporter", "check_mixtral", "export_mixtra
 class MixtralExporter(Exporter):
     name = "mixtral"
     summary = "HF Mixtral directory, btx/upcycle of Llama-family inputs"
-    writes = HF_DIRECTORY_FILES
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         check_mixtral(cfg, recipe)
@@ -59,7 +58,7 @@ class MixtralExporter(Exporter):
         return export_architecture(reader, out, ARCHITECTURES[MODEL_TYPE],
                                    token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS}, texts=texts,
                                    copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
-                                   dtype=options.dtype, single_file=None, always_index=True)
+                                   dtype=options.dtype, single_file=None, always_index=True, replace=options.replace)
 
 
 def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[str | os.PathLike] = (),

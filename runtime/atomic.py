@@ -1,39 +1,299 @@
-"""Atomic outputs: write under a temporary sibling path, rename onto the target only on success.
+"""Atomic outputs: write under a work folder beside the target, rename onto it only on success.
 
-An interrupted or failed write leaves nothing at the target (and an existing target untouched).
+    with atomic_path("out/mix.safetensors", replace=False) as tmp:   # write the file at tmp
+        ...
+    with atomic_dir("out/mix", replace=True) as tmp:                  # fill the folder tmp
+        ...
+
+While a run writes OUT, one work folder sits beside it, named after it, so the next run on the
+same OUT finds it:
+
+    out/.mix.bam-surgery.partial/        mode 0700, removed at the end
+        lock                             flock()ed by the writing process, holding its pid
+        mix                              the output being written (file or folder)
+        replaced                         with replace=True: the previous output, moved aside
+
+Guarantees:
+* A failed or interrupted run (an exception, Ctrl-C, SIGTERM) leaves nothing at OUT, an existing
+  OUT untouched, no work folder and no parent folders it created.
+* kill -9 leaves the work folder; its lock dies with the process, so the next run on the same OUT
+  removes it (and says so through `on_stale`). A work folder whose lock is held belongs to a run
+  that is alive: the second run fails in one line and removes nothing. Two runs on one OUT: one
+  wins, the other fails, nothing is lost.
+* The final rename never replaces what appeared at OUT while the run wrote (another program, a
+  user): with replace=False it is an OutputError; with replace=True, what is at OUT is first moved
+  into the work folder (one atomic rename, so what is checked is exactly what would be deleted),
+  checked with runtime.outputs.not_own_output, and put back untouched unless it is this tool's own
+  output.
+* Renames that must not replace use renameat2(RENAME_NOREPLACE) on Linux (ctypes; glibc >= 2.28),
+  the one call that refuses atomically for files and folders alike. Where it is missing (other
+  systems, file systems without it) a file is placed with os.link (fails if the name exists, also
+  atomic) and a folder with os.rename, which POSIX refuses over a file or a non-empty folder (it
+  may replace an empty folder: nothing is lost).
+* A folder output gets runtime.outputs.MARKER listing its files (how --force recognises it).
+* Files and folders are created with the process umask (only the work folder itself is 0700).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from .errors import OutputError, OutputWriteError
+from .outputs import not_own_output, write_marker
+
+PARTIAL_SUFFIX = ".bam-surgery.partial"
+LOCK = "lock"
+REPLACED = "replaced"
+_EXISTS = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
+
+
+def work_folder(target: Path) -> Path:
+    """The work folder of a target: `.{name}.bam-surgery.partial` beside it."""
+    return target.parent / f".{target.name}{PARTIAL_SUFFIX}"
+
+
+def _target(target: str | os.PathLike) -> Path:
+    """An absolute target whose last component is a real name (never '', '.' or '..')."""
+    raw = os.fspath(target)
+    name = Path(raw).name
+    if raw in ("", ".", "..") or raw.endswith(("/.", "/..")) or name in ("", ".", ".."):
+        raise OutputError(f"{raw or repr(raw)}: not a name an output can be written to (give a file or folder "
+                          "name, e.g. out/mix.safetensors)")
+    return Path(os.path.abspath(raw))
 
 
 @contextmanager
-def atomic_path(target: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling path; rename it onto `target` only if the block succeeds."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    work = tmp if is_dir else tmp / target.name
+def atomic_path(target: str | os.PathLike, is_dir: bool = False, *, replace: bool = True,
+                on_stale: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Yield the path to write (a file, or with is_dir a folder the caller creates); rename it
+    onto `target` only if the block succeeds.
+
+    replace: an existing target (now or at the end) may be replaced if it is this tool's own output
+    (runtime.outputs.not_own_output); False: any existing target is an OutputError.
+    on_stale: told (one line) when a killed run's work folder for the same target is removed.
+    """
+    target = _target(target)
+    _check_existing(target, replace)
+    created = _make_parents(target)
+    work = work_folder(target)
+    lock_fd = None
+    ok = False
     try:
-        yield work
-        if target.exists():
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        os.replace(work, target)
+        lock_fd = _acquire(work, target, on_stale)
+        item = work / target.name
+        try:
+            yield item
+            if is_dir and item.is_dir():
+                write_marker(item)
+            _commit(item, target, work, replace)
+        except OSError as e:
+            err = _as_output_error(e, target, work)
+            if err is e:
+                raise
+            raise err from e
+        ok = True
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lock_fd is not None:
+            _release(work, lock_fd)
+        if not ok:
+            for d in created:  # deepest first; only folders this run created, and only if empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
 
 @contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """atomic_path for a directory, created empty."""
-    with atomic_path(target, is_dir=True) as tmp:
-        tmp.mkdir(parents=True, exist_ok=True)
+def atomic_dir(target: str | os.PathLike, *, replace: bool = True,
+               on_stale: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """atomic_path for a folder, created empty (with the umask's permissions)."""
+    with atomic_path(target, is_dir=True, replace=replace, on_stale=on_stale) as tmp:
+        tmp.mkdir()
         yield tmp
+
+
+# ---- before: the target and the work folder ----------------------------------------------------
+def _check_existing(target: Path, replace: bool) -> None:
+    if not os.path.lexists(target):
+        return
+    if not replace:
+        raise OutputError(f"{target}: already exists; pass --force to replace it")
+    reason = not_own_output(target)
+    if reason:
+        raise OutputError(f"{target}: {reason}; only outputs of bam-surgery are replaced (--force), remove it "
+                          "yourself or write elsewhere")
+
+
+def _make_parents(target: Path) -> list[Path]:
+    """Create the target's missing parent folders; return them, deepest first."""
+    created: list[Path] = []
+    p = target.parent
+    while not os.path.lexists(p):
+        created.append(p)
+        p = p.parent
+    if not p.is_dir():
+        raise OutputError(f"{target}: cannot be written: {p} is a file, not a folder")
+    for d in reversed(created):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as e:
+            for made in created[created.index(d) + 1:]:
+                try:
+                    made.rmdir()
+                except OSError:
+                    break
+            raise OutputError(f"{target}: cannot create folder {d} ({e.strerror})") from None
+    return created
+
+
+def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -> int:
+    """Create (or take over from a killed run) the target's work folder and lock it."""
+    fresh = True
+    try:
+        os.mkdir(work, 0o700)
+    except FileExistsError:
+        fresh = False
+    except OSError as e:
+        raise OutputError(f"{target}: cannot be written: cannot create {work} ({e.strerror})") from None
+    if not work.is_dir() or work.is_symlink():
+        raise OutputError(f"{target}: {work} is in the way and is not a work folder of bam-surgery; remove it")
+    try:
+        fd = os.open(work / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise OutputError(f"{target}: cannot lock {work / LOCK} ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OutputError(f"{target}: another bam-surgery run (pid {pid}) is writing it right now; wait for it "
+                          "to finish or write elsewhere") from None
+    if not fresh:  # a killed run's leftovers: ours only if it holds nothing but what we put there
+        leftovers = [n for n in os.listdir(work) if n != LOCK]
+        foreign = [n for n in leftovers if n not in (target.name, REPLACED)]
+        if foreign:
+            os.close(fd)
+            raise OutputError(f"{target}: {work} holds {foreign[0]}, which bam-surgery did not put there; "
+                              "remove that folder yourself")
+        for name in leftovers:
+            _remove(work / name)
+        if leftovers and on_stale is not None:
+            on_stale(f"removed {work}, left by an interrupted run on the same output")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _release(work: Path, lock_fd: int) -> None:
+    """Remove the work folder (still holding the lock, so no other run takes it meanwhile)."""
+    try:
+        for name in os.listdir(work):
+            if name != LOCK:
+                _remove(work / name)
+        os.unlink(work / LOCK)
+        os.rmdir(work)
+    except OSError:
+        pass  # another run took the folder over after the unlink: it is its own now
+    finally:
+        os.close(lock_fd)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---- after: the rename --------------------------------------------------------------------------
+def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
+    if not os.path.lexists(item):
+        raise OutputError(f"{target}: nothing was written")
+    try:
+        rename_noreplace(item, target)
+        return
+    except OSError as e:
+        if e.errno not in _EXISTS:
+            raise
+    if not replace:
+        raise OutputError(f"{target}: appeared while this run was writing it; left untouched, and this run's "
+                          "output was discarded (pass --force to replace an output of bam-surgery)")
+    aside = work / REPLACED
+    os.rename(target, aside)  # now only this run sees it: what is checked is what would be deleted
+    reason = not_own_output(aside)
+    if reason is None:
+        try:
+            rename_noreplace(item, target)
+            return
+        except OSError as e:
+            if e.errno not in _EXISTS:
+                raise
+            reason = "was created again while this run replaced it"
+    try:
+        rename_noreplace(aside, target)  # put it back, untouched
+    except OSError:
+        raise OutputError(f"{target}: could not be put back after it changed while this run wrote; it is "
+                          f"kept at {aside}") from None
+    raise OutputError(f"{target}: changed while this run was writing it and {reason}; left untouched, and this "
+                      "run's output was discarded")
+
+
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO,
+                 errno.ENOTDIR, errno.ENAMETOOLONG}
+
+
+def _as_output_error(e: OSError, target: Path, work: Path) -> OSError:
+    """An OSError while writing the output (no space, read-only file system, quota) as a one-line
+    OutputWriteError naming the target; errors about other paths (inputs), and errors without an
+    errno (raised by code, not by the system), are left as they are."""
+    if isinstance(e, OutputError) or e.errno not in _WRITE_ERRORS:
+        return e
+    if e.filename is not None and not str(e.filename).startswith(str(work)):
+        return e
+    reason = e.strerror or os.strerror(e.errno)
+    return OutputWriteError(f"{target}: could not be written ({reason}); nothing was left there", e.errno)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _renameat2()
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename src to dst, failing with an OSError (EEXIST, ENOTEMPTY, ...) if dst exists."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # EINVAL: the file system lacks the flag
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    if os.path.lexists(dst):
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst))
+    if src.is_dir() and not src.is_symlink():
+        os.rename(src, dst)  # POSIX refuses a file or a non-empty folder at dst
+        return
+    os.link(src, dst, follow_symlinks=False)  # EEXIST if dst appeared since the check above
+    os.unlink(src)

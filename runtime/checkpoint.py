@@ -22,12 +22,13 @@ import torch
 from .atomic import atomic_dir, atomic_path
 from .config import ConfigError, ModelConfig
 from .errors import CheckpointError
+from .jsonfile import read_json
 from .layout import tensor_shapes
+from .outputs import FORMAT
 from .read_ahead import iter_tensors
 from .reader import Reader, SafetensorsReader, StateReader
-from .shards import INDEX_NAME, total_size, write_file, write_index, write_shards
+from .shards import INDEX_NAME, read_index, shard_path, total_size, write_file, write_index, write_shards
 
-FORMAT = "bam-surgery/1"
 CONFIG_KEY = "bam_config"
 PROVENANCE_KEY = "bam_provenance"  # a merge's record of how it was made (surgery.provenance writes it)
 SHARD_METADATA = {"format": FORMAT}  # each shard of a canonical directory; the index carries the rest
@@ -48,22 +49,21 @@ class CheckpointReader(SafetensorsReader):
         self.metadata: dict[str, str] = {}
         try:
             if self.path.is_dir():
-                index = self.path / INDEX_NAME
                 cfg_file = self.path / "config.json"
                 if not cfg_file.exists():
                     raise CheckpointError(f"{self.path}: no config.json")
-                body = json.loads(cfg_file.read_text())
+                body = read_json(cfg_file, expect=dict)
                 if CONFIG_KEY not in body:
                     raise CheckpointError(f"{cfg_file}: not a bam-surgery canonical config (no {CONFIG_KEY!r})")
                 self.config = ModelConfig.from_dict(body[CONFIG_KEY])
+                index = self.path / INDEX_NAME
                 if index.exists():
-                    idx = json.loads(index.read_text())
-                    self.metadata = {k: str(v) for k, v in idx.get("metadata", {}).items()}
-                    files = sorted(set(idx["weight_map"].values()))
+                    weight_map, self.metadata = read_index(index)
+                    files = sorted(set(weight_map.values()))
                 else:
                     files = sorted(p.name for p in self.path.glob("*.safetensors"))
                 for fname in files:
-                    self._add(self.path / fname)
+                    self._add(shard_path(self.path, fname, index))
             else:
                 h = self._add(self.path)
                 self.metadata = dict(h.metadata)
@@ -71,8 +71,6 @@ class CheckpointReader(SafetensorsReader):
                     raise CheckpointError(f"{self.path}: safetensors metadata has no {CONFIG_KEY!r}; "
                                           "not a bam-surgery canonical checkpoint")
                 self.config = ModelConfig.from_json(self.metadata[CONFIG_KEY])
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{self.path}: malformed checkpoint metadata ({e})") from e
         except ConfigError as e:  # an invalid stored config: keep the type, name the file
             where = self.path / "config.json" if self.path.is_dir() else self.path
             raise ConfigError(f"{where}: {e}") from None
@@ -109,9 +107,11 @@ def file_metadata(config: ModelConfig, extra: Mapping[str, str] | None = None) -
 
 
 def write_checkpoint(reader: Reader, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
-                     max_shard_bytes: int | None = None) -> Path:
+                     max_shard_bytes: int | None = None, *, replace: bool = True) -> Path:
     """Stream any reader into a canonical checkpoint, one tensor in memory at a time (plus the
-    read-ahead). Tensors are written in canonical layout order, then any others by name."""
+    read-ahead). Tensors are written in canonical layout order, then any others by name.
+    replace: an existing `path` may be replaced if it is an output of this tool (runtime.atomic);
+    False: an existing path is an OutputError."""
     config = reader.config
     check_metadata(metadata)
     layout = tensor_shapes(config)
@@ -121,10 +121,10 @@ def write_checkpoint(reader: Reader, path: str | os.PathLike, metadata: Mapping[
     meta = file_metadata(config, metadata)
     path = Path(path)
     if path.suffix == ".safetensors":
-        with atomic_path(path) as tmp:
+        with atomic_path(path, replace=replace) as tmp:
             write_file(tmp, entries, iter_tensors(reader, order), meta)
         return path
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, replace=replace) as tmp:
         weight_map = write_shards(tmp, entries, iter_tensors(reader, order), max_shard_bytes,
                                   file_metadata=SHARD_METADATA)
         write_index(tmp, weight_map, total_size(entries), meta)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
+
+from .jsonfile import parse_json
 
 # Fields with a fixed set of values; the tuples are the same sets, for messages and checks.
 Activation = Literal["swiglu", "gelu", "gelu_tanh", "relu", "silu"]
@@ -35,6 +38,14 @@ GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(R
 
 class ConfigError(ValueError):
     """A config field is missing, unknown or inconsistent; the message names the field."""
+
+
+# Sanity limits, far above any real model and low enough that a corrupt or hostile config
+# (n_layers 3,000,000, 10^8 experts) is refused before a layout or a plan of millions of entries
+# is built: the canonical layout has ~16 tensors per layer, a merge plan one source per expert slot.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1024
+MAX_DIM = 2**31 - 1  # vocab, widths, heads, positions: one tensor dimension
 
 
 def _type_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
@@ -101,8 +112,10 @@ class ModelConfig:
                 raise ConfigError(f"{f.name}: expected {expected}, got {v!r}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.n_heads <= 0:
+            raise ConfigError(f"n_heads: must be a positive integer, got {self.n_heads!r}")
         if self.head_dim is None:
-            if self.n_heads <= 0 or self.d_model % self.n_heads:
+            if self.d_model % self.n_heads:
                 raise ConfigError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "set head_dim explicitly or change n_heads"
@@ -121,6 +134,15 @@ class ModelConfig:
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld,
                  f"must be a positive integer, got {v!r}")
+            need(v <= MAX_DIM, fld, f"{v} is past the limit of {MAX_DIM} (a corrupt config?)")
+        need(self.n_layers <= MAX_LAYERS, "n_layers",
+             f"{self.n_layers} layers is past the limit of {MAX_LAYERS} (a corrupt config?)")
+        for fld in ("ffn_experts", "attn_experts"):
+            need(getattr(self, fld) <= MAX_EXPERTS, fld,
+                 f"{getattr(self, fld)} experts is past the limit of {MAX_EXPERTS} (a corrupt config?)")
+        for fld in ("norm_eps", "rope_theta", "rotary_fraction", "logit_scale", "lb_coef", "z_coef"):
+            need(math.isfinite(getattr(self, fld)), fld, f"must be a finite number, got {getattr(self, fld)!r}")
+        need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta!r}")
         need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         need(self.activation in ACTIVATIONS, "activation",
@@ -197,6 +219,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"expected a JSON object of config fields, got {type(d).__name__} {str(d)[:40]!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -209,7 +233,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, s: str) -> "ModelConfig":
-        return cls.from_dict(json.loads(s))
+        return cls.from_dict(parse_json(s, "config JSON", error=ConfigError))
 
 
 _FIELD_TYPES: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}

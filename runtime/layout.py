@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .config import ModelConfig
+from .errors import printable
 
 Shape = tuple[int, ...]
 
@@ -125,19 +126,24 @@ def tensor_group(name: str) -> str:
 # ---- layout check: a checkpoint's names and shapes against its config ----------------------
 @dataclass(frozen=True)
 class Mismatch:
-    """A checkpoint tensor that disagrees with the layout its own config implies."""
+    """A checkpoint tensor that disagrees with the layout its own config implies; or (kind
+    missing_layers) whole layers the config declares and the checkpoint has no tensor of."""
 
     name: str
-    kind: str  # missing | unexpected | shape
+    kind: str  # missing | unexpected | shape | missing_layers
     expected: Shape | None
     found: Shape | None
+    detail: str = ""  # missing_layers: the sentence saying which layers
 
     def message(self) -> str:
+        name = printable(self.name)  # read from a file: escaped, so it cannot forge an output line
+        if self.kind == "missing_layers":
+            return self.detail
         if self.kind == "missing":
-            return f"tensor {self.name} is missing (config expects shape {list(self.expected)})"
+            return f"tensor {name} is missing (config expects shape {list(self.expected)})"
         if self.kind == "unexpected":
-            return f"tensor {self.name} {list(self.found)} is not part of the config's layout"
-        return f"tensor {self.name} has shape {list(self.found)}, config expects {list(self.expected)}"
+            return f"tensor {name} {list(self.found)} is not part of the config's layout"
+        return f"tensor {name} has shape {list(self.found)}, config expects {list(self.expected)}"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, kind=self.kind, message=self.message(),
@@ -145,9 +151,27 @@ class Mismatch:
                     found=list(self.found) if self.found is not None else None)
 
 
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def ranges(xs: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    xs = sorted(xs)
+    if not xs:
+        return ""
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 def layout_mismatches(expected: dict[str, Shape], found: Iterable[tuple[str, Shape]]) -> list[Mismatch]:
     """Every difference between the expected layout and (name, shape) pairs found: unexpected and
-    wrongly shaped tensors in the order found, then the missing ones in layout order."""
+    wrongly shaped tensors in the order found, then the missing ones in layout order. Layers the
+    layout has and the checkpoint holds no tensor of are one `missing_layers` entry (a config
+    claiming 4096 layers over a file of 2 gives one line, not 60,000)."""
     out: list[Mismatch] = []
     seen = set()
     for name, shape in found:
@@ -156,5 +180,23 @@ def layout_mismatches(expected: dict[str, Shape], found: Iterable[tuple[str, Sha
             out.append(Mismatch(name, "unexpected", None, tuple(shape)))
         elif tuple(expected[name]) != tuple(shape):
             out.append(Mismatch(name, "shape", tuple(expected[name]), tuple(shape)))
-    out.extend(Mismatch(n, "missing", tuple(s), None) for n, s in expected.items() if n not in seen)
+    missing = [n for n in expected if n not in seen]
+    layer_of = {n: int(m.group(1)) for n in expected if (m := _LAYER.match(n))}
+    held = {layer_of[n] for n in seen if n in layer_of}
+    gone = sorted({i for i in layer_of.values()} - held)
+    if gone:
+        n_layers = max(layer_of.values()) + 1
+        detail = (f"layers {ranges(gone)} are missing: the config declares {n_layers} layers, the checkpoint "
+                  f"holds tensors of {len(held)} ({ranges(held) or 'none'})")
+        entry = Mismatch(f"layers.{ranges(gone)}", "missing_layers", None, None, detail)
+        gone_set, placed = set(gone), False
+        for n in missing:
+            if layer_of.get(n) in gone_set:
+                if not placed:
+                    out.append(entry)
+                    placed = True
+                continue
+            out.append(Mismatch(n, "missing", tuple(expected[n]), None))
+        return out
+    out.extend(Mismatch(n, "missing", tuple(expected[n]), None) for n in missing)
     return out

@@ -16,6 +16,7 @@ Optional parts have explicit defaults here, so callers never probe for them:
     hf_config       that directory's config.json body
     architecture    its HF model_type (llama, mixtral, ...), for exporting back to it
     tokenizer_files() the tokenizer files next to the weights
+    check_unchanged() raise if a file was modified or replaced since it was opened
     close()         drop open files; readers are context managers
 
 Readers: CheckpointReader (canonical), converters' HFCheckpointReader (HF architectures, Mixtral
@@ -71,6 +72,10 @@ class Reader(ABC):
 
     def tokenizer_files(self) -> list[Path]:
         return []
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointError if a file this reader reads was modified or replaced since it was
+        opened (every tensor read checks this too; call it once more after the last read)."""
 
     def close(self) -> None:
         pass
@@ -143,6 +148,10 @@ class SafetensorsReader(Reader):
 
     def files(self) -> list[Path]:
         return list(self._handles)
+
+    def check_unchanged(self) -> None:
+        for file, handle in self._handles.items():
+            handle.identity.check_path(file)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:

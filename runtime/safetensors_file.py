@@ -10,16 +10,18 @@ than one tensor. `SafetensorsFile` reads each tensor into memory of its own (`re
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
 
 from .dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, nbytes
-from .errors import CheckpointError
+from .errors import CheckpointError, printable
+from .jsonfile import parse_json
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # (name, shape, dtype) of a tensor to write
 
@@ -92,12 +94,14 @@ class SafetensorsStreamWriter:
 
 
 def read_tensor(file: Path, data_start: int, begin: int, end: int, shape: tuple[int, ...],
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, identity: "FileIdentity | None" = None) -> torch.Tensor:
     """Read one tensor's byte range [begin, end) into memory of its own.
 
     safetensors' get_tensor maps the whole file: every page a merge reads stays resident in the
     process, so its RSS grows to the size of all inputs. Reading each tensor's byte range into a
     private buffer keeps RSS bounded by the tensors alive; the page cache still serves repeats.
+    identity: the file as it was opened; a file replaced or rewritten since is refused (checked on
+    the open descriptor after the read, so the bytes returned are from the file that was checked).
     """
     if end == begin:
         return torch.empty(shape, dtype=dtype)
@@ -111,26 +115,125 @@ def read_tensor(file: Path, data_start: int, begin: int, end: int, shape: tuple[
             if not n:
                 raise CheckpointError(f"{file}: truncated while reading tensor bytes {begin}-{end}")
             got += n
+        if identity is not None:
+            identity.check(os.fstat(f.fileno()), file)
     return buf.view(dtype).reshape(shape)
 
 
-def _truncation(file: Path) -> str | None:
-    """If `file` has a readable header but ends early, say which tensor is cut off (else None)."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > size:
-                return None
-            header = json.loads(f.read(n))
-        tensors = sorted((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")
-    except Exception:
-        return None
-    cut = next(((end, k) for end, k in tensors if 8 + n + end > size), None)
-    if cut is None:
-        return None
-    return (f"{file}: truncated: tensor {cut[1]} ends at byte {8 + n + cut[0]} but the file has {size} bytes "
-            f"(header promises {8 + n + tensors[-1][0]})")
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file was when it was opened: device, inode, size, modification and change times.
+    ctime changes with every write and cannot be set back (touch sets mtime only), so a file
+    rewritten in place, even to the same size and mtime, no longer matches."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def check(self, st: os.stat_result, file: Path) -> None:
+        now = FileIdentity.of(st)
+        if now != self:
+            what = "replaced" if (now.dev, now.ino) != (self.dev, self.ino) else "modified"
+            raise CheckpointError(f"{file}: {what} while it was being read (size {self.size:,} -> {now.size:,} "
+                                  "bytes); nothing was written from it, run again once it is stable")
+
+    def check_path(self, file: Path) -> None:
+        self.check(os.stat(file), file)
+
+
+# ---- the header, validated --------------------------------------------------------------------
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_PACKED = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # bits per element of the sub-byte floats torch cannot hold
+_U64 = 2**64
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict[str, str]
+    entries: dict[str, dict]  # name -> {"dtype", "shape", "data_offsets"}, validated
+    data_start: int  # 8 + header length
+    data_end: int  # data_start + the last tensor's end offset
+
+
+def read_header(file: Path, f, size: int) -> Header:
+    """Parse and validate the header of an open safetensors file of `size` bytes, the way
+    safetensors does and a little stricter, with one-line messages that say what is wrong:
+
+    * the length prefix fits the file and safetensors' 100 MB limit; the header is UTF-8 JSON (an
+      object, no duplicate keys, no NaN, no 5000-digit integers, not nested past recursion);
+    * `__metadata__` maps strings to strings; every tensor has a known dtype, a shape of
+      non-negative integers and data_offsets [begin, end] with end - begin = its byte size;
+    * the tensors tile the data area from 0 with neither gaps nor overlaps;
+    * a size or offset past 2**64 is reported as that (a corrupt header), not as a short file;
+      only a consistent header over fewer bytes than it promises is "truncated".
+    """
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{file}: unreadable safetensors header: {msg}")
+
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, less than the 8-byte length prefix)")
+    n = struct.unpack("<Q", head)[0]
+    if n > MAX_HEADER_BYTES:
+        raise bad(f"its length prefix says {n:,} bytes, past safetensors' limit of {MAX_HEADER_BYTES:,} "
+                  "(not a safetensors file, or a corrupt one)")
+    if 8 + n > size:
+        raise CheckpointError(f"{file}: truncated: the header alone needs {8 + n:,} bytes, the file has {size:,}")
+    header = parse_json(f.read(n), f"{file}: unreadable safetensors header", expect=dict, unique_keys=True)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("__metadata__ must map strings to strings")
+    spans = sorted(_span(file, name, entry) for name, entry in header.items())
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            raise bad(f"tensor {printable(name)} starts at byte {begin} of the data, expected {at} "
+                      f"({'a gap' if begin > at else 'overlapping the tensor before'})")
+        at = end
+    data_start = 8 + n
+    if data_start + at > size:
+        end, cut = next((end, name) for _, end, name in spans if data_start + end > size)
+        raise CheckpointError(f"{file}: truncated: tensor {printable(cut)} ends at byte {data_start + end} but the "
+                              f"file has {size} bytes (header promises {data_start + at})")
+    if data_start + at < size:
+        raise bad(f"the file has {size - data_start - at:,} bytes after its last tensor (a corrupt or appended file)")
+    return Header(metadata, header, data_start, data_start + at)
+
+
+def _span(file: Path, name: str, entry) -> tuple[int, int, str]:
+    """(begin, end, name) of one header entry, checked: dtype, shape, offsets, size."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{file}: unreadable safetensors header: tensor {printable(name)} {msg}")
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise bad("must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or (dtype not in SAFETENSORS_DTYPES and dtype not in _PACKED):
+        raise bad(f"has unknown dtype {printable(str(dtype)[:40])!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise bad(f"has shape {printable(str(shape)[:80])}, not a list of integers >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise bad(f"has data_offsets {printable(str(offsets)[:80])}, not [begin, end]")
+    begin, end = offsets
+    bits = 8 * SAFETENSORS_DTYPES[dtype].itemsize if dtype in SAFETENSORS_DTYPES else _PACKED[dtype]
+    numel = math.prod(shape)
+    if numel * bits >= 8 * _U64 or end >= _U64:
+        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {printable(name)} ({shape} {dtype}, "
+                              f"offsets {offsets}) overflows 64-bit sizes; this is not a truncated file")
+    if numel * bits % 8 or end - begin != numel * bits // 8:
+        raise bad(f"is {shape} {dtype} ({numel * bits / 8:g} bytes) but its data_offsets [{begin}, {end}] span "
+                  f"{end - begin} bytes")
+    return begin, end, name
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class SafetensorsFile:
@@ -138,32 +241,26 @@ class SafetensorsFile:
 
     Every reader of this project (canonical, HF, Mixtral, HF BAM exports) opens its files through
     this class, so the error messages and the bounded-RSS reading (`read_tensor`) are the same
-    everywhere. `meta[key]` is (shape, dtype); `metadata` the header's string map.
+    everywhere. `meta[key]` is (shape, dtype); `metadata` the header's string map; `identity` the
+    file as opened (every read checks the file is still that one).
     """
 
     def __init__(self, file: Path):
         self.file = Path(file)
         if not self.file.is_file():
             raise CheckpointError(f"{self.file}: file not found")
-        try:
-            safe_open(str(self.file), framework="pt")  # validates the header (offsets, dtypes, coverage)
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(_truncation(self.file) or f"{self.file}: unreadable safetensors file ({e})") from e
         with open(self.file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        self.metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
-        self.entries: dict[str, dict] = header
-        self.data_start = 8 + n
-        end = max((v["data_offsets"][1] for v in header.values()), default=0)
-        size = self.file.stat().st_size
-        if size < self.data_start + end:  # a valid header over fewer bytes than its offsets promise
-            raise CheckpointError(f"{self.file}: truncated ({size} bytes, header promises {self.data_start + end})")
+            st = os.fstat(f.fileno())
+            header = read_header(self.file, f, st.st_size)
+        self.identity = FileIdentity.of(st)
+        self.metadata: dict[str, str] = dict(header.metadata)
+        self.entries: dict[str, dict] = header.entries
+        self.data_start = header.data_start
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for k, v in header.items():
+        for k, v in header.entries.items():
             if v["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{self.file}: tensor {k} has dtype {v['dtype']}, which has no torch dtype "
-                                      f"to read it into (readable: {', '.join(SAFETENSORS_DTYPES)})")
+                raise CheckpointError(f"{self.file}: tensor {printable(k)} has dtype {v['dtype']}, which has no torch "
+                                      f"dtype to read it into (readable: {', '.join(SAFETENSORS_DTYPES)})")
             self.meta[k] = (tuple(v["shape"]), SAFETENSORS_DTYPES[v["dtype"]])
 
     def keys(self) -> list[str]:
@@ -172,7 +269,7 @@ class SafetensorsFile:
     def get(self, key: str) -> torch.Tensor:
         begin, end = self.entries[key]["data_offsets"]
         shape, dtype = self.meta[key]
-        return read_tensor(self.file, self.data_start, begin, end, shape, dtype)
+        return read_tensor(self.file, self.data_start, begin, end, shape, dtype, self.identity)
 
 
 def patch_header(path: Path, replace: Mapping[str, str]) -> None:

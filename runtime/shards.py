@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Callable, Iterator, Mapping
 
 import torch
 
 from .dtypes import nbytes
+from .errors import CheckpointError, printable
+from .jsonfile import read_json
 from .safetensors_file import Entry, SafetensorsStreamWriter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -76,3 +78,41 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int, me
 
 def total_size(entries: list[Entry]) -> int:
     return sum(nbytes(shape, dtype) for _, shape, dtype in entries)
+
+
+# ---- reading an index -------------------------------------------------------------------------
+def read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(weight_map {tensor name: shard file name}, metadata {key: str}) of an index file, checked:
+    a JSON object whose weight_map maps strings to strings. Shard names are not resolved here
+    (shard_path does that)."""
+    body = read_json(index, expect=dict)
+    weight_map = body.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: malformed index (weight_map must be an object of tensor name -> file)")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: malformed index (weight_map[{printable(name)!r}] is not a file name)")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{index}: malformed index (metadata must be an object)")
+    return dict(weight_map), {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+def shard_path(directory: Path, name: str, index: Path) -> Path:
+    """The shard file `name` (from `index`) inside `directory`. Refused, naming the entry: an
+    absolute name, a `..` component, or a name whose folder resolves (following symlinks) outside
+    `directory`. The file itself may be a symlink, as in the Hugging Face cache, where every file
+    of a snapshot links to a blob two folders up."""
+    parts = PurePosixPath(name).parts
+    bad = (not name or "\x00" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute()
+           or bool(PureWindowsPath(name).drive) or ".." in parts or ".." in PureWindowsPath(name).parts)
+    path = directory / name
+    if not bad:
+        try:
+            bad = not path.parent.resolve().is_relative_to(directory.resolve())
+        except (OSError, RuntimeError):  # a symlink loop
+            bad = True
+    if bad:
+        raise CheckpointError(f"{index}: shard {printable(name)!r} is outside the model folder {directory}; an "
+                              "index may only name files inside its own folder")
+    return path

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Callable
 
 from bam_surgery.converters.hf.files import GENERATION_CONFIG
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
 
 from .audit import audit
 from .cli_audit import render_audit
+from .errors import InputError
 from .plan import Plan
 
 # Files whose content defines the token <-> id mapping (the rest: special tokens, chat templates).
@@ -37,13 +38,28 @@ def tokenizer_files(reader: Reader) -> list[Path]:
 
 
 def generation_config(reader: Reader) -> dict:
-    """The seed's generation settings: its generation_config.json, else the token ids of its config.json."""
+    """The seed's generation settings: its generation_config.json, else the token ids of its
+    config.json. Token ids (they also go into the exported config.json) must be integers, lists of
+    integers or null; anything else is an InputError naming the file and key."""
     gen_file = reader.source_dir / GENERATION_CONFIG if reader.source_dir is not None else None
     if gen_file is not None and gen_file.is_file():
-        body = json.loads(gen_file.read_text())
-        return {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}
-    hf = reader.hf_config or {}
-    return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+        body = read_json(gen_file, expect=dict)
+        where, out = gen_file, {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}
+    else:
+        hf = reader.hf_config or {}
+        where, out = reader.source_dir / "config.json" if reader.source_dir else "config.json", \
+            {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+    for key, value in out.items():
+        if key.endswith("_token_id") and not _token_ids(value):
+            raise InputError(f"{where}: {key}: expected a token id (an integer, a list of integers or null), "
+                             f"got {str(value)[:60]!r}")
+    return out
+
+
+def _token_ids(value) -> bool:
+    def one(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+    return value is None or one(value) or (isinstance(value, list) and all(one(v) for v in value))
 
 
 def _vocab_digest(files: list[Path]) -> dict[str, str]:
@@ -75,7 +91,7 @@ def _untrained_note(cfg) -> str:
 
 def model_card(plan: Plan, fmt: str, out: str) -> str:
     cfg = plan.config
-    inputs = "\n".join(f"| {i.index} | {i.role} | `{i.label}` |" for i in plan.inputs)
+    inputs = "\n".join(f"| {i.index} | {i.name} | {i.role} | `{i.label}` |" for i in plan.inputs)
     opts = "\n".join(f"- `{k}`: {v}" for k, v in plan.resolved_options().items())
     key = "mixtral" if fmt == "mixtral" else ("hf-mixture" if cfg.is_mixture else "hf-dense")
     exact, paper = audit(cfg, "exact"), audit(cfg, "paper")
@@ -94,8 +110,8 @@ Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg
 
 ## Inputs
 
-| # | role | checkpoint |
-|---|---|---|
+| # | name | role | checkpoint |
+|---|---|---|---|
 {inputs}
 
 ## Options

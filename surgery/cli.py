@@ -7,6 +7,8 @@ User errors (bad recipe, bad input, refused output path) print one line,
 """
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 from contextlib import ExitStack
@@ -14,39 +16,100 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.runtime.config import GATE_NORMS
+from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS
 
 from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
-from .errors import USER_ERRORS, BamSurgeryError, one_line
+from .errors import USER_ERRORS, BamSurgeryError, one_line, os_error_message
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+INTERRUPTED = "interrupted; nothing was written"
+
+
+def _error_line(message: str) -> None:
+    click.echo(f"bam-surgery: error: {one_line(message)}", err=True)
 
 
 class UserError(click.ClickException):
+    """A user error, shown as one line with exit status 2."""
+
     exit_code = EXIT_USER_ERROR
 
     def show(self, file=None) -> None:
-        click.echo(f"bam-surgery: error: {self.message}", err=True)
+        _error_line(self.message)
+
+
+class Interrupted(click.ClickException):
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self) -> None:
+        super().__init__(INTERRUPTED)
+
+    def show(self, file=None) -> None:
+        click.echo(f"bam-surgery: {INTERRUPTED}", err=True)
 
 
 class Group(click.Group):
-    """Turns the project's user errors into one-line messages in every command (CliRunner included)."""
+    """The error contract of every command, in one place (so commands added later get it too):
+
+    * the project's user errors (BamSurgeryError, CheckpointError, ConfigError) and click's own
+      usage errors (a bad option value, a missing argument): one line `bam-surgery: error: ...`,
+      exit status 2;
+    * an OSError nobody caught (disk full, read-only file system, a parent that is a file): one
+      line naming the path, exit status 2;
+    * Ctrl-C: `bam-surgery: interrupted; nothing was written`, exit status 130 (outputs are
+      written under a temporary name and renamed at the end, so an interrupted run leaves none);
+    * a closed stdout (`| head`): a quiet exit.
+    Anything else is a bug and keeps its traceback. CliRunner goes through `main` too.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except USER_ERRORS as e:
             raise UserError(one_line(e)) from None
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+        except OSError as e:
+            if e.errno == errno.EPIPE:
+                raise
+            raise UserError(os_error_message(e)) from None
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except (Interrupted, click.Abort, KeyboardInterrupt):
+            Interrupted().show()
+            sys.exit(EXIT_INTERRUPTED)
+        except click.UsageError as e:  # click's three-line usage message, as one line
+            command = " ".join(["bam-surgery", *e.ctx.command_path.split()[1:]]) if e.ctx is not None else ""
+            where = f" (see '{command} --help')" if command else ""
+            _error_line(e.format_message() + where)
+            sys.exit(EXIT_USER_ERROR)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code if isinstance(e, (UserError, Interrupted)) else EXIT_USER_ERROR)
+        except BrokenPipeError:
+            _quiet_broken_pipe()
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _quiet_broken_pipe() -> None:
+    """stdout's reader went away (`bam-surgery inspect x | head`): exit without a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # CliRunner's stdout has no file descriptor
+        pass
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Model surgery for mixture-of-experts upcycling: merge dense checkpoints branched from one seed
     into a BAM / BTX mixture, or upcycle one dense model."""
-
-
-def _split_list(value: tuple[str, ...]) -> list[str]:
-    return [p.strip() for v in value for p in v.split(",") if p.strip()]
 
 
 def _parse_weights(text: str | None) -> tuple[float, ...] | None:
@@ -60,7 +123,7 @@ def _parse_weights(text: str | None) -> tuple[float, ...] | None:
 
 
 def _warn(msg: str) -> None:
-    click.echo(f"bam-surgery: warning: {msg}", err=True)
+    click.echo(f"bam-surgery: warning: {one_line(msg)}", err=True)
 
 
 def _check_format_out(fmt: str, out: str | None) -> None:
@@ -71,19 +134,20 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 
 
 @cli.command()
-@click.option("--seed", "seed", required=True, metavar="CKPT",
+@click.option("--seed", "seed", required=True, metavar="[NAME=]CKPT",
               help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
-                   "--no-seed-expert.")
-@click.option("--experts", "experts", multiple=True, metavar="A,B,...",
-              help="Dense expert checkpoints branched from the seed, comma-separated (or the option repeated); "
-                   "they become experts 1, 2, ... in this order.")
+                   "--no-seed-expert. Named 'seed' unless given NAME=CKPT.")
+@click.option("--experts", "experts", multiple=True, metavar="[NAME=]CKPT,...",
+              help="Dense expert checkpoints branched from the seed, as NAME=CKPT (e.g. code=ckpt/code) or CKPT "
+                   "(named after its file or folder), comma-separated or the option repeated (one each, for a "
+                   "path holding a comma); they become experts 1, 2, ... in this order.")
 @click.option("--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
               help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
                    "shards with an index and config.json. Required unless --dry-run.")
 @click.option("--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
               help="How tensors are merged: bam, bam-shared-kv, btx, upcycle, or the path of a recipe file "
                    "(see recipes/README.md).")
-@click.option("--ffn-top-k", type=click.IntRange(min=1), metavar="K",
+@click.option("--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
               help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
 @click.option("--attention-routing", metavar="soft|topK",
               help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
@@ -91,7 +155,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--gate-norm", type=click.Choice(GATE_NORMS),
               help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
                    "over the chosen top-k.")
-@click.option("--extra-ffn-experts", type=click.IntRange(min=0), metavar="N",
+@click.option("--extra-ffn-experts", type=click.IntRange(min=0, max=MAX_EXPERTS), metavar="N",
               help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
                    "for upcycle, the number of copies besides the seed's own slot).")
 @click.option("--seed-expert/--no-seed-expert", default=None,
@@ -134,6 +198,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
     from bam_surgery.converters.export import check_export
 
     from .execute import execute_plan
+    from .names import input_names, parse_named, split_specs
     from .plan import MergeOptions, compile_plan, format_plan
     from .recipe import load_recipe
     from .sizes import parse_size
@@ -150,10 +215,11 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
                            attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
                            z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
                            router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite)
+    named = [parse_named(seed), *split_specs(experts)]
+    names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
-        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle))
-                   for spec in [seed, *_split_list(experts)]]
-        plan = compile_plan(the_recipe, readers, options)
+        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle)) for _, spec in named]
+        plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
         if dry_run:
             click.echo(format_plan(plan))
@@ -171,6 +237,20 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             cfg = plan.config
             click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
                        f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
+            note = untrained_gate_note(cfg)
+            if note:
+                click.echo(f"bam-surgery: note: {note}", err=True)
+
+
+def untrained_gate_note(cfg) -> str | None:
+    """What to expect from a fresh top-k < E mixture with softmax gates (the paper's BAM setting):
+    each FFN expert's output is multiplied by its p_i from the full softmax, about 1/E while the
+    routers are random, so the merged model's loss before training says little about it."""
+    E, k = cfg.ffn_experts, cfg.ffn_top_k
+    if not E or cfg.gate_norm != "softmax" or k >= E:
+        return None
+    return (f"until the routers are trained each FFN output is scaled by its gate, about 1/{E} = {1 / E:.2g} "
+            f"(softmax gates, top-{k} of {E}), so perplexity before training is not representative")
 
 
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
@@ -187,7 +267,8 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
     check_branches(plan, _warn)
     options = ExportOptions(tokenizer_files=tuple(check_tokenizers(plan, _warn)),
                             model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
-                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader))
+                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader),
+                            replace=force)
     return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, options)
 
 
@@ -222,7 +303,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
         tokenizer = tuple(tokenizer_files(reader))
         options = ExportOptions(tokenizer_files=tokenizer, tokenizer_source=reader if tokenizer else None,
                                 generation=generation_config(reader), max_shard_bytes=shard_bytes,
-                                architecture=arch, metadata={"bam_source": str(source)})
+                                architecture=arch, metadata={"bam_source": str(source)}, replace=force)
         export(reader, out_path, fmt, options)
         click.echo(f"wrote {out_path} ({fmt})", err=True)
 
@@ -264,13 +345,14 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (setup.py: bam-surgery = surgery.cli:main)."""
+    """Console-script entry point (setup.py: bam-surgery = surgery.cli:main). The Group holds the
+    error contract; this guard only catches a Ctrl-C that lands outside a command (while starting)."""
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="bam-surgery")
     except KeyboardInterrupt:
-        click.echo("bam-surgery: interrupted; nothing was written", err=True)
-        sys.exit(130)
+        click.echo(f"bam-surgery: {INTERRUPTED}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

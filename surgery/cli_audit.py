@@ -8,11 +8,14 @@ from typing import Any, Sequence
 import click
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
-from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ConfigError, ModelConfig, preset
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
-from .errors import USER_ERRORS, one_line
-from .inspect import Inspection, describe_kind, inspect_checkpoint, key_config
+from bam_surgery.runtime.errors import printable
+
+from .cli_options import ALLOW_PICKLE
+from .errors import USER_ERRORS, BamSurgeryError, one_line
+from .inspect import Inspection, describe_kind, input_digest, inspect_checkpoint, key_config
 from .recipe import load_recipe, mixture_config, parse_attention_routing
 
 
@@ -21,8 +24,8 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: s
                  left: int = 1) -> str:
     """Aligned text table: the first `left` columns left-aligned, the others right-aligned; ints get
     thousands separators."""
-    cells = [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else str(c) for c in r]
-             for r in [list(header), *rows]]
+    cells = [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else printable(c) for c in r]
+             for r in [list(header), *rows]]  # cells hold names and strings read from files: escaped
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = []
     for r in cells:
@@ -32,7 +35,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: s
 
 
 def render_audit(a: Audit, source: str) -> str:
-    out = [f"model       {source}", f"kind        {describe_kind(a.config)}",
+    out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
            f"convention  {a.convention}", ""]
     rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
     rows.append(("total", len(a.tensors), a.total, a.active))
@@ -64,9 +67,9 @@ def _show(field: str, value: Any) -> str:
 
 def render_inspection(ins: Inspection) -> str:
     cfg = ins.config
-    out = [f"checkpoint  {ins.path}", f"kind        {describe_kind(cfg)}"]
+    out = [f"checkpoint  {printable(ins.path)}", f"kind        {describe_kind(cfg)}"]
     if ins.files:
-        out.append(f"files       {len(ins.files)}: " + ", ".join(f.rsplit('/', 1)[-1] for f in ins.files))
+        out.append(f"files       {len(ins.files)}: " + ", ".join(printable(f.rsplit('/', 1)[-1]) for f in ins.files))
     other = {k: v for k, v in ins.metadata.items() if k not in (CONFIG_KEY, PROVENANCE_KEY, "total_size")}
     if other:
         out += ["", "metadata", render_table(("key", "value"), [(k, v if len(v) <= 100 else v[:97] + "...")
@@ -101,9 +104,10 @@ def render_inspection(ins: Inspection) -> str:
             head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
         if prov.inputs:
-            cols = ["role", "path", "sha256"]
-            extra = sorted({k for i in prov.inputs for k in i} - set(cols) - {"name", "spec", "files"})
-            rows = [(i.get("role", i.get("name", "-")), i.get("path", i.get("spec", "-")), i.get("sha256", "-"),
+            cols = ["name", "role", "path", "digest", "how it was obtained"]
+            extra = sorted({k for i in prov.inputs for k in i} - {"name", "role", "path", "spec", "files", "digest",
+                                                                    "sha256"})
+            rows = [(i.get("name", "-"), i.get("role", "-"), i.get("path", i.get("spec", "-")), *input_digest(i),
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
         if prov.training:  # the chain: merge (above) -> each training run, oldest first
@@ -122,14 +126,14 @@ def render_inspection(ins: Inspection) -> str:
 
 
 # ---- resolving what to count ----------------------------------------------------------------
-def _open(spec: str):
+def _open(spec: str, allow_pickle: bool = False):
     from bam_surgery.converters import open_checkpoint
 
     try:
-        return open_checkpoint(spec)
+        return open_checkpoint(spec, allow_pickle=allow_pickle)
     except (*USER_ERRORS, OSError) as e:
         msg = one_line(e)
-        raise click.ClickException(msg if spec in msg else f"{spec}: {msg}") from e
+        raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e
 
 
 def _routing_option(value: str | None) -> tuple[bool, int | None]:
@@ -185,10 +189,10 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
               help="Count a built-in architecture (e.g. paper-small, Table 4) instead of a checkpoint.")
 @click.option("--recipe", "recipe_name", metavar="NAME",
               help="Count the mixture this recipe (name or YAML path) builds from the dense model.")
-@click.option("--experts", type=click.IntRange(min=2), metavar="N",
+@click.option("--experts", type=click.IntRange(min=2, max=MAX_EXPERTS), metavar="N",
               help="Number of experts in the --recipe mixture (the seed counts as one; so do extra "
                    "copies of the seed's FFN, as in the paper's Table 6).")
-@click.option("--ffn-top-k", type=click.IntRange(min=1), metavar="K",
+@click.option("--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
               help="FFN experts each token runs (changes the active count only).")
 @click.option("--attention-routing", metavar="soft|topK",
               help="Attention experts each token runs: 'soft' (all of them) or topK, e.g. top2.")
@@ -196,7 +200,9 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
               help="exact: every parameter that runs; paper: the BAM paper's Table 5 counting "
                    "(each deviation from exact is listed with its size).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
-def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, as_json):
+@ALLOW_PICKLE
+def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, as_json,
+                     allow_pickle):
     """Total and active parameter counts by group, from shapes alone.
 
     CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
@@ -212,7 +218,7 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
         raise click.UsageError("--recipe needs --experts N")
 
     if ckpt:
-        with _open(ckpt) as reader:
+        with _open(ckpt, allow_pickle) as reader:
             a = audit_checkpoint(reader, convention)
         _refuse_mismatches(ckpt, a)
         base, source = reader.config, ckpt
@@ -237,19 +243,20 @@ def _refuse_mismatches(ckpt: str, a: Audit) -> None:
     if a.mismatches:
         n = len(a.mismatches)
         more = f" (and {n - 1} more; `bam-surgery inspect` lists them)" if n > 1 else ""
-        raise click.ClickException(f"{ckpt}: {a.mismatches[0].message()}{more}")
+        raise BamSurgeryError(f"{ckpt}: {a.mismatches[0].message()}{more}")
 
 
 @click.command("inspect")
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as machine-readable JSON.")
-def inspect_cmd(ckpt, as_json):
+@ALLOW_PICKLE
+def inspect_cmd(ckpt, as_json, allow_pickle):
     """Show a checkpoint's config, tensor groups (counts, bytes, dtypes) and provenance.
 
     Reads the header only. Layout mismatches (tensors that disagree with the checkpoint's own
     config) are listed and make the command exit with status 1.
     """
-    with _open(ckpt) as reader:
+    with _open(ckpt, allow_pickle) as reader:
         ins = inspect_checkpoint(reader)
     click.echo(json.dumps(ins.to_dict(), indent=2) if as_json else render_inspection(ins))
     if ins.audit.mismatches:

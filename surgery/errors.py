@@ -6,9 +6,15 @@ exits with status 2, without a traceback. Anything else that escapes is a bug an
 """
 from __future__ import annotations
 
-from bam_surgery.runtime.checkpoint import CheckpointError
+import errno
+import os
+
 from bam_surgery.runtime.config import ConfigError
+from bam_surgery.runtime.errors import CheckpointError, OutputError, printable
 from bam_surgery.train.errors import TrainError
+
+__all__ = ["BamSurgeryError", "CheckpointError", "ConfigError", "InputError", "OutputError", "RecipeError",
+           "USER_ERRORS", "one_line", "os_error_message"]
 
 
 class BamSurgeryError(Exception):
@@ -23,11 +29,23 @@ class InputError(BamSurgeryError):
     """An input checkpoint is unusable for this merge; the message names the file and tensor."""
 
 
-# Errors raised by the layers below (reading checkpoints, validating configs, training) already carry a
-# one-line message naming file/field; the CLI reports them the same way.
+# Errors raised by the layers below (reading checkpoints, validating configs, output paths, training)
+# already carry a one-line message naming file/field; the CLI reports them the same way.
 USER_ERRORS: tuple[type[BaseException], ...] = (BamSurgeryError, CheckpointError, ConfigError, TrainError)
 
 
-def one_line(err: BaseException) -> str:
-    """The error's message on a single line (nested messages can carry newlines)."""
-    return " ".join(str(err).split()) or type(err).__name__
+def one_line(err: BaseException | str) -> str:
+    """The error's message as one printable line: surrounding whitespace dropped, and control
+    characters (a newline in a tensor name read from a file) escaped, so no message can forge a
+    second output line."""
+    text = str(err).strip()
+    return printable(text) or type(err).__name__
+
+
+def os_error_message(e: OSError) -> str:
+    """An OSError as one line naming the path: 'out/mix.safetensors: No space left on device'."""
+    reason = e.strerror or (os.strerror(e.errno) if e.errno else None) or str(e) or type(e).__name__
+    if e.errno == errno.ENOSPC:
+        reason += " (free some space or write elsewhere; nothing was left half-written)"
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return one_line(f"{' -> '.join(paths)}: {reason}" if paths else reason)

@@ -9,8 +9,8 @@ path and renamed onto OUT at the end, so an interrupted or failed merge leaves n
 The bytes depend only on the inputs, the recipe and the options: same inputs and --router-seed
 give the same file.
 
-The provenance (surgery/provenance.py) carries the inputs' sha256, computed in background threads
-while the merge runs (surgery/hashing.py). A single-file output's header is written first, so it
+The provenance (surgery/provenance.py) carries the inputs' digests (BLAKE3 computed in background
+threads while the merge runs, or reused: surgery/hashing.py). A single-file output's header is written first, so it
 carries fixed-length placeholders that are overwritten with the digests before the file is
 renamed into place; a directory's index is written last, with the digests.
 """
@@ -29,11 +29,11 @@ from bam_surgery.runtime.shards import write_file, write_index, write_shards
 
 from .branches import check_branches
 from .errors import BamSurgeryError
-from .hashing import InputHasher
+from .hashing import FileDigest, InputHasher
 from .output_path import check_output_path, plan_inputs
 from .plan import Plan
 from .plan_reader import PlanReader
-from .provenance import digest_replacements, output_metadata, placeholders, plan_input_files, provenance
+from .provenance import digest_replacements, output_metadata, plan_input_files, provenance
 from .sizes import parse_size
 
 # Names callers import from here (the module held them before they got modules of their own).
@@ -46,6 +46,16 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr,
                 disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, FileDigest]:
+    """The inputs' digests, once every input file is checked to be the file the merge opened: an
+    input modified in place while the merge read it (even to the same size) fails the merge
+    instead of giving an output that mixes old and new bytes under a digest matching neither."""
+    digests = hasher.result()
+    for inp in plan.inputs:
+        inp.reader.check_unchanged()
+    return digests
 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
@@ -64,18 +74,21 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     hasher = InputHasher(plan_input_files(plan))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     try:
-        with atomic_path(out, is_dir=not single_file) as tmp, _progress(plan.total_bytes, progress) as bar:
+        with atomic_path(out, is_dir=not single_file, replace=force, on_stale=warn) as tmp, \
+                _progress(plan.total_bytes, progress) as bar:
             tensors = iter_tensors(reader, [t.name for t in plan.tensors])
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731
             if single_file:  # header first, with placeholders for the digests
-                pending = provenance(plan, placeholders(hasher.files))
+                pending = provenance(plan, hasher.pending())
                 write_file(tmp, entries, tensors, output_metadata(plan, None, pending), on_write)
-                patch_header(tmp, digest_replacements(pending, provenance(plan, hasher.result())))
+                digests = _digests_of_unchanged_inputs(plan, hasher)
+                patch_header(tmp, digest_replacements(pending, provenance(plan, digests)))
             else:  # the index last, with the digests
-                tmp.mkdir(parents=True, exist_ok=True)
+                tmp.mkdir()
                 weight_map = write_shards(tmp, entries, tensors, max_shard_bytes, file_metadata=SHARD_METADATA,
                                           on_write=on_write)
-                write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, hasher.result()))
+                write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, _digests_of_unchanged_inputs(
+                    plan, hasher)))
                 write_dir_config(tmp, plan.config)
     except BaseException:
         hasher.cancel()

@@ -11,6 +11,8 @@ from typing import Any
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.jsonfile import parse_json
 from bam_surgery.runtime.layout import GROUPS
 from bam_surgery.runtime.reader import Reader
 
@@ -92,16 +94,36 @@ class Provenance:
         return [i if isinstance(i, dict) else {"path": i} for i in ins]
 
 
+HOW_OBTAINED = {
+    "bytes": "BLAKE3 of the file's bytes",
+    "hf-blob": "sha256 from the Hugging Face cache's blob name (checked by huggingface_hub when downloaded)",
+}
+
+
+def input_digest(entry: dict[str, Any]) -> tuple[str, str]:
+    """(digest, how it was obtained) of one provenance input, for every provenance version: older
+    merges recorded a bare sha256 of each file (or of a sha256sum manifest for a sharded input)."""
+    files = entry.get("files") if isinstance(entry.get("files"), list) else []
+    if "digest" in entry:
+        hows = sorted({f.get("how") for f in files if isinstance(f, dict)} - {None})
+        how = "; ".join(HOW_OBTAINED.get(h, str(h)) for h in hows) or "-"
+        if len(files) > 1:
+            how = f"BLAKE3 of the manifest of {len(files)} files ({how})"
+        return str(entry["digest"] or "-"), how
+    if "sha256" in entry:
+        what = "sha256 of the file's bytes" if len(files) <= 1 else f"sha256 of the sha256sum manifest of {len(files)} files"
+        return f"sha256:{entry['sha256']}" if entry["sha256"] else "-", f"{what} (older bam-surgery)"
+    return "-", "-"
+
+
 def parse_provenance(metadata: dict[str, str]) -> Provenance | None:
     raw = metadata.get(PROVENANCE_KEY)
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return Provenance(None, f"not valid JSON ({e})", raw)
-    if not isinstance(value, dict):
-        return Provenance(None, f"expected a JSON object, got {type(value).__name__}", raw)
+        value = parse_json(raw, PROVENANCE_KEY, expect=dict)
+    except CheckpointError as e:  # shown as a finding of inspect, not an error
+        return Provenance(None, str(e).removeprefix(f"{PROVENANCE_KEY}: "), raw)
     return Provenance(value)
 
 

@@ -1,14 +1,20 @@
-"""Where a command may write: the OUT policy shared by merge and convert.
+"""Where a command may write: the OUT policy of every command that writes (merge, convert, ...).
 
-OUT must not exist unless --force; --force replaces only what the tool itself writes (a directory
-holding anything else is refused); OUT may never be, or contain, one of the inputs.
+    check_output_path(out, force, inputs)     before any work: refuse early, in one line
+
+* OUT must not exist unless --force; with --force it is replaced only if it is an output of
+  bam-surgery (runtime.outputs.not_own_output: our metadata or our marker, nothing foreign in a
+  folder), never `.`, `..`, the working directory or its parents, the home folder, `/`, a symlink.
+* OUT may never be, or contain, one of the inputs.
+The same ownership test runs again at the final rename (runtime.atomic), so what appears at OUT
+while a run writes is never removed.
 """
 from __future__ import annotations
 
-import fnmatch
+import os
 from pathlib import Path
 
-from bam_surgery.converters.export import exporters
+from bam_surgery.runtime.outputs import not_own_output
 from bam_surgery.runtime.reader import Reader
 
 from .errors import BamSurgeryError
@@ -16,22 +22,17 @@ from .plan import Plan
 from .provenance import input_files
 
 
-def own_file(name: str) -> bool:
-    """A file name some output format writes (what a directory may hold for --force to replace it)."""
-    return any(fnmatch.fnmatchcase(name, glob) for e in exporters().values() for glob in e.writes)
-
-
 def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Reader]]) -> None:
-    """Refuse an existing OUT without --force, a directory OUT holding anything but output files,
-    and an OUT that is (or contains) one of the inputs, given as (label, reader) pairs."""
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
-        if out.is_dir() and not out.is_symlink():
-            stray = sorted(p.name for p in out.iterdir() if not (p.is_file() and own_file(p.name)))
-            if stray:
-                raise BamSurgeryError(f"{out}: is a directory holding more than a checkpoint ({stray[0]}); "
-                                      "--force only replaces checkpoints, remove it yourself or pick another OUT")
+    """Refuse a bad OUT before any work: no usable name, an existing OUT without --force, an OUT
+    that is (or contains) an input, and with --force anything that is not our own output."""
+    raw = os.fspath(out)
+    if raw in ("", ".", "..") or Path(raw).name in ("", ".", ".."):
+        raise BamSurgeryError(f"--out {raw!r}: not a name an output can be written to; give a file or folder name "
+                              "(e.g. out/mix.safetensors or out/mix)")
+    out = Path(raw)
+    exists = os.path.lexists(out)
+    if exists and not force:
+        raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
     resolved = out.resolve()
     for label, reader in inputs:
         for f in input_files(reader) + ([Path(label)] if label else []):
@@ -41,6 +42,11 @@ def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Reader]]) 
                 same = False
             if same:
                 raise BamSurgeryError(f"{out}: is input {label}; write the output somewhere else")
+    if exists:
+        reason = not_own_output(out)
+        if reason:
+            raise BamSurgeryError(f"{out}: {reason}; --force replaces only outputs of bam-surgery, so remove it "
+                                  "yourself or write elsewhere")
 
 
 def plan_inputs(plan: Plan) -> list[tuple[str, Reader]]:

@@ -34,10 +34,11 @@ import torch
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
-from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.layout import ranges, tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from .errors import BamSurgeryError, InputError
+from .names import input_names
 from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
 
 # Output names that are not dense names: routers, and expert tensors stacked from a dense tensor.
@@ -106,8 +107,9 @@ class TensorOp:
 class PlanInput:
     index: int
     role: str  # seed | expert
-    label: str  # what the user passed (path or hub id)
+    label: str  # where it was read from (path)
     reader: Reader
+    name: str = ""  # unique identifier: "seed", "code", ... (surgery.names)
 
 
 @dataclass
@@ -189,11 +191,18 @@ def file_label(reader: Reader, name: str, label: str) -> str:
 
 
 # ---- compile -----------------------------------------------------------------------------------
-def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None) -> Plan:
-    """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order."""
+def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions | None = None,
+                 names: Sequence[str | None] | None = None) -> Plan:
+    """Plan a merge. `inputs`: readers, the seed first, then the experts in --experts order.
+    `names`: one per input (None: the default, surgery.names), kept in provenance."""
     options = options or MergeOptions()
     _check_expert_count(recipe, len(inputs) - 1)
-    plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", input_label(r, i), r) for i, r in enumerate(inputs)]
+    labels = [input_label(r, i) for i, r in enumerate(inputs)]
+    if names is not None and len(names) != len(inputs):
+        raise ValueError(f"compile_plan: {len(names)} names for {len(inputs)} inputs")
+    names = input_names(labels, list(names) if names is not None else [None] * len(inputs))
+    plan_inputs = [PlanInput(i, "seed" if i == 0 else "expert", label, r, name)
+                   for i, (r, label, name) in enumerate(zip(inputs, labels, names))]
     layout = check_inputs(plan_inputs)
     dense_cfg = inputs[0].config
 
@@ -202,6 +211,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     if not members:
         raise BamSurgeryError(f"--no-seed-expert leaves recipe {recipe.name} with no input to build from; "
                               "give --experts or let the seed join")
+    _check_finite_options(options)
     weights = _mean_weights(options.weights, plan_inputs, members)
     _check_shared_kv_rule(recipe, options.shared_kv_rule)
     try:
@@ -211,14 +221,25 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     except ConfigError as e:
         raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
     router_std = recipe.router_std if options.router_std is None else float(options.router_std)
-    if not (math.isfinite(router_std) and router_std >= 0):
-        raise BamSurgeryError(f"--router-std: must be a finite number >= 0, got {router_std}")
+    std_from = "--router-std" if options.router_std is not None else f"recipe {recipe.name}: routers.std"
+    dtype = _output_dtype(options.dtype, inputs[0])
+    if dtype.is_floating_point and router_std * 16 > torch.finfo(dtype).max:  # |N(0,1)| samples stay below 16
+        raise BamSurgeryError(f"{std_from}: {router_std:g} overflows {str(dtype).removeprefix('torch.')} (largest "
+                              f"value {torch.finfo(dtype).max:.4g}): the routers would hold Inf")
     ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
     shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
     choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
-                   _output_dtype(options.dtype, inputs[0]), router_std, shared_rule)  # everything but the tensors
+                   dtype, router_std, shared_rule)  # everything but the tensors
     return dataclasses.replace(choices, tensors=[_tensor_op(choices, layout, name, shape)
                                                  for name, shape in tensor_shapes(out_cfg).items()])
+
+
+def _check_finite_options(options: MergeOptions) -> None:
+    """Numbers from the command line that go into the output: finite, never Inf or NaN."""
+    for flag, value in (("--router-std", options.router_std), ("--lb-coef", options.lb_coef),
+                        ("--z-coef", options.z_coef)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise BamSurgeryError(f"{flag}: must be a finite number >= 0, got {value}")
 
 
 def _check_expert_count(recipe: Recipe, n_experts: int) -> None:
@@ -280,10 +301,12 @@ def _mean_weights(weights: Sequence[float] | None, inputs: list[PlanInput], memb
     if len(weights) != len(members):
         raise BamSurgeryError(f"--weights: got {len(weights)} weight(s) for {len(members)} mixture input(s) "
                               f"({who}); give one per input, in that order")
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+    if any(not math.isfinite(w) or w < 0 for w in weights) or max(weights) <= 0:
         raise BamSurgeryError(f"--weights: {list(weights)} must be finite, >= 0 and not all zero")
-    total = math.fsum(weights)
-    return tuple(float(w) / total for w in weights)
+    top = max(weights)  # scaled first: 1e308 + 1e308 would overflow the sum
+    scaled = [w / top for w in weights]
+    total = math.fsum(scaled)
+    return tuple(w / total for w in scaled)
 
 
 def _output_dtype(dtype: str | torch.dtype | None, seed: Reader) -> torch.dtype:
@@ -300,23 +323,13 @@ def _output_dtype(dtype: str | torch.dtype | None, seed: Reader) -> torch.dtype:
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _ranges(xs: list[int]) -> str:
-    xs = sorted(xs)
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
-
-
 def format_plan(plan: Plan) -> str:
     """The plan, one line per tensor pattern; layers with identical patterns are folded into {i}."""
     cfg, lines = plan.config, []
     lines.append(f"recipe   {plan.recipe.name} ({plan.recipe.path}): {plan.recipe.summary()}")
     for inp in plan.inputs:
         member = (f"expert {plan.members.index(inp.index)}" if inp.index in plan.members else "not an expert")
-        lines.append(f"input {inp.index}  {inp.role:<6} {inp.label}  [{member}]")
+        lines.append(f"input {inp.index}  {inp.role:<6} {inp.name}={inp.label}  [{member}]")
     extra = len(plan.ffn_slots) - len(plan.members) if cfg.ffn_experts else 0
     routing = []
     if cfg.ffn_experts:
@@ -350,7 +363,7 @@ def format_plan(plan: Plan) -> str:
     for key in order:
         pattern, op, shape, ins, srcs = key
         layers = groups[key]
-        where = "" if layers == [-1] else f"  i={_ranges(layers)}"
+        where = "" if layers == [-1] else f"  i={ranges(layers)}"
         if op in ("stack", "mean"):
             how = f"{op} inputs {','.join(map(str, ins))} <- {srcs[0]}" if len(set(srcs)) == 1 else f"{op} {srcs}"
         elif op == "copy":

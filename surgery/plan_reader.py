@@ -53,7 +53,7 @@ def read_source(plan: Plan, src: Source, allow_nonfinite: bool, warn: Warn | Non
 
 
 class PlanReader(Reader):
-    """The reader protocol over a plan. `metadata` carries the provenance, with the inputs' sha256:
+    """The reader protocol over a plan. `metadata` carries the provenance, with the inputs' digests:
     the first access hashes every input file (a full read of the inputs; pass hash_inputs=False to
     leave the digests out)."""
 
@@ -83,7 +83,15 @@ class PlanReader(Reader):
         return self.plan[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
-        return run_op(self.plan[name], lambda s: read_source(self.plan, s, self.allow_nonfinite, self.warn))
+        t = self.plan[name]
+        out = run_op(t, lambda s: read_source(self.plan, s, self.allow_nonfinite, self.warn))
+        if _may_make_nonfinite(self.plan, t) and not self.allow_nonfinite and not all_finite(out):
+            bad = int((~torch.isfinite(out)).sum())
+            raise InputError(f"{name}: the merge made {bad} non-finite value(s) ({t.op} in "
+                             f"{str(t.dtype).removeprefix('torch.')}: values past the dtype's range?); "
+                             "nothing was written")
+        return out
+
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -91,3 +99,12 @@ class PlanReader(Reader):
             digests = InputHasher(plan_input_files(self.plan)).result() if self.hash_inputs else None
             self._metadata = output_metadata(self.plan, digests)
         return self._metadata
+
+
+def _may_make_nonfinite(plan: Plan, t) -> bool:
+    """Ops whose output can hold Inf/NaN although every input is finite: a random init, a mean,
+    and any cast to a narrower dtype (bfloat16 inputs written as float16). A stack or copy in the
+    inputs' own dtype cannot."""
+    if t.op in ("normal", "mean"):
+        return True
+    return any(plan.inputs[s.input].reader.dtype(s.name) != t.dtype for s in t.sources)

@@ -16,6 +16,7 @@ experts, with attn.k/v stacked (kv_mode "expert") or made once (kv_mode "shared"
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -25,11 +26,12 @@ from typing import Any
 
 import yaml
 
-from bam_surgery.runtime.config import GATE_NORMS, ConfigError, ModelConfig
+from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ConfigError, ModelConfig
 
 from .errors import RecipeError
 
 SCHEMA_VERSION = 1
+MAX_RECIPE_BYTES = 1 << 20
 
 # Dense tensor kinds: a canonical dense name without its layer prefix and param suffix.
 # Weight and bias of a kind always share the op.
@@ -132,7 +134,15 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec:
         if not path.is_file():
             raise RecipeError(f"recipe {spec}: file not found")
-        return parse_recipe(path.read_text(encoding="utf-8"), str(path))
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError(f"recipe {spec}: {path.stat().st_size:,} bytes is too large for a recipe "
+                              f"(limit {MAX_RECIPE_BYTES:,})")
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"recipe {spec}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        return parse_recipe(text, str(path))
     shipped = resources.files("bam_surgery.recipes") / f"{spec}.yaml"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec) or not shipped.is_file():
         raise RecipeError(f"recipe {spec!r}: no such recipe; choose one of {', '.join(available_recipes())} "
@@ -140,11 +150,32 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     return parse_recipe(shipped.read_text(encoding="utf-8"), f"{spec}.yaml")
 
 
+MAX_NESTING = 64  # a recipe is a few levels deep; YAML flow collections nested far deeper are refused unparsed
+
+
+def _flow_depth(text: str) -> int:
+    """Deepest nesting of [ and { in the text (an upper bound: brackets inside strings count too)."""
+    depth = deepest = 0
+    for c in text:
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
 def parse_recipe(text: str, origin: str = "<recipe>") -> Recipe:
+    if _flow_depth(text) > MAX_NESTING:  # PyYAML would take seconds to fail (and libyaml crashes)
+        raise RecipeError(f"recipe {origin}: not valid here: nested too deeply (more than {MAX_NESTING} levels)")
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise RecipeError(f"recipe {origin}: not valid YAML ({' '.join(str(e).split())})") from e
+        raise RecipeError(f"recipe {origin}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {origin}: not valid here: nested too deeply") from None
+    except ValueError:  # an integer past Python's 4300-digit conversion limit
+        raise RecipeError(f"recipe {origin}: not valid here: a number has too many digits") from None
     return validate_recipe(doc, origin, text)
 
 
@@ -221,10 +252,11 @@ def _validate_experts(section: Any, fail) -> tuple[int, int | None]:
         if key not in ("min", "max"):
             raise fail(f"experts.{key}", "unknown field; the fields are min, max")
     lo, hi = section.get("min", 1), section.get("max", None)
-    if not _is_int(lo) or lo < 0:
-        raise fail("experts.min", f"must be an integer >= 0, got {lo!r}")
-    if hi is not None and (not _is_int(hi) or hi < lo):
-        raise fail("experts.max", f"must be null or an integer >= experts.min ({lo}), got {hi!r}")
+    if not _is_int(lo) or not 0 <= lo <= MAX_EXPERTS:
+        raise fail("experts.min", f"must be an integer >= 0 and <= {MAX_EXPERTS}, got {_shown(lo)}")
+    if hi is not None and (not _is_int(hi) or not lo <= hi <= MAX_EXPERTS):
+        raise fail("experts.max", f"must be null or an integer >= experts.min ({lo}) and <= {MAX_EXPERTS}, "
+                                  f"got {_shown(hi)}")
     return lo, hi
 
 
@@ -237,10 +269,11 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
     d = {**DEFAULTS, **section}
     if not isinstance(d["seed_expert"], bool):
         raise fail("defaults.seed_expert", "must be true or false")
-    if not _is_int(d["extra_ffn_experts"]) or d["extra_ffn_experts"] < 0:
-        raise fail("defaults.extra_ffn_experts", "must be an integer >= 0")
-    if not _is_int(d["ffn_top_k"]) or d["ffn_top_k"] < 1:
-        raise fail("defaults.ffn_top_k", "must be an integer >= 1")
+    if not _is_int(d["extra_ffn_experts"]) or not 0 <= d["extra_ffn_experts"] <= MAX_EXPERTS:
+        raise fail("defaults.extra_ffn_experts", f"must be an integer >= 0 and <= {MAX_EXPERTS}, got "
+                                                 f"{_shown(d['extra_ffn_experts'])}")
+    if not _is_int(d["ffn_top_k"]) or not 1 <= d["ffn_top_k"] <= MAX_EXPERTS:
+        raise fail("defaults.ffn_top_k", f"must be an integer >= 1 and <= {MAX_EXPERTS}, got {_shown(d['ffn_top_k'])}")
     if d["gate_norm"] not in GATE_NORMS:
         raise fail("defaults.gate_norm", f"choose one of {', '.join(GATE_NORMS)}")
     try:
@@ -251,8 +284,8 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
         raise fail("defaults.attention_routing", "the recipe has no attention experts (tensors.attn.q is not "
                                                  "stack); remove this field")
     for key in ("lb_coef", "z_coef"):
-        if not isinstance(d[key], (int, float)) or isinstance(d[key], bool) or d[key] < 0:
-            raise fail(f"defaults.{key}", "must be a number >= 0")
+        if not _is_finite_number(d[key]) or d[key] < 0:
+            raise fail(f"defaults.{key}", f"must be a finite number >= 0, got {_shown(d[key])}")
         d[key] = float(d[key])
     return d
 
@@ -267,13 +300,23 @@ def _validate_routers(section: Any, fail) -> tuple[str, float]:
     if init not in ROUTER_INITS:
         raise fail("routers.init", f"unknown init {init!r}; choose one of {', '.join(ROUTER_INITS)}")
     std = section.get("std", 0.02)
-    if not isinstance(std, (int, float)) or isinstance(std, bool) or std < 0:
-        raise fail("routers.std", f"must be a number >= 0, got {std!r}")
+    if not _is_finite_number(std) or std < 0:
+        raise fail("routers.std", f"must be a finite number >= 0, got {_shown(std)}")
     return init, float(std)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shown(v: Any) -> str:
+    """A value for a message, cut short (a 4000-digit integer would be one very long line)."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 # ---- the output config ------------------------------------------------------------------------
@@ -292,8 +335,8 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
                           f"attn_experts={dense_cfg.attn_experts}); merge takes dense inputs")
     d = recipe.defaults
     extra = d["extra_ffn_experts"] if extra_ffn_experts is None else extra_ffn_experts
-    if not _is_int(extra) or extra < 0:
-        raise ConfigError(f"extra_ffn_experts: must be an integer >= 0, got {extra!r}")
+    if not _is_int(extra) or not 0 <= extra <= MAX_EXPERTS:
+        raise ConfigError(f"extra_ffn_experts: must be an integer from 0 to {MAX_EXPERTS}, got {_shown(extra)}")
     if extra_ffn_experts and not recipe.ffn_experts:
         raise ConfigError(f"extra_ffn_experts: recipe {recipe.name} has no FFN experts "
                           f"(tensors.ffn.*: {recipe.tensors['ffn.up']})")

@@ -263,6 +263,12 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+@pytest.fixture(autouse=True)
+def _private_digest_cache(tmp_path_factory, monkeypatch):
+    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery: keep the tests' own there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+
+
 @pytest.fixture
 def tiny():
     """The tiny config factory as a fixture (same as tiny_config)."""

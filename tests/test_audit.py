@@ -286,7 +286,9 @@ def test_audit_checkpoint_reports_mismatches(broken_ckpt):
 
 # ---- CLI -------------------------------------------------------------------------------------------------
 def invoke(cmd, args):
-    return CliRunner().invoke(cmd, [str(a) for a in args])
+    """Run a command through the CLI group (its error contract: one line, exit status 2)."""
+    from bam_surgery.surgery.cli import cli
+    return CliRunner().invoke(cli, [cmd.name, *[str(a) for a in args]])
 
 
 def test_count_params_table_and_json(tiny_ckpt):
@@ -339,15 +341,16 @@ def test_count_params_recipes_reproduce_table5_and_7():
 ])
 def test_count_params_errors(args, message):
     res = invoke(count_params_cmd, args)
-    assert res.exit_code != 0 and message in res.output
-    assert "Traceback" not in res.output
+    assert res.exit_code == 2 and message in res.stderr
+    assert res.stderr.startswith("bam-surgery: error: ") and res.stderr.count("\n") == 1, res.stderr
 
 
 def test_count_params_refuses_mismatched_checkpoint(broken_ckpt):
     res = invoke(count_params_cmd, [broken_ckpt])
-    assert res.exit_code == 1
-    error = [line for line in res.output.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1 and str(broken_ckpt) in error[0] and "(and 2 more" in error[0]
+    assert res.exit_code == 2
+    error = res.stderr.splitlines()
+    assert len(error) == 1 and error[0].startswith("bam-surgery: error: ")
+    assert str(broken_ckpt) in error[0] and "(and 2 more" in error[0]
 
 
 def test_inspect_table_and_json(tiny_ckpt):

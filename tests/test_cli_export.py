@@ -375,6 +375,10 @@ def test_convert_refuses_existing_out_without_force(family, tmp_path):
     assert result.exit_code == 2
     assert error_line(result) == f"bam-surgery: error: {out}: already exists; pass --force to replace it"
     assert out.read_bytes() == b"keep me"
+    result = run_cli("convert", dirs["seed"], "--out", out, "--force", ok=False)  # not ours: kept
+    assert result.exit_code == 2 and "did not write" in error_line(result) and out.read_bytes() == b"keep me"
+    out.unlink()
+    run_cli("convert", dirs["seed"], "--out", out)
     run_cli("convert", dirs["seed"], "--out", out, "--force")
     with CheckpointReader(out) as reader:
         assert reader.config.vocab_size == V

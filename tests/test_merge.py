@@ -101,6 +101,12 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def b3(path: Path) -> str:
+    """The provenance's digest of a file: BLAKE3 of its bytes, self-describing."""
+    import blake3
+    return "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
+
+
 def leftovers(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.endswith(".partial")]
 
@@ -277,8 +283,8 @@ def test_deterministic_output_and_provenance(tmp_path):
     assert prov["recipe"]["text"] == (ROOT / "recipes" / "bam.yaml").read_text()
     assert [i["role"] for i in prov["inputs"]] == ["seed", "expert", "expert"]
     for entry, p in zip(prov["inputs"], paths):
-        assert entry["files"] == [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)}]
-        assert entry["sha256"] == sha256(p) and entry["path"] == str(p)
+        assert entry["files"] == [{"name": p.name, "bytes": p.stat().st_size, "digest": b3(p), "how": "bytes"}]
+        assert entry["digest"] == b3(p) and entry["path"] == str(p)
     assert prov["tool"]["name"] == "bam-surgery"
     t = prov["tensors"]
     assert t["layers.0.attn_experts.k.weight"] == {"op": "stack", "from": "layers.0.attn.k.weight",
@@ -305,9 +311,9 @@ def test_directory_output_with_shards(tmp_path):
     assert cfg1 == cfg2 and one.keys() == many.keys()
     assert all(torch.equal(one[k], many[k]) for k in one)
     prov = json.loads(CheckpointReader(tmp_path / "dir").metadata["bam_provenance"])
-    assert prov["inputs"][0]["files"][0]["sha256"] == prov["inputs"][0]["sha256"] == sha256(paths[0])
+    assert prov["inputs"][0]["files"][0]["digest"] == prov["inputs"][0]["digest"] == b3(paths[0])
 
-    # a sharded input: one digest per shard, and the input's digest is that of its sha256sum manifest
+    # a sharded input: one digest per shard, and the input's digest is the BLAKE3 of its manifest
     seed_dir = tmp_path / "seed-dir"
     save_checkpoint(load_checkpoint(paths[0])[1], cfg, seed_dir, max_shard_bytes=30_000)
     merge_family([seed_dir, *paths[1:]], tmp_path / "from-dir.safetensors")
@@ -315,9 +321,11 @@ def test_directory_output_with_shards(tmp_path):
     entry = json.loads(CheckpointReader(tmp_path / "from-dir.safetensors").metadata["bam_provenance"])["inputs"][0]
     shards = sorted(seed_dir.glob("*.safetensors"))
     assert len(shards) > 1 and entry["path"] == str(seed_dir)
-    assert entry["files"] == [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256(f)} for f in shards]
-    manifest = "".join(f"{sha256(f)}  {f.name}\n" for f in shards)
-    assert entry["sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
+    assert entry["files"] == [{"name": f.name, "bytes": f.stat().st_size, "digest": b3(f), "how": "bytes"}
+                              for f in shards]
+    import blake3
+    manifest = "".join(f"{b3(f)}  {f.name}\n" for f in shards)
+    assert entry["digest"] == "blake3:" + blake3.blake3(manifest.encode()).hexdigest()
 
 
 def test_plan_reader_matches_the_written_file(tmp_path):
@@ -348,7 +356,7 @@ def test_execution_streams_one_tensor_at_a_time(tmp_path):
             self._r = CheckpointReader(path)
             self.config, self.metadata, self.path = self._r.config, self._r.metadata, self._r.path
             self.names, self.shape, self.dtype = self._r.names, self._r.shape, self._r.dtype
-            self.files, self.file_of = self._r.files, self._r.file_of
+            self.files, self.file_of, self.check_unchanged = self._r.files, self._r.file_of, self._r.check_unchanged
 
         def get(self, name):
             t = self._r.get(name)
@@ -412,7 +420,7 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
     cfg = CONFIGS["parallel"]
     paths = save_family(tmp_path, cfg, branched_family(cfg, 3, seed=15))
@@ -429,8 +437,15 @@ def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
         proc.kill()
     assert proc.returncode != 0
     assert not out.exists()
-    if sig == signal.SIGTERM:  # unwinds: the temporary file is removed too
-        assert leftovers(out.parent) == []
+    if sig == signal.SIGINT:  # Ctrl-C: one line, exit status 130
+        assert proc.returncode == 130 and proc.stderr.read() == "bam-surgery: interrupted; nothing was written\n"
+    if sig != signal.SIGKILL:  # unwinds: the work folder is removed too, and the folder the run created for OUT
+        assert not out.parent.exists()
+    else:  # kill -9 leaves the work folder; the next run on the same OUT removes it
+        assert leftovers(out.parent) == [f".{out.name}.bam-surgery.partial"]
+        result = merge("--seed", paths[0], "--experts", f"{paths[1]},{paths[2]}", "--out", out)
+        assert "removed" in result.stderr and "interrupted run" in result.stderr
+        assert out.is_file() and leftovers(out.parent) == []
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -516,7 +531,11 @@ def test_existing_out_is_refused_without_force(tmp_path):
     result = merge_family(paths, out, ok=False)
     assert result.exit_code == 2 and str(out) in result.stderr and "--force" in result.stderr
     assert out.read_bytes() == b"precious"
-    merge_family(paths, out, "--force")
+    result = merge_family(paths, out, "--force", ok=False)  # not ours: --force does not replace it either
+    assert result.exit_code == 2 and "did not write" in result.stderr and out.read_bytes() == b"precious"
+    out.unlink()
+    merge_family(paths, out)
+    merge_family(paths, out, "--force", "--router-seed", "9")  # ours: replaced
     assert load_checkpoint(out)[0].attn_experts == 3
     result = merge_family(paths, paths[1], "--force", ok=False)  # never over an input
     assert result.exit_code == 2 and "is input" in result.stderr
@@ -525,7 +544,7 @@ def test_existing_out_is_refused_without_force(tmp_path):
     home = tmp_path / "home"
     (home / "notes").mkdir(parents=True)
     result = merge_family(paths, home, "--force", ok=False)  # nor over a directory that is not a checkpoint
-    assert result.exit_code == 2 and "more than a checkpoint" in result.stderr and (home / "notes").is_dir()
+    assert result.exit_code == 2 and "notes" in result.stderr and (home / "notes").is_dir()
     merge_family(paths, tmp_path / "dir")
     merge_family(paths, tmp_path / "dir", "--force", "--max-shard-size", "50KB")  # a checkpoint dir is replaced
     assert len(list((tmp_path / "dir").glob("model-*.safetensors"))) > 1
@@ -633,3 +652,53 @@ def test_plan_compiles_from_headers_for_a_paper_sized_model(tmp_path):
     assert plan.config.ffn_experts == plan.config.attn_experts == 4
     total = sum(math.prod(t.shape) for t in plan.tensors)
     assert total == 776_002_560  # Table 5, BAM total
+
+
+# ---- expert names ---------------------------------------------------------------------------------
+def test_experts_carry_names_into_provenance_inspect_and_the_plan(tmp_path):
+    cfg, states, paths = _family(tmp_path)
+    odd = tmp_path / "with,comma"
+    odd.mkdir()
+    comma_path = save_checkpoint(states[2], cfg, odd / "math.safetensors")
+    out = tmp_path / "mix.safetensors"
+    result = merge("--seed", f"base={paths[0]}", "--experts", f"code={paths[1]}", "--experts", comma_path,
+                   "--out", out)
+    prov = json.loads(CheckpointReader(out).metadata["bam_provenance"])
+    assert [(i["name"], i["role"]) for i in prov["inputs"]] == [("base", "seed"), ("code", "expert"),
+                                                               ("math", "expert")]
+    assert prov["inputs"][2]["path"] == str(comma_path)
+    text = CliRunner().invoke(cli, ["inspect", str(out)]).stdout
+    assert re.search(r"^\s+code\s+expert\s+\S*code\.safetensors", text, re.M)
+    dry = merge("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])), "--dry-run").stdout
+    assert f"input 1  expert code={paths[1]}" in dry and f"input 0  seed   seed={paths[0]}" in dry
+    assert result.exit_code == 0
+
+
+@pytest.mark.parametrize("experts,needle", [
+    (["code=A", "code=B"], "expert name 'code' is given twice"),
+    (["1st=A"], "no such file"),  # not a name: the whole value is a path
+    (["seed=A"], "expert name 'seed' is given twice"),
+])
+def test_bad_expert_names_are_one_line(tmp_path, experts, needle):
+    _, _, paths = _family(tmp_path)
+    args = [e.replace("=A", f"={paths[1]}").replace("=B", f"={paths[2]}") for e in experts]
+    result = merge("--seed", f"seed={paths[0]}", *[x for a in args for x in ("--experts", a)], "--dry-run", ok=False)
+    assert result.exit_code == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_same_expert_twice_is_warned_about(tmp_path):
+    _, _, paths = _family(tmp_path)
+    result = merge("--seed", paths[0], "--experts", paths[1], "--experts", paths[1], "--experts", paths[2],
+                   "--out", tmp_path / "mix.safetensors")
+    assert "(expert code_2): identical to" in result.stderr and "the same expert given twice" in result.stderr
+
+
+def test_untrained_softmax_top1_mixture_gets_a_note(tmp_path):
+    _, _, paths = _family(tmp_path)
+    args = ("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])))
+    note = "bam-surgery: note: until the routers are trained each FFN output is scaled by its gate, about 1/3"
+    result = CliRunner().invoke(cli, ["merge", *map(str, args), "--out", str(tmp_path / "a.safetensors")])
+    assert note in result.stderr and "perplexity before training is not representative" in result.stderr
+    for extra in (["--gate-norm", "topk_softmax"], ["--ffn-top-k", "3"]):  # gates sum to 1: no note
+        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"{extra[0]}")])
+        assert result.exit_code == 0 and "note:" not in result.stderr

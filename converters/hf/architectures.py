@@ -189,8 +189,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
 
 
 def architecture(model_type: str | None) -> Architecture:
-    if model_type not in ARCHITECTURES:
-        raise CapabilityError(f"model_type={model_type!r} is not supported "
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+        raise CapabilityError(f"model_type={str(model_type)[:60]!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return ARCHITECTURES[model_type]
 

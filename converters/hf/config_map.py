@@ -13,6 +13,7 @@ equals its class default. tests/test_hf_import.py checks them against the instal
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
@@ -107,6 +108,8 @@ class Activation(Field):
 
     def read(self, hf, out, notes):
         name = _value(hf, self.hf_key, self.default)
+        if not isinstance(name, str):
+            raise ConfigError(f"{self.hf_key}: expected an activation name, got {str(name)[:60]}")
         act = _HF_ACT.get(name)
         if act is None:
             raise CapabilityError(f"{self.hf_key}={name!r} is not supported (supported: {', '.join(_HF_ACT)})")
@@ -233,7 +236,10 @@ class Rope(Field):
             if float(frac) != 1.0:
                 raise CapabilityError(f"partial_rotary_factor={frac} is not supported by this architecture")
             return
-        head_dim = out.get("head_dim") or out["d_model"] // out["n_heads"]
+        d_model, n_heads = out.get("d_model"), out.get("n_heads")
+        if not all(isinstance(v, int) and v > 0 for v in (d_model, n_heads)):
+            return  # ModelConfig names the bad size (hidden_size / num_attention_heads)
+        head_dim = out.get("head_dim") or d_model // n_heads
         out["rotary_fraction"] = int(head_dim * float(frac)) / head_dim
 
     def write(self, cfg, model_type):
@@ -316,13 +322,17 @@ class ConfigSpec:
         return out
 
     def read(self, hf: Mapping[str, Any], name: str = "") -> tuple[ModelConfig, list[str]]:
-        """config.json dict -> (ModelConfig, notes about accepted-but-unmodelled features)."""
+        """config.json dict -> (ModelConfig, notes about accepted-but-unmodelled features). A value
+        of the wrong type or range is a ConfigError naming the config.json key."""
         out: dict[str, Any] = dict(self.fixed)
         notes: list[str] = []
         for f in self.fields:
-            f.read(hf, out, notes)
+            with wrong_values(hf, f.hf_keys or f.canonical):
+                f.read(hf, out, notes)
         out["name"] = name
-        return ModelConfig(**out), notes
+        hf_key = {c: f.hf_keys[0] for f in self.fields if f.hf_keys for c in f.canonical}
+        return model_config(out, hf_key), notes
+
 
     def write(self, cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         """ModelConfig -> config.json entries for `model_type`; capability errors before any I/O."""
@@ -339,6 +349,32 @@ class ConfigSpec:
         for f in self.fields:
             body.update(f.write(cfg, model_type))
         return body
+
+
+def model_config(fields: dict[str, Any], hf_key: Mapping[str, str]) -> ModelConfig:
+    """ModelConfig(**fields); its errors name the config.json key: 'num_attention_heads (n_heads): ...'."""
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        field_name, sep, rest = str(e).partition(":")
+        if sep and field_name in hf_key and hf_key[field_name] != field_name:
+            raise ConfigError(f"{hf_key[field_name]} ({field_name}):{rest}") from None
+        raise
+
+
+@contextmanager
+def wrong_values(hf: Mapping[str, Any], keys: tuple[str, ...]):
+    """Turn a type or value error while reading `keys` (e.g. float("abc"), a list where a name
+    belongs) into a ConfigError naming the keys and the values found."""
+    try:
+        yield
+    except (ConfigError, CapabilityError):
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
+        found = {k: hf[k] for k in keys if k in hf} or dict.fromkeys(keys)
+        shown = ", ".join(f"{k}={str(v)[:60]!r}" if isinstance(v, str) else f"{k}={str(v)[:60]}"
+                          for k, v in found.items())
+        raise ConfigError(f"{', '.join(found)}: wrong type or value ({shown}: {type(e).__name__})") from None
 
 
 def hf_to_model_config(hf: Mapping[str, Any], spec: ConfigSpec, name: str = "") -> tuple[ModelConfig, list[str]]:

@@ -7,11 +7,11 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from bam_surgery.runtime.errors import CheckpointError
-from bam_surgery.runtime.shards import INDEX_NAME
+from bam_surgery.runtime.jsonfile import read_json
+from bam_surgery.runtime.shards import INDEX_NAME, read_index, shard_path
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -21,22 +21,12 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", GENERATION_CONFIG)
 
-# File-name globs of what an export to an HF directory writes (weights, index, config, card, and
-# the tokenizer files it carries): `--force` replaces a directory holding nothing else.
-HF_DIRECTORY_FILES = (CONFIG_FILE, "README.md", INDEX_NAME, "*.safetensors", *TOKENIZER_FILES)
-
 
 def read_hf_config(directory: Path) -> dict:
     cfg_file = directory / CONFIG_FILE
     if not cfg_file.is_file():
         raise CheckpointError(f"{directory}: no config.json (not a Hugging Face model directory)")
-    try:
-        body = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise CheckpointError(f"{cfg_file}: expected a JSON object")
-    return body
+    return read_json(cfg_file, expect=dict)
 
 
 def tokenizer_files_in(directory: Path) -> list[Path]:
@@ -47,11 +37,9 @@ def tokenizer_files_in(directory: Path) -> list[Path]:
 def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:
     """(weight files, index {HF name: file} or None, is_pickle). Prefers safetensors over pickles."""
     def from_index(index: Path) -> dict[str, Path]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {str(k): directory / str(f) for k, f in weight_map.items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        weight_map, _ = read_index(index)
+        files = {f: shard_path(directory, f, index) for f in set(weight_map.values())}  # each name checked once
+        return {k: files[f] for k, f in weight_map.items()}
 
     def listing(index: dict[str, Path], is_pickle: bool):
         return list(dict.fromkeys(index.values())), index, is_pickle

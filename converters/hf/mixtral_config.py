@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 
 from ..export import CapabilityError
+from .config_map import model_config, wrong_values
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
@@ -103,7 +104,12 @@ class MixtralConfigMap:
         return body
 
     def read(self, hf: Mapping[str, Any], name: str = MODEL_TYPE) -> tuple[ModelConfig, list[str]]:
-        """ModelConfig from a Mixtral config.json body; refuses features the runtime does not compute."""
+        """ModelConfig from a Mixtral config.json body; refuses features the runtime does not compute.
+        A value of the wrong type is a ConfigError naming its config.json key."""
+        with wrong_values(hf, ("rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "architectures")):
+            return self._read(hf, name)
+
+    def _read(self, hf: Mapping[str, Any], name: str) -> tuple[ModelConfig, list[str]]:
         def get(key: str) -> Any:
             if key in hf:
                 return hf[key]
@@ -118,24 +124,31 @@ class MixtralConfigMap:
         if get("hidden_act") != "silu":
             raise CapabilityError(f"hidden_act {get('hidden_act')!r} is not supported (Mixtral experts use silu)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters: expected an object, got {str(rope)[:60]}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise CapabilityError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
         window = hf.get("sliding_window")
+        if window is not None and not (isinstance(window, int) and isinstance(get("max_position_embeddings"), int)):
+            raise ConfigError(f"sliding_window, max_position_embeddings: expected integers, got {window!r}, "
+                              f"{get('max_position_embeddings')!r}")
         if window is not None and window < get("max_position_embeddings"):
             raise CapabilityError(f"sliding_window={window} is not supported (the runtime attends to all "
                                   "previous tokens)")
         fields = {ours: get(theirs) for ours, theirs in CONFIG_FIELDS.items()}
-        fields["norm_eps"] = float(fields["norm_eps"])
-        fields["lb_coef"] = float(fields["lb_coef"])
-        cfg = ModelConfig(
+        for key in ("norm_eps", "lb_coef"):
+            if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool):
+                raise ConfigError(f"{CONFIG_FIELDS[key]}: expected a number, got {str(fields[key])[:60]}")
+            fields[key] = float(fields[key])
+        cfg = model_config(dict(
             **fields,
             rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
             activation="swiglu", norm="rmsnorm", position="rope", block="sequential",
             gate_norm="topk_softmax", attn_experts=0,
             z_coef=0.0,  # Mixtral's training objective has no router z-loss
             name=str(hf.get("_name_or_path") or name),
-        )
+        ), CONFIG_FIELDS)
         return cfg, []
 
 

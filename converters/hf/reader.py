@@ -14,6 +14,8 @@ read only with allow_pickle=True, through torch.load(weights_only=True, mmap=Tru
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -22,10 +24,14 @@ from bam_surgery.runtime.config import ConfigError
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader
-from bam_surgery.runtime.safetensors_file import SafetensorsFile
+from bam_surgery.runtime.safetensors_file import FileIdentity, SafetensorsFile
 
 from .architectures import Architecture, Binding, BoundRule, architecture, bind
 from .files import read_hf_config, tokenizer_files_in, weight_files
+
+# what torch's weights_only unpickler names when it refuses a pickle ("... unsupported GLOBAL posix.system ...")
+_REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|global:?)\s+([\w.]+)")
+
 
 class _PickleFile:
     def __init__(self, file: Path):
@@ -34,12 +40,20 @@ class _PickleFile:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
                 state = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # the weights-only unpickler refused something
+            found = _REFUSED_GLOBAL.search(str(e))
+            what = f"it calls {found.group(1)}" if found else "it holds more than tensors"
+            raise CheckpointError(f"{file}: refused to load this pickle: {what}, and bam-surgery loads pickles "
+                                  "only with torch's weights-only unpickler, which builds tensors and plain "
+                                  "containers and never runs code from the file; convert it to safetensors with "
+                                  "a tool you trust, or use the model's .safetensors weights") from None
         except Exception as e:
             raise CheckpointError(f"{file}: unreadable pickle checkpoint ({' '.join(str(e).split())[:200]})") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{file}: expected a dict of tensors (a state dict)")
         self.state = state
         self.meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        self.identity = FileIdentity.of(os.stat(file))
 
     def get(self, key: str) -> torch.Tensor:
         return self.state[key]
@@ -159,6 +173,10 @@ class HFCheckpointReader(Reader):
 
     def files(self) -> list[Path]:
         return list(self._files)
+
+    def check_unchanged(self) -> None:
+        for file, handle in self._files.items():
+            handle.identity.check_path(file)
 
     def hf_name_of(self, name: str) -> tuple[str, ...]:
         """The HF tensor(s) a canonical tensor is made from (for messages and plans)."""

@@ -88,11 +88,11 @@ def check_copies(files: Iterable[str | os.PathLike], writes: Iterable[str]) -> l
 def write_hf_directory(out_dir: str | os.PathLike, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
                        *, texts: Mapping[str, str], copies: Sequence[Path] = (), code: Sequence[Path] = (),
                        max_shard_bytes: int | None = None, single_file: str | None = SINGLE_FILE,
-                       always_index: bool = False) -> Path:
+                       always_index: bool = False, replace: bool = True) -> Path:
     """The directory, atomically: weight shards (one `single_file` when they fit, None: shard names
     even then), the index when sharded (or always), `texts` {file name: content}, then `copies`
-    and `code` copied by name."""
-    with atomic_dir(out_dir) as tmp:
+    and `code` copied by name. replace: see runtime.atomic (False: an existing out_dir is refused)."""
+    with atomic_dir(out_dir, replace=replace) as tmp:
         weight_map = write_shards(tmp, entries, tensors, max_shard_bytes, file_metadata=SHARD_METADATA,
                                   single_file=single_file)
         if always_index or len(set(weight_map.values())) > 1:
@@ -112,7 +112,7 @@ def config_json(body: Mapping[str, Any], sort_keys: bool = True) -> str:
 def export_architecture(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, *,
                         token_ids: Mapping[str, Any], texts: Mapping[str, str] = {}, copies: Sequence[Path] = (),
                         max_shard_bytes: int | None = None, dtype: torch.dtype | None = None,
-                        single_file: str | None = SINGLE_FILE, always_index: bool = False) -> Path:
+                        single_file: str | None = SINGLE_FILE, always_index: bool = False, replace: bool = True) -> Path:
     """Write `reader` as `arch`: its config map gives config.json (capability errors first), its
     table the weights. `texts` are extra small files (README.md, generation_config.json)."""
     cfg = reader.config
@@ -126,7 +126,8 @@ def export_architecture(reader: Reader, out_dir: str | os.PathLike, arch: Archit
                  "dtype": model_dtype, **token_ids, "torch_dtype": model_dtype}  # torch_dtype: transformers < 5
     return write_hf_directory(out_dir, entries, stream_weights(reader, rows, dtype),
                               texts={CONFIG_FILE: config_json(hf_config), **texts}, copies=copies,
-                              max_shard_bytes=max_shard_bytes, single_file=single_file, always_index=always_index)
+                              max_shard_bytes=max_shard_bytes, single_file=single_file, always_index=always_index,
+                              replace=replace)
 
 
 def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:
@@ -144,7 +145,7 @@ def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tupl
 def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathLike, architecture: str,
             tokenizer_from: Reader | str | os.PathLike | None = None, *, config: ModelConfig | None = None,
             max_shard_bytes: int | None = DEFAULT_SHARD_BYTES, model_card: str | None = None,
-            dtype: torch.dtype | None = None) -> Path:
+            dtype: torch.dtype | None = None, replace: bool = True) -> Path:
     """Write a dense canonical model (a reader, or a state dict with `config=`) as an HF directory.
 
     architecture: the HF model_type to write (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi).
@@ -161,4 +162,4 @@ def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathL
     return export_architecture(source, out_dir, arch, token_ids={k: tok_config[k] for k in TOKEN_ID_KEYS
                                                                  if k in tok_config},
                                texts={} if model_card is None else {"README.md": model_card}, copies=tok_files,
-                               max_shard_bytes=max_shard_bytes, dtype=dtype)
+                               max_shard_bytes=max_shard_bytes, dtype=dtype, replace=replace)

@@ -110,7 +110,8 @@ def config_from_hf_dict(body: Mapping[str, object]) -> ModelConfig:
 
 def export_hf_bam(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[str | os.PathLike] = (),
                   model_card: str | None = None, max_shard_bytes: int | None = None,
-                  dtype: torch.dtype | None = None, generation: Mapping[str, object] | None = None) -> Path:
+                  dtype: torch.dtype | None = None, generation: Mapping[str, object] | None = None,
+                  replace: bool = True) -> Path:
     """Write a transformers-loadable directory at out_dir from a canonical reader.
 
     reader          any reader (runtime.reader protocol)
@@ -134,4 +135,5 @@ def export_hf_bam(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: I
         texts["README.md"] = model_card
     copies = check_copies(tokenizer_files, [*texts, *CODE_FILES])
     return write_hf_directory(out_dir, entries, stream_weights(reader, rows, dtype), texts=texts, copies=copies,
-                              code=[CODE_DIR / name for name in CODE_FILES], max_shard_bytes=max_shard_bytes)
+                              code=[CODE_DIR / name for name in CODE_FILES], max_shard_bytes=max_shard_bytes,
+                              replace=replace)

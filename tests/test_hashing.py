@@ -1,0 +1,106 @@
+"""Input digests for the provenance (surgery/hashing.py): BLAKE3 of the bytes, reused from the
+digest cache when the file is provably the same, or the sha256 a Hugging Face cache names a blob
+by; inspect says which digest each input has and how it was obtained."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import blake3
+import pytest
+from click.testing import CliRunner
+
+from conftest import random_state, tiny_config
+from test_byte_identity import llama_state, write_llama_dir
+from bam_surgery.runtime.checkpoint import CheckpointReader, save_checkpoint
+from bam_surgery.surgery import hashing
+from bam_surgery.surgery.cli import cli
+
+CFG = tiny_config(block="parallel", norm="layernorm")
+
+
+def merge(*args):
+    result = CliRunner().invoke(cli, ["merge", "--quiet", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def provenance(path: Path) -> dict:
+    return json.loads(CheckpointReader(path).metadata["bam_provenance"])
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    base = random_state(CFG)
+    return [save_checkpoint({k: v * (1 + 0.01 * i) for k, v in base.items()}, CFG, tmp_path / f"{n}.safetensors")
+            for i, n in enumerate(("seed", "code", "math"))]
+
+
+def test_digests_are_blake3_of_the_bytes_and_reused_only_for_the_same_file(tmp_path, inputs, monkeypatch):
+    merge("--seed", inputs[0], "--experts", f"{inputs[1]},{inputs[2]}", "--out", tmp_path / "a.safetensors")
+    files = [f for i in provenance(tmp_path / "a.safetensors")["inputs"] for f in i["files"]]
+    assert [f["digest"] for f in files] == [f"blake3:{blake3.blake3(p.read_bytes()).hexdigest()}" for p in inputs]
+    assert {f["how"] for f in files} == {"bytes"}
+    assert hashing.cache_file().is_file()
+
+    hashed = []
+    real = hashing.InputHasher._hash
+    monkeypatch.setattr(hashing.InputHasher, "_hash", lambda self, p: hashed.append(p) or real(self, p))
+    merge("--seed", inputs[0], "--experts", f"{inputs[1]},{inputs[2]}", "--out", tmp_path / "b.safetensors")
+    assert hashed == []  # every digest came from the cache
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()  # deterministic
+
+    # a rewritten file (same size, mtime set back) is hashed again: its ctime moved
+    st = inputs[1].stat()
+    data = bytearray(inputs[1].read_bytes())
+    data[-1] ^= 1
+    inputs[1].write_bytes(bytes(data))
+    os.utime(inputs[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+    merge("--seed", inputs[0], "--experts", f"{inputs[1]},{inputs[2]}", "--out", tmp_path / "c.safetensors",
+          "--allow-nonfinite")
+    assert hashed == [inputs[1].resolve()]
+
+
+def test_a_corrupt_digest_cache_is_only_a_miss(tmp_path, inputs):
+    hashing.cache_file().parent.mkdir(parents=True, exist_ok=True)
+    hashing.cache_file().write_text("{not json")
+    merge("--seed", inputs[0], "--experts", inputs[1], "--out", tmp_path / "a.safetensors")
+    assert json.loads(hashing.cache_file().read_text())["version"] == 1
+
+
+def test_hugging_face_cache_blobs_give_their_sha256_without_reading(tmp_path, monkeypatch):
+    """A hub snapshot: files are links to blobs named by the sha256 of their bytes."""
+    repo = tmp_path / "hub" / "models--org--seed"
+    plain = tmp_path / "plain"
+    write_llama_dir(plain, llama_state(0), "seed")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in plain.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / digest)
+    expert = tmp_path / "code"
+    write_llama_dir(expert, llama_state(1, llama_state(0)), "seed")
+    hashed = []
+    real = hashing.InputHasher._hash
+    monkeypatch.setattr(hashing.InputHasher, "_hash", lambda self, p: hashed.append(p.name) or real(self, p))
+    out = tmp_path / "mix.safetensors"
+    merge("--seed", snapshot, "--experts", expert, "--recipe", "btx", "--out", out)
+    seed_file = provenance(out)["inputs"][0]["files"][0]
+    assert seed_file["digest"] == "sha256:" + hashlib.sha256((plain / "model.safetensors").read_bytes()).hexdigest()
+    assert seed_file["how"] == "hf-blob" and hashed == ["model.safetensors"]  # only the expert was read
+    text = CliRunner().invoke(cli, ["inspect", str(out)]).stdout
+    assert "sha256 from the Hugging Face cache's blob name" in text and "BLAKE3 of the file's bytes" in text
+
+
+def test_inspect_reads_older_sha256_provenance():
+    from bam_surgery.surgery.inspect import input_digest
+
+    assert input_digest({"sha256": "ab" * 32, "files": [{"name": "x"}]}) == (
+        "sha256:" + "ab" * 32, "sha256 of the file's bytes (older bam-surgery)")
+    assert input_digest({"digest": "blake3:" + "cd" * 32, "files": [{"how": "bytes"}, {"how": "bytes"}]})[1] == \
+        "BLAKE3 of the manifest of 2 files (BLAKE3 of the file's bytes)"

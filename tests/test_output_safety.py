@@ -1,0 +1,261 @@
+"""Output-path safety: --force replaces only what bam-surgery wrote, never anything else.
+
+Every data-loss test puts real files beside (or at) OUT and checks they survive byte for byte:
+`.`, `''`, `..`, a parent of the working directory, the home folder, a folder of someone else's
+safetensors models, a folder of ours with a foreign file added, something created at OUT while a
+merge runs (with and without --force), a second run on the same OUT. Plus: a killed run's work
+folder is removed by the next run (never a live one's), outputs respect the umask, a failed run
+leaves no parent folders, and write errors (no space, read-only file system, a parent that is a
+file) are one line.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from conftest import random_state, tiny_config
+from bam_surgery.runtime.atomic import atomic_path, work_folder
+from bam_surgery.runtime.checkpoint import load_checkpoint, save_checkpoint
+from bam_surgery.runtime.errors import OutputError
+from bam_surgery.runtime.outputs import MARKER, not_own_output, protected
+from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
+from bam_surgery.surgery.cli import cli
+
+CFG = tiny_config(block="parallel", norm="layernorm")
+
+
+@pytest.fixture
+def inputs(tmp_path) -> list[Path]:
+    """A seed and two experts (canonical files) under tmp_path/in."""
+    base = random_state(CFG, 0)
+    paths = []
+    for i, name in enumerate(("seed", "code", "math")):
+        state = {k: v + 0.01 * i * torch.randn_like(v) if v.dim() == 2 else v for k, v in base.items()}
+        paths.append(save_checkpoint(state, CFG, tmp_path / "in" / f"{name}.safetensors"))
+    return paths
+
+
+def merge(inputs, out, *args):
+    argv = ["merge", "--quiet", "--seed", str(inputs[0]), "--experts", ",".join(map(str, inputs[1:])),
+            "--out", str(out), *map(str, args)]
+    return CliRunner().invoke(cli, argv)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root (the root itself included when it is a file) -> sha256 of its bytes."""
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def one_error_line(result, *needles: str) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def debris(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
+
+
+# ---- never the working directory, its parents, home, root ----------------------------------------
+@pytest.mark.parametrize("out", [".", "", "..", "./", "sub/.."])
+def test_force_never_touches_the_working_directory(tmp_path, inputs, monkeypatch, out):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "notes.txt").write_text("my notes")
+    (work / "model.safetensors").write_bytes(b"someone's model")
+    monkeypatch.chdir(work)
+    before = snapshot(tmp_path)
+    result = merge(inputs, out, "--force")
+    one_error_line(result)
+    assert snapshot(tmp_path) == before
+
+
+def test_force_never_touches_a_parent_of_the_working_directory_or_home(tmp_path, inputs, monkeypatch):
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    (tmp_path / "a" / "keep.txt").write_text("keep")
+    home = tmp_path / "users" / "home"
+    (home / "docs").mkdir(parents=True)
+    (home / "docs" / "thesis.tex").write_text("years of work")
+    monkeypatch.chdir(deep)
+    monkeypatch.setenv("HOME", str(home))
+    before = snapshot(tmp_path)
+    one_error_line(merge(inputs, tmp_path / "a", "--force"), "parent of the working directory")
+    one_error_line(merge(inputs, home, "--force"), "home folder")
+    one_error_line(merge(inputs, home.parent, "--force"), "parent of the home folder")
+    assert snapshot(tmp_path) == before
+    assert protected(Path("/")) == "is the root of the file system"
+
+
+def test_force_keeps_a_folder_of_foreign_safetensors_models(tmp_path, inputs):
+    models = tmp_path / "models"
+    models.mkdir()
+    save_file({"w": torch.ones(3)}, str(models / "model.safetensors"), metadata={"format": "pt"})
+    save_file({"w": torch.zeros(3)}, str(models / "other.safetensors"))
+    (models / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    before = snapshot(models)
+    one_error_line(merge(inputs, models, "--force"), str(models), "did not write", "--force replaces only")
+    assert snapshot(models) == before and debris(tmp_path) == []
+
+
+def test_force_keeps_a_foreign_file_and_our_folder_with_a_foreign_file_added(tmp_path, inputs):
+    foreign = tmp_path / "mix.safetensors"
+    save_file({"w": torch.ones(3)}, str(foreign), metadata={"format": "pt"})
+    before = snapshot(foreign)
+    one_error_line(merge(inputs, foreign, "--force"), "did not write")
+    assert snapshot(foreign) == before
+
+    ours = tmp_path / "mix"
+    assert merge(inputs, ours).exit_code == 0
+    assert (ours / MARKER).is_file() and not_own_output(ours) is None
+    (ours / "notes.md").write_text("my results")
+    before = snapshot(ours)
+    one_error_line(merge(inputs, ours, "--force"), "notes.md")
+    assert snapshot(ours) == before
+
+
+def test_force_replaces_our_own_outputs(tmp_path, inputs):
+    for out in (tmp_path / "mix.safetensors", tmp_path / "mix"):
+        assert merge(inputs, out).exit_code == 0
+        one_error_line(merge(inputs, out), "already exists", "--force")
+        result = merge(inputs, out, "--force", "--router-seed", "5")
+        assert result.exit_code == 0, result.output
+        assert load_checkpoint(out)[0].ffn_experts == 3
+    # a canonical folder written before folders carried the marker is recognised by its own metadata
+    legacy = tmp_path / "legacy"
+    save_checkpoint(random_state(CFG, 1), CFG, legacy, max_shard_bytes=20_000)
+    (legacy / MARKER).unlink()
+    assert not_own_output(legacy) is None
+    assert merge(inputs, legacy, "--force").exit_code == 0
+    # an empty folder holds nothing to lose
+    (tmp_path / "empty").mkdir()
+    assert merge(inputs, tmp_path / "empty", "--force").exit_code == 0
+
+
+def test_python_api_replaces_only_its_own_outputs(tmp_path):
+    target = tmp_path / "notes"
+    target.mkdir()
+    (target / "a.txt").write_text("x")
+    with pytest.raises(OutputError, match="a.txt"):
+        save_checkpoint(random_state(CFG), CFG, target)
+    assert (target / "a.txt").read_text() == "x"
+    path = save_checkpoint(random_state(CFG), CFG, tmp_path / "x.safetensors")
+    save_checkpoint(random_state(CFG, 1), CFG, path)  # its own output: replaced
+    with pytest.raises(OutputError, match="already exists"):
+        with atomic_path(path, replace=False) as tmp:
+            tmp.write_bytes(b"new")
+    assert torch.equal(load_checkpoint(path)[1]["embed.weight"], random_state(CFG, 1)["embed.weight"])
+
+
+# ---- whatever appears at OUT while a run writes survives --------------------------------------------
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_what_appears_at_out_during_a_merge_is_kept(tmp_path, inputs, monkeypatch, force, kind):
+    out = tmp_path / ("mix.safetensors" if kind == "file" else "mix")
+    real_write = SafetensorsStreamWriter.write
+
+    def write_and_meddle(self, name, tensor):
+        if not os.path.lexists(out):  # someone else creates OUT while the merge runs
+            if kind == "file":
+                out.write_text("a file someone saved here meanwhile")
+            else:
+                out.mkdir()
+                (out / "notes.txt").write_text("a folder someone made here meanwhile")
+        return real_write(self, name, tensor)
+
+    monkeypatch.setattr(SafetensorsStreamWriter, "write", write_and_meddle)
+    result = merge(inputs, out, *(["--force"] if force else []))
+    one_error_line(result, str(out), "while this run was writing")
+    assert out.exists() and "meanwhile" in (out.read_text() if kind == "file" else (out / "notes.txt").read_text())
+    assert debris(tmp_path) == []
+
+
+def test_a_second_run_on_the_same_out_fails_while_the_first_writes(tmp_path, inputs):
+    out = tmp_path / "mix.safetensors"
+    with atomic_path(out, replace=False) as tmp:  # the first run, still writing
+        for force in ([], ["--force"]):
+            one_error_line(merge(inputs, out, *force), "another bam-surgery run", f"pid {os.getpid()}")
+        tmp.write_bytes(b"first")
+    assert out.read_bytes() == b"first" and debris(tmp_path) == []
+
+
+def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path, inputs):
+    out = tmp_path / "mix.safetensors"
+    stale = work_folder(out)
+    stale.mkdir()
+    (stale / "lock").write_text("12345\n")  # nobody holds its lock: the run was killed
+    (stale / out.name).write_bytes(b"half a checkpoint")
+    result = CliRunner().invoke(cli, ["merge", "--seed", str(inputs[0]), "--experts", str(inputs[1]),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "removed" in result.stderr and str(stale) in result.stderr
+    assert out.is_file() and debris(tmp_path) == []
+    # a folder with that name holding something else is not ours to remove
+    other = tmp_path / "other.safetensors"
+    work_folder(other).mkdir()
+    (work_folder(other) / "diary.txt").write_text("mine")
+    one_error_line(merge(inputs, other), "diary.txt")
+    assert (work_folder(other) / "diary.txt").read_text() == "mine"
+
+
+# ---- permissions, parents, write errors --------------------------------------------------------------
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o077, 0o700)])
+def test_outputs_respect_the_umask(tmp_path, inputs, umask, mode):
+    old = os.umask(umask)
+    try:
+        assert merge(inputs, tmp_path / "mix").exit_code == 0
+        assert merge(inputs, tmp_path / "mix.safetensors").exit_code == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "mix").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "mix.safetensors").stat().st_mode & 0o777 == mode & 0o666
+    assert all(p.stat().st_mode & 0o777 == mode & 0o666 for p in (tmp_path / "mix").iterdir())
+
+
+def test_a_failed_run_leaves_no_folder_it_created(tmp_path, inputs):
+    state = load_checkpoint(inputs[1])[1]
+    state["lm_head.weight"] = torch.full_like(state["lm_head.weight"], float("nan"))
+    bad = save_checkpoint(state, CFG, tmp_path / "in" / "nan.safetensors")
+    out = tmp_path / "new" / "deeper" / "mix.safetensors"
+    one_error_line(merge([inputs[0], bad], out), "non-finite")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_parent_that_is_a_file_is_one_line(tmp_path, inputs):
+    (tmp_path / "file.txt").write_text("not a folder")
+    one_error_line(merge(inputs, tmp_path / "file.txt" / "mix.safetensors"), "file.txt", "not a folder")
+    assert (tmp_path / "file.txt").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_write_errors_are_one_line_and_leave_nothing(tmp_path, inputs, monkeypatch, err):
+    def fail(self, name, tensor):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(SafetensorsStreamWriter, "write", fail)
+    out = tmp_path / "out" / "mix"
+    line = one_error_line(merge(inputs, out), str(out), os.strerror(err))
+    assert "Traceback" not in line and not (tmp_path / "out").exists()
+
+
+def test_read_only_file_system_when_creating_the_output_folder(tmp_path, inputs, monkeypatch):
+    real_mkdir = os.mkdir
+
+    def read_only(path, *a, **k):
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    one_error_line(merge(inputs, tmp_path / "ro" / "mix.safetensors"), "Read-only file system")
