@@ -1,9 +1,10 @@
-"""Reference PyTorch runtime for dense and BAM mixture models. Imports nothing from the other layers.
+"""PyTorch runtime for dense and BAM mixture models. Imports nothing from the other layers.
 
-    from bam_surgery.runtime import load_model, ForcedRouting
+    from bam_surgery.runtime import load_model, generate, ForcedRouting
     model = load_model("mix.safetensors")           # config from the file's metadata
     out = model(tokens)                              # out.logits [B, T, V]
     out = model(tokens, routing=ForcedRouting(expert=2))
+    new = generate(model, tokens, max_new_tokens=20)  # greedy continuation with the KV cache
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from .checkpoint import CheckpointError, CheckpointReader, load_checkpoint, save_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, preset
+from .blocks import ModelKVCache
+from .generation import generate
 from .layout import tensor_shapes
 from .model import ForcedRouting, Model, ModelOutput
 
@@ -21,8 +24,14 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> Model:
     """Rebuild a model from a canonical checkpoint (file or directory) alone."""
     with CheckpointReader(path) as reader:
-        check_layout(reader)
-        cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
+        return model_from_reader(reader, device, dtype)
+
+
+def model_from_reader(reader, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
+    """The model of any reader with canonical names (.config, .names(), .shape(n), .get(n), .file_of(n),
+    .path), checked against its config's layout first; weights cast to dtype if given. In eval mode."""
+    check_layout(reader)
+    cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
     with torch.device("meta"):
         model = Model(cfg)
     model.load_state_dict(state, assign=True)
@@ -54,5 +63,6 @@ def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] |
     return save_checkpoint(model.state_dict(), model.config, path, metadata, max_shard_bytes)
 
 
-__all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelOutput",
-           "PRESETS", "check_layout", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]
+__all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelKVCache",
+           "ModelOutput", "PRESETS", "check_layout", "generate", "load_checkpoint", "load_model", "model_from_reader",
+           "preset", "save_checkpoint", "save_model"]
