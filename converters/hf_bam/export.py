@@ -6,6 +6,7 @@
 The directory holds:
     config.json                      every ModelConfig field (same names) + architectures, auto_map, model_type, torch_dtype
     configuration_bam.py, modeling_bam.py       the remote code, copied from this package
+    blocks_bam.py                    the model math modeling_bam.py imports: runtime/blocks.py, byte for byte
     generation_config.json
     model.safetensors                one file, or, with max_shard_bytes,
     model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -28,6 +29,7 @@ import torch
 
 from bam_surgery.runtime.checkpoint import (SafetensorsStreamWriter, atomic_path, iter_tensors, nbytes, plan_shards, shard_name,
                                 write_index)
+from bam_surgery.runtime import blocks as runtime_blocks
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
@@ -35,12 +37,15 @@ from .configuration_bam import SUPPORTED, BamConfig
 
 CODE_DIR = Path(__file__).parent
 CODE_FILES = ("configuration_bam.py", "modeling_bam.py")
+# every file of remote code in an export -> where it comes from (one copy of the model math: the runtime's)
+SHIPPED_FILES = {**{name: CODE_DIR / name for name in CODE_FILES},
+                 "blocks_bam.py": Path(runtime_blocks.__file__)}
 ARCHITECTURE = "BamForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_bam.BamConfig", "AutoModelForCausalLM": "modeling_bam.BamForCausalLM"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Files the export writes itself; a tokenizer file with one of these names would overwrite them.
-RESERVED = {"config.json", "generation_config.json", "README.md", SINGLE_FILE, INDEX_FILE, *CODE_FILES}
+RESERVED = {"config.json", "generation_config.json", "README.md", SINGLE_FILE, INDEX_FILE, *SHIPPED_FILES}
 
 # ---- names: one rule, its inverse derived ---------------------------------------------------
 TRUNK_PREFIX = "model."  # BamForCausalLM.model holds everything but the output head
@@ -171,8 +176,8 @@ def export_hf_bam(reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[
             write_index(tmp, weight_map, sum(nbytes(s, d) for _, s, d in entries), {})
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg, torch_dtype, generation), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(dict(generation or {}), indent=2) + "\n")
-        for name in CODE_FILES:
-            shutil.copyfile(CODE_DIR / name, tmp / name)
+        for name, source in SHIPPED_FILES.items():
+            shutil.copyfile(source, tmp / name)
         for p in extra_files:
             shutil.copyfile(p, tmp / p.name)
         if model_card is not None:
