@@ -349,7 +349,7 @@ def _progress(total: int, enabled: bool):
 _CHECKPOINT_FILES = re.compile(r"^(config\.json|model\.safetensors\.index\.json|.*\.safetensors|"
                                r"generation_config\.json|tokenizer.*|special_tokens_map\.json|.*\.model|"
                                r"vocab\.json|merges\.txt|added_tokens\.json|README\.md|"
-                               r"configuration_bam\.py|modeling_bam\.py)$")
+                               r"configuration_bam\.py|modeling_bam\.py|blocks_bam\.py)$")
 
 
 def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Any]]) -> None:
