@@ -192,7 +192,8 @@ class Projections(nn.Module):
 
 
 def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """RoPE angles for positions [B, T]: cos, sin [B, T, 1, rotary_dim/2] in float32, computed once per forward."""
+    """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
+    in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there)."""
     dim = cfg.rotary_dim
     device = positions.device
     # float64 then float32 (not a buffer, so casting the model to bf16 never rounds it); MPS has no float64
@@ -200,21 +201,24 @@ def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
     exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=where) / dim
     inv_freq = (1.0 / cfg.rope_theta ** exponent).float().to(device)
     angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
-    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    if cfg.rope_interleaved:  # pairs (2i, 2i+1)
+        return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # pairs (i, i + rot/2)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """Rotate the first rotary_dim dims of each head of x [B, T, heads, Dh]: half-split pairs (i, i + rot/2)
-    (Llama/NeoX) or interleaved pairs (2i, 2i+1) (GPT-J/Cohere); computed in float32."""
-    dim = 2 * cos.shape[-1]
-    rot, rest = x[..., :dim].float(), x[..., dim:]
+    """Rotate the first rotary_dim dims of each head of x [B, T, heads, Dh] in float32: pair (a, b) becomes
+    (a cos - b sin, b cos + a sin), for half-split pairs (i, i + rot/2) (Llama/NeoX) or interleaved pairs
+    (2i, 2i+1) (GPT-J/Cohere). swap(x) puts each element's partner in its place."""
+    dim = cos.shape[-1]
+    rot = (x if dim == x.shape[-1] else x[..., :dim]).float()
     if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        swapped = torch.stack((rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
     else:
-        x1, x2 = rot.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((out.to(x.dtype), rest), dim=-1)
+        swapped = torch.cat((rot[..., dim // 2:], rot[..., :dim // 2]), dim=-1)
+    out = (rot * cos + swapped * sin).to(x.dtype)
+    return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -334,7 +338,7 @@ def expert_mixture(x: Tensor, experts: Tensor, gates: Tensor, ffn: Projections, 
 class ForwardPass:
     """What one forward pass hands every block."""
 
-    rope: Optional[tuple[Tensor, Tensor]]  # cos, sin [B, T, 1, rot/2], or None (no RoPE)
+    rope: Optional[tuple[Tensor, Tensor]]  # cos, signed sin [B, T, 1, rot] (rotary_cos_sin), or None (no RoPE)
     input_pos: Tensor  # [T] the new tokens' key slots
     attention_mask: Optional[Tensor]  # [B, >= S] 1 token, 0 padding; None: no padding
     cache: object = None  # .update(layer, input_pos, k, v) -> (k, v) [B, Hkv, S, Dh]; None: no cache
