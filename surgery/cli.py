@@ -262,6 +262,9 @@ from .cli_audit import count_params_cmd, inspect_cmd  # noqa: E402
 
 cli.add_command(count_params_cmd)
 cli.add_command(inspect_cmd)
+from .cli_generate import generate_cmd  # noqa: E402
+
+cli.add_command(generate_cmd)
 
 
 def _terminate(signum, frame) -> None:
