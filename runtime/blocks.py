@@ -213,11 +213,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     (2i, 2i+1) (GPT-J/Cohere). swap(x) puts each element's partner in its place."""
     dim = cos.shape[-1]
     rot = (x if dim == x.shape[-1] else x[..., :dim]).float()
+    # flip, not slices and cat: one copy forward and backward (slicing's backward zero-fills whole tensors)
     if interleaved:
-        swapped = torch.stack((rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        swapped = rot.unflatten(-1, (dim // 2, 2)).flip(-1).flatten(-2)
     else:
-        swapped = torch.cat((rot[..., dim // 2:], rot[..., :dim // 2]), dim=-1)
-    out = (rot * cos + swapped * sin).to(x.dtype)
+        swapped = rot.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
+    out = (rot * cos).addcmul_(swapped, sin).to(x.dtype)  # in place: one pass less over [B, T, heads, rot]
     return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
 
 
@@ -290,20 +291,20 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else x.dtype
 
 
-def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tensor, kernel: str) -> Tensor:
-    """Rows xs [A, in] sorted by expert (expert [A], counts [E] rows per expert) -> [A, out], row a through
-    expert[a]'s linear map."""
+def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tensor, ends: Tensor,
+                   kernel: str) -> Tensor:
+    """Rows xs [A, in] sorted by expert (expert [A]; counts [E] rows per expert, ends [E] their cumulative sum)
+    -> [A, out], row a through expert[a]'s linear map."""
     W = lin.weight  # [E, out, in]
     if kernel == "grouped":
         dtype = _matmul_dtype(xs)
-        offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's segment
-        y = torch._grouped_mm(xs.to(dtype), W.to(dtype).transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(xs.to(dtype), W.to(dtype).transpose(-2, -1), offs=ends.to(torch.int32))
     elif kernel == "gather":
         y = torch.bmm(xs[:, None, :], W[expert].transpose(1, 2))[:, 0]  # [A, 1, in] @ [A, in, out]
     else:
         E, A = W.shape[0], xs.shape[0]
         capacity = int(counts.max())  # the one host synchronisation of this kernel
-        slot = torch.arange(A, device=xs.device) - (counts.cumsum(0) - counts)[expert]  # row within its expert
+        slot = torch.arange(A, device=xs.device) - (ends - counts)[expert]  # row within its expert
         buffer = xs.new_zeros(E, capacity, xs.shape[1]).index_put((expert, slot), xs)
         y = torch.bmm(buffer, W.transpose(1, 2))[expert, slot]  # [E, C, out] -> [A, out]
     if lin.bias is not None:
@@ -320,14 +321,15 @@ def expert_mixture(x: Tensor, experts: Tensor, gates: Tensor, ffn: Projections, 
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0)
     kernel = kernel or expert_kernel(x, flat.numel(), E)
     xs = x[order // K]  # [A, D], sorted by expert
-    h = grouped_linear(xs, ffn.up, expert, counts, kernel)
+    h = grouped_linear(xs, ffn.up, expert, counts, ends, kernel)
     if gated:
-        h = act(grouped_linear(xs, ffn.gate, expert, counts, kernel)) * h
+        h = act(grouped_linear(xs, ffn.gate, expert, counts, ends, kernel)) * h
     else:
         h = act(h)
-    y = grouped_linear(h, ffn.down, expert, counts, kernel)  # [A, D], sorted
+    y = grouped_linear(h, ffn.down, expert, counts, ends, kernel)  # [A, D], sorted
     y = y * gates.reshape(-1)[order, None].to(y.dtype)
     y = torch.zeros_like(y).index_copy(0, order, y)  # back to assignment order n*K + k
     return y.to(x.dtype).view(N, K, -1).sum(1)

@@ -100,7 +100,8 @@ class Model(Transformer):
         return_logits   False: no logits; the loss (with targets) is computed chunk by chunk with the head,
                         never holding [B, T, V] fp32 logits or their gradient
         logits_to_keep  n > 0: logits of the last n positions only (decoding)
-        Router losses average over every position, padding included.
+        Router losses average over every position, padding included; with a cache and no targets (decoding)
+        they are not computed (None).
         """
         cfg = self.config
         B, T = tokens.shape
@@ -111,7 +112,8 @@ class Model(Transformer):
         x, trace = self.hidden_states(self.embed(tokens), attention_mask=attention_mask, positions=positions,
                                       input_pos=input_pos, cache=cache, routing=routing)
         out = ModelOutput(logits=None, routing=trace)
-        out.lb_loss, out.z_loss = router_losses(trace, x.device)
+        if targets is not None or cache is None:  # not while decoding: nothing would read them
+            out.lb_loss, out.z_loss = router_losses(trace, x.device)
         if return_logits:
             out.logits = self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
         if targets is not None:
