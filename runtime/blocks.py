@@ -242,8 +242,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     """Scaled dot-product attention, q [B, Hq, T, Dh] over k, v [B, Hkv, S, Dh]: query head j reads kv head
     j // (Hq / Hkv). mask: bool [B or 1, 1, T, S], or None for plain causal attention (T == S).
 
-    K and V are never copied per query head: with a mask, the Hq/Hkv query heads that share a kv head are
-    folded into the query length (plain attention, any backend, exportable); without one, SDPA's own GQA."""
+    K and V are never copied per query head: the Hq/Hkv query heads that share a kv head are folded into the
+    query length (plain attention with a mask, any backend, exportable); unmasked causal attention on CUDA
+    uses SDPA's own GQA instead (flash attention, which an explicit mask would rule out)."""
     B, Hq, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
@@ -252,10 +253,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
-        if _SDPA_GQA:
+        if _SDPA_GQA and q.device.type == "cuda":  # flash attention reads the shared heads itself
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        # elsewhere enable_gqa copies K/V per query head (the math path); fold with an explicit causal mask
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]
     folded = q.reshape(B, Hkv, rep * T, Dh)  # row r*T + t: query head g*rep + r at token t
     mask = mask[:, :, None].expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)

@@ -7,7 +7,9 @@
 
 The decode step (`decode_step`) is plain tensor code over static shapes (cache [B, heads, max_len, Dh], a
 [B, max_len] mask, the one new token's slot as a tensor), so `compile=True` captures it whole with
-torch.compile (mode "reduce-overhead", i.e. CUDA graphs, on a GPU). Sampling draws its uniform numbers
+torch.compile (mode "reduce-overhead", i.e. CUDA graphs, on a GPU) whenever the FFN expert kernel needs no
+host synchronisation: always in bf16 where torch._grouped_mm runs, and for up to 2*E/K sequences otherwise
+(blocks.expert_kernel); larger fp32/fp16 batches of FFN-expert models take one graph break per layer. Sampling draws its uniform numbers
 outside the step from a private generator, so a seed gives the same tokens every time and the global RNG
 is left alone.
 """
@@ -97,8 +99,8 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
     else:
         cache = model.new_cache(B, max_len)
     step: Callable[..., Tensor] = decode_step
-    if compile:
-        step = torch.compile(decode_step, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True)
+    if compile:  # whole-graph whenever the expert kernel needs no host sync (see blocks.expert_kernel)
+        step = torch.compile(decode_step, mode="reduce-overhead" if device.type == "cuda" else None)
     out = torch.full((B, max_new_tokens), fill, dtype=torch.long, device=device)
     if not max_new_tokens:
         return out
