@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import save_file
 
 from conftest import random_state, tiny_config
 from bam_surgery.converters.hf_bam import export_hf_bam
@@ -137,6 +138,7 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
     root, _ = checkpoints
     ckpt = root / "canonical"
     (tmp_path / "notes.txt").write_text("not a model")
+    save_file({"weight": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))  # tensors, but no model config
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
     cases = [
@@ -153,6 +155,7 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
         ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "nope.json"), "--tokenizer:"),
         ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "broken"), "cannot read the tokenizer"),
         ((tmp_path / "notes.txt", "--tokens", "1"), "not a checkpoint"),
+        ((tmp_path / "plain.safetensors", "--tokens", "1"), "not a bam-surgery canonical checkpoint"),
         ((tmp_path / "missing", "--tokens", "1"), "missing"),
     ]
     if not torch.cuda.is_available():
