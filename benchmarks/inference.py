@@ -213,10 +213,11 @@ def attention_flops(matmul_flops: float, layers: int, q_heads: int, head_dim: in
 
 
 # ---- one case, in a child process -----------------------------------------------------------------
-def run_case(case: Case, size: dict, repeat: int, threads: int) -> Result:
+def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wall") -> Result:
     import torch
 
     torch.set_num_threads(threads)
+    now = time.perf_counter if clock == "wall" else time.process_time
     result = Result(case.name, threads=threads)
     engine = ENGINES[case.engine](case, size)
     B, T, steps = size["batch"], size["seq"], size["decode_steps"]
@@ -228,9 +229,9 @@ def run_case(case: Case, size: dict, repeat: int, threads: int) -> Result:
         fn()  # warm-up
         runs = []
         for _ in range(repeat):
-            start = time.perf_counter()
+            start = now()
             fn()
-            runs.append(time.perf_counter() - start)
+            runs.append(now() - start)
         return statistics.median(runs)
 
     prefill_s = timed(lambda: engine.prefill(tokens, T + steps))
@@ -241,9 +242,9 @@ def run_case(case: Case, size: dict, repeat: int, threads: int) -> Result:
 
         def decode():
             state = engine.prefill(prompt, T + steps)
-            start = time.perf_counter()
+            start = now()
             engine.decode(state, T, steps)
-            return time.perf_counter() - start
+            return now() - start
 
         decode()  # warm-up
         seconds = statistics.median(decode() for _ in range(repeat))
@@ -258,7 +259,7 @@ def run_case(case: Case, size: dict, repeat: int, threads: int) -> Result:
 # ---- the parent: one process per case, the table ------------------------------------------------
 def child_main(args) -> None:
     case = next(c for c in CASES if c.name == args.child)
-    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads))))
+    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads, args.clock))))
 
 
 def run_all(args) -> list[Result]:
@@ -273,7 +274,8 @@ def run_all(args) -> list[Result]:
             load = os.getloadavg()[0]
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--child", case.name, "--size",
-                                   args.size, "--repeat", str(args.repeat), "--threads", str(args.threads)],
+                                   args.size, "--repeat", str(args.repeat), "--threads", str(args.threads),
+                                   "--clock", args.clock],
                                   capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
             if proc.returncode:
                 result = Result(case.name, error=(proc.stderr.strip().splitlines() or ["?"])[-1])
@@ -373,12 +375,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every case this many times, round after round; report each metric's best round")
     parser.add_argument("--cases", nargs="*", help="run only these case names")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time; cpu: the process's CPU time, which time spent descheduled by "
+                             "other work does not inflate (meaningful with --threads 1 only)")
     parser.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1 (CPU time adds up over threads)")
     if args.child:
         return child_main(args)
     results = run_all(args)
-    text = f"{machine()}\n\n{table(results)}\n\n{targets(results)}\n"
+    setting = f"{args.threads} thread(s), {args.clock} clock, {args.rounds} round(s) of --repeat {args.repeat}"
+    text = f"{machine()}\n{setting}\n\n{table(results)}\n\n{targets(results)}\n"
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
