@@ -1,9 +1,10 @@
-"""Reference PyTorch runtime for dense and BAM mixture models. Imports nothing from the other layers.
+"""PyTorch runtime for dense and BAM mixture models. Imports nothing from the other layers.
 
-    from bam_surgery.runtime import load_model, ForcedRouting
+    from bam_surgery.runtime import load_model, generate, ForcedRouting
     model = load_model("mix.safetensors")           # config from the file's metadata
     out = model(tokens)                              # out.logits [B, T, V]
     out = model(tokens, routing=ForcedRouting(expert=2))
+    new = generate(model, tokens, max_new_tokens=20)  # greedy continuation with the KV cache
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from .checkpoint import CheckpointError, CheckpointReader, load_checkpoint, save_checkpoint
 from .config import PRESETS, ConfigError, ModelConfig, preset
+from .blocks import ModelKVCache
+from .generation import generate
 from .model import ForcedRouting, Model, ModelOutput
 from .reader import Reader, StateReader, check_layout
 
@@ -21,8 +24,15 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> Model:
     """Rebuild a model from a canonical checkpoint (file or directory) alone."""
     with CheckpointReader(path) as reader:
-        check_layout(reader)  # errors name the file and tensor, instead of load_state_dict's message
-        cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
+        return model_from_reader(reader, device, dtype)
+
+
+def model_from_reader(reader: Reader, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
+    """The model of any reader (canonical names), checked against its config's layout first (errors
+    name the file and tensor, instead of load_state_dict's message); weights cast to dtype if given.
+    In eval mode."""
+    check_layout(reader)
+    cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
     with torch.device("meta"):
         model = Model(cfg)
     model.load_state_dict(state, assign=True)
@@ -37,5 +47,6 @@ def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] |
     return save_checkpoint(model.state_dict(), model.config, path, metadata, max_shard_bytes)
 
 
-__all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelOutput",
-           "PRESETS", "Reader", "StateReader", "check_layout", "load_checkpoint", "load_model", "preset", "save_checkpoint", "save_model"]
+__all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelKVCache",
+           "ModelOutput", "PRESETS", "Reader", "StateReader", "check_layout", "generate", "load_checkpoint", "load_model", "model_from_reader",
+           "preset", "save_checkpoint", "save_model"]

@@ -331,6 +331,9 @@ from .cli_audit import count_params_cmd, inspect_cmd  # noqa: E402
 
 cli.add_command(count_params_cmd)
 cli.add_command(inspect_cmd)
+from .cli_generate import generate_cmd  # noqa: E402
+
+cli.add_command(generate_cmd)
 
 from .cli_train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
 

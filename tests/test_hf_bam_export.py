@@ -15,6 +15,7 @@ from bam_surgery.converters.hf_bam import (canonical_weight_name, check_hf_bam, 
                                hf_weight_name)
 from bam_surgery.converters.hf_bam import modeling_bam
 from bam_surgery.converters.hf_bam.configuration_bam import SUPPORTED
+from bam_surgery.converters.hf_bam.export import SHIPPED_FILES
 from bam_surgery.runtime import Model, ModelConfig, save_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
 from bam_surgery.runtime.reader import Reader
@@ -291,14 +292,38 @@ def test_supported_table_matches_modeling_code():
 def test_remote_code_imports_only_torch_and_transformers():
     import ast
 
-    allowed = {"torch", "transformers", "math", "__future__"}
-    for name in ("configuration_bam.py", "modeling_bam.py"):
-        tree = ast.parse((Path(modeling_bam.__file__).parent / name).read_text())
+    allowed = {"torch", "transformers", "math", "dataclasses", "typing", "__future__"}
+    for name, source in SHIPPED_FILES.items():
+        tree = ast.parse(source.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 roots = {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom):
-                roots = set() if node.level else {node.module.split(".")[0]}  # relative: the sibling file
+                if node.level:  # relative: must be a sibling shipped in the same folder
+                    assert f"{node.module}.py" in SHIPPED_FILES, f"{name} imports .{node.module}"
+                    continue
+                roots = {node.module.split(".")[0]}
             else:
                 continue
             assert roots <= allowed, f"{name} imports {roots - allowed}"
+
+
+def test_export_ships_the_runtimes_model_math(exported):
+    """One copy of the model math: the export's blocks_bam.py is runtime/blocks.py byte for byte, the loaded
+    HF model's blocks come from that shipped file, and modeling_bam.py defines none of the math itself."""
+    import ast
+
+    from bam_surgery.runtime import blocks
+
+    _, out, hf = exported("bam_shared_kv")
+    assert (out / "blocks_bam.py").read_bytes() == Path(blocks.__file__).read_bytes()
+    assert {p.name for p in out.glob("*.py")} == set(SHIPPED_FILES)
+    block_module = type(hf.model.layers[0]).__module__
+    assert block_module.endswith(".blocks_bam") and block_module.startswith("transformers_modules.")
+    assert type(hf.model.layers[0]) is not blocks.Block  # the shipped copy, not the installed package
+    tree = ast.parse((Path(modeling_bam.__file__)).read_text())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    math = {n.name for n in ast.walk(ast.parse(Path(blocks.__file__).read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.col_offset == 0}
+    assert not defined & math, defined & math
+    assert not defined & {"attention", "feed_forward", "route", "apply_rotary", "attend"}

@@ -19,8 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("runtime", "converters", "train", "surgery")  # each may import the ones before it
 LAYER_DIRS = ORDER + ("recipes",)
-# files shipped into exported HF folders run without bam_surgery installed: torch/transformers only
-STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py")}
+# files shipped into exported HF folders run without bam_surgery installed: torch/transformers only, and
+# each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it)
+STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py"),
+              Path("runtime/blocks.py")}
+SHIPPED_AS = {Path("converters/hf_bam/blocks_bam.py"): Path("runtime/blocks.py")}
 
 def _modules(layer: str, root: Path = ROOT) -> list[Path]:
     d = root / layer
@@ -49,6 +52,9 @@ def _layer_of(module: str) -> str | None:
         return parts[1]
     return None
 
+def _shipped(path: Path) -> Path:
+    return SHIPPED_AS.get(path, path)
+
 def layering_problems(root: Path = ROOT) -> list[str]:
     problems = []
     for layer in ORDER:
@@ -62,7 +68,7 @@ def layering_problems(root: Path = ROOT) -> list[str]:
                 target = _layer_of(module)
                 if target is not None and target not in allowed:
                     problems.append(f"{where}: layer {layer} imports {module} (layer {target} is above it)")
-                sibling = relative and Path(*module.split(".")[1:]).with_suffix(".py") in STANDALONE
+                sibling = relative and _shipped(Path(*module.split(".")[1:]).with_suffix(".py")) in STANDALONE
                 if path.relative_to(root) in STANDALONE and (top == "bam_surgery" or target) and not sibling:
                     problems.append(f"{where}: shipped remote-code file imports {module}")
     return problems

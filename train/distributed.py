@@ -16,10 +16,11 @@ wrapped (fully_shard shards what is there), the optimizer state after (set_optim
 """
 from __future__ import annotations
 
+
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any, Callable
 
 import torch
@@ -139,17 +140,21 @@ def wrap(model: nn.Module, d: Dist) -> nn.Module:
     return model
 
 
-class _AppendTo:
-    """Stands for a list argument (the blocks append their routing records to one the model passes
-    in) without being a list: FSDP2's pre-forward hook rebuilds lists, tuples, dicts and dataclasses
-    among the arguments when they hold tensors that require grad, so a block would append to a copy
-    and the model would lose that block's routing (and its auxiliary losses)."""
+class _Opaque:
+    """Stands for an argument the blocks write into (the model's ForwardPass, whose `routing` dict
+    collects each block's routing records) without being one: FSDP2's pre-forward hook rebuilds lists,
+    tuples, dicts and dataclasses among the arguments when they hold tensors that require grad, so a
+    block would write into a copy and the model would lose that block's routing (and its auxiliary
+    losses). Reads go to the original object."""
 
-    def __init__(self, target: list):
-        self._target = target
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
 
     def __getattr__(self, name: str):
         return getattr(self._target, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._target, name, value)
 
     def __len__(self) -> int:
         return len(self._target)
@@ -159,9 +164,10 @@ class _AppendTo:
 
 
 def _hand_over_accumulators(module, args, kwargs):
-    """Forward pre-hook, run before FSDP2's: list arguments reach the block as _AppendTo."""
-    wrap_list = lambda a: _AppendTo(a) if isinstance(a, list) else a  # noqa: E731
-    return tuple(wrap_list(a) for a in args), {k: wrap_list(v) for k, v in kwargs.items()}
+    """Forward pre-hook, run before FSDP2's: list and dataclass arguments reach the block as _Opaque."""
+    def wrap_one(a):
+        return _Opaque(a) if isinstance(a, list) or (is_dataclass(a) and not isinstance(a, type)) else a
+    return tuple(wrap_one(a) for a in args), {k: wrap_one(v) for k, v in kwargs.items()}
 
 
 def sync_context(wrapped: nn.Module, d: Dist, sync: bool):

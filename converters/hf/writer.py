@@ -86,7 +86,7 @@ def check_copies(files: Iterable[str | os.PathLike], writes: Iterable[str]) -> l
 
 
 def write_hf_directory(out_dir: str | os.PathLike, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
-                       *, texts: Mapping[str, str], copies: Sequence[Path] = (), code: Sequence[Path] = (),
+                       *, texts: Mapping[str, str], copies: Sequence[Path] = (), code: Mapping[str, Path] = {},
                        max_shard_bytes: int | None = None, single_file: str | None = SINGLE_FILE,
                        always_index: bool = False, replace: bool = True) -> Path:
     """The directory, atomically: weight shards (one `single_file` when they fit, None: shard names
@@ -99,8 +99,10 @@ def write_hf_directory(out_dir: str | os.PathLike, entries: list[Entry], tensors
             write_index(tmp, weight_map, total_size(entries), {})
         for name, text in texts.items():
             (tmp / name).write_text(text)
-        for p in [*copies, *code]:
+        for p in copies:
             shutil.copyfile(p, tmp / p.name)
+        for name, source in code.items():
+            shutil.copyfile(source, tmp / name)
     return Path(out_dir)
 
 

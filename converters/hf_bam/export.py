@@ -6,6 +6,7 @@
 The directory holds:
     config.json                      every ModelConfig field (same names) + architectures, auto_map, model_type, torch_dtype
     configuration_bam.py, modeling_bam.py       the remote code, copied from this package
+    blocks_bam.py                    the model math modeling_bam.py imports: runtime/blocks.py, byte for byte
     generation_config.json
     model.safetensors                one file, or, with max_shard_bytes,
     model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -25,6 +26,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from bam_surgery.runtime import blocks as runtime_blocks
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import FLOAT_DTYPES, dtype_name, main_dtype
 from bam_surgery.runtime.layout import tensor_shapes
@@ -38,6 +40,9 @@ from ..hf.writer import check_copies, plan_weights, stream_weights, write_hf_dir
 
 CODE_DIR = Path(__file__).parent
 CODE_FILES = ("configuration_bam.py", "modeling_bam.py")
+# every file of remote code in an export -> where it comes from (one copy of the model math: the runtime's)
+SHIPPED_FILES = {**{name: CODE_DIR / name for name in CODE_FILES},
+                 "blocks_bam.py": Path(runtime_blocks.__file__)}
 ARCHITECTURE = "BamForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_bam.BamConfig", "AutoModelForCausalLM": "modeling_bam.BamForCausalLM"}
 
@@ -133,7 +138,7 @@ def export_hf_bam(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: I
              GENERATION_CONFIG: json.dumps(dict(generation or {}), indent=2) + "\n"}
     if model_card is not None:
         texts["README.md"] = model_card
-    copies = check_copies(tokenizer_files, [*texts, *CODE_FILES])
+    copies = check_copies(tokenizer_files, [*texts, *SHIPPED_FILES])
     return write_hf_directory(out_dir, entries, stream_weights(reader, rows, dtype), texts=texts, copies=copies,
-                              code=[CODE_DIR / name for name in CODE_FILES], max_shard_bytes=max_shard_bytes,
+                              code=SHIPPED_FILES, max_shard_bytes=max_shard_bytes,
                               replace=replace)

@@ -1,0 +1,677 @@
+"""The model math of bam-surgery in one torch-only file: norms, stacked expert projections, RoPE, routing and
+router losses, the transformer block (a readable reference loop and a fused path), the static KV cache and
+the transformer trunk.
+
+One copy: the runtime (runtime/model.py) builds its Model on it, and every HF BAM export ships this very file
+(as blocks.py, byte for byte) next to modeling_bam.py, which imports it. So it imports only torch and the
+standard library, nothing relative. Configs are duck-typed: anything with ModelConfig's field names and its
+`rotary_dim` works (runtime.config.ModelConfig, the export's BamConfig).
+
+Shapes: B batch, T new tokens, S key slots (T, or the cache's length), D d_model, H heads, G kv heads,
+Dh head dim, E experts, K top-k, N = B*T tokens, A = N*K expert assignments, V vocab.
+
+Two implementations of a block, picked per forward (`impl`):
+    reference  each expert in a plain Python loop: the oracle the tests hold the fused path to.
+    fused      the path training and inference use; same parameters, same routing trace:
+      attention experts   one wide attention. Q (and K, V with expert KV) for all E experts come from one
+                          matmul over the stacked weights viewed as [E*out, D]; scaled-dot-product attention
+                          runs over E*H query heads at once (expert KV: E*G kv heads; shared KV: the G shared
+                          kv heads, GQA style, without copying them); each expert's head group is scaled by
+                          its gate and the E output projections run as one batched matmul.
+                          Top-k attention routing uses the same computation with unselected gates zero:
+                          every expert still attends for every token (a token's keys serve later tokens
+                          routed elsewhere, so they are always computed and cached); only the gate zeroes an
+                          unselected expert's output. Nothing is skipped.
+      FFN experts         the N*K (token, expert) assignments are sorted by expert and run through grouped
+                          matmuls over the stacked [E, out, in] weights, then weighted by their gates and
+                          summed per token: cost proportional to K, no Python loop over experts, no
+                          host-device synchronisation per expert (see `expert_kernel`).
+
+Routing and auxiliary losses (paper, Appendix B.1), per router with N experts over B tokens:
+    L_LB = N * sum_i f_i * P_i     f_i: fraction of the B*K top-k assignments that went to expert i
+                                   P_i: mean over tokens of the full-softmax gate p_i(x)
+    L_z  = (1/B) * sum_b (logsumexp_j x_j^b)^2
+FFN routers and top-k attention routers contribute both; soft attention routers only L_z (every token goes
+to every attention expert, so there is no load to balance). Router logits are computed in float32 (also
+under autocast) unless the weights themselves are low precision.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "swiglu": F.silu,  # gated: act(gate x) * up x
+    "silu": F.silu,
+    "gelu": F.gelu,  # exact (erf)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+IMPLS = ("fused", "reference")
+# scaled_dot_product_attention(enable_gqa=...) appeared in torch 2.5; older versions copy K/V heads instead.
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+# ---- routing --------------------------------------------------------------------------------
+@dataclass
+class ForcedRouting:
+    """Override every router's gates (used by identity tests and debugging commands).
+
+    expert=i       every router (attention and FFN) sends every token to expert i with gate 1.
+    ffn_gates      Tensor [E]: the FFN gate values for every token (experts with gate 0 are skipped).
+    attn_gates     Tensor [E]: the attention gate values for every token.
+    Unset parts keep the learned routers.
+    """
+
+    expert: Optional[int] = None
+    ffn_gates: Optional[Tensor] = None
+    attn_gates: Optional[Tensor] = None
+
+    def gates(self, kind: str, n_experts: int) -> Optional[Tensor]:
+        if self.expert is not None:
+            if not 0 <= self.expert < n_experts:
+                raise ValueError(f"ForcedRouting.expert={self.expert} out of range for {n_experts} {kind} experts")
+            return F.one_hot(torch.tensor(self.expert), n_experts).float()
+        g = self.ffn_gates if kind == "ffn" else self.attn_gates
+        if g is not None and g.shape != (n_experts,):
+            raise ValueError(f"ForcedRouting.{kind}_gates has shape {tuple(g.shape)}, expected ({n_experts},)")
+        return g
+
+
+@dataclass
+class Routing:
+    """Gates for one router over N = B*T tokens: dense [N, E] (zeros for unselected experts)."""
+
+    gates: Tensor
+    logits: Optional[Tensor] = None  # [N, E] router logits, float32 (None when forced)
+    probs: Optional[Tensor] = None  # [N, E] full softmax
+    topk: Optional[Tensor] = None  # [N, K] selected experts
+
+
+def route(router: nn.Linear, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
+          forced: Optional[Tensor]) -> Routing:
+    n_tok = x.shape[0] * x.shape[1]
+    if forced is not None:
+        return Routing(gates=forced.to(x.device, torch.float32).expand(n_tok, n_experts))
+    if _autocast_on(x.device.type):  # router logits in the weights' precision, not autocast's
+        with torch.autocast(x.device.type, enabled=False):
+            logits = router(x.to(router.weight.dtype))
+    else:
+        logits = router(x)
+    logits = logits.reshape(n_tok, n_experts).float()  # [N, E]
+    probs = logits.softmax(-1)
+    if top_k is None:  # soft routing: every expert, full softmax gates
+        return Routing(gates=probs, logits=logits, probs=probs)
+    top_p, top_i = probs.topk(top_k, dim=-1)  # [N, K]
+    if gate_norm == "topk_softmax":
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    gates = torch.zeros_like(probs).scatter(-1, top_i, top_p)
+    return Routing(gates=gates, logits=logits, probs=probs, topk=top_i)
+
+
+def load_balancing_loss(probs: Tensor, topk: Tensor, n_experts: int) -> Tensor:
+    """N * sum_i f_i * P_i; f from the top-k assignments (each token counts 1/K per slot)."""
+    counts = torch.zeros(n_experts, device=probs.device).scatter_add(
+        0, topk.reshape(-1), torch.ones(topk.numel(), device=probs.device))
+    f = counts / topk.numel()
+    P = probs.mean(0)
+    return n_experts * (f * P).sum()
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    return logits.logsumexp(-1).pow(2).mean()
+
+
+def router_losses(trace: dict[str, Routing], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(sum of L_LB, sum of L_z) over a forward's routing trace: top-k routers (FFN, top-k attention) add
+    both, soft attention routers only L_z; forced routers have nothing learned to regularize and add nothing."""
+    lb = z = torch.zeros((), device=device)
+    for r in trace.values():
+        if r.logits is None:
+            continue
+        z = z + z_loss(r.logits)
+        if r.topk is not None:
+            lb = lb + load_balancing_loss(r.probs, r.topk, r.probs.shape[-1])
+    return lb, z
+
+
+# ---- building blocks ------------------------------------------------------------------------
+class Norm(nn.Module):
+    """LayerNorm (optional bias) in the input dtype, or RMSNorm computed in float32."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.norm_bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class StackedLinear(nn.Module):
+    """E independent linear maps stored as one tensor: weight [E, out, in], bias [E, out]."""
+
+    def __init__(self, n_experts: int, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, n_out, n_in))
+        self.bias = nn.Parameter(torch.zeros(n_experts, n_out)) if bias else None
+
+    def forward(self, x: Tensor, e: int) -> Tensor:
+        """Expert e alone: [..., in] -> [..., out]."""
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def all_experts(self, x: Tensor) -> Tensor:
+        """Every expert on every token in one matmul: [..., in] -> [..., E*out], expert-major."""
+        E, n_out, n_in = self.weight.shape
+        bias = None if self.bias is None else self.bias.reshape(E * n_out)
+        return F.linear(x, self.weight.reshape(E * n_out, n_in), bias)
+
+
+class Projections(nn.Module):
+    """Holds one attention's or FFN's projections, dense (nn.Linear) or stacked per expert."""
+
+    def __init__(self, specs: dict[str, tuple[int, int, bool]], n_experts: int = 0):
+        super().__init__()
+        for name, (n_in, n_out, bias) in specs.items():
+            mod = StackedLinear(n_experts, n_in, n_out, bias) if n_experts else nn.Linear(n_in, n_out, bias=bias)
+            self.add_module(name, mod)
+
+    def proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
+        mod = getattr(self, name)
+        return mod(x) if e is None or isinstance(mod, nn.Linear) else mod(x, e)
+
+
+def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
+    in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there)."""
+    dim = cfg.rotary_dim
+    device = positions.device
+    # float64 then float32 (not a buffer, so casting the model to bf16 never rounds it); MPS has no float64
+    where = device if device.type != "mps" else torch.device("cpu")
+    exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=where) / dim
+    inv_freq = (1.0 / cfg.rope_theta ** exponent).float().to(device)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    if cfg.rope_interleaved:  # pairs (2i, 2i+1)
+        return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # pairs (i, i + rot/2)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotate the first rotary_dim dims of each head of x [B, T, heads, Dh] in float32: pair (a, b) becomes
+    (a cos - b sin, b cos + a sin), for half-split pairs (i, i + rot/2) (Llama/NeoX) or interleaved pairs
+    (2i, 2i+1) (GPT-J/Cohere). swap(x) puts each element's partner in its place."""
+    dim = cos.shape[-1]
+    rot = (x if dim == x.shape[-1] else x[..., :dim]).float()
+    # flip, not slices and cat: one copy forward and backward (slicing's backward zero-fills whole tensors)
+    if interleaved:
+        swapped = rot.unflatten(-1, (dim // 2, 2)).flip(-1).flatten(-2)
+    else:
+        swapped = rot.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
+    out = (rot * cos).addcmul_(swapped, sin).to(x.dtype)  # in place: one pass less over [B, T, heads, rot]
+    return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
+
+
+# ---- attention ------------------------------------------------------------------------------
+def attention_mask_for(attention_mask: Optional[Tensor], input_pos: Tensor, n_keys: int) -> Tensor:
+    """Boolean [B or 1, 1, T, S] (True = may attend): key slot s <= the query's slot input_pos[t], and not
+    padding (attention_mask [B, >= S], 1 token, 0 padding). A padding query that may see no key at all sees
+    every key instead, so its softmax stays finite (nothing reads its output)."""
+    allowed = torch.arange(n_keys, device=input_pos.device)[None, :] <= input_pos[:, None]  # [T, S]
+    allowed = allowed[None]
+    if attention_mask is not None:
+        padding = attention_mask[:, :n_keys].to(torch.bool)
+        if padding.shape[1] < n_keys:  # slots past the mask are future slots of a static cache: causally hidden
+            padding = F.pad(padding, (0, n_keys - padding.shape[1]))
+        allowed = allowed & padding[:, None, :]  # [B, T, S]
+    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    return allowed[:, None]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """Scaled dot-product attention, q [B, Hq, T, Dh] over k, v [B, Hkv, S, Dh]: query head j reads kv head
+    j // (Hq / Hkv). mask: bool [B or 1, 1, T, S], or None for plain causal attention (T == S).
+
+    K and V are never copied per query head: the Hq/Hkv query heads that share a kv head are folded into the
+    query length (plain attention with a mask, any backend, exportable); unmasked causal attention on CUDA
+    uses SDPA's own GQA instead (flash attention, which an explicit mask would rule out)."""
+    B, Hq, T, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    q = q.to(k.dtype)  # a cache may hold another dtype than autocast's; cast the few queries, not the cache
+    scale = 1.0 / math.sqrt(Dh)
+    if rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    if mask is None:
+        if _SDPA_GQA and q.device.type == "cuda":  # flash attention reads the shared heads itself
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        # elsewhere enable_gqa copies K/V per query head (the math path); fold with an explicit causal mask
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]
+    folded = q.reshape(B, Hkv, rep * T, Dh)  # row r*T + t: query head g*rep + r at token t
+    mask = mask[:, :, None].expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)
+
+
+# ---- FFN experts: grouped matmuls over assignments sorted by expert -----------------------
+EXPERT_KERNELS = ("grouped", "gather", "padded")
+
+
+def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> str:
+    """How sorted assignments meet their experts' weights (all three compute the same thing):
+    grouped  torch._grouped_mm: one kernel over the per-expert row segments (CPU; CUDA bf16 on sm90+);
+             under torch.compile only in bf16 (its meta function allows nothing else).
+    gather   each assignment gathers its expert's weight matrix: for a handful of tokens (decoding), static
+             shapes, no synchronisation; copies at most 2x the layer's expert weights.
+    padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
+             matmul: one host synchronisation per layer (to read C), none per expert."""
+    dtype = _matmul_dtype(x)
+    if hasattr(torch, "_grouped_mm"):
+        on_cpu = x.device.type == "cpu"
+        on_hopper = (x.device.type == "cuda" and dtype == torch.bfloat16
+                     and torch.cuda.get_device_capability(x.device) >= (9, 0))
+        if (on_cpu or on_hopper) and (dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
+            return "grouped"
+    return "gather" if n_assignments <= 2 * n_experts else "padded"
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)
+
+
+def _matmul_dtype(x: Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if _autocast_on(x.device.type) else x.dtype
+
+
+def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tensor, ends: Tensor,
+                   kernel: str) -> Tensor:
+    """Rows xs [A, in] sorted by expert (expert [A]; counts [E] rows per expert, ends [E] their cumulative sum)
+    -> [A, out], row a through expert[a]'s linear map."""
+    W = lin.weight  # [E, out, in]
+    if kernel == "grouped":
+        dtype = _matmul_dtype(xs)
+        y = torch._grouped_mm(xs.to(dtype), W.to(dtype).transpose(-2, -1), offs=ends.to(torch.int32))
+    elif kernel == "gather":
+        y = torch.bmm(xs[:, None, :], W[expert].transpose(1, 2))[:, 0]  # [A, 1, in] @ [A, in, out]
+    else:
+        E, A = W.shape[0], xs.shape[0]
+        capacity = int(counts.max())  # the one host synchronisation of this kernel
+        slot = torch.arange(A, device=xs.device) - (ends - counts)[expert]  # row within its expert
+        buffer = xs.new_zeros(E, capacity, xs.shape[1]).index_put((expert, slot), xs)
+        y = torch.bmm(buffer, W.transpose(1, 2))[expert, slot]  # [E, C, out] -> [A, out]
+    if lin.bias is not None:
+        y = y + lin.bias[expert].to(y.dtype)
+    return y
+
+
+def expert_mixture(x: Tensor, experts: Tensor, gates: Tensor, ffn: Projections, act: Callable[[Tensor], Tensor],
+                   gated: bool, kernel: Optional[str] = None) -> Tensor:
+    """sum_k gates[n, k] * FFN_{experts[n, k]}(x[n]) for x [N, D], experts and gates [N, K] -> [N, D] (x's dtype)."""
+    N, K = experts.shape
+    E = ffn.up.weight.shape[0]
+    flat = experts.reshape(-1)  # [A]: assignment a = n*K + k
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0)
+    kernel = kernel or expert_kernel(x, flat.numel(), E)
+    xs = x[order // K]  # [A, D], sorted by expert
+    h = grouped_linear(xs, ffn.up, expert, counts, ends, kernel)
+    if gated:
+        h = act(grouped_linear(xs, ffn.gate, expert, counts, ends, kernel)) * h
+    else:
+        h = act(h)
+    y = grouped_linear(h, ffn.down, expert, counts, ends, kernel)  # [A, D], sorted
+    y = y * gates.reshape(-1)[order, None].to(y.dtype)
+    y = torch.zeros_like(y).index_copy(0, order, y)  # back to assignment order n*K + k
+    return y.to(x.dtype).view(N, K, -1).sum(1)
+
+
+# ---- the block ------------------------------------------------------------------------------
+@dataclass
+class ForwardPass:
+    """What one forward pass hands every block."""
+
+    rope: Optional[tuple[Tensor, Tensor]]  # cos, signed sin [B, T, 1, rot] (rotary_cos_sin), or None (no RoPE)
+    input_pos: Tensor  # [T] the new tokens' key slots
+    attention_mask: Optional[Tensor]  # [B, >= S] 1 token, 0 padding; None: no padding
+    cache: object = None  # .update(layer, input_pos, k, v) -> (k, v) [B, Hkv, S, Dh]; None: no cache
+    forced: Optional[ForcedRouting] = None
+    impl: str = "fused"
+    expert_kernel: Optional[str] = None  # None: expert_kernel() decides
+    routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order
+    masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
+
+    def mask(self, n_keys: int) -> Optional[Tensor]:
+        if self.cache is None and self.attention_mask is None:
+            return None  # plain causal attention over the T new tokens
+        if n_keys not in self.masks:
+            self.masks[n_keys] = attention_mask_for(self.attention_mask, self.input_pos, n_keys)
+        return self.masks[n_keys]
+
+
+class Block(nn.Module):
+    """One transformer block; dense or mixture attention, dense or mixture FFN.
+
+    Parameters (canonical names, see runtime/layout.py):
+      attn          dense Q, K, V, O; or, in a shared-KV mixture, the one shared K and V
+      attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
+      attn_router   [E, D]
+      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router [E, D]
+    """
+
+    def __init__(self, cfg, index: int):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.attn_norm = Norm(cfg)
+        if cfg.block != "parallel":
+            self.ffn_norm = Norm(cfg)
+        q = {"q": (D, H * Dh, cfg.qkv_bias)}
+        kv = {"k": (D, G * Dh, cfg.qkv_bias), "v": (D, G * Dh, cfg.qkv_bias)}
+        o = {"o": (H * Dh, D, cfg.o_bias)}
+        Ea = cfg.attn_experts
+        self.expert_kv = bool(Ea) and cfg.kv_mode == "expert"
+        self.kv_heads = (Ea if self.expert_kv else 1) * G  # heads this block caches
+        if Ea == 0:
+            self.attn = Projections({**q, **kv, **o})
+        elif self.expert_kv:
+            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn_experts = Projections({**q, **kv, **o}, Ea)
+        else:
+            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn = Projections(kv)
+            self.attn_experts = Projections({**q, **o}, Ea)
+        self.gated = cfg.activation == "swiglu"
+        ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
+        ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
+        if cfg.ffn_experts:
+            self.ffn_router = nn.Linear(D, cfg.ffn_experts, bias=False)
+            self.ffn_experts = Projections(ffn, cfg.ffn_experts)
+        else:
+            self.ffn = Projections(ffn)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
+        style = self.cfg.block
+        if style == "sequential":
+            h = x + self.attention(self.attn_norm(x), step)
+            return h + self.feed_forward(self.ffn_norm(h), step)
+        if style == "parallel":  # one shared norm (PaLM, GPT-J, Cohere, the paper)
+            n = self.attn_norm(x)
+            return x + self.attention(n, step) + self.feed_forward(n, step)
+        # parallel_two_norms (GPT-NeoX)
+        return x + self.attention(self.attn_norm(x), step) + self.feed_forward(self.ffn_norm(x), step)
+
+    # -- routing ---------------------------------------------------------------------------
+    def _route(self, kind: str, x: Tensor, step: ForwardPass) -> Routing:
+        cfg = self.cfg
+        E, top_k = (cfg.attn_experts, cfg.attn_top_k) if kind == "attn" else (cfg.ffn_experts, cfg.ffn_top_k)
+        router = self.attn_router if kind == "attn" else self.ffn_router
+        r = route(router, x, E, top_k, cfg.gate_norm, step.forced.gates(kind, E) if step.forced else None)
+        step.routing[f"layers.{self.index}.{kind}_router"] = r
+        return r
+
+    def _cache(self, k: Tensor, v: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
+        """k, v [B, kv_heads, T, Dh] of the new tokens -> every key slot's [B, kv_heads, S, Dh]."""
+        return (k, v) if step.cache is None else step.cache.update(self.index, step.input_pos, k, v)
+
+    def _rope(self, x: Tensor, step: ForwardPass) -> Tensor:
+        return x if step.rope is None else apply_rotary(x, *step.rope, self.cfg.rope_interleaved)
+
+    def attention(self, x: Tensor, step: ForwardPass) -> Tensor:
+        if step.impl == "reference":
+            return self._attention_reference(x, step)
+        return self._attention_fused(x, step)
+
+    def feed_forward(self, x: Tensor, step: ForwardPass) -> Tensor:
+        if not self.cfg.ffn_experts:
+            return self.ffn_expert(x, None)
+        r = self._route("ffn", x, step)
+        if step.impl == "reference":
+            return self._ffn_reference(x, r)
+        return self._ffn_fused(x, r, step)
+
+    # -- reference: one expert at a time ---------------------------------------------------
+    def _attn_proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
+        expert_owned = self.cfg.attn_experts and (name in ("q", "o") or self.expert_kv)
+        return (self.attn_experts if expert_owned else self.attn).proj(name, x, e)
+
+    def keys_values(self, x: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
+        """K (after RoPE) and V of the new tokens, expert by expert: each [B, kv_heads, T, Dh], expert-major."""
+        cfg, (B, T, _) = self.cfg, x.shape
+        ks, vs = [], []
+        for e in (range(cfg.attn_experts) if self.expert_kv else [None]):
+            k = self._rope(self._attn_proj("k", x, e).view(B, T, cfg.n_kv_heads, cfg.head_dim), step)
+            ks.append(k.transpose(1, 2))
+            vs.append(self._attn_proj("v", x, e).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2))
+        return torch.cat(ks, 1), torch.cat(vs, 1)
+
+    def attention_expert(self, x: Tensor, k: Tensor, v: Tensor, step: ForwardPass, e: Optional[int]) -> Tensor:
+        """MHA_e(x) over keys/values k, v [B, G, S, Dh]: [B, T, D] -> [B, T, D] (e=None: dense attention)."""
+        cfg, (B, T, _) = self.cfg, x.shape
+        q = self._rope(self._attn_proj("q", x, e).view(B, T, cfg.n_heads, cfg.head_dim), step).transpose(1, 2)
+        rep = cfg.n_heads // cfg.n_kv_heads
+        if rep > 1:  # GQA: query head h reads kv head h // rep
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = step.mask(k.shape[2])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=1.0 / math.sqrt(cfg.head_dim))
+        return self._attn_proj("o", y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), e)
+
+    def _attention_reference(self, x: Tensor, step: ForwardPass) -> Tensor:
+        cfg, E = self.cfg, self.cfg.attn_experts
+        k, v = self._cache(*self.keys_values(x, step), step)
+        if not E:
+            return self.attention_expert(x, k, v, step, None)
+        r = self._route("attn", x, step)
+        # Attention needs whole sequences, so each expert runs on every token; its output is
+        # weighted by the gate (zero for tokens that top-k routing did not send to it).
+        B, T, D = x.shape
+        G = cfg.n_kv_heads
+        gates = r.gates.view(B, T, E)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            if bool((gates[..., e] != 0).any()):
+                s = slice(e * G, (e + 1) * G) if self.expert_kv else slice(0, G)
+                out = out + gates[..., e, None].to(x.dtype) * self.attention_expert(x, k[:, s], v[:, s], step, e)
+        return out
+
+    def ffn_expert(self, x: Tensor, e: Optional[int]) -> Tensor:
+        """FFN_e(x): [..., D] -> [..., D] (e=None: dense FFN)."""
+        p = self.ffn_experts if self.cfg.ffn_experts else self.ffn
+        h = p.proj("up", x, e)
+        h = self.act(p.proj("gate", x, e)) * h if self.gated else self.act(h)
+        return p.proj("down", h, e)
+
+    def _ffn_reference(self, x: Tensor, r: Routing) -> Tensor:
+        # Sparse dispatch: each expert sees only the tokens routed to it.
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        out = torch.zeros_like(flat)
+        for e in range(self.cfg.ffn_experts):
+            idx = r.gates[:, e].nonzero(as_tuple=True)[0]
+            if idx.numel():
+                y = self.ffn_expert(flat[idx], e)
+                out = out.index_add(0, idx, (r.gates[idx, e, None].to(y.dtype) * y).to(out.dtype))
+        return out.view(B, T, D)
+
+    # -- fused: all experts at once --------------------------------------------------------
+    def _attention_fused(self, x: Tensor, step: ForwardPass) -> Tensor:
+        cfg, (B, T, D) = self.cfg, x.shape
+        E, H, G, Dh = cfg.attn_experts, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if not E:
+            q = self.attn.q(x).view(B, T, H, Dh)
+            k = self.attn.k(x).view(B, T, G, Dh)
+            v = self.attn.v(x).view(B, T, G, Dh)
+        else:
+            q = self.attn_experts.q.all_experts(x).view(B, T, E * H, Dh)  # heads expert-major: e*H + h
+            kv = self.attn_experts if self.expert_kv else self.attn
+            k = (kv.k.all_experts(x) if self.expert_kv else kv.k(x)).view(B, T, self.kv_heads, Dh)
+            v = (kv.v.all_experts(x) if self.expert_kv else kv.v(x)).view(B, T, self.kv_heads, Dh)
+            if not self.expert_kv:
+                # Shared KV: query head (e, h) reads kv head h // rep for every e. Order the E*H query heads
+                # (g, e, r), h = g*rep + r, so that GQA's j // (E*rep) picks g.
+                rep = H // G
+                q = q.view(B, T, E, G, rep, Dh).transpose(2, 3).reshape(B, T, E * H, Dh)
+        q, k = self._rope(q, step).transpose(1, 2), self._rope(k, step).transpose(1, 2)  # [B, heads, T, Dh]
+        k, v = self._cache(k, v.transpose(1, 2), step)
+        y = attend(q, k, v, step.mask(k.shape[2]))  # [B, E*H, T, Dh]
+        if not E:
+            return self.attn.o(y.transpose(1, 2).reshape(B, T, H * Dh))
+        r = self._route("attn", x, step)
+        if self.expert_kv:
+            y = y.view(B, E, H, T, Dh).permute(1, 0, 3, 2, 4)  # [E, B, T, H, Dh]
+        else:
+            y = y.view(B, G, E, H // G, T, Dh).permute(2, 0, 4, 1, 3, 5)  # [E, B, T, G, rep, Dh]
+        gates = r.gates.t()[:, :, None]  # [E, N, 1]
+        y = y.reshape(E, B * T, H * Dh) * gates.to(y.dtype)
+        o = self.attn_experts.o
+        out = torch.bmm(y, o.weight.transpose(1, 2)).sum(0)  # all E output projections: [E, N, D] -> [N, D]
+        if o.bias is not None:
+            out = out + (r.gates @ o.bias.float()).to(out.dtype)  # sum_e g_e * b_e
+        return out.view(B, T, D)
+
+    def _ffn_fused(self, x: Tensor, r: Routing, step: ForwardPass) -> Tensor:
+        B, T, D = x.shape
+        if r.topk is not None:
+            experts, gates = r.topk, r.gates.gather(-1, r.topk)  # [N, K]
+        else:  # forced gates, the same for every token: run only the experts with a non-zero gate
+            active = r.gates[0].nonzero(as_tuple=True)[0]
+            if not active.numel():
+                return torch.zeros_like(x)
+            experts = active.expand(B * T, active.numel())
+            gates = r.gates[:, active]
+        out = expert_mixture(x.reshape(B * T, D), experts, gates, self.ffn_experts, self.act, self.gated,
+                             step.expert_kernel)
+        return out.view(B, T, D)
+
+
+# ---- KV cache -------------------------------------------------------------------------------
+class KVCache(nn.Module):
+    """One layer's static cache (gpt-fast style): k, v [B, heads, max_len, Dh], preallocated; `update` writes
+    the new tokens' keys and values at their slots and returns the whole cache (slots not yet written are
+    zeros, hidden by the causal mask). Shapes never change, so a decode step can be captured whole."""
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        shape = (batch, heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """input_pos [T] slots, k, v [B, heads, T, Dh] -> the cache's k, v [B, heads, max_len, Dh]."""
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class ModelKVCache(nn.Module):
+    """A KVCache per layer holding exactly what the block attends over: expert KV E*G heads, shared KV and
+    dense attention G heads. Keys are stored after RoPE."""
+
+    def __init__(self, cfg, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        self.batch, self.max_len = batch, max_len
+        heads = self.kv_heads(cfg)
+        self.layers = nn.ModuleList(KVCache(batch, heads, max_len, cfg.head_dim, dtype, device)
+                                    for _ in range(cfg.n_layers))
+        if self.layers[0].k.device.type == "cuda" and hasattr(torch, "_dynamo"):
+            for layer in self.layers:  # static addresses: CUDA graphs (compile mode reduce-overhead) reuse them
+                torch._dynamo.mark_static_address(layer.k)
+                torch._dynamo.mark_static_address(layer.v)
+
+    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.layers[layer].update(input_pos, k, v)
+
+    @staticmethod
+    def kv_heads(cfg) -> int:
+        expert_kv = cfg.attn_experts and cfg.kv_mode == "expert"
+        return (cfg.attn_experts if expert_kv else 1) * cfg.n_kv_heads
+
+    @staticmethod
+    def bytes_per_token(cfg, dtype: torch.dtype) -> int:
+        """Cache bytes per token and sequence: K and V, every layer: 2 * L * heads * Dh * itemsize."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.n_layers * ModelKVCache.kv_heads(cfg) * cfg.head_dim * itemsize
+
+
+# ---- the trunk ------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """Embeddings, blocks and the final norm (canonical names embed, pos_embed, layers.{i}.*, final_norm): the
+    part the runtime's Model and the HF export's BamModel share; each adds its own head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.position == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.final_norm = Norm(cfg)
+        self.impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
+        self.expert_kernel: Optional[str] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
+
+    def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
+                      positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,
+                      routing: Optional[ForcedRouting] = None, all_hidden: Optional[list] = None
+                      ) -> tuple[Tensor, dict[str, Routing]]:
+        """Input embeddings x [B, T, D] -> (final-normed hidden states [B, T, D], routing trace by router name).
+
+        attention_mask  [B, S] 1 token, 0 padding, over every key slot (S = T without a cache; with one, at
+                        least up to the last new token's slot); None: no padding
+        positions       [B, T] or [T] position ids (RoPE, learned table); default: real tokens counted from
+                        the mask (padding does not shift them), else the slots input_pos
+        input_pos       [T] key slots of the new tokens (required with a cache; default 0..T-1)
+        cache           anything with .update(layer, input_pos, k, v) -> (k, v), e.g. ModelKVCache
+        all_hidden      if a list, receives the input of every block and the last block's output
+        """
+        cfg = self.config
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r}: choose one of {', '.join(IMPLS)}")
+        B, T, _ = x.shape
+        if input_pos is None:
+            if cache is not None:
+                raise ValueError("a cache needs input_pos, the key slots of the new tokens")
+            input_pos = torch.arange(T, device=x.device)
+        if positions is None:
+            if attention_mask is not None:  # count real tokens only, so padding does not shift positions
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, input_pos]
+            else:
+                positions = input_pos
+        positions = positions.to(x.device).expand(B, T)
+        if cfg.position == "learned":
+            if cache is None and T > cfg.max_positions:
+                raise ValueError(f"sequence length {T} exceeds max_positions={cfg.max_positions}")
+            x = x + self.pos_embed(positions)
+        step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
+                    attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
+                    expert_kernel=self.expert_kernel)
+        for block in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(x)
+            x = block(x, step)
+        if all_hidden is not None:
+            all_hidden.append(x)
+        return self.final_norm(x), step.routing
+
+    def new_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
+                  device: Optional[torch.device] = None) -> ModelKVCache:
+        """A static KV cache for `batch` sequences of up to max_len tokens, in the embedding's dtype and device
+        unless given."""
+        cfg = self.config
+        if cfg.position == "learned" and max_len > cfg.max_positions:
+            raise ValueError(f"cache length {max_len} exceeds max_positions={cfg.max_positions}")
+        weight = self.embed.weight
+        return ModelKVCache(cfg, batch, max_len, dtype or weight.dtype, device or weight.device)

@@ -1,0 +1,168 @@
+"""`bam-surgery generate`: continue a prompt with any checkpoint the tool opens (canonical file or directory,
+HF directory or hub id, our Mixtral and HF BAM exports), through runtime.generate (fused path, static KV cache).
+
+    bam-surgery generate mix.safetensors --prompt "def fib(n):" --max-new-tokens 40
+    bam-surgery generate mix/ --tokens 1,2,3 --temperature 0.8 --top-p 0.95 --seed 1
+
+Prints the continuation on stdout (text when a tokenizer is known, else comma-separated token ids) and one
+summary line on stderr. Every bad input (option value, device, checkpoint, tokenizer) is one
+`bam-surgery: error:` line with exit status 2.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from .errors import BamSurgeryError
+
+DTYPES = ("float32", "bfloat16", "float16")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@click.command("generate")
+@click.argument("checkpoint", metavar="CKPT")
+@click.option("--prompt", metavar="TEXT", help="Text to continue; encoded with the tokenizer (see --tokenizer).")
+@click.option("--tokens", metavar="ID,ID,...",
+              help="Token ids to continue instead of --prompt, comma-separated, e.g. 1,2,3.")
+@click.option("--tokenizer", metavar="PATH",
+              help="An HF tokenizer.json, or a directory holding one. Default: the tokenizer.json next to the "
+                   "checkpoint (its directory, or the HF input's).")
+@click.option("--max-new-tokens", default="32", show_default=True, metavar="N",
+              help="Most tokens to generate; fewer if the checkpoint's eos token comes first.")
+@click.option("--temperature", default="0", show_default=True, metavar="T",
+              help="0 decodes greedily; above 0 samples from softmax(logits / T).")
+@click.option("--top-p", default="1", show_default=True, metavar="P",
+              help="Nucleus sampling: sample among the most likely tokens whose probability reaches P (0 < P <= 1).")
+@click.option("--seed", default=None, metavar="N", help="Seed of the sampler (same seed, same text). Default: random.")
+@click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda",
+              help="Where the model runs: cpu, cuda or cuda:N.")
+@click.option("--dtype", default=None, metavar="|".join(DTYPES),
+              help="Weight dtype for the run. Default: float32 on cpu, the checkpoint's own on cuda.")
+def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperature, top_p, seed, device,
+                 dtype) -> None:
+    """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
+    import torch
+
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.runtime import generate, model_from_reader
+
+    from .card import generation_config
+
+    n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
+    temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
+    nucleus = _number("--top-p", top_p, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    sampler_seed = None if seed is None else _number("--seed", seed, int, lambda v: v >= 0, "an integer >= 0")
+    run_device = _device(device)
+    if dtype is not None and dtype not in DTYPES:
+        raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if (prompt is None) == (tokens is None):
+        raise BamSurgeryError("give the input as exactly one of --prompt TEXT and --tokens ID,ID,...")
+    ids = _token_ids(tokens) if tokens is not None else None
+
+    try:
+        reader = open_checkpoint(checkpoint)
+    except OSError as e:
+        raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
+    try:
+        cfg = reader.config
+        tok_path = _tokenizer_path(tokenizer, reader, checkpoint)
+        tok = _load_tokenizer(tok_path) if tok_path is not None else None
+        if ids is None:
+            if tok is None:
+                raise BamSurgeryError(f"{checkpoint}: no tokenizer known for this checkpoint; pass --tokenizer (a "
+                                      f"{TOKENIZER_FILE} or a directory holding one), or token ids with --tokens")
+            ids = tok.encode(prompt).ids
+            if not ids:
+                raise BamSurgeryError("--prompt: the text encodes to no tokens")
+        bad = [i for i in ids if i >= cfg.vocab_size]
+        if bad:
+            raise BamSurgeryError(f"token id {bad[0]} is out of range: {checkpoint} has vocab_size {cfg.vocab_size}")
+        if cfg.position == "learned" and len(ids) + n_new > cfg.max_positions:
+            raise BamSurgeryError(f"{len(ids)} prompt tokens + --max-new-tokens {n_new} exceed the model's "
+                                  f"max_positions={cfg.max_positions} (learned positions)")
+        weight_dtype = getattr(torch, dtype) if dtype else (
+            torch.float32 if run_device.type == "cpu" else reader.dtype("embed.weight"))
+        model = model_from_reader(reader, run_device, weight_dtype)
+        eos = generation_config(reader).get("eos_token_id")
+    finally:
+        close = getattr(reader, "close", None)
+        if close:
+            close()
+
+    start = time.perf_counter()
+    new = generate(model, torch.tensor([ids]), n_new, temperature=temp, top_p=nucleus, seed=sampler_seed,
+                   eos_token_id=eos)[0].tolist()
+    seconds = time.perf_counter() - start
+    if tok is not None:
+        click.echo(tok.decode(new, skip_special_tokens=True))
+    else:
+        click.echo(",".join(str(i) for i in new))
+    click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens in {seconds:.2f} s "
+               f"({len(new) / max(seconds, 1e-9):.1f} tokens/s, {run_device.type}, {str(weight_dtype)[6:]})", err=True)
+
+
+def _number(option: str, text: str, kind: type, ok, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise BamSurgeryError(f"{option}: {text!r} is not {what}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 0 for i in ids):
+        raise BamSurgeryError(f"--tokens: cannot read {text!r}; write comma-separated token ids, e.g. 1,2,3")
+    return ids
+
+
+def _device(text: str):
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BamSurgeryError(f"--device {text}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise BamSurgeryError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _tokenizer_path(explicit: str | None, reader, checkpoint: str) -> Path | None:
+    """--tokenizer (file or directory), else the HF input's tokenizer.json, else one next to the checkpoint."""
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+            if not path.is_file():
+                raise BamSurgeryError(f"--tokenizer: {explicit} holds no {TOKENIZER_FILE}")
+        elif not path.is_file():
+            raise BamSurgeryError(f"--tokenizer: {explicit}: no such file or directory")
+        return path
+    files = getattr(reader, "tokenizer_files", None)
+    for f in files() if callable(files) else []:
+        if Path(f).name == TOKENIZER_FILE:
+            return Path(f)
+    source = Path(getattr(reader, "path", checkpoint))
+    candidate = (source if source.is_dir() else source.parent) / TOKENIZER_FILE
+    return candidate if candidate.is_file() else None
+
+
+def _load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses for bad JSON and unknown models
+        raise BamSurgeryError(f"{path}: cannot read the tokenizer ({' '.join(str(e).split())[:200]})") from None

@@ -1,0 +1,170 @@
+"""`bam-surgery generate` end to end: canonical file and directory, HF BAM export, HF Llama directory; the
+tokenizer found next to the checkpoint, in the HF input or given with --tokenizer; greedy output equal to
+runtime.generate; seeded sampling; eos from the checkpoint's generation config; and every bad input refused
+with one `bam-surgery: error:` line and exit status 2. Offline, tiny models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from conftest import random_state, tiny_config
+from bam_surgery.converters.hf_bam import export_hf_bam
+from bam_surgery.runtime import Model, generate, save_model
+from bam_surgery.runtime.checkpoint import CheckpointReader
+from bam_surgery.surgery.cli import cli
+
+V = 64
+SPECIALS = ["<unk>", "<pad>", "</s>"]  # ids 0, 1, 2; words w3 .. w63
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), V)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.add_special_tokens(SPECIALS)  # decoding skips them
+    words.save(str(path))
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids if i >= len(SPECIALS))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny BAM mixture as a canonical directory (with tokenizer.json), a lone canonical file, and an HF BAM
+    export carrying the tokenizer and an eos id; plus the model itself."""
+    root = tmp_path_factory.mktemp("generate")
+    cfg = tiny_config(vocab_size=V, attn_experts=3, ffn_experts=3, ffn_top_k=2, n_kv_heads=2, max_positions=64)
+    model = Model(cfg)
+    model.load_state_dict(random_state(cfg, 3))
+    model.eval()
+    save_model(model, root / "canonical")
+    save_tokenizer(root / "canonical" / "tokenizer.json")
+    (root / "lone").mkdir()
+    save_model(model, root / "lone" / "mix.safetensors")
+    with CheckpointReader(root / "canonical") as reader:
+        export_hf_bam(reader, root / "hf", tokenizer_files=[root / "canonical" / "tokenizer.json"],
+                      generation={"eos_token_id": 2})
+    return root, model
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(cli, ["generate", *[str(a) for a in args]])
+    if ok:
+        assert result.exit_code == 0, result.output + (repr(result.exception) if result.exception else "")
+    return result
+
+
+def greedy(model, ids: list[int], n: int, **kwargs) -> list[int]:
+    return generate(model, torch.tensor([ids]), n, **kwargs)[0].tolist()
+
+
+def test_prompt_with_the_tokenizer_next_to_the_checkpoint(checkpoints):
+    root, model = checkpoints
+    result = run(root / "canonical", "--prompt", "w5 w9 w12 w40", "--max-new-tokens", 6)
+    assert result.stdout.strip() == words(greedy(model, [5, 9, 12, 40], 6))
+    summary = result.stderr.strip().splitlines()
+    assert len(summary) == 1 and summary[0].startswith("6 new tokens after 4 prompt tokens")
+
+
+def test_token_ids_without_a_tokenizer_print_ids(checkpoints):
+    root, model = checkpoints
+    result = run(root / "lone" / "mix.safetensors", "--tokens", "5,9,12", "--max-new-tokens", 5)
+    assert result.stdout.strip() == ",".join(map(str, greedy(model, [5, 9, 12], 5)))
+
+
+@pytest.mark.parametrize("where", ["file", "directory"])
+def test_explicit_tokenizer(checkpoints, where):
+    root, model = checkpoints
+    tok = root / "canonical" / "tokenizer.json"
+    result = run(root / "lone" / "mix.safetensors", "--prompt", "w7 w8", "--max-new-tokens", 4,
+                 "--tokenizer", tok if where == "file" else tok.parent)
+    assert result.stdout.strip() == words(greedy(model, [7, 8], 4))
+
+
+def test_hf_export_stops_at_its_eos(checkpoints):
+    root, model = checkpoints
+    prompt = [4]  # greedy decoding emits </s> (id 2) as its 6th token, then goes on
+    free = greedy(model, prompt, 20)
+    assert 2 in free[:-1]
+    result = run(root / "hf", "--prompt", words(prompt), "--max-new-tokens", 20)
+    assert result.stdout.strip() == words(free[:free.index(2)])
+    assert result.stderr.startswith(f"{free.index(2) + 1} new tokens")
+
+
+def test_seeded_sampling_is_repeatable(checkpoints):
+    root, model = checkpoints
+    args = (root / "canonical", "--tokens", "5,9", "--max-new-tokens", 8, "--temperature", 1.0, "--top-p", 0.9)
+    a = run(*args, "--seed", 3).stdout
+    assert a == run(*args, "--seed", 3).stdout
+    assert a.strip() == words(greedy(model, [5, 9], 8, temperature=1.0, top_p=0.9, seed=3))
+
+
+def test_bf16_run(checkpoints):
+    root, _ = checkpoints
+    result = run(root / "canonical", "--tokens", "5,9", "--max-new-tokens", 3, "--dtype", "bfloat16")
+    assert len(result.stdout.split()) == 3 and "bfloat16" in result.stderr
+
+
+def test_hf_llama_directory_with_its_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config).eval()
+    llama.save_pretrained(tmp_path / "llama")
+    save_tokenizer(tmp_path / "llama" / "tokenizer.json")
+    result = run(tmp_path / "llama", "--prompt", "w5 w6 w7", "--max-new-tokens", 5)
+    with torch.no_grad():
+        want = llama.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)[0, 3:].tolist()
+    assert result.stdout.strip() == words(want)
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
+    assert lines[0].startswith("bam-surgery: error: ")
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
+    root, _ = checkpoints
+    ckpt = root / "canonical"
+    (tmp_path / "notes.txt").write_text("not a model")
+    save_file({"weight": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))  # tensors, but no model config
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    cases = [
+        ((ckpt, "--tokens", "1,2", "--dtype", "float64"), "--dtype: unknown dtype 'float64'"),
+        ((ckpt, "--tokens", "1,2", "--device", "tpu"), "--device: unknown device 'tpu'"),
+        ((ckpt, "--tokens", "1,x"), "--tokens: cannot read '1,x'"),
+        ((ckpt, "--tokens", "1,999"), "token id 999 is out of range"),
+        ((ckpt, "--tokens", "1", "--max-new-tokens", "-3"), "--max-new-tokens: '-3' is not an integer >= 0"),
+        ((ckpt, "--tokens", "1", "--temperature", "hot"), "--temperature: 'hot' is not a number >= 0"),
+        ((ckpt, "--tokens", "1", "--top-p", "0"), "--top-p: '0' is not a number in (0, 1]"),
+        ((ckpt,), "exactly one of --prompt TEXT and --tokens"),
+        ((ckpt, "--prompt", "w5", "--tokens", "5"), "exactly one of --prompt TEXT and --tokens"),
+        ((root / "lone" / "mix.safetensors", "--prompt", "w5"), "no tokenizer known for this checkpoint"),
+        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "nope.json"), "--tokenizer:"),
+        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "broken"), "cannot read the tokenizer"),
+        ((tmp_path / "notes.txt", "--tokens", "1"), "not a checkpoint"),
+        ((tmp_path / "plain.safetensors", "--tokens", "1"), "not a bam-surgery canonical checkpoint"),
+        ((tmp_path / "missing", "--tokens", "1"), "missing"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(((ckpt, "--tokens", "1", "--device", "cuda"), "CUDA is not available"))
+    for args, message in cases:
+        line = error_line(run(*args, ok=False))
+        assert message in line, (args, line)
+
+
+def test_listed_in_the_command_line_help():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert "generate" in result.output
