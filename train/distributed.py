@@ -16,7 +16,6 @@ wrapped (fully_shard shards what is there), the optimizer state after (set_optim
 """
 from __future__ import annotations
 
-
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
