@@ -310,7 +310,7 @@ class PipelineRun:
                 old = yaml.safe_load(saved.read_text(encoding="utf-8"))
             except (OSError, yaml.YAMLError) as e:
                 raise PipelineError(f"{saved}: cannot read ({' '.join(str(e).split())[:200]})") from None
-            diff = first_difference(old, self.spec.doc)
+            diff = first_difference(_without_cache(old), _without_cache(self.spec.doc))
             if diff:
                 raise PipelineError(f"--resume: {d} was run with another pipeline: {diff} differs from {saved}; a run "
                                     "continues with the pipeline it started with (choose a new --out)")
@@ -403,6 +403,13 @@ class PipelineRun:
         total = sum(float(r[4]) for r in rows)
         return "\n".join([render_table(("training run", "steps", "tokens", "MFLOP/token", "FLOPs"), rows),
                           f"total training FLOPs {total:.3e}", "", self.commands_text()])
+
+
+def _without_cache(doc: Any) -> Any:
+    """The resolved document less the token cache's place (it holds the same tokens wherever it is)."""
+    if isinstance(doc, dict) and isinstance(doc.get("data"), dict):
+        return {**doc, "data": {k: v for k, v in doc["data"].items() if k != "token_cache"}}
+    return doc
 
 
 def _flops_per_token(spec: PipelineSpec, unit: str) -> float:

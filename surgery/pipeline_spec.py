@@ -19,8 +19,9 @@ Compute-matched training (the paper's CM) gives every mixture the training FLOPs
 (`stages.train.compute_reference`, by default the first listed): steps = round(steps_ref * F_ref / F),
 F = train.metrics.flops_per_token(config, seq_len) = 6 x active matmul parameters (FFN experts counted
 top-k / E, soft attention experts all) + 12 x layers x seq_len x query width x attention experts run.
-Every run has the same tokens per step, so equal FLOPs means steps in inverse ratio of F. The paper
-matched TPU-core-days (wall time); FLOPs are the deterministic stand-in.
+Every run has the same tokens per step, so equal FLOPs means steps in inverse ratio of F. A mixture whose F
+is within `compute_tolerance` (1%) of the reference's is not trained twice: its data-matched run is its
+compute-matched run. The paper matched TPU-core-days (wall time); FLOPs are the deterministic stand-in.
 """
 from __future__ import annotations
 
@@ -102,6 +103,7 @@ class PipelineSpec:
     train_general_share: float
     settings: list[str]  # data-matched, compute-matched
     compute_reference: str | None
+    compute_tolerance: float
     train_knobs: dict[str, Any]
     eval_max_tokens: int
     eval_batch_size: int
@@ -117,16 +119,19 @@ class PipelineSpec:
         """Mixture-training steps: the knob for data-matched; FLOPs-matched to the reference for
         compute-matched (at least 1)."""
         steps = self.train_knobs["steps"]
-        if setting == "data-matched":
+        if setting == "data-matched" or self.same_as_data_matched(mix):
             return steps
         ref = self.mixture(self.compute_reference)
         return max(1, round(steps * ref.flops_per_token / mix.flops_per_token))
 
     def same_as_data_matched(self, mix: Mixture) -> bool:
-        """A compute-matched run with the data-matched run's steps is that run (the reference's, and any
-        mixture with the reference's FLOPs per token): it is trained once."""
-        return "data-matched" in self.settings and \
-            self.train_steps(mix, "compute-matched") == self.train_steps(mix, "data-matched")
+        """A mixture whose FLOPs per token are within compute_tolerance of the reference's (the reference
+        itself; BTX with more experts at top-1; top-1 attention routing) has its data-matched run as its
+        compute-matched run: it is trained once."""
+        if "data-matched" not in self.settings or "compute-matched" not in self.settings:
+            return False
+        ref = self.mixture(self.compute_reference)
+        return abs(mix.flops_per_token / ref.flops_per_token - 1) <= self.compute_tolerance
 
     def trained_mixtures(self) -> list[tuple[str, Mixture]]:
         """(setting, mixture) of every distinct mixture-training run, data-matched ones first."""
@@ -273,7 +278,7 @@ class _Validator:
             b_knobs = {**b_knobs, "lr": float({**knobs, **seed_knobs}.get("lr", TrainConfig().lr)) * lr_scale}
         mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len)
         train = self.mapping(stages["train"], "stages.train",
-                             ("general_share", "settings", "compute_reference", "knobs"))
+                             ("general_share", "settings", "compute_reference", "compute_tolerance", "knobs"))
         t_share = self.share(train.get("general_share", 0.25), "stages.train.general_share")
         settings = self.settings(train.get("settings", list(SETTINGS)))
         names = [m.name for m in mixtures]
@@ -282,6 +287,8 @@ class _Validator:
             self.fail("stages.train.compute_reference", f"{ref!r} is not a mixture of stages.mix "
                       f"({', '.join(names)})")
         ref = ref or (names[0] if "compute-matched" in settings else None)
+        tolerance = float(self.typed(train.get("compute_tolerance", 0.01), "stages.train.compute_tolerance",
+                                     (float, int), lambda v: 0 <= v < 1, "in [0, 1)"))
         t_knobs = self.knobs(train.get("knobs"), "stages.train.knobs")
         ev = self.mapping(stages.get("eval"), "stages.eval", ("max_tokens", "batch_size"))
         max_tokens = self.typed(ev.get("max_tokens", 0), "stages.eval.max_tokens", (int,), lambda v: v >= 0, ">= 0")
@@ -301,7 +308,7 @@ class _Validator:
             token_cache=data["token_cache"], text_field=data["text_field"], knobs=knobs, seed_init=seed_init,
             seed_model=seed_model, seed_knobs=seed_knobs, dense_config=dense, branch_general_share=b_share,
             branch_lr_scale=lr_scale, branch_knobs=b_knobs, mixtures=mixtures, train_general_share=t_share,
-            settings=settings, compute_reference=ref, train_knobs={**knobs, **t_knobs},
+            settings=settings, compute_reference=ref, compute_tolerance=tolerance, train_knobs={**knobs, **t_knobs},
             eval_max_tokens=max_tokens, eval_batch_size=batch, report_attention_routing=routing,
             report_baseline=baseline)
         spec.train_knobs.setdefault("steps", TrainConfig().steps)
@@ -553,7 +560,7 @@ def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
             "branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)},
             "mix": {"mixtures": [{"name": m.name, "recipe": m.recipe_spec, **m.given} for m in spec.mixtures]},
             "train": {"general_share": spec.train_general_share, "settings": list(spec.settings),
-                      "compute_reference": spec.compute_reference,
+                      "compute_reference": spec.compute_reference, "compute_tolerance": spec.compute_tolerance,
                       "knobs": {k: v for k, v in spec.train_knobs.items()
                                 if k not in spec.knobs or spec.knobs[k] != v}},
             "eval": {"max_tokens": spec.eval_max_tokens, "batch_size": spec.eval_batch_size},
