@@ -20,10 +20,13 @@ import click
 @click.option("--only", "only", metavar="STAGE,...",
               help="Run only these stages (seed, branch, mix, train, eval, report); the stages before them must "
                    "be complete in DIR.")
+@click.option("--seed", type=click.IntRange(min=0), metavar="N",
+              help="Replace the pipeline's seed (every run's init, data order and router init): the same "
+                   "pipeline replicated with another seed.")
 @click.option("--dry-run", is_flag=True,
               help="Check the pipeline and print every training run (steps, tokens, FLOPs) and the equivalent "
                    "commands; write nothing.")
-def pipeline_cmd(pipeline, out, resume, only, dry_run):
+def pipeline_cmd(pipeline, out, resume, only, seed, dry_run):
     """Run the whole Branch-Attend-Mix workflow: train a seed, branch it into one specialist per domain, mix
     them with every listed recipe, train each mixture data-matched and compute-matched, evaluate every model
     and write DIR/report.md.
@@ -34,7 +37,7 @@ def pipeline_cmd(pipeline, out, resume, only, dry_run):
     from .pipeline import PipelineRun
     from .pipeline_spec import load_pipeline
 
-    spec = load_pipeline(pipeline)
+    spec = load_pipeline(pipeline, seed=seed)
     stages = [s.strip() for s in only.split(",") if s.strip()] if only else None
     run = PipelineRun(spec, Path(out), log=lambda m: click.echo(m, err=True))
     if dry_run:
@@ -45,7 +48,7 @@ def pipeline_cmd(pipeline, out, resume, only, dry_run):
     try:
         run.run(only=stages, resume=resume)
     except KeyboardInterrupt:
-        click.echo(f"bam-surgery: interrupted; continue with: bam-surgery pipeline {pipeline} --out {out} --resume",
-                   err=True)
+        again = f"bam-surgery pipeline {pipeline} --out {out}" + (f" --seed {seed}" if seed is not None else "")
+        click.echo(f"bam-surgery: interrupted; continue with: {again} --resume", err=True)
         sys.exit(130)
     click.echo(f"pipeline {spec.name}: done; report {Path(out) / 'report.md'}", err=True)

@@ -180,9 +180,10 @@ def pipeline_path(spec: str) -> Path:
     return Path(str(shipped))
 
 
-def load_pipeline(spec: str, check_data: bool = True) -> PipelineSpec:
+def load_pipeline(spec: str, check_data: bool = True, seed: int | None = None) -> PipelineSpec:
     """Read, validate and resolve a pipeline file. check_data=False skips what needs the data and
-    checkpoints on disk (sources, tokenizer file, a given seed): the schema and numbers alone."""
+    checkpoints on disk (sources, tokenizer file, a given seed): the schema and numbers alone. `seed`
+    replaces the file's seed (a replication of the same pipeline)."""
     path = pipeline_path(spec)
     try:
         text = path.read_text(encoding="utf-8")
@@ -192,6 +193,8 @@ def load_pipeline(spec: str, check_data: bool = True) -> PipelineSpec:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise PipelineError(f"{spec}: not valid YAML ({' '.join(str(e).split())})") from None
+    if seed is not None and isinstance(doc, dict):
+        doc["seed"] = seed
     return _Validator(spec, check_data).pipeline(doc)
 
 

@@ -204,9 +204,10 @@ def test_recorded_merge_and_train_commands_reproduce_the_outputs(micro, tmp_path
 
 
 def test_a_complete_pipeline_is_skipped_on_resume(micro):
-    path, out = micro
+    _, out = micro
     before = (out / "report.json").read_text()
-    result = run_cli("pipeline", path, "--out", out, "--resume")
+    # the resolved pipeline is itself a pipeline file, the same pipeline (what the report's command uses)
+    result = run_cli("pipeline", out / "pipeline.resolved.yaml", "--out", out, "--resume")
     assert result.stderr.count("complete, skipped") == 6
     assert (out / "report.json").read_text() == before
 
@@ -351,7 +352,10 @@ def test_shipped_pipelines_validate(tmp_path):
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab_size, 2 * cfg.ffn_hidden) == (1024, 6, 8, 256000, 4096)
     assert paper.train_knobs["batch_tokens"] == 1048576 and paper.train_knobs["lr"] == 1.2e-4
     assert paper.branch_knobs["lr"] == pytest.approx(0.6e-4)
-    result = run_cli("pipeline", "tiny", "--out", tmp_path / "plan", "--dry-run")
+    again = load_pipeline("tiny", seed=5)  # --seed: every run's seed and the routers' seed
+    assert again.doc["seed"] == 5 and {m.options.router_seed for m in again.mixtures} == {5}
+    result = run_cli("pipeline", "tiny", "--out", tmp_path / "plan", "--dry-run", "--seed", 5)
+    assert "--router-seed 5" in result.stdout
     assert "bam-surgery train --config" in result.stdout and "total training FLOPs" in result.stdout
     assert not (tmp_path / "plan").exists()
     assert PipelineRun(tiny, tmp_path / "x").units()[-1].name == "report"
