@@ -23,10 +23,13 @@ import click
 @click.option("--seed", type=click.IntRange(min=0), metavar="N",
               help="Replace the pipeline's seed (every run's init, data order and router init): the same "
                    "pipeline replicated with another seed.")
+@click.option("--prepare", is_flag=True,
+              help="Write DIR's resolved pipeline, training configs and commands.sh, and run nothing (to run the "
+                   "training commands elsewhere, e.g. under torchrun; --resume then skips the runs they finished).")
 @click.option("--dry-run", is_flag=True,
               help="Check the pipeline and print every training run (steps, tokens, FLOPs) and the equivalent "
                    "commands; write nothing.")
-def pipeline_cmd(pipeline, out, resume, only, seed, dry_run):
+def pipeline_cmd(pipeline, out, resume, only, seed, prepare, dry_run):
     """Run the whole Branch-Attend-Mix workflow: train a seed, branch it into one specialist per domain, mix
     them with every listed recipe, train each mixture data-matched and compute-matched, evaluate every model
     and write DIR/report.md.
@@ -46,9 +49,10 @@ def pipeline_cmd(pipeline, out, resume, only, seed, dry_run):
         click.echo(run.describe())
         return
     try:
-        run.run(only=stages, resume=resume)
+        run.run(only=stages, resume=resume, prepare_only=prepare)
     except KeyboardInterrupt:
         again = f"bam-surgery pipeline {pipeline} --out {out}" + (f" --seed {seed}" if seed is not None else "")
         click.echo(f"bam-surgery: interrupted; continue with: {again} --resume", err=True)
         sys.exit(130)
-    click.echo(f"pipeline {spec.name}: done; report {Path(out) / 'report.md'}", err=True)
+    if not prepare:
+        click.echo(f"pipeline {spec.name}: done; report {Path(out) / 'report.md'}", err=True)

@@ -351,12 +351,16 @@ class PipelineRun:
             _write_atomic(self.configs / f"{name}.yaml", cfg.to_yaml())
         _write_atomic(self.dir / COMMANDS, self.commands_text())
 
-    def run(self, only: list[str] | None = None, resume: bool = False) -> Path:
+    def run(self, only: list[str] | None = None, resume: bool = False, prepare_only: bool = False) -> Path:
         """Run (or continue) the pipeline; returns DIR. Raises PipelineError before any work on bad
-        input (OUT policy, --only)."""
+        input (OUT policy, --only). prepare_only: write DIR's files (resolved pipeline, configs,
+        commands.sh) and run no stage."""
         existed = self.check_out(resume)
         stages = self.check_only(only)
         self.prepare()
+        if prepare_only:
+            self.log(f"pipeline {self.spec.name}: prepared {self.dir} ({COMMANDS}, configs/); run no stage")
+            return self.dir
         self.log(f"pipeline {self.spec.name} -> {self.dir}" + (" (resumed)" if existed else ""))
         units = self.units()
         with _threads(self.spec.threads):

@@ -333,7 +333,9 @@ def test_only_runs_the_named_stages(corpus, tmp_path):
     doc["stages"]["mix"]["mixtures"] = doc["stages"]["mix"]["mixtures"][:2]
     doc["stages"]["report"]["attention_routing"] = ["bam"]
     path = write_doc(doc, tmp_path / "p.yaml")
-    run_cli("pipeline", path, "--out", tmp_path / "out", "--only", "seed,branch")
+    run_cli("pipeline", path, "--out", tmp_path / "out", "--prepare")  # the files, no stage
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["commands.sh", "configs", "pipeline.resolved.yaml"]
+    run_cli("pipeline", path, "--out", tmp_path / "out", "--resume", "--only", "seed,branch")
     assert sorted(p.stem for p in (tmp_path / "out" / "stages").glob("*.json")) == ["branch", "seed"]
     assert (tmp_path / "out" / "models" / "code").is_symlink() and not (tmp_path / "out" / "mixes").exists()
     run_cli("pipeline", path, "--out", tmp_path / "out", "--resume", "--only", "mix")
@@ -342,7 +344,8 @@ def test_only_runs_the_named_stages(corpus, tmp_path):
 
 
 # ---- the shipped pipelines -------------------------------------------------------------------------
-def test_shipped_pipelines_validate(tmp_path):
+def test_shipped_pipelines_validate(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the shipped pipelines' data paths are relative to the repository root
     assert shipped_pipelines() == ["paper-small", "tiny"]
     tiny = load_pipeline("tiny")  # the repository's corpus is there
     assert tiny.domains.keys() == {"code", "law", "math"} and tiny.tokenizer == "bytes"
@@ -359,3 +362,25 @@ def test_shipped_pipelines_validate(tmp_path):
     assert "bam-surgery train --config" in result.stdout and "total training FLOPs" in result.stdout
     assert not (tmp_path / "plan").exists()
     assert PipelineRun(tiny, tmp_path / "x").units()[-1].name == "report"
+
+
+def test_docs_state_what_the_code_computes(tmp_path, monkeypatch):
+    """docs/pipeline.md quotes paper-small's compute-matched steps and FLOPs, and an error message."""
+    monkeypatch.chdir(ROOT)
+    doc = (ROOT / "docs" / "pipeline.md").read_text()
+    paper = load_pipeline("paper-small", check_data=False)
+    cm = {m.name: paper.train_steps(m, "compute-matched") for m in paper.mixtures}
+    assert cm["btx"] == cm["bam-top1"] == cm["btx-6"] == 95367  # within 1% of BTX's FLOPs: the DM run
+    for name in ("bam", "bam-shared-kv", "bam-top2", "btx-6-top3"):
+        assert f"{name} {cm[name]:,}" in doc
+    run = PipelineRun(paper, tmp_path / "x")
+    total = sum(float(line.split()[-1]) for line in run.describe().splitlines()[1:] if line.startswith(("seed",
+                                                                                                      "branch", "dm-",
+                                                                                                      "cm-")))
+    assert f"{total:.2e}".replace("+", "") in doc  # 4.02e21
+    tiny = yaml.safe_load((ROOT / "recipes" / "pipelines" / "tiny.yaml").read_text())
+    tiny["stages"]["mix"]["mixtures"][3]["attention_routing"] = "top5"
+    bad = write_doc(tiny, tmp_path / "my.yaml")
+    err = run_cli("pipeline", bad, "--out", tmp_path / "out", code=2).stderr
+    quoted = "stages.mix.mixtures[3]: attn_top_k: top-5 routing needs between 1 and 4 attention experts"
+    assert quoted in err and quoted in doc
