@@ -405,22 +405,25 @@ class _Validator:
         return None, cfg.to_dict(), seed_knobs, cfg
 
     def given_seed(self, init: str) -> tuple[str, None, dict, ModelConfig]:
-        local = Path(init).expanduser()
-        spec = str(local.resolve()) if local.exists() else init
+        """A given seed checkpoint: its config from the header, and the local path models/seed links to (a
+        hub id's snapshot folder)."""
         if not self.check_data:
             raise PipelineError(f"{self.where}: stages.seed.init: a given seed is read to check the pipeline")
         from bam_surgery.converters import open_checkpoint
 
+        from .errors import USER_ERRORS
+
         try:
-            with open_checkpoint(spec) as reader:
+            with open_checkpoint(init) as reader:
                 cfg = reader.config
-        except (OSError, BamSurgeryError, ConfigError, TrainError) as e:
-            self.fail("stages.seed.init", " ".join(str(e).split()))
-        except Exception as e:  # CheckpointError and friends: one line naming the field
+                local = Path(reader.source_dir or reader.path or init)
+        except (OSError, *USER_ERRORS) as e:
             self.fail("stages.seed.init", " ".join(str(e).split()) or type(e).__name__)
         if cfg.is_mixture:
             self.fail("stages.seed.init", f"{init} is a mixture; the seed is a dense checkpoint")
-        return spec, None, {}, cfg
+        if not local.exists():
+            self.fail("stages.seed.init", f"{init}: not a local checkpoint the pipeline can link to")
+        return str(local.expanduser().resolve()), None, {}, cfg
 
     def tokenizer(self, tok: str | None, dense: ModelConfig, seed_init: str | None) -> str:
         if tok is None:

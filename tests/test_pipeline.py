@@ -384,3 +384,19 @@ def test_docs_state_what_the_code_computes(tmp_path, monkeypatch):
     err = run_cli("pipeline", bad, "--out", tmp_path / "out", code=2).stderr
     quoted = "stages.mix.mixtures[3]: attn_top_k: top-5 routing needs between 1 and 4 attention experts"
     assert quoted in err and quoted in doc
+
+
+def test_a_given_seed_checkpoint(micro, corpus, tmp_path):
+    _, out = micro
+    doc = micro_doc(corpus, tmp_path / "tokens")
+    doc["stages"]["seed"] = {"init": str(out / "runs" / "seed" / "checkpoints" / "step-00000008")}
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "out", code=2).stderr
+    assert "stages.branch.knobs.lr: required when the seed is a given checkpoint" in err
+    doc["stages"]["branch"]["knobs"]["lr"] = 1.5e-3  # the seed's peak was 3e-3
+    run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "out", "--only", "seed,branch")
+    assert (tmp_path / "out" / "models" / "seed").resolve() == (out / "models" / "seed").resolve()
+    assert not (tmp_path / "out" / "runs" / "seed").exists()
+    # the same specialist as the pipeline that trained that seed (same seed checkpoint, knobs and data)
+    mine = load_checkpoint(tmp_path / "out" / "models" / "code")[1]
+    theirs = load_checkpoint(out / "models" / "code")[1]
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
