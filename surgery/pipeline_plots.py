@@ -1,7 +1,7 @@
 """The pipeline report's PNG plots (matplotlib, Agg), each written atomically into DIR/plots/.
 
     training.png        training loss (NLL) against tokens: the seed and specialists, then the mixtures of
-                        each setting (a running mean over ~2% of the steps; the raw curves are in each
+                        each setting (a running mean over 5% of the steps; the raw curves are in each
                         run's metrics.jsonl)
     perplexity.png      held-out perplexity per eval domain (and the average) of every trained model
     routing-UNIT.png    per trained mixture: FFN expert share and attention mean gate, layers x experts,
@@ -40,7 +40,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def _smooth(ys: list[float]) -> list[float]:
-    w = max(1, len(ys) // 50)
+    w = max(1, len(ys) // 20)
     out, acc = [], 0.0
     for i, y in enumerate(ys):
         acc += y
@@ -58,6 +58,8 @@ def _curve(run_dir: Path) -> tuple[list[int], list[float]]:
 
 
 def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
+    from matplotlib.ticker import EngFormatter
+
     plt = _plt()
     groups: list[tuple[str, list[tuple[str, str]]]] = []
     dense = [(m["label"], m["training"]["unit"]) for m in rep["models"]
@@ -75,12 +77,15 @@ def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
             x, y = _curve(run.runs / unit)
             ax.plot(x, y, lw=1, label=label)
         ax.set(xlabel="tokens", ylabel="training NLL (nats/token)", title=title)
+        ax.xaxis.set_major_formatter(EngFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, run.dir / "plots" / "training.png")
 
 
 def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
+    from matplotlib.ticker import FormatStrFormatter
+
     plt = _plt()
     models = [m for m in rep["models"] if m["kind"] != "untrained"]
     cols = rep["domains"] + ["average"]
@@ -88,9 +93,12 @@ def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
     width = 0.8 / len(models)
     for i, m in enumerate(models):
         ys = [m["average_perplexity"] if c == "average" else m["perplexity"][c] for c in cols]
-        ax.bar([j + (i - (len(models) - 1) / 2) * width for j in range(len(cols))], ys, width, label=m["label"])
+        ax.bar([j + (i - (len(models) - 1) / 2) * width for j in range(len(cols))], ys, width, label=m["label"],
+               color=plt.cm.tab20(i % 20))
     ax.set_xticks(range(len(cols)), cols)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set(ylabel="held-out perplexity (log scale)", title=f"{rep['pipeline']}: perplexity per domain")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2)
