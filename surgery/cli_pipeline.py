@@ -38,7 +38,7 @@ def pipeline_cmd(pipeline, out, resume, only, seed, prepare, dry_run):
     paper-small). The file is checked completely before any work starts.
     """
     from .pipeline import PipelineRun
-    from .pipeline_spec import load_pipeline
+    from .pipeline_schema import load_pipeline
 
     spec = load_pipeline(pipeline, seed=seed)
     stages = [s.strip() for s in only.split(",") if s.strip()] if only else None

@@ -1,6 +1,6 @@
 """`bam-surgery pipeline`: the whole Branch-Attend-Mix workflow, stage by stage, resumable.
 
-    spec = load_pipeline("tiny")
+    spec = load_pipeline("tiny")                                 # pipeline_schema: the file, validated
     PipelineRun(spec, Path("runs/tiny")).run()                   # or run(only=["report"], resume=True)
 
 Stages (STAGES), each a list of units run in order through the Python APIs (train.train,
@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from .pipeline_spec import (SETTINGS, STAGES, Mixture, PipelineError, PipelineSpec, branch_config,
-                            dump_resolved, first_difference, seed_config, train_config)
+from .pipeline_spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved,
+                            first_difference, seed_config, train_config)
 
 Log = Callable[[str], None]
 RESOLVED = "pipeline.resolved.yaml"
@@ -438,5 +438,3 @@ def _trainer_elapsed(ckpt: Path | None) -> float | None:
         return None
     return round(float(meta.get("elapsed_s", 0.0)), 3)
 
-
-__all__ = ["PipelineRun", "PipelineError", "SETTINGS", "STAGES"]

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from bam_surgery.runtime import load_checkpoint
 from bam_surgery.surgery.cli import cli
 from bam_surgery.surgery.pipeline import PipelineRun
-from bam_surgery.surgery.pipeline_spec import load_pipeline, shipped_pipelines
+from bam_surgery.surgery.pipeline_schema import load_pipeline, shipped_pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "domains"
@@ -68,9 +68,9 @@ def micro_doc(corpus: Path, cache: Path) -> dict:
                 {"name": "btx", "recipe": "btx"},
                 {"name": "bam", "recipe": "bam"},
                 {"name": "bam-shared-kv", "recipe": "bam-shared-kv"},
-                {"name": "bam-top1", "recipe": "bam", "attention_routing": "top1", "router_std": 0.05},
+                {"name": "bam-top1", "recipe": "bam", "attention_routing": 1, "router_std": 0.05},
                 {"name": "btx-total", "recipe": "btx", "extra_ffn_experts": 1, "ffn_top_k": 2,
-                 "weights": [0.5, 0.25, 0.25]}]},
+                 "weights": [2, 1, 1], "lb_coef": 0}]},
             "train": {"compute_reference": "btx", "knobs": {"steps": 12, "lr": 2.0e-3, "warmup_steps": 2}},
             "eval": {"max_tokens": 192, "batch_size": 4},
             "report": {"attention_routing": ["bam", "bam-top1"], "baseline": "btx"},
@@ -187,7 +187,7 @@ def test_compute_matching_and_data_matching(micro):
 def test_recorded_merge_and_train_commands_reproduce_the_outputs(micro, tmp_path):
     _, out = micro
     merge = next(a for a in recorded(out, "merge") if "bam-top1" in a[-1])
-    assert "--attention-routing" in merge and "--router-std" in merge
+    assert merge[merge.index("--attention-routing") + 1] == "top1" and "--router-std" in merge
     merge[-1] = str(tmp_path / "again.safetensors")
     run_cli(*merge, "--quiet")
     assert (tmp_path / "again.safetensors").read_bytes() == (out / "mixes" / "bam-top1.safetensors").read_bytes()
@@ -353,7 +353,7 @@ def test_shipped_pipelines_validate(tmp_path, monkeypatch):
     paper = load_pipeline("paper-small", check_data=False)
     cfg = paper.dense_config
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab_size, 2 * cfg.ffn_hidden) == (1024, 6, 8, 256000, 4096)
-    assert paper.train_knobs["batch_tokens"] == 1048576 and paper.train_knobs["lr"] == 1.2e-4
+    assert paper.knobs["batch_tokens"] == 1048576 and paper.knobs["lr"] == 1.2e-4 and paper.mixture_steps == 95367
     assert paper.branch_knobs["lr"] == pytest.approx(0.6e-4)
     again = load_pipeline("tiny", seed=5)  # --seed: every run's seed and the routers' seed
     assert again.doc["seed"] == 5 and {m.options.router_seed for m in again.mixtures} == {5}
