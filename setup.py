@@ -22,7 +22,8 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
-    package_data={"bam_surgery.recipes": ["*.yaml", "README.md"], "bam_surgery.converters.hf_bam": ["*.py"]},
+    package_data={"bam_surgery.recipes": ["*.yaml", "README.md", "pipelines/*.yaml", "pipelines/README.md"],
+                  "bam_surgery.converters.hf_bam": ["*.py"]},
     # Exact pins for a reproducible environment live in requirements*.txt (the Makefile uses them).
     install_requires=["torch>=2.4", "safetensors>=0.4", "numpy", "click>=8.1", "tqdm",
                       "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib"],

@@ -341,6 +341,10 @@ cli.add_command(train_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(plot_cmd)
 
+from .cli_pipeline import pipeline_cmd  # noqa: E402
+
+cli.add_command(pipeline_cmd)
+
 
 def _terminate(signum, frame) -> None:
     # Unwind normally on SIGTERM so the atomic output's temporary files are removed.

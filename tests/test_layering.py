@@ -114,6 +114,7 @@ def test_wheel_installs_only_the_bam_surgery_namespace(tmp_path):
         if layer != "train" or (ROOT / "train").is_dir():
             assert f"bam_surgery/{layer}/__init__.py" in names
     assert "bam_surgery/recipes/bam.yaml" in names
+    assert "bam_surgery/recipes/pipelines/tiny.yaml" in names  # `bam-surgery pipeline tiny` from an install
     assert "bam_surgery/converters/hf_bam/modeling_bam.py" in names
 
 

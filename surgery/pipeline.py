@@ -1,0 +1,440 @@
+"""`bam-surgery pipeline`: the whole Branch-Attend-Mix workflow, stage by stage, resumable.
+
+    spec = load_pipeline("tiny")                                 # pipeline_schema: the file, validated
+    PipelineRun(spec, Path("runs/tiny")).run()                   # or run(only=["report"], resume=True)
+
+Stages (STAGES), each a list of units run in order through the Python APIs (train.train,
+merge's compile_plan/execute_plan, train.evaluate), each unit recorded in DIR/commands.sh as the
+equivalent command line:
+
+    seed     train the dense seed on general text (or link the given checkpoint)      runs/seed, models/seed
+    branch   one continued-pretraining run per domain from the seed                  runs/branch-D, models/D
+    mix      every mixture of stages.mix, from the seed and the specialists          mixes/M.safetensors
+    train    mixture training, data-matched and compute-matched                      runs/dm-M, runs/cm-M
+    eval     every model on each domain's held-out text (and the general text)       eval/MODEL.json
+    report   report.md, report.json, plots/*.png                                     (pipeline_report)
+
+models/ holds links named after the merge's expert names (models/seed, models/code, ...) to the final
+checkpoints: the merge names its experts after its inputs' file names.
+
+Completion is judged from the products, each written atomically: a training run is complete when its
+final checkpoint (checkpoints/step-N) exists, a merge when its file exists, an eval when its JSON exists.
+A run folder with checkpoints but not the final one is resumed (train's exact resume); one with none is
+started again. A stage's marker, DIR/stages/STAGE.json (its units' tokens and times), is written last;
+a stage with a marker is skipped whole. So a crash or an interrupt loses at most the current unit's
+progress since its last checkpoint, and `--resume` picks up there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from .pipeline_spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved,
+                            first_difference, seed_config, train_config)
+
+Log = Callable[[str], None]
+RESOLVED = "pipeline.resolved.yaml"
+COMMANDS = "commands.sh"
+
+
+@dataclass
+class Unit:
+    stage: str
+    name: str
+    commands: list[str]  # the equivalent command lines
+    done: Callable[[], bool]
+    work: Callable[[], dict[str, Any]]  # does the unit; returns what it produced (tokens, ...)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _link_atomic(link: Path, target: str) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.partial-link")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def _quote(args: list[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in args)
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class PipelineRun:
+    """One pipeline run into DIR: the units of every stage, their completion, the records."""
+
+    def __init__(self, spec: PipelineSpec, out: Path, log: Log | None = None):
+        self.spec, self.dir = spec, Path(out).resolve()
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.runs, self.models, self.mixes = self.dir / "runs", self.dir / "models", self.dir / "mixes"
+        self.configs, self.evals, self.stages = self.dir / "configs", self.dir / "eval", self.dir / "stages"
+
+    # ---- paths -----------------------------------------------------------------------------------
+    def final_checkpoint(self, unit: str, steps: int) -> Path:
+        from bam_surgery.train.checkpoints import step_dir_name
+
+        return self.runs / unit / "checkpoints" / step_dir_name(steps)
+
+    def seed_checkpoint(self) -> str:
+        return str(self.models / "seed")
+
+    def mix_file(self, mix: Mixture) -> Path:
+        return self.mixes / f"{mix.name}.safetensors"
+
+    def marker(self, stage: str) -> Path:
+        return self.stages / f"{stage}.json"
+
+    def unit_record(self, unit: str) -> Path:
+        return self.stages / "units" / f"{unit}.json"
+
+    # ---- the training configs (written to DIR/configs, read back: exactly what `train --config` reads) --
+    def train_configs(self) -> dict[str, Any]:
+        """unit -> TrainConfig of every training run, in order."""
+        spec, out = self.spec, {}
+        if spec.seed_init is None:
+            out["seed"] = seed_config(spec, str(self.runs / "seed"), str(self.configs / "seed-model.json"))
+        for d in spec.domains:
+            out[f"branch-{d}"] = branch_config(spec, d, self.seed_checkpoint(), str(self.runs / f"branch-{d}"))
+        for setting, mix in spec.trained_mixtures():
+            name = spec.unit_name(setting, mix)
+            out[name] = train_config(spec, mix, setting, str(self.mix_file(mix)), str(self.runs / name))
+        return out
+
+    def eval_models(self) -> dict[str, str]:
+        """model id -> checkpoint evaluated: the seed, the specialists, every mixture untrained and trained."""
+        spec, cfgs = self.spec, self.train_configs()
+        out = {"seed": self.seed_checkpoint()}
+        out.update({f"branch-{d}": str(self.models / d) for d in spec.domains})
+        out.update({f"mix-{m.name}": str(self.mix_file(m)) for m in spec.mixtures})
+        for setting, mix in spec.trained_mixtures():
+            name = spec.unit_name(setting, mix)
+            out[name] = str(self.final_checkpoint(name, cfgs[name].steps))
+        return out
+
+    # ---- units ---------------------------------------------------------------------------------------
+    def units(self) -> list[Unit]:
+        spec, cfgs = self.spec, self.train_configs()
+        units: list[Unit] = []
+        # seed
+        if spec.seed_init is None:
+            units.append(self._train_unit("seed", "seed", cfgs["seed"]))
+            target = os.path.relpath(self.final_checkpoint("seed", cfgs["seed"].steps), self.models)
+        else:
+            target = spec.seed_init
+        units.append(self._link_unit("seed", "seed", target))
+        # branch
+        for d in spec.domains:
+            name = f"branch-{d}"
+            units.append(self._train_unit("branch", name, cfgs[name]))
+            units.append(self._link_unit("branch", d, os.path.relpath(self.final_checkpoint(name, cfgs[name].steps),
+                                                                      self.models)))
+        # mix
+        for mix in spec.mixtures:
+            units.append(self._merge_unit(mix))
+        # train
+        for setting, mix in spec.trained_mixtures():
+            name = spec.unit_name(setting, mix)
+            units.append(self._train_unit("train", name, cfgs[name]))
+        # eval
+        for model, ckpt in self.eval_models().items():
+            units.append(self._eval_unit(model, ckpt))
+        units.append(Unit("report", "report", [_quote(["bam-surgery", "pipeline", self.dir / RESOLVED, "--out",
+                                                       self.dir, "--resume", "--only", "report"])],
+                          lambda: (self.dir / "report.json").is_file(), self._report))
+        return units
+
+    def _train_unit(self, stage: str, name: str, cfg) -> Unit:
+        config_file = self.configs / f"{name}.yaml"
+        final = self.final_checkpoint(name, cfg.steps)
+        return Unit(stage, name, [_quote(["bam-surgery", "train", "--config", config_file])],
+                    final.is_dir, lambda: self._train(name, config_file))
+
+    def _link_unit(self, stage: str, name: str, target: str) -> Unit:
+        link = self.models / name
+        return Unit(stage, f"models/{name}", [_quote(["mkdir", "-p", self.models]),
+                                             _quote(["ln", "-sfn", target, link])],
+                    lambda: link.is_symlink() and os.readlink(link) == target,
+                    lambda: (_link_atomic(link, target), {"tokens": 0})[1])
+
+    def _merge_unit(self, mix: Mixture) -> Unit:
+        out = self.mix_file(mix)
+        return Unit("mix", f"mix-{mix.name}", [_quote(self.merge_args(mix))], out.is_file, lambda: self._merge(mix))
+
+    def _eval_unit(self, model: str, ckpt: str) -> Unit:
+        out = self.evals / f"{model}.json"
+        cmd = _quote(self.eval_args(ckpt)) + " > " + shlex.quote(str(out))
+        return Unit("eval", f"eval-{model}", [cmd], out.is_file, lambda: self._eval(ckpt, out))
+
+    # ---- the command lines -------------------------------------------------------------------------
+    def merge_args(self, mix: Mixture) -> list[str]:
+        args = ["bam-surgery", "merge", "--seed", self.seed_checkpoint(), "--experts",
+                ",".join(str(self.models / d) for d in self.spec.domains), "--recipe", mix.recipe_spec]
+        flags = {"extra_ffn_experts": "--extra-ffn-experts", "ffn_top_k": "--ffn-top-k",
+                 "attention_routing": "--attention-routing", "gate_norm": "--gate-norm", "dtype": "--dtype",
+                 "router_seed": "--router-seed", "router_std": "--router-std", "shared_kv_rule": "--shared-kv-rule",
+                 "lb_coef": "--lb-coef", "z_coef": "--z-coef"}
+        for key, flag in flags.items():
+            if key in mix.given:
+                args += [flag, str(mix.given[key])]
+        if "seed_expert" in mix.given:
+            args.append("--seed-expert" if mix.given["seed_expert"] else "--no-seed-expert")
+        if "weights" in mix.given:
+            args += ["--weights", ",".join(repr(float(w)) for w in mix.given["weights"])]
+        return args + ["--out", str(self.mix_file(mix))]
+
+    def eval_args(self, ckpt: str) -> list[str]:
+        spec = self.spec
+        args = ["bam-surgery", "eval", ckpt, "--data", spec.eval_spec(), "--tokenizer", spec.tokenizer,
+                "--seq-len", str(spec.seq_len), "--batch-size", str(spec.eval_batch_size), "--max-tokens",
+                str(spec.eval_max_tokens)]
+        if spec.text_field != "text":
+            args += ["--text-field", spec.text_field]
+        if spec.token_cache:
+            args += ["--token-cache", spec.token_cache]
+        if spec.knobs.get("device", "auto") != "auto":
+            args += ["--device", spec.knobs["device"]]
+        return args + ["--json"]
+
+    def commands_text(self) -> str:
+        lines = [f"#!/bin/sh",
+                 f"# Pipeline {self.spec.name} ({self.spec.path}) into {self.dir}: every unit as the equivalent",
+                 "# bam-surgery command, in the order the pipeline runs them (it calls the same Python functions).",
+                 f"# The training configs are in {self.configs}; the resolved pipeline in {self.dir / RESOLVED}.",
+                 "set -e"]
+        if self.spec.threads:
+            lines.append(f"export OMP_NUM_THREADS={self.spec.threads}")
+        stage = None
+        for u in self.units():
+            if u.stage != stage:
+                stage = u.stage
+                lines += ["", f"# ---- {stage}"]
+            lines += u.commands
+        return "\n".join(lines) + "\n"
+
+    # ---- the work of each unit -----------------------------------------------------------------------
+    def _train(self, name: str, config_file: Path) -> dict[str, Any]:
+        from bam_surgery.train import TrainConfig, load_run_config, train
+        from bam_surgery.train.checkpoints import latest_checkpoint
+
+        run = self.runs / name
+        log = lambda m: self.log(f"  {m}")  # noqa: E731
+        resumed = False
+        if run.exists() and latest_checkpoint(run) is not None and (run / "config.yaml").is_file():
+            self.log(f"  resuming {run} from {latest_checkpoint(run).name}")
+            cfg, resumed = load_run_config(run, {"out": str(run)}), True
+        else:
+            if run.exists():  # set up but no checkpoint yet: nothing to keep
+                shutil.rmtree(run)
+            cfg = TrainConfig.from_yaml(config_file)
+        result = train(cfg, resume=resumed, log=log)
+        return {"tokens": result.tokens, "steps": result.steps, "checkpoint": str(result.checkpoint),
+                "resumed": resumed, "train_s": _trainer_elapsed(result.checkpoint)}
+
+    def _merge(self, mix: Mixture) -> dict[str, Any]:
+        from contextlib import ExitStack
+
+        from bam_surgery.converters import open_checkpoint
+
+        from .execute import execute_plan
+        from .plan import compile_plan
+
+        specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
+        with ExitStack() as opened:
+            readers = [opened.enter_context(open_checkpoint(s)) for s in specs]
+            plan = compile_plan(mix.recipe, readers, mix.options)
+            path = execute_plan(plan, self.mix_file(mix), warn=lambda m: self.log(f"  warning: {m}"))
+        return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
+
+    def _eval(self, ckpt: str, out: Path) -> dict[str, Any]:
+        from bam_surgery.train import evaluate
+
+        spec = self.spec
+        report = evaluate(ckpt, spec.eval_spec(), tokenizer=spec.tokenizer, seq_len=spec.seq_len,
+                          batch_size=spec.eval_batch_size, max_tokens=spec.eval_max_tokens,
+                          text_field=spec.text_field, token_cache=spec.token_cache,
+                          device=spec.knobs.get("device", "auto"))
+        _write_atomic(out, json.dumps(report.to_dict(), indent=2) + "\n")  # what `eval --json` prints
+        shown = ", ".join(f"{n} {r.perplexity:.3f}" for n, r in report.domains.items())
+        self.log(f"  perplexity: {shown}")
+        return {"tokens": sum(r.tokens for r in report.domains.values())}
+
+    def _report(self) -> dict[str, Any]:
+        from .pipeline_report import write_report
+
+        files = write_report(self)
+        self.log("  wrote " + ", ".join(str(Path(f).relative_to(self.dir)) for f in files))
+        return {"tokens": 0}
+
+    # ---- running ------------------------------------------------------------------------------------
+    def check_out(self, resume: bool) -> bool:
+        """The OUT policy; returns whether DIR holds a run already."""
+        d, saved = self.dir, self.dir / RESOLVED
+        if d.exists() and not d.is_dir():
+            raise PipelineError(f"--out {d}: exists and is not a folder")
+        if saved.is_file():
+            if not resume:
+                raise PipelineError(f"--out {d}: holds a pipeline run; pass --resume to continue it, or choose a new "
+                                    "--out (nothing was changed)")
+            try:
+                old = yaml.safe_load(saved.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError) as e:
+                raise PipelineError(f"{saved}: cannot read ({' '.join(str(e).split())[:200]})") from None
+            diff = first_difference(_without_cache(old), _without_cache(self.spec.doc))
+            if diff:
+                raise PipelineError(f"--resume: {d} was run with another pipeline: {diff} differs from {saved}; a run "
+                                    "continues with the pipeline it started with (choose a new --out)")
+            return True
+        if d.exists() and any(d.iterdir()):
+            raise PipelineError(f"--out {d}: exists and holds no pipeline run ({RESOLVED}); choose a new --out "
+                                "(nothing was changed)")
+        if resume:
+            raise PipelineError(f"--resume: {d} holds no pipeline run ({RESOLVED}); start it without --resume")
+        return False
+
+    def check_only(self, only: list[str] | None) -> list[str]:
+        """The stages to run, in order; every earlier stage left out must be complete."""
+        if not only:
+            return list(STAGES)
+        self.check_only_names(only)
+        for s in only:
+            for before in STAGES[:STAGES.index(s)]:
+                if before not in only and not self.marker(before).is_file():
+                    raise PipelineError(f"--only {','.join(only)}: stage {before} is not complete in {self.dir}; "
+                                        f"run it first (add it to --only, or leave --only out)")
+        return [s for s in STAGES if s in only]
+
+    @staticmethod
+    def check_only_names(only: list[str]) -> None:
+        for s in only:
+            if s not in STAGES:
+                raise PipelineError(f"--only: {s!r} is not a stage; stages are {', '.join(STAGES)}")
+
+    def prepare(self) -> None:
+        """DIR's resolved pipeline, training configs and commands.sh (every one written atomically)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / RESOLVED).is_file():
+            _write_atomic(self.dir / RESOLVED, dump_resolved(self.spec))
+        if self.spec.seed_init is None:
+            _write_atomic(self.configs / "seed-model.json", json.dumps(self.spec.seed_model, indent=1) + "\n")
+        for name, cfg in self.train_configs().items():
+            _write_atomic(self.configs / f"{name}.yaml", cfg.to_yaml())
+        _write_atomic(self.dir / COMMANDS, self.commands_text())
+
+    def run(self, only: list[str] | None = None, resume: bool = False, prepare_only: bool = False) -> Path:
+        """Run (or continue) the pipeline; returns DIR. Raises PipelineError before any work on bad
+        input (OUT policy, --only). prepare_only: write DIR's files (resolved pipeline, configs,
+        commands.sh) and run no stage."""
+        existed = self.check_out(resume)
+        stages = self.check_only(only)
+        self.prepare()
+        if prepare_only:
+            self.log(f"pipeline {self.spec.name}: prepared {self.dir} ({COMMANDS}, configs/); run no stage")
+            return self.dir
+        self.log(f"pipeline {self.spec.name} -> {self.dir}" + (" (resumed)" if existed else ""))
+        units = self.units()
+        with _threads(self.spec.threads):
+            for stage in stages:
+                self._run_stage(stage, [u for u in units if u.stage == stage])
+        return self.dir
+
+    def _run_stage(self, stage: str, units: list[Unit]) -> None:
+        if self.marker(stage).is_file():
+            self.log(f"stage {stage}: complete, skipped")
+            return
+        self.log(f"stage {stage}: {len(units)} unit(s)")
+        for i, u in enumerate(units, 1):
+            if u.done():
+                self.log(f"[{stage} {i}/{len(units)}] {u.name}: complete, skipped")
+                continue
+            self.log(f"[{stage} {i}/{len(units)}] {u.name}")
+            wall, cpu = time.perf_counter(), time.process_time()
+            produced = u.work()
+            rec = {"stage": stage, "unit": u.name, **produced, "wall_s": round(time.perf_counter() - wall, 3),
+                   "cpu_s": round(time.process_time() - cpu, 3)}
+            _write_atomic(self.unit_record(u.name), json.dumps(rec, indent=1) + "\n")
+            self.log(f"[{stage} {i}/{len(units)}] {u.name}: done in {rec['wall_s']:.1f} s")
+        summary = {"stage": stage, "units": {}}
+        for u in units:
+            rec_file = self.unit_record(u.name)
+            summary["units"][u.name] = json.loads(rec_file.read_text()) if rec_file.is_file() else {}
+        recs = summary["units"].values()
+        summary.update(tokens=sum(r.get("tokens", 0) for r in recs),
+                       wall_s=round(sum(r.get("wall_s", 0.0) for r in recs), 3),
+                       cpu_s=round(sum(r.get("cpu_s", 0.0) for r in recs), 3))
+        _write_atomic(self.marker(stage), json.dumps(summary, indent=1) + "\n")
+
+    # ---- the plan, for --dry-run ------------------------------------------------------------------
+    def describe(self) -> str:
+        spec, cfgs = self.spec, self.train_configs()
+        rows = []
+        for name, cfg in cfgs.items():
+            tokens = cfg.steps * (cfg.batch_tokens or cfg.micro_batch * spec.seq_len)
+            fpt = _flops_per_token(spec, name)
+            rows.append((name, f"{cfg.steps:,}", f"{tokens:,}", f"{fpt / 1e6:,.2f}", f"{tokens * fpt:.3e}"))
+        from .cli_audit import render_table
+
+        total = sum(float(r[4]) for r in rows)
+        return "\n".join([render_table(("training run", "steps", "tokens", "MFLOP/token", "FLOPs"), rows),
+                          f"total training FLOPs {total:.3e}", "", self.commands_text()])
+
+
+def _without_cache(doc: Any) -> Any:
+    """The resolved document less the token cache's place (it holds the same tokens wherever it is)."""
+    if isinstance(doc, dict) and isinstance(doc.get("data"), dict):
+        return {**doc, "data": {k: v for k, v in doc["data"].items() if k != "token_cache"}}
+    return doc
+
+
+def _flops_per_token(spec: PipelineSpec, unit: str) -> float:
+    from bam_surgery.train.metrics import flops_per_token
+
+    if unit == "seed" or unit.startswith("branch-"):
+        return flops_per_token(spec.dense_config, spec.seq_len)
+    return spec.mixture(unit.split("-", 1)[1]).flops_per_token
+
+
+def _trainer_elapsed(ckpt: Path | None) -> float | None:
+    """Seconds of training steps over every attempt (the trainer state's elapsed_s)."""
+    from bam_surgery.runtime.checkpoint import CheckpointError
+    from bam_surgery.runtime.safetensors_file import SafetensorsFile
+    from bam_surgery.train.checkpoints import TRAINER_FILE, TRAINER_KEY
+
+    if ckpt is None or not (Path(ckpt) / TRAINER_FILE).is_file():
+        return None
+    try:
+        meta = json.loads(SafetensorsFile(Path(ckpt) / TRAINER_FILE).metadata.get(TRAINER_KEY, "{}"))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return round(float(meta.get("elapsed_s", 0.0)), 3)
+

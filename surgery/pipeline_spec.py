@@ -1,0 +1,208 @@
+"""The resolved pipeline: what a validated pipeline file says, with every default filled in, and what
+follows from it (each stage's training config, the mixture-training steps, the resolved document).
+
+    spec = load_pipeline("tiny")                  # pipeline_schema: read and validate the file
+    spec.train_steps(spec.mixture("bam"), "compute-matched")
+    branch_config(spec, "code", init="DIR/models/seed", out="DIR/runs/branch-code")   # a TrainConfig
+
+`resolved_doc()` is what DIR/pipeline.resolved.yaml holds and what `--resume` compares; it is itself a
+pipeline file (validating it gives the same document).
+
+Compute-matched training (the paper's CM) gives every mixture the training FLOPs of the reference mixture
+(`stages.train.compute_reference`, by default the first listed): steps = round(steps_ref * F_ref / F),
+F = train.metrics.flops_per_token(config, seq_len) = 6 x active matmul parameters (FFN experts counted
+top-k / E, soft attention experts all) + 12 x layers x seq_len x query width x attention experts run.
+Every run has the same tokens per step, so equal FLOPs means steps in inverse ratio of F. A mixture whose F
+is within `compute_tolerance` (1%) of the reference's is not trained twice: its data-matched run is its
+compute-matched run. The paper matched TPU-core-days (wall time); FLOPs are the deterministic stand-in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.train.config import TrainConfig
+
+from .errors import BamSurgeryError
+from .plan import MergeOptions
+from .recipe import Recipe
+
+SCHEMA_VERSION = 1
+STAGES = ("seed", "branch", "mix", "train", "eval", "report")
+SETTINGS = {"data-matched": "dm", "compute-matched": "cm"}
+
+
+class PipelineError(BamSurgeryError):
+    """The pipeline file is invalid; the message names the file and the field."""
+
+
+# ---- the resolved pipeline ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mixture:
+    name: str
+    recipe_spec: str  # as given: a shipped name or a path (resolved to absolute)
+    recipe: Recipe
+    options: MergeOptions
+    config: ModelConfig  # the merged model's config
+    given: dict[str, Any]  # the merge options as written in the YAML (router_seed filled in)
+    flops_per_token: float  # training FLOPs per token at the pipeline's seq_len (train.metrics)
+
+
+@dataclass
+class PipelineSpec:
+    path: str  # the pipeline file as given (for messages)
+    name: str
+    description: str
+    seed: int
+    threads: int | None
+    general: str  # absolute source paths (or hf:...)
+    domains: dict[str, str]
+    tokenizer: str
+    seq_len: int
+    token_cache: str | None
+    text_field: str
+    knobs: dict[str, Any]  # training knobs of every run; each stage's own (seed_knobs, ...) override them
+    seed_init: str | None  # a given seed checkpoint, else trained:
+    seed_model: dict[str, Any] | None  # ModelConfig fields of a trained seed
+    seed_knobs: dict[str, Any]
+    dense_config: ModelConfig
+    branch_general_share: float
+    branch_lr_scale: float | None
+    branch_knobs: dict[str, Any]
+    mixtures: list[Mixture]
+    train_general_share: float
+    settings: list[str]  # data-matched, compute-matched
+    compute_reference: str | None
+    compute_tolerance: float
+    train_knobs: dict[str, Any]
+    eval_max_tokens: int
+    eval_batch_size: int
+    report_attention_routing: list[str]
+    report_baseline: str | None
+    doc: dict[str, Any] = field(default_factory=dict)  # the resolved YAML document
+
+    # -- derived --------------------------------------------------------------------------------
+    def mixture(self, name: str) -> Mixture:
+        return next(m for m in self.mixtures if m.name == name)
+
+    def train_steps(self, mix: Mixture, setting: str) -> int:
+        """Mixture-training steps: the knob for data-matched; FLOPs-matched to the reference for
+        compute-matched (at least 1)."""
+        steps = self.mixture_steps
+        if setting == "data-matched" or self.same_as_data_matched(mix):
+            return steps
+        ref = self.mixture(self.compute_reference)
+        return max(1, round(steps * ref.flops_per_token / mix.flops_per_token))
+
+    @property
+    def mixture_steps(self) -> int:
+        """The data-matched mixture-training steps."""
+        return {**self.knobs, **self.train_knobs}.get("steps", TrainConfig().steps)
+
+    def same_as_data_matched(self, mix: Mixture) -> bool:
+        """A mixture whose FLOPs per token are within compute_tolerance of the reference's (the reference
+        itself; BTX with more experts at top-1; top-1 attention routing) has its data-matched run as its
+        compute-matched run: it is trained once."""
+        if "data-matched" not in self.settings or "compute-matched" not in self.settings:
+            return False
+        ref = self.mixture(self.compute_reference)
+        return abs(mix.flops_per_token / ref.flops_per_token - 1) <= self.compute_tolerance
+
+    def trained_mixtures(self) -> list[tuple[str, Mixture]]:
+        """(setting, mixture) of every distinct mixture-training run, data-matched ones first."""
+        return [(setting, mix) for setting in self.settings for mix in self.mixtures
+                if not (setting == "compute-matched" and self.same_as_data_matched(mix))]
+
+    def unit_name(self, setting: str, mix: Mixture) -> str:
+        """The run of (setting, mixture): dm-NAME or cm-NAME."""
+        if setting == "compute-matched" and self.same_as_data_matched(mix):
+            setting = "data-matched"
+        return f"{SETTINGS[setting]}-{mix.name}"
+
+    def data_spec(self, weights: dict[str, float]) -> str:
+        """A train SPEC over the named sources ('general' or a domain) with these weights (0 left out)."""
+        src = {"general": self.general, **self.domains}
+        return ",".join(f"{n}={src[n]}:{_num(w)}" for n, w in weights.items() if w > 0)
+
+    def eval_spec(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in {"general": self.general, **self.domains}.items())
+
+    def eval_domains(self) -> list[str]:
+        return ["general", *self.domains]
+
+
+def _num(x: float) -> str:
+    return repr(float(x)) if not float(x).is_integer() else str(int(x))
+
+
+# ---- the training configs of each stage -----------------------------------------------------------
+def _run_config(spec: PipelineSpec, knobs: dict[str, Any], **fixed: Any) -> TrainConfig:
+    base = dict(seed=spec.seed, tokenizer=spec.tokenizer, seq_len=spec.seq_len, token_cache=spec.token_cache,
+                text_field=spec.text_field)
+    return TrainConfig.from_dict({**knobs, **base, **fixed}, where="pipeline")
+
+
+def seed_config(spec: PipelineSpec, out: str, model_config: str = "seed-model.json") -> TrainConfig:
+    return _run_config(spec, {**spec.knobs, **spec.seed_knobs}, model_config=model_config, out=out,
+                       data=spec.data_spec({"general": 1.0}))
+
+
+def branch_config(spec: PipelineSpec, domain: str, init: str, out: str) -> TrainConfig:
+    g = spec.branch_general_share
+    return _run_config(spec, {**spec.knobs, **spec.branch_knobs}, init=init, out=out,
+                       data=spec.data_spec({domain: 1 - g, "general": g}))
+
+
+def train_config(spec: PipelineSpec, mix: Mixture, setting: str, init: str, out: str) -> TrainConfig:
+    g = spec.train_general_share
+    weights = {d: (1 - g) / len(spec.domains) for d in spec.domains}
+    return _run_config(spec, {**spec.knobs, **spec.train_knobs, "steps": spec.train_steps(mix, setting)}, init=init,
+                       out=out, data=spec.data_spec({**weights, "general": g}))
+
+
+# ---- the resolved document --------------------------------------------------------------------------
+def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline with every default filled in and paths absolute: DIR/pipeline.resolved.yaml."""
+    seed_stage: dict[str, Any] = {"init": spec.seed_init} if spec.seed_init else {
+        "model": spec.seed_model, "knobs": spec.seed_knobs}
+    return {
+        "schema": SCHEMA_VERSION, "name": spec.name, "description": spec.description, "seed": spec.seed,
+        "threads": spec.threads,
+        "data": {"general": spec.general, "domains": dict(spec.domains), "tokenizer": spec.tokenizer,
+                 "seq_len": spec.seq_len, "token_cache": spec.token_cache, "text_field": spec.text_field},
+        "knobs": dict(spec.knobs),
+        "stages": {
+            "seed": seed_stage,
+            "branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)},
+            "mix": {"mixtures": [{"name": m.name, "recipe": m.recipe_spec, **m.given} for m in spec.mixtures]},
+            "train": {"general_share": spec.train_general_share, "settings": list(spec.settings),
+                      "compute_reference": spec.compute_reference, "compute_tolerance": spec.compute_tolerance,
+                      "knobs": dict(spec.train_knobs)},
+            "eval": {"max_tokens": spec.eval_max_tokens, "batch_size": spec.eval_batch_size},
+            "report": {"attention_routing": list(spec.report_attention_routing), "baseline": spec.report_baseline},
+        },
+    }
+
+
+def dump_resolved(spec: PipelineSpec) -> str:
+    return yaml.safe_dump(spec.doc, sort_keys=False)
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """The path of the first field where two documents differ (None if equal)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            d = first_difference(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_difference(x, y, f"{where}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else (where or "(document)")
