@@ -20,6 +20,7 @@ from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS
 
 from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
 from .errors import USER_ERRORS, BamSurgeryError, one_line, os_error_message
+from .open_input import open_input
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -194,7 +195,6 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
           weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, fmt, dry_run,
           force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
-    from bam_surgery.converters import open_checkpoint
     from bam_surgery.converters.export import check_export
 
     from .execute import execute_plan
@@ -218,7 +218,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
     named = [parse_named(seed), *split_specs(experts)]
     names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
-        readers = [opened.enter_context(_open(open_checkpoint, spec, allow_pickle)) for _, spec in named]
+        readers = [opened.enter_context(open_input(spec, allow_pickle)) for _, spec in named]
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
         if dry_run:
@@ -286,7 +286,6 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @ALLOW_PICKLE
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
-    from bam_surgery.converters import open_checkpoint
     from bam_surgery.converters.export import ExportOptions, check_export, export
 
     from .card import generation_config, tokenizer_files
@@ -296,7 +295,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
     _check_format_out(fmt, out)
-    with _open(open_checkpoint, source, allow_pickle) as reader:
+    with open_input(source, allow_pickle) as reader:
         arch = architecture or reader.architecture
         check_export(fmt, reader.config, architecture=arch)
         check_output_path(out_path, force, [(str(source), reader)])
@@ -306,15 +305,6 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
                                 architecture=arch, metadata={"bam_source": str(source)}, replace=force)
         export(reader, out_path, fmt, options)
         click.echo(f"wrote {out_path} ({fmt})", err=True)
-
-
-def _open(open_checkpoint, spec: str, allow_pickle: bool):
-    try:
-        return open_checkpoint(spec, allow_pickle=allow_pickle)
-    except USER_ERRORS:
-        raise
-    except OSError as e:
-        raise BamSurgeryError(f"{spec}: cannot open ({e.strerror or e})") from e
 
 
 def _audit_text(plan) -> str:

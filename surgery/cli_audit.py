@@ -127,13 +127,9 @@ def render_inspection(ins: Inspection) -> str:
 
 # ---- resolving what to count ----------------------------------------------------------------
 def _open(spec: str, allow_pickle: bool = False):
-    from bam_surgery.converters import open_checkpoint
+    from .open_input import open_input
 
-    try:
-        return open_checkpoint(spec, allow_pickle=allow_pickle)
-    except (*USER_ERRORS, OSError) as e:
-        msg = one_line(e)
-        raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e
+    return open_input(spec, allow_pickle)
 
 
 def _routing_option(value: str | None) -> tuple[bool, int | None]:

@@ -45,10 +45,10 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
     import torch
 
-    from bam_surgery.converters import open_checkpoint
     from bam_surgery.runtime import generate, model_from_reader
 
     from .card import generation_config
+    from .open_input import open_input
 
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
@@ -61,10 +61,7 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         raise BamSurgeryError("give the input as exactly one of --prompt TEXT and --tokens ID,ID,...")
     ids = _token_ids(tokens) if tokens is not None else None
 
-    try:
-        reader = open_checkpoint(checkpoint)
-    except OSError as e:
-        raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
+    reader = open_input(checkpoint)
     try:
         cfg = reader.config
         tok_path = _tokenizer_path(tokenizer, reader, checkpoint)

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bam_surgery.train.plot import save_figure
+
 if TYPE_CHECKING:
     from .pipeline import PipelineRun
 
@@ -26,17 +28,6 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _save(fig, path: Path) -> Path:
-    plt = _plt()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial.png")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
 
 
 def _smooth(ys: list[float]) -> list[float]:
@@ -80,7 +71,7 @@ def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
         ax.xaxis.set_major_formatter(EngFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, run.dir / "plots" / "training.png")
+    return save_figure(fig, run.dir / "plots" / "training.png")
 
 
 def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
@@ -102,7 +93,7 @@ def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
     ax.set(ylabel="held-out perplexity (log scale)", title=f"{rep['pipeline']}: perplexity per domain")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2)
-    return _save(fig, run.dir / "plots" / "perplexity.png")
+    return save_figure(fig, run.dir / "plots" / "perplexity.png")
 
 
 def routing_heatmaps(run: "PipelineRun", model: dict[str, Any]) -> Path | None:
@@ -138,7 +129,7 @@ def routing_heatmaps(run: "PipelineRun", model: dict[str, Any]) -> Path | None:
             if col == 0:
                 ax.set_ylabel("layer", fontsize=8)
     fig.suptitle(f"{model['label']}: routing per layer", fontsize=9)
-    return _save(fig, run.dir / "plots" / f"routing-{model['id']}.png")
+    return save_figure(fig, run.dir / "plots" / f"routing-{model['id']}.png")
 
 
 def draw_plots(run: "PipelineRun", rep: dict[str, Any]) -> list[Path]:

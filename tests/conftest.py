@@ -263,6 +263,16 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-matrix tests: several times faster on a busy 2-core
+    machine, and the numbers of runs that record OMP_NUM_THREADS=1 (pipelines) do not depend on load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _private_digest_cache(tmp_path_factory, monkeypatch):
     """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery: keep the tests' own there."""

@@ -30,13 +30,7 @@ DOMAINS = ("general", "code", "law")
 TIMING = ("wall_s", "cpu_s", "train_s")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The micro pipeline says threads: 1; the commands it records run with OMP_NUM_THREADS=1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (conftest.one_thread)
 
 
 @pytest.fixture(scope="module")

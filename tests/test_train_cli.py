@@ -18,12 +18,7 @@ CORPUS = ROOT / "data" / "domains"
 SMALL = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_positions=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (conftest.one_thread)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +76,10 @@ def test_train_eval_plot_inspect(tmp_path, mix, cache):
     assert (tmp_path / "png" / "loss.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in result.stderr
     shown = run("inspect", ckpt).output
     assert "training (oldest first)" in shown and "code 0.67, law 0.33" in shown
+    # a run folder stands for its latest checkpoint
+    same = lambda a, b: a.replace(str(ckpt), "RUN") == b.replace(str(ckpt), "RUN").replace(str(tmp_path / "run"), "RUN")  # noqa: E731
+    assert same(shown, run("inspect", tmp_path / "run").output)
+    assert same(run("count-params", ckpt).output, run("count-params", tmp_path / "run").output)
 
 
 @pytest.mark.parametrize("data, message", [

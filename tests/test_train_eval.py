@@ -17,13 +17,7 @@ from bam_surgery.train.metrics import entropy_bits, gini
 TINY = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_positions=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is several times faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (conftest.one_thread)
 
 
 def _model(seed: int = 0, **mixture) -> Model:

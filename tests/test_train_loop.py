@@ -19,13 +19,7 @@ DATA = f"code={CORPUS}/code:0.5,law={CORPUS}/law:0.3,math={CORPUS}/math:0.2"
 SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_positions=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is several times faster on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (conftest.one_thread)
 
 
 @pytest.fixture(scope="module", autouse=True)

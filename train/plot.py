@@ -37,13 +37,13 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run.name}: training loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    written.append(_save(fig, out / "loss.png"))
+    written.append(save_figure(fig, out / "loss.png"))
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot(steps, [r["lr"] for r in train], lw=1)
     ax.set(xlabel="step", ylabel="learning rate", title=f"{run.name}: learning rate")
     ax.grid(alpha=0.3)
-    written.append(_save(fig, out / "lr.png"))
+    written.append(save_figure(fig, out / "lr.png"))
 
     if evals:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -53,16 +53,18 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
         ax.set(xlabel="step", ylabel="held-out loss (nats/token)", title=f"{run.name}: evaluation")
         ax.grid(alpha=0.3)
         ax.legend()
-        written.append(_save(fig, out / "eval.png"))
+        written.append(save_figure(fig, out / "eval.png"))
     return written
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
+    """Write a figure as PNG atomically (a hidden partial file renamed into place) and close it."""
     import matplotlib.pyplot as plt
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     tmp.replace(path)
     return path

@@ -1,0 +1,22 @@
+"""One way for every command to open a checkpoint argument.
+
+Anything `converters.open_checkpoint` reads (canonical file or folder, HF folder, hub id, our exports),
+or a training run folder, which stands for its latest checkpoint (`train.checkpoints.resolve_checkpoint`).
+Errors come back as one user-error line that names the argument.
+"""
+from __future__ import annotations
+
+from bam_surgery.runtime.reader import Reader
+
+from .errors import USER_ERRORS, BamSurgeryError, one_line
+
+
+def open_input(spec: str, allow_pickle: bool = False) -> Reader:
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.train.checkpoints import resolve_checkpoint
+
+    try:
+        return open_checkpoint(resolve_checkpoint(spec), allow_pickle=allow_pickle)
+    except (*USER_ERRORS, OSError) as e:
+        msg = one_line(e) if not isinstance(e, OSError) else f"cannot open ({e.strerror or e})"
+        raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e
