@@ -37,14 +37,16 @@ def routing_stats_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len,
     experts used, the entropy of the usage in bits (and its maximum log2 E), the Gini coefficient of
     usage and, with --compare, the share of tokens whose top-1 expert changed.
     """
+    from bam_surgery.train.data import parse_data_spec
+    from bam_surgery.train.plot import plot_routing, routing_plot_files
     from bam_surgery.train.routing_stats import routing_stats
 
+    if plot_dir is not None:  # refuse a bad DIR before the forward passes
+        routing_plot_files(plot_dir, [d.name for d in parse_data_spec(data)])
     report = routing_stats(ckpt, data, compare=compare, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len,
                            batch_size=batch_size, max_tokens=max_tokens, text_field=text_field,
                            token_cache=token_cache, device=device, split=split)
     if plot_dir is not None:
-        from bam_surgery.train.plot import plot_routing
-
         for path in plot_routing(report, plot_dir):
             click.echo(f"wrote {path}", err=True)
     if as_json:

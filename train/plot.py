@@ -87,26 +87,37 @@ def _file_part(name: str) -> str:
     return re.sub(r"[^\w.+-]", "_", name) or "_"
 
 
+ROUTING_KINDS = (("ffn", "FFN share of top-k assignments", "usage"), ("attn", "attention mean gate", "mean_gate"))
+
+
+def routing_plot_files(out: str | Path, domains: list[str], kinds: tuple[str, ...] = ("ffn", "attn")
+                       ) -> dict[tuple[str, str] | None, Path]:
+    """{(domain, kind): heatmap path, None: histogram path} that plot_routing writes into `out`; raises
+    TrainError if `out` is not a folder, or one of these files exists and this tool did not write it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--plot {out}: exists and is not a folder")
+    parts = {d: _file_part(d) for d in domains}
+    if len(set(parts.values())) < len(parts):
+        raise TrainError("--plot: two domain names give the same file name; rename a domain")
+    files: dict[tuple[str, str] | None, Path] = {(d, k): out / f"routing-{k}-{parts[d]}.png" for d in domains
+                                                 for k in kinds}
+    files[None] = out / "routing-usage-histogram.png"
+    for path in files.values():
+        if path.exists() and (not path.is_file() or not _ours(path)):
+            raise TrainError(f"--plot: {path} exists and was not written by bam-surgery; move it or pick another DIR")
+    return files
+
+
 def plot_routing(report, out: str | Path) -> list[Path]:
     """Heatmaps (one per domain and router kind) and the usage histogram of a RoutingReport, into `out`
     (created if missing). A file there under one of these names that this tool did not write is an error,
     raised before anything is drawn."""
     from .routing_stats import router_layer
 
+    kinds = [k for k in ROUTING_KINDS if report.experts.get(k[0])]
+    files = routing_plot_files(out, list(report.domains), tuple(k for k, _, _ in kinds))
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"--plot {out}: exists and is not a folder")
-    kinds = [(k, t, key) for k, t, key in (("ffn", "FFN share of top-k assignments", "usage"),
-                                            ("attn", "attention mean gate", "mean_gate"))
-             if report.experts.get(k)]
-    names = {d: _file_part(d) for d in report.domains}
-    if len(set(names.values())) < len(names):
-        raise TrainError("--plot: two domain names give the same file name; rename a domain")
-    targets = [out / f"routing-{k}-{names[d]}.png" for d in report.domains for k, _, _ in kinds]
-    targets.append(out / "routing-usage-histogram.png")
-    for t in targets:
-        if t.exists() and (not t.is_file() or not _ours(t)):
-            raise TrainError(f"--plot: {t} exists and was not written by bam-surgery; move it or pick another DIR")
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
     written = []
@@ -131,7 +142,7 @@ def plot_routing(report, out: str | Path) -> list[Path]:
                     for j, v in enumerate(r):
                         ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
                                 color="black" if v > 0.6 * top else "white")
-            written.append(_save(fig, out / f"routing-{kind}-{names[domain]}.png"))
+            written.append(_save(fig, files[(domain, kind)]))
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
     for ax, (kind, title, _) in zip(axes[0], kinds):
         E = len(report.experts[kind])
@@ -148,7 +159,7 @@ def plot_routing(report, out: str | Path) -> list[Path]:
                title=f"{kind.upper() if kind == 'ffn' else 'attention'} expert usage, {E} experts")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    written.append(_save(fig, out / "routing-usage-histogram.png"))
+    written.append(_save(fig, files[None]))
     return written
 
 
