@@ -123,7 +123,8 @@ def plot_routing(report, out: str | Path) -> list[Path]:
     written = []
     for domain, result in report.domains.items():
         for kind, title, key in kinds:
-            rows = sorted((router_layer(n) or 0, s[key]) for n, s in result.routing.items() if n.endswith(f"{kind}_router"))
+            rows = sorted((router_layer(n) or 0, s[key]) for n, s in result.routing.items()
+                          if n.endswith(f"{kind}_router"))
             if not rows:
                 continue
             matrix = [r[1] for r in rows]
