@@ -1,6 +1,6 @@
 """`bam-surgery routing-stats`: how a mixture uses its experts, per layer and per domain.
 
-A thin command over bam_surgery.train.routing_stats (the numbers) and train.plot.plot_routing (the
+A thin command over bam_surgery.train.routing_report (the numbers) and train.plot.plot_routing (the
 PNGs); docs/routing-metrics.md defines every column.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def routing_stats_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len,
     """
     from bam_surgery.train.data import parse_data_spec
     from bam_surgery.train.plot import plot_routing, routing_plot_files
-    from bam_surgery.train.routing_stats import routing_stats
+    from bam_surgery.train.routing_report import routing_stats
 
     if plot_dir is not None:  # refuse a bad DIR before the forward passes
         routing_plot_files(plot_dir, [d.name for d in parse_data_spec(data)])

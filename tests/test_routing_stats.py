@@ -1,4 +1,4 @@
-"""Routing metrics (train/metrics.py, train/routing_stats.py) and `bam-surgery routing-stats`: Gini and
+"""Routing metrics (train/metrics.py, train/routing_report.py) and `bam-surgery routing-stats`: Gini and
 entropy against hand-computed values, stability against constructed checkpoint pairs whose answer is
 known, the command on a tiny merged model (tables, --json schema, --plot), and bad input."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.surgery.cli import cli
 from bam_surgery.train.data import DOC_SEPARATOR
 from bam_surgery.train.metrics import entropy_bits, experts_used, gini, top1_expert
-from bam_surgery.train.routing_stats import routing_stats, top1_changes
+from bam_surgery.train.routing_report import routing_stats, top1_changes
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=48, max_positions=32)
 TEXTS = {"code": ["def f(x):\n    return x * 2", "for i in range(10): print(i)", "x = [a + b for a, b in z]"],
@@ -231,3 +231,9 @@ def test_bad_input(tmp_path, merged, data, cache):
     (tmp_path / "file").write_text("x")
     assert "exists and is not a folder" in error_line("routing-stats", merged, "--data", data, *common, "--plot",
                                                       tmp_path / "file")
+
+
+def test_python_api_names():
+    import bam_surgery.train as train_api
+
+    assert train_api.routing_stats is routing_stats and callable(train_api.plot_routing)

@@ -8,7 +8,7 @@
 Imports bam_surgery.runtime and bam_surgery.converters only. Modules: config (every knob), data (domain
 SPEC, sources), tokenize (tokenizers, token cache), packing (sequences, domain sampling), optim (AdamW,
 schedule, trainable patterns), loop (the run), checkpoints (run folder), distributed (torchrun, DDP,
-FSDP2), evaluation, metrics (routing statistics, MFU), routing_stats (per layer and domain, stability
+FSDP2), evaluation, metrics (routing statistics, MFU), routing_report (per layer and domain, stability
 between two checkpoints), provenance, plot. See docs/training.md and docs/routing-metrics.md.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def __getattr__(name: str):
         from .evaluation import evaluate
         return evaluate
     if name == "routing_stats":
-        from .routing_stats import routing_stats
+        from .routing_report import routing_stats
         return routing_stats
     if name in ("plot_run", "plot_routing"):
         from . import plot

@@ -67,7 +67,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                      d: Dist | None = None, on_routing=None) -> dict[str, DomainResult]:
     """Evaluate a model on tokenized streams {domain: 1-D token array}.
 
-    on_routing(domain, out.routing), if given, sees every counted forward pass in order (routing_stats
+    on_routing(domain, out.routing), if given, sees every counted forward pass in order (routing_report
     records the top-1 choices with it).
 
     Under torchrun every process runs the same number of forward passes (FSDP needs it): batch i

@@ -4,7 +4,7 @@ plot_run, from RUN/metrics.jsonl:
     loss.png   training loss (and NLL when routers add auxiliary terms) per step
     lr.png     the learning rate per step
     eval.png   held-out loss per domain at each evaluation (when the run evaluated)
-plot_routing, from a routing_stats.RoutingReport:
+plot_routing, from a routing_report.RoutingReport:
     routing-ffn-DOMAIN.png    heatmap, layers x FFN experts: share of top-k assignments
     routing-attn-DOMAIN.png   heatmap, layers x attention experts: mean gate
     routing-usage-histogram.png   how the (layer, expert) usages spread around uniform, per domain
@@ -113,7 +113,7 @@ def plot_routing(report, out: str | Path) -> list[Path]:
     """Heatmaps (one per domain and router kind) and the usage histogram of a RoutingReport, into `out`
     (created if missing). A file there under one of these names that this tool did not write is an error,
     raised before anything is drawn."""
-    from .routing_stats import router_layer
+    from .routing_report import router_layer
 
     kinds = [k for k in ROUTING_KINDS if report.experts.get(k[0])]
     files = routing_plot_files(out, list(report.domains), tuple(k for k, _, _ in kinds))
