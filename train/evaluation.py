@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -148,9 +148,11 @@ class LoadedModel:
 
 
 def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str | None = None,
-                        eos_id: int | None = None, with_tokenizer: bool = True) -> LoadedModel:
+                        eos_id: int | None = None, with_tokenizer: bool = True,
+                        check_config: Callable[[str, Any], None] | None = None) -> LoadedModel:
     """Open a checkpoint (anything open_checkpoint accepts, or a run folder: its latest checkpoint),
-    resolve its tokenizer (tokenize.resolve_tokenizer's rules) and load its weights as fp32."""
+    resolve its tokenizer (tokenize.resolve_tokenizer's rules) and load its weights as fp32.
+    check_config(spec, config), if given, may refuse the model before any weight is read."""
     from bam_surgery.converters import open_checkpoint
     from bam_surgery.runtime import Model
 
@@ -162,6 +164,8 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
     reader = open_checkpoint(spec)
     try:
         cfg = reader.config
+        if check_config is not None:
+            check_config(spec, cfg)
         tok = resolve_tokenizer(tokenizer, reader, cfg.vocab_size, eos_id) if with_tokenizer else None
         state = {n: reader.get(n) for n in reader.names()}
         names = expert_names(read_provenance(getattr(reader, "metadata", None)), cfg)

@@ -87,6 +87,12 @@ def top1_changes(first: dict[str, dict[str, torch.Tensor]], second: dict[str, di
     return out
 
 
+def require_mixture(spec: str, cfg) -> None:
+    if not cfg.is_mixture:
+        raise TrainError(f"{spec}: has no routers (a dense model: ffn_experts and attn_experts are 0); "
+                         "routing-stats measures mixtures")
+
+
 def check_comparable(first, second, first_spec: str, second_spec: str) -> None:
     """Two configs whose routers can be compared token for token: same vocabulary, layers, experts."""
     for field, what in (("vocab_size", "vocabulary"), ("n_layers", "layer count"),
@@ -109,11 +115,8 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, tok
 
     parse_data_spec(data)  # a bad SPEC is reported before any weights are read
     dev = pick_device(device)
-    loaded = load_model_for_eval(checkpoint, dev, tokenizer=tokenizer, eos_id=eos_id)
+    loaded = load_model_for_eval(checkpoint, dev, tokenizer=tokenizer, eos_id=eos_id, check_config=require_mixture)
     cfg = loaded.config
-    if not cfg.is_mixture:
-        raise TrainError(f"{loaded.spec}: has no routers (a dense model: ffn_experts and attn_experts are 0); "
-                         "routing-stats measures mixtures")
     T = check_seq_len(seq_len, cfg)
     if compare is not None:  # refuse an incomparable pair before the long pass
         from bam_surgery.converters import open_checkpoint
