@@ -330,6 +330,9 @@ from .cli_train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
 cli.add_command(train_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(plot_cmd)
+from .cli_routing import routing_stats_cmd  # noqa: E402
+
+cli.add_command(routing_stats_cmd)
 
 from .cli_pipeline import pipeline_cmd  # noqa: E402
 

@@ -26,3 +26,33 @@ def format_option(intro: str) -> callable:
     return click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
                         help=intro + " " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ". Formats other "
                              "than canonical need a directory OUT.")
+
+
+def eval_input_options(fn):
+    """The options of the commands that run a checkpoint over held-out text (eval, routing-stats): the
+    data, its split, tokenizer and windows, and the device."""
+    options = [
+        click.option("--data", required=True, metavar="SPEC",
+                     help="Held-out data: NAME=SOURCE[:WEIGHT],... (folders with train*/val* files give their val* "
+                          "files; weights are ignored)."),
+        click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True,
+                     help="Which split of split sources (folders, DatasetDicts) to read."),
+        click.option("--tokenizer", metavar="PATH|bytes",
+                     help="Tokenizer (default: the checkpoint's own; bytes for vocabularies of at most 512)."),
+        click.option("--eos-id", type=int, help="Token id between documents (default: the tokenizer's end-of-text)."),
+        click.option("--text-field", default="text", show_default=True,
+                     help="Field (JSONL) or column (Parquet, datasets) holding the text."),
+        click.option("--seq-len", type=click.IntRange(min=1),
+                     help="Window length (default: the model's max_positions)."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="Windows per forward pass."),
+        click.option("--max-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Use the first N tokens of each domain (0: all)."),
+        click.option("--token-cache", metavar="DIR",
+                     help="Token cache folder (default: ~/.cache/bam-surgery/tokens)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                     help="Where to run."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn

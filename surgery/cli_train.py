@@ -19,6 +19,7 @@ from bam_surgery.runtime.config import PRESETS
 from bam_surgery.train.config import CHOICES, TrainConfig, split_patterns
 
 from .cli_audit import render_table
+from .cli_options import eval_input_options
 
 # flags whose name differs from the field's, or that take a fixed set of values
 _CHOICE_FIELDS = {**CHOICES, "preset": tuple(PRESETS)}
@@ -102,32 +103,16 @@ def train_cmd(config_file, resume, **knobs):
 
 @click.command("eval")
 @click.argument("ckpt", metavar="CKPT")
-@click.option("--data", required=True, metavar="SPEC",
-              help="Held-out data: NAME=SOURCE[:WEIGHT],... (folders with train*/val* files give their val* "
-                   "files; weights are ignored).")
-@click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True,
-              help="Which split of split sources (folders, DatasetDicts) to evaluate.")
-@click.option("--tokenizer", metavar="PATH|bytes",
-              help="Tokenizer (default: the checkpoint's own; bytes for vocabularies of at most 512).")
-@click.option("--eos-id", type=int, help="Token id between documents (default: the tokenizer's end-of-text).")
-@click.option("--text-field", default="text", show_default=True,
-              help="Field (JSONL) or column (Parquet, datasets) holding the text.")
-@click.option("--seq-len", type=click.IntRange(min=1), help="Window length (default: the model's max_positions).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Windows per forward pass.")
-@click.option("--max-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Evaluate the first N tokens of each domain (0: all).")
-@click.option("--token-cache", metavar="DIR", help="Token cache folder (default: ~/.cache/bam-surgery/tokens).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where to run.")
+@eval_input_options
 @click.option("--json", "as_json", is_flag=True, help="Print the full report (every router) as JSON.")
 def eval_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len, batch_size, max_tokens, token_cache,
              device, as_json):
     """Per-domain held-out loss and perplexity, and routing statistics for mixtures.
 
     CKPT is any checkpoint open_checkpoint reads, or a run folder (its latest checkpoint). For
-    mixtures: the share of tokens per FFN expert, the mean attention gates, the routing entropy in
-    bits and the Gini coefficient of expert usage, per domain (means over layers; --json: per router).
+    mixtures: the share of tokens per FFN expert, the mean attention gates, the experts used, the
+    routing entropy in bits and the Gini coefficient of expert usage, per domain (means over layers;
+    --json: per router; `routing-stats` shows every layer).
     """
     from bam_surgery.train import evaluate
 
@@ -153,9 +138,10 @@ def render_eval(report) -> str:
         for n, r in report.domains.items():
             s = r.routing_summary.get(kind)
             if s:
-                rows.append((n, *[f"{v:.3f}" for v in s[key]], f"{s['entropy_bits']:.3f}", f"{s['gini']:.3f}"))
+                rows.append((n, *[f"{v:.3f}" for v in s[key]], f"{s['used']:g}/{len(names)}",
+                             f"{s['entropy_bits']:.3f}", f"{s['gini']:.3f}"))
         out += ["", f"{title} (mean over layers; entropy in bits, max {_log2(len(names)):.3f})",
-                render_table(("domain", *names, "entropy", "gini"), rows)]
+                render_table(("domain", *names, "used", "entropy", "gini"), rows)]
     return "\n".join(out)
 
 

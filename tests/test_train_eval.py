@@ -82,12 +82,15 @@ def test_routing_statistics_under_forced_routing():
             if router.endswith("ffn_router"):
                 assert s["usage"] == [0.5, 0.5, 0.0, 0.0] and s["mean_gate"] == [0.5, 0.5, 0.0, 0.0]
                 assert (s["entropy"], s["gini"]) == (pytest.approx(1.0), pytest.approx(0.5))
+                assert (s["used"], s["used_percent"]) == (2, 50.0)
             else:
                 assert s["mean_gate"] == [0.0, 0.0, 1.0, 0.0]
                 assert (s["entropy"], s["gini"]) == (0.0, pytest.approx(0.75))
+                assert (s["used"], s["used_percent"]) == (1, 25.0)
+            assert s["entropy_max"] == 2.0
             assert s["tokens"] == r.tokens and s["token_entropy"] is None  # forced: no router softmax
-        assert r.routing_summary["ffn"] == {"experts": names["ffn"], "share": [0.5, 0.5, 0.0, 0.0],
-                                            "entropy_bits": 1.0, "gini": 0.5}
+        assert r.routing_summary["ffn"] == {"experts": names["ffn"], "share": [0.5, 0.5, 0.0, 0.0], "used": 2,
+                                            "entropy_bits": 1.0, "entropy_max_bits": 2.0, "gini": 0.5}
         assert r.routing_summary["attn"]["mean_gate"] == [0.0, 0.0, 1.0, 0.0]
     one = evaluate_streams(model, streams, seq_len=16, routing=ForcedRouting(expert=3))["a"]
     assert one.routing_summary["ffn"]["share"] == [0.0, 0.0, 0.0, 1.0]

@@ -8,14 +8,16 @@
 Imports bam_surgery.runtime and bam_surgery.converters only. Modules: config (every knob), data (domain
 SPEC, sources), tokenize (tokenizers, token cache), packing (sequences, domain sampling), optim (AdamW,
 schedule, trainable patterns), loop (the run), checkpoints (run folder), distributed (torchrun, DDP,
-FSDP2), evaluation, metrics (routing statistics, MFU), provenance, plot. See docs/training.md.
+FSDP2), evaluation, metrics (routing statistics, MFU), routing_report (per layer and domain, stability
+between two checkpoints), provenance, plot. See docs/training.md and docs/routing-metrics.md.
 """
 from __future__ import annotations
 
 from .config import TrainConfig
 from .errors import TrainError
 
-__all__ = ["TrainConfig", "TrainError", "TrainResult", "evaluate", "load_run_config", "plot_run", "train"]
+__all__ = ["TrainConfig", "TrainError", "TrainResult", "evaluate", "load_run_config", "plot_routing", "plot_run",
+           "routing_stats", "train"]
 
 
 def __getattr__(name: str):
@@ -26,7 +28,10 @@ def __getattr__(name: str):
     if name == "evaluate":
         from .evaluation import evaluate
         return evaluate
-    if name == "plot_run":
-        from .plot import plot_run
-        return plot_run
+    if name == "routing_stats":
+        from .routing_report import routing_stats
+        return routing_stats
+    if name in ("plot_run", "plot_routing"):
+        from . import plot
+        return getattr(plot, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

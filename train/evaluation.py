@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,8 +64,11 @@ def autocast(device: torch.device, precision: str):
 def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: int, batch_size: int = 8,
                      max_tokens: int = 0, device: torch.device | None = None, precision: str = "auto",
                      routing=None, expert_names: dict[str, list[str]] | None = None,
-                     d: Dist | None = None) -> dict[str, DomainResult]:
+                     d: Dist | None = None, on_routing=None) -> dict[str, DomainResult]:
     """Evaluate a model on tokenized streams {domain: 1-D token array}.
+
+    on_routing(domain, out.routing), if given, sees every counted forward pass in order (routing_report
+    records the top-1 choices with it).
 
     Under torchrun every process runs the same number of forward passes (FSDP needs it): batch i
     goes to process i mod world, a process with nothing left in the last round runs a batch whose
@@ -78,7 +81,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     try:
         for name, tokens in streams.items():
             windows = eval_windows(tokens, seq_len, max_tokens)
-            batches = _group(windows, batch_size)
+            batches = group_windows(windows, batch_size)
             rounds = math.ceil(len(batches) / d.world) if batches else 0
             nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no sync per batch
             count = torch.zeros((), dtype=torch.float64, device=device)
@@ -96,6 +99,8 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                 if real:
                     nll_sum += nll.double()
                     count += targets.numel()
+                    if on_routing is not None:
+                        on_routing(name, out.routing)
                 acc.add(out.routing, count=real)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
@@ -109,7 +114,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     return results
 
 
-def _group(windows: list[tuple[int, int]], batch_size: int) -> list[list[tuple[int, int]]]:
+def group_windows(windows: list[tuple[int, int]], batch_size: int) -> list[list[tuple[int, int]]]:
     """Batches of equal-length windows (the last, shorter window gets a batch of its own)."""
     full = [w for w in windows if w[1] - w[0] == windows[0][1] - windows[0][0]] if windows else []
     rest = windows[len(full):]
@@ -131,41 +136,80 @@ def reduce_routing(acc: RoutingAccumulator, d: Dist) -> RoutingAccumulator:
     return acc
 
 
-def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,
-             seq_len: int | None = None, batch_size: int = 8, max_tokens: int = 0, text_field: str = "text",
-             token_cache: str | Path | None = None, device: str = "auto", precision: str = "auto",
-             split: str = "val", routing=None) -> EvalReport:
-    """Evaluate a checkpoint (anything open_checkpoint accepts, or a run folder: its latest
-    checkpoint) on the held-out split of each domain of `data` (a domain SPEC)."""
+@dataclass
+class LoadedModel:
+    """A checkpoint opened for evaluation: the resolved spec, its config, the fp32 model on its device,
+    its expert names and (when asked for) its tokenizer."""
+    spec: str
+    config: Any  # runtime.ModelConfig
+    model: nn.Module
+    expert_names: dict[str, list[str]]
+    tokenizer: Any = None  # tokenize.Tokenizer
+
+
+def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str | None = None,
+                        eos_id: int | None = None, with_tokenizer: bool = True,
+                        check_config: Callable[[str, Any], None] | None = None) -> LoadedModel:
+    """Open a checkpoint (anything open_checkpoint accepts, or a run folder: its latest checkpoint),
+    resolve its tokenizer (tokenize.resolve_tokenizer's rules) and load its weights as fp32.
+    check_config(spec, config), if given, may refuse the model before any weight is read."""
     from bam_surgery.converters import open_checkpoint
     from bam_surgery.runtime import Model
 
     from .checkpoints import resolve_checkpoint
-    from .distributed import pick_device
     from .provenance import expert_names, read_provenance
-    from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
+    from .tokenize import resolve_tokenizer
 
-    domains = parse_data_spec(data)
     spec = resolve_checkpoint(checkpoint)
     reader = open_checkpoint(spec)
     try:
         cfg = reader.config
-        tok = resolve_tokenizer(tokenizer, reader, cfg.vocab_size, eos_id)
+        if check_config is not None:
+            check_config(spec, cfg)
+        tok = resolve_tokenizer(tokenizer, reader, cfg.vocab_size, eos_id) if with_tokenizer else None
         state = {n: reader.get(n) for n in reader.names()}
         names = expert_names(read_provenance(getattr(reader, "metadata", None)), cfg)
     finally:
         close = getattr(reader, "close", None)
         if callable(close):
             close()
-    T = seq_len or cfg.max_positions
-    if T > cfg.max_positions:
-        raise TrainError(f"seq_len {T} exceeds the model's max_positions ({cfg.max_positions})")
-    cache = Path(token_cache) if token_cache else default_cache_dir()
-    streams = {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
-    dev = pick_device(device)
     with torch.device("meta"):
         model = Model(cfg)
     model.load_state_dict(state, assign=True)
-    model = model.float().to(dev)
-    results = evaluate_streams(model, streams, T, batch_size, max_tokens, dev, precision, routing, names)
-    return EvalReport(spec, tok.name, T, results, names)
+    return LoadedModel(spec, cfg, model.float().to(device), names, tok)
+
+
+def check_seq_len(seq_len: int | None, cfg) -> int:
+    """The window length: seq_len, or the model's max_positions; longer than that is an error."""
+    T = seq_len or cfg.max_positions
+    if T > cfg.max_positions:
+        raise TrainError(f"seq_len {T} exceeds the model's max_positions ({cfg.max_positions})")
+    return T
+
+
+def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
+                 token_cache: str | Path | None = None) -> dict[str, np.ndarray]:
+    """{domain: token stream} of the `split` of each domain of a SPEC, through the token cache."""
+    from .tokenize import default_cache_dir, tokenize_source
+
+    domains = parse_data_spec(data)
+    cache = Path(token_cache) if token_cache else default_cache_dir()
+    return {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
+
+
+def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,
+             seq_len: int | None = None, batch_size: int = 8, max_tokens: int = 0, text_field: str = "text",
+             token_cache: str | Path | None = None, device: str = "auto", precision: str = "auto",
+             split: str = "val", routing=None) -> EvalReport:
+    """Evaluate a checkpoint (anything open_checkpoint accepts, or a run folder: its latest
+    checkpoint) on the held-out split of each domain of `data` (a domain SPEC)."""
+    from .distributed import pick_device
+
+    parse_data_spec(data)  # a bad SPEC is reported before the weights are read
+    dev = pick_device(device)
+    loaded = load_model_for_eval(checkpoint, dev, tokenizer=tokenizer, eos_id=eos_id)
+    T = check_seq_len(seq_len, loaded.config)
+    streams = load_streams(data, loaded.tokenizer, split, text_field, token_cache)
+    results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision, routing,
+                               loaded.expert_names)
+    return EvalReport(loaded.spec, loaded.tokenizer.name, T, results, loaded.expert_names)

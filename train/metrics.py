@@ -1,13 +1,15 @@
 """Routing statistics, FLOP and MFU estimates, and the metrics.jsonl writer.
 
-Routing statistics per router, over the tokens seen:
+Routing statistics per router, over the tokens seen (docs/routing-metrics.md defines them; `eval`,
+`routing-stats` and the training log all compute them here):
     usage      share of the routing assignments per expert: top-k routers count each (token, slot)
                choice (shares sum to 1); soft routers and forced gates count each token's gates
-               (the mean gate per expert)
+               (the mean gate per expert, normalised to sum 1)
     mean_gate  mean gate actually applied per expert (zeros for unselected experts)
-    entropy    of the usage distribution, in bits (log2 E: perfectly balanced; 0: one expert)
+    used       experts whose usage is > 0 (top-k: chosen at least once), and used_percent = 100 used / E
+    entropy    of the usage distribution, in bits; entropy_max = log2 E (perfectly balanced; 0: one expert)
     token_entropy  mean per-token entropy of the full softmax, in bits (how sure the router is)
-    gini       Gini coefficient of usage: sum_ij |u_i - u_j| / (2 E sum_i u_i) (0 balanced, (E-1)/E one expert)
+    gini       Gini coefficient of usage, sorted formula (0 balanced, (E-1)/E one expert)
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100",
 
 
 def entropy_bits(p: torch.Tensor) -> float:
+    """Shannon entropy in bits of a distribution given by non-negative weights (normalised here)."""
     p = p.double()
     p = p / p.sum() if float(p.sum()) > 0 else p
     nz = p[p > 0]
@@ -35,11 +38,30 @@ def entropy_bits(p: torch.Tensor) -> float:
 
 
 def gini(u: torch.Tensor) -> float:
-    u = u.double()
+    """Gini coefficient of non-negative weights u_1..u_E, sorted ascending (u_(1) <= ... <= u_(E)):
+    G = sum_i (2i - E - 1) u_(i) / (E sum_i u_i), i = 1..E; equal to the mean absolute difference
+    sum_ij |u_i - u_j| / (2 E sum_i u_i) in O(E log E). 0 when all are equal, (E-1)/E when one
+    expert has everything; 0 for all-zero weights."""
+    u = u.double().reshape(-1)
     total = float(u.sum())
     if total <= 0:
         return 0.0
-    return float((u[:, None] - u[None, :]).abs().sum() / (2 * u.numel() * total))
+    E = u.numel()
+    rank = torch.arange(1, E + 1, dtype=torch.float64)
+    return float(((2 * rank - E - 1) * u.sort().values).sum() / (E * total))
+
+
+def experts_used(usage: torch.Tensor) -> int:
+    """Experts with usage > 0 (no threshold: an expert chosen for one token counts as used)."""
+    return int((usage > 0).sum())
+
+
+def top1_expert(routing) -> torch.Tensor:
+    """[N] each token's top-1 expert: the first top-k choice (the highest probability), else (soft or
+    forced gates) the largest gate, the lowest index among ties."""
+    if routing.topk is not None:
+        return routing.topk[:, 0]
+    return routing.gates.argmax(-1)
 
 
 class RoutingAccumulator:
@@ -90,11 +112,15 @@ class RoutingAccumulator:
             usage = assign / assign.sum() if float(assign.sum()) > 0 else assign
             kind = "attn" if router.endswith("attn_router") else "ffn"
             labels = (names or {}).get(kind) or [f"expert{e}" for e in range(E)]
+            used = experts_used(usage)
             out[router] = {
                 "experts": list(labels[:E]),
                 "usage": [round(float(u), 6) for u in usage],
                 "mean_gate": [round(float(g), 6) for g in gates / max(1, tokens)],
+                "used": used,
+                "used_percent": round(100.0 * used / E, 4),
                 "entropy": round(entropy_bits(assign), 6),
+                "entropy_max": round(math.log2(E), 6),
                 "token_entropy": round(token_entropy / with_probs, 6) if with_probs else None,
                 "gini": round(gini(usage), 6),
                 "tokens": tokens,
@@ -103,7 +129,8 @@ class RoutingAccumulator:
 
 
 def summarize_routing(per_router: dict[str, dict]) -> dict[str, Any]:
-    """Means over layers, per kind: FFN expert shares, attention mean gates, entropy, Gini."""
+    """Means over layers, per kind: FFN expert shares, attention mean gates, experts used, entropy
+    (and its maximum log2 E), Gini, and `changed` (stability) when every router has it."""
     out: dict[str, Any] = {}
     for kind, suffix, key in (("ffn", "ffn_router", "usage"), ("attn", "attn_router", "mean_gate")):
         rs = [r for n, r in per_router.items() if n.endswith(suffix)]
@@ -114,9 +141,13 @@ def summarize_routing(per_router: dict[str, dict]) -> dict[str, Any]:
             "experts": rs[0]["experts"],
             "share" if kind == "ffn" else "mean_gate": [round(sum(r[key][e] for r in rs) / len(rs), 6)
                                                        for e in range(E)],
+            "used": round(sum(r["used"] for r in rs) / len(rs), 4),
             "entropy_bits": round(sum(r["entropy"] for r in rs) / len(rs), 6),
+            "entropy_max_bits": round(math.log2(E), 6),
             "gini": round(sum(r["gini"] for r in rs) / len(rs), 6),
         }
+        if all(r.get("changed") is not None for r in rs):
+            out[kind]["changed"] = round(sum(r["changed"] for r in rs) / len(rs), 6)
         te = [r["token_entropy"] for r in rs if r["token_entropy"] is not None]
         if te:
             out[kind]["token_entropy_bits"] = round(sum(te) / len(te), 6)

@@ -1,12 +1,22 @@
-"""`bam-surgery plot RUN`: the run's curves as PNG files, from RUN/metrics.jsonl.
+"""PNG plots: a run's curves (`bam-surgery plot RUN`) and routing statistics (`routing-stats --plot DIR`).
 
+plot_run, from RUN/metrics.jsonl:
     loss.png   training loss (and NLL when routers add auxiliary terms) per step
     lr.png     the learning rate per step
     eval.png   held-out loss per domain at each evaluation (when the run evaluated)
+plot_routing, from a routing_report.RoutingReport:
+    routing-ffn-DOMAIN.png    heatmap, layers x FFN experts: share of top-k assignments
+    routing-attn-DOMAIN.png   heatmap, layers x attention experts: mean gate
+    routing-usage-histogram.png   how the (layer, expert) usages spread around uniform, per domain
+
+Every PNG carries a `Software: bam-surgery` text chunk; plot_routing replaces only PNGs that carry it.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import numpy as np
 
 from .errors import TrainError
 from .metrics import read_metrics
@@ -14,10 +24,7 @@ from .metrics import read_metrics
 
 def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     """Draw the PNGs into `out` (default: the run folder); returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     run = Path(run)
     records = read_metrics(run / "metrics.jsonl")
@@ -57,6 +64,106 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     return written
 
 
+SOFTWARE = "bam-surgery"
+
+
+def _ours(path: Path) -> bool:
+    """A PNG this tool wrote: its Software text chunk (written before the image data) says so."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + SOFTWARE.encode() in head
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _file_part(name: str) -> str:
+    return re.sub(r"[^\w.+-]", "_", name) or "_"
+
+
+ROUTING_KINDS = (("ffn", "FFN share of top-k assignments", "usage"), ("attn", "attention mean gate", "mean_gate"))
+
+
+def routing_plot_files(out: str | Path, domains: list[str], kinds: tuple[str, ...] = ("ffn", "attn")
+                       ) -> dict[tuple[str, str] | None, Path]:
+    """{(domain, kind): heatmap path, None: histogram path} that plot_routing writes into `out`; raises
+    TrainError if `out` is not a folder, or one of these files exists and this tool did not write it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--plot {out}: exists and is not a folder")
+    parts = {d: _file_part(d) for d in domains}
+    if len(set(parts.values())) < len(parts):
+        raise TrainError("--plot: two domain names give the same file name; rename a domain")
+    files: dict[tuple[str, str] | None, Path] = {(d, k): out / f"routing-{k}-{parts[d]}.png" for d in domains
+                                                 for k in kinds}
+    files[None] = out / "routing-usage-histogram.png"
+    for path in files.values():
+        if path.exists() and (not path.is_file() or not _ours(path)):
+            raise TrainError(f"--plot: {path} exists and was not written by bam-surgery; move it or pick another DIR")
+    return files
+
+
+def plot_routing(report, out: str | Path) -> list[Path]:
+    """Heatmaps (one per domain and router kind) and the usage histogram of a RoutingReport, into `out`
+    (created if missing). A file there under one of these names that this tool did not write is an error,
+    raised before anything is drawn."""
+    from .routing_report import router_layer
+
+    kinds = [k for k in ROUTING_KINDS if report.experts.get(k[0])]
+    files = routing_plot_files(out, list(report.domains), tuple(k for k, _, _ in kinds))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    written = []
+    for domain, result in report.domains.items():
+        for kind, title, key in kinds:
+            rows = sorted((router_layer(n) or 0, s[key]) for n, s in result.routing.items()
+                          if n.endswith(f"{kind}_router"))
+            if not rows:
+                continue
+            matrix = [r[1] for r in rows]
+            labels = report.experts[kind]
+            fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.45 * len(labels)), max(2.5, 1.2 + 0.4 * len(rows))))
+            im = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+            fig.colorbar(im, ax=ax, label="share" if key == "usage" else "mean gate")
+            ax.set(xlabel="expert", ylabel="layer", title=f"{domain}: {title}")
+            ax.set_yticks(range(len(rows)), [str(r[0]) for r in rows])
+            if len(labels) <= 32:
+                ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 6 else 0, ha="right"
+                              if len(labels) > 6 else "center")
+            if len(labels) * len(rows) <= 96:  # small enough to print the numbers in the cells
+                top = max(max(r) for r in matrix) or 1.0
+                for i, r in enumerate(matrix):
+                    for j, v in enumerate(r):
+                        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                                color="black" if v > 0.6 * top else "white")
+            written.append(save_figure(fig, files[(domain, kind)]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+    for ax, (kind, title, _) in zip(axes[0], kinds):
+        E = len(report.experts[kind])
+        values = {domain: [u * E for n, s in result.routing.items() if n.endswith(f"{kind}_router")
+                           for u in s["usage"]]  # usage x E: 1 is an expert's uniform share 1/E
+                  for domain, result in report.domains.items()}
+        every = [v for vs in values.values() for v in vs]
+        bins = np.histogram_bin_edges(every, bins=min(40, max(8, len(every) // (2 * len(values)))))
+        for domain, vs in values.items():
+            ax.hist(vs, bins=bins, histtype="step", lw=1.2, label=domain)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.axvline(1.0, color="gray", ls="--", lw=0.8)
+        ax.set(xlabel="usage x E (1 = uniform share 1/E)", ylabel="(layer, expert) pairs",
+               title=f"{kind.upper() if kind == 'ffn' else 'attention'} expert usage, {E} experts")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    written.append(save_figure(fig, files[None]))
+    return written
+
+
 def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     """Write a figure as PNG atomically (a hidden partial file renamed into place) and close it."""
     import matplotlib.pyplot as plt
@@ -64,7 +171,7 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=dpi)
+    fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE})
     plt.close(fig)
     tmp.replace(path)
     return path
