@@ -38,8 +38,11 @@ def render_audit(a: Audit, source: str) -> str:
     out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
            f"convention  {a.convention}", ""]
     rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
-    rows.append(("total", len(a.tensors), a.total, a.active))
+    rows.append(("total", len(a.parameters), a.total, a.active))
     out.append(render_table(("group", "tensors", "total", "active"), rows))
+    if a.buffers.tensors:
+        out.append(f"buffers: {a.buffers.tensors} tensors, {a.buffers.total:,} values (router state not trained by "
+                   "gradient; not parameters, not in the counts above)")
     if a.convention == "paper":
         out += ["", "paper convention: deviations from exact (already applied above)"]
         if not a.adjustments:
