@@ -171,8 +171,9 @@ class ExpertEmbeddingRouter(Router):
 
     @classmethod
     def tensors(cls, cfg, n_experts: int) -> list[RouterTensor]:
-        return [RouterTensor("embeddings.weight", (n_experts, cfg.d_model), "unit"),
-                RouterTensor("log_temperature", (1,), "log_temperature")]
+        # state_dict order: a module's own parameters before its submodules'
+        return [RouterTensor("log_temperature", (1,), "log_temperature"),
+                RouterTensor("embeddings.weight", (n_experts, cfg.d_model), "unit")]
 
     def forward(self, x: Tensor) -> Tensor:  # [N, D] -> [N, E]
         cos = F.normalize(x, dim=-1) @ F.normalize(self.embeddings.weight, dim=-1).t()
