@@ -197,6 +197,8 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--tokenizer", metavar="PATH|bytes",
               help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
                    "vocabularies of at most 512).")
+@click.option("--token-cache", metavar="DIR",
+              help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
 @click.option("--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
               help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
                    "0.01).")
@@ -217,7 +219,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
           weights, shared_kv_rule, router_seed, router_std, router_kind, ffn_router, attn_router, router_hidden,
-          router_temperature, router_init, calibration, calibration_tokens, tokenizer, lb_coef, z_coef, dtype,
+          router_temperature, router_init, calibration, calibration_tokens, tokenizer, token_cache, lb_coef, z_coef, dtype,
           max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters import open_checkpoint
@@ -259,7 +261,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
             from .warm_start import Calibration, warm_start
 
             log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-            plan = warm_start(plan, Calibration(calibration, calibration_tokens, tokenizer), log)
+            plan = warm_start(plan, Calibration(calibration, calibration_tokens, tokenizer, token_cache), log)
         if dry_run:
             click.echo(format_plan(plan))
             click.echo("")

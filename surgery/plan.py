@@ -399,7 +399,9 @@ def format_plan(plan: Plan) -> str:
         kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
         kind = ("" if kinds == {"linear"} else f"kind FFN {cfg.ffn_router_kind}, attention {cfg.attn_router_kind}; "
                 if cfg.ffn_experts and cfg.attn_experts else f"kind {kinds.pop()}; ")
-        warm = f"; expert embeddings warm-started ({plan.warm_start['init']})" if plan.warm_start else ""
+        warm = (f"; expert embeddings warm-started ({plan.warm_start['init']}, {plan.warm_start['tokens']:,} "
+                "calibration tokens)" if plan.warm_start else f"; expert embeddings from --router-init "
+                f"{plan.options.warm_start} (computed when the merge runs)" if plan.options.warm_start else "")
         lines.append(f"routers  {kind}{plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
                      == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}"
                      + warm)

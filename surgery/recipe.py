@@ -405,16 +405,20 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
         raise ConfigError(f"ffn_router: recipe {recipe.name} has no FFN experts to route")
     # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
     kind = ffn_kind if n_ffn else (attn_kind if n_attn else "linear")
-    hidden = recipe.router_hidden if router_hidden is None else router_hidden
-    temperature = recipe.router_temperature if router_temperature is None else router_temperature
-    temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
+    # a recipe's hidden / temperature are defaults for the kinds that have them; given explicitly for kinds
+    # that have none, they are an error
     used = {k for k, n in ((ffn_kind, n_ffn), (attn_kind, n_attn)) if n}
-    if hidden is not None and not used & {"mlp", "attention"}:
+    takes_hidden, takes_temperature = bool(used & {"mlp", "attention"}), "expert_embedding" in used
+    if router_hidden is not None and not takes_hidden:
         raise ConfigError(f"router_hidden: applies to mlp and attention routers; this mixture's routers are "
                           f"{', '.join(sorted(used)) or 'none'}")
-    if temperature is not None and "expert_embedding" not in used:
+    if router_temperature is not None and not takes_temperature:
         raise ConfigError(f"router_temperature: applies to expert_embedding routers; this mixture's routers are "
                           f"{', '.join(sorted(used)) or 'none'}")
+    hidden = (recipe.router_hidden if router_hidden is None else router_hidden) if takes_hidden else None
+    temperature = (recipe.router_temperature if router_temperature is None else router_temperature
+                   ) if takes_temperature else None
+    temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
     base = f"{dense_cfg.name}-" if dense_cfg.name else ""
     return dense_cfg.replace(
         ffn_experts=n_ffn,

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bam_surgery.runtime.model import Model
+from bam_surgery.runtime import model_from_reader
 from bam_surgery.runtime.routers import ExpertEmbeddingRouter
-from bam_surgery.train.data import parse_data_spec, open_source
+from bam_surgery.train.data import Domain, open_source, parse_data_spec
 from bam_surgery.train.tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
 
 from .errors import BamSurgeryError
@@ -77,12 +77,11 @@ def seed_domain(plan: Plan, domain_names: list[str]) -> str:
     return seed if seed in domain_names else SEED_DOMAIN
 
 
-def calibration_windows(plan: Plan, calib: Calibration, log: Log) -> tuple[list[str], list[Window]]:
+def calibration_windows(plan: Plan, calib: Calibration, domains: list[Domain], log: Log) -> list[Window]:
     """Tokenize each calibration domain (its train split, through the token cache) and cut its first
     tokens_per_domain tokens into windows of at most MAX_WINDOW tokens (plus the next token, the target)."""
     if calib.tokens_per_domain < 1:
         raise BamSurgeryError(f"--calibration-tokens: must be >= 1, got {calib.tokens_per_domain}")
-    domains = parse_data_spec(calib.spec, "--calibration")
     cfg = plan.config
     tok = resolve_tokenizer(calib.tokenizer, plan.inputs[0].reader, cfg.vocab_size)
     cache = Path(calib.token_cache) if calib.token_cache else default_cache_dir()
@@ -100,7 +99,7 @@ def calibration_windows(plan: Plan, calib: Calibration, log: Log) -> tuple[list[
         counts.append(n)
     shown = ", ".join(f"{dom.name} {c:,}" for dom, c in zip(domains, counts))
     log(f"calibration: {sum(counts):,} tokens ({shown}), tokenizer {tok.name}, windows of up to {T}")
-    return [dom.name for dom in domains], windows
+    return windows
 
 
 def batches(windows: list[Window]) -> Iterator[list[Window]]:
@@ -115,15 +114,6 @@ def batches(windows: list[Window]) -> Iterator[list[Window]]:
         yield run
 
 
-def load_model(cfg, reader) -> Model:
-    """A float32 Model holding a reader's tensors (a merge plan's or a dense input's)."""
-    with torch.device("meta"):
-        model = Model(cfg)
-    state = {name: reader.get(name).to(torch.float32) for name in reader.names()}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
-
-
 def expert_inputs(plan: Plan, router: str) -> tuple[int, ...]:
     """Input index of each expert slot of a router (layers.{i}.ffn_router or layers.{i}.attn_router)."""
     return plan.ffn_slots if router.endswith("ffn_router") else plan.members
@@ -136,7 +126,7 @@ def token_winners(plan: Plan, windows: list[Window], candidates: tuple[int, ...]
     best = [torch.full((len(w.tokens) - 1,), -1, dtype=torch.long) for w in windows]
     for i in candidates:  # one dense model in memory at a time
         inp = plan.inputs[i]
-        model = load_model(inp.reader.config, inp.reader)
+        model = model_from_reader(inp.reader, dtype=torch.float32)
         k = 0
         for run in batches(windows):
             ids = torch.stack([w.tokens for w in run])
@@ -161,13 +151,15 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
     mode = plan.options.warm_start
     if mode not in ("domain-mean", "profile"):
         raise BamSurgeryError(f"--router-init: warm start {mode!r} is not domain-mean or profile")
-    names, windows = calibration_windows(plan, calib, log)
-    model = load_model(plan.config, PlanReader(plan, hash_inputs=False))
-    routers = {n: r for n, r in model.routers().items() if isinstance(r, ExpertEmbeddingRouter)}
-
+    domains = parse_data_spec(calib.spec, "--calibration")
+    names = [dom.name for dom in domains]
+    cfg = plan.config
+    routers = [f"layers.{i}.{group}_router" for i in range(cfg.n_layers)
+               for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+                                      ("ffn", cfg.ffn_router_kind, cfg.ffn_experts))
+               if E and kind == ExpertEmbeddingRouter.kind]  # execution order
     # the group of each token position: a domain index (domain-mean) or an input index (profile)
-    if mode == "domain-mean":
-        labels = [torch.full((len(w.tokens) - 1,), w.domain, dtype=torch.long) for w in windows]
+    if mode == "domain-mean":  # expert <-> domain, checked before any data is read
         seed_dom = seed_domain(plan, names)
         group_of_input = {}
         for name in routers:
@@ -179,6 +171,10 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
                         f"{plan.inputs[i].label}; the domains are {', '.join(names)} (each expert calibrates on "
                         f"the domain named like its input; the seed's: its name or {SEED_DOMAIN})")
                 group_of_input[i] = names.index(dom)
+    windows = calibration_windows(plan, calib, domains, log)
+    model = model_from_reader(PlanReader(plan, hash_inputs=False), dtype=torch.float32)
+    if mode == "domain-mean":
+        labels = [torch.full((len(w.tokens) - 1,), w.domain, dtype=torch.long) for w in windows]
         n_groups = len(names)
     else:
         candidates = tuple(sorted({i for name in routers for i in expert_inputs(plan, name)}))
@@ -188,7 +184,9 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
 
     calibrated: dict[str, torch.Tensor] = {}
     D = plan.config.d_model
-    for name, router in routers.items():  # execution order: named_modules walks layers, attention first
+    modules = model.routers()
+    for name in routers:
+        router = modules[name]
         sums = torch.zeros(n_groups, D, dtype=torch.float64)
         counts = torch.zeros(n_groups, dtype=torch.float64)
         current: list[torch.Tensor] = []
