@@ -182,7 +182,8 @@ class ModelConfig:
             need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
         need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
-        need(self.router in ROUTERS, "router", f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        need(self.router in ROUTERS, "router",
+             f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.attn_router is not None:
             need(self.attn_router in ROUTERS, "attn_router",
                  f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")

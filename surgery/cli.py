@@ -176,7 +176,8 @@ def _check_format_out(fmt: str, out: str | None) -> None:
               help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
                    "default: the recipe's, linear).")
 @click.option("--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
-@click.option("--attn-router", type=click.Choice(ROUTERS), help="Router kind of the attention routers (overrides --router).")
+@click.option("--attn-router", type=click.Choice(ROUTERS),
+              help="Router kind of the attention routers (overrides --router).")
 @click.option("--router-hidden", type=click.IntRange(min=1), metavar="N",
               help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
                    "(default head_dim).")
@@ -219,8 +220,8 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
           weights, shared_kv_rule, router_seed, router_std, router_kind, ffn_router, attn_router, router_hidden,
-          router_temperature, router_init, calibration, calibration_tokens, tokenizer, token_cache, lb_coef, z_coef, dtype,
-          max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
+          router_temperature, router_init, calibration, calibration_tokens, tokenizer, token_cache, lb_coef, z_coef,
+          dtype, max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters import open_checkpoint
     from bam_surgery.converters.export import check_export

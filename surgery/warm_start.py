@@ -27,7 +27,6 @@ blocks 0..i, so about L/2 forward passes over the calibration tokens (plus one p
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -120,28 +119,26 @@ def expert_inputs(plan: Plan, router: str) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def token_winners(plan: Plan, windows: list[Window], candidates: tuple[int, ...], log: Log) -> list[torch.Tensor]:
-    """Per window [T]: the candidate input whose dense model has the lowest next-token loss at each position."""
-    best_loss = [torch.full((len(w.tokens) - 1,), math.inf) for w in windows]
-    best = [torch.full((len(w.tokens) - 1,), -1, dtype=torch.long) for w in windows]
-    for i in candidates:  # one dense model in memory at a time
-        inp = plan.inputs[i]
-        model = model_from_reader(inp.reader, dtype=torch.float32)
-        k = 0
+def token_losses(plan: Plan, windows: list[Window], inputs: tuple[int, ...]) -> torch.Tensor:
+    """Next-token loss of each input's dense model at every calibration position: [len(inputs), positions],
+    positions in window order (one float per position and input; states are not kept)."""
+    out = []
+    for i in inputs:  # one dense model in memory at a time
+        model = model_from_reader(plan.inputs[i].reader, dtype=torch.float32)
+        rows = []
         for run in batches(windows):
             ids = torch.stack([w.tokens for w in run])
             logits = model(ids[:, :-1]).logits.float()
-            nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T]
-            for row in nll:
-                better = row < best_loss[k]  # strict: ties keep the earlier input
-                best_loss[k] = torch.where(better, row, best_loss[k])
-                best[k] = torch.where(better, torch.full_like(best[k], i), best[k])
-                k += 1
+            rows.append(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").reshape(-1))
+        out.append(torch.cat(rows))
         del model
-    wins = torch.cat(best).bincount(minlength=len(plan.inputs))
-    log("profile: lowest-loss tokens per input: " + ", ".join(f"{plan.inputs[i].name} {int(wins[i]):,}"
-                                                               for i in candidates))
-    return best
+    return torch.stack(out)
+
+
+def winners(losses: torch.Tensor, inputs: tuple[int, ...], candidates: tuple[int, ...]) -> torch.Tensor:
+    """Per position, the input among `candidates` with the lowest loss (ties: the earlier input) [positions]."""
+    rows = [inputs.index(i) for i in candidates]  # candidates sorted: argmin's first minimum is the earlier input
+    return torch.tensor(candidates)[losses[rows].argmin(0)]
 
 
 @torch.no_grad()
@@ -174,12 +171,19 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
     windows = calibration_windows(plan, calib, domains, log)
     model = model_from_reader(PlanReader(plan, hash_inputs=False), dtype=torch.float32)
     if mode == "domain-mean":
-        labels = [torch.full((len(w.tokens) - 1,), w.domain, dtype=torch.long) for w in windows]
+        labels_of = dict.fromkeys(routers, torch.cat([torch.full((len(w.tokens) - 1,), w.domain, dtype=torch.long)
+                                                      for w in windows]))  # positions in window order
         n_groups = len(names)
-    else:
-        candidates = tuple(sorted({i for name in routers for i in expert_inputs(plan, name)}))
-        labels = token_winners(plan, windows, candidates, log)
-        group_of_input = {i: i for i in candidates}
+    else:  # each router: argmin over the inputs of its own experts
+        inputs = tuple(sorted({i for name in routers for i in expert_inputs(plan, name)}))
+        losses = token_losses(plan, windows, inputs)
+        won = {c: winners(losses, inputs, c) for c in {tuple(sorted(set(expert_inputs(plan, n)))) for n in routers}}
+        for c, w in sorted(won.items()):
+            counts = w.bincount(minlength=len(plan.inputs))
+            log("profile: lowest-loss positions per input: " + ", ".join(
+                f"{plan.inputs[i].name} {int(counts[i]):,}" for i in c))
+        labels_of = {n: won[tuple(sorted(set(expert_inputs(plan, n))))] for n in routers}
+        group_of_input = {i: i for i in inputs}
         n_groups = len(plan.inputs)
 
     calibrated: dict[str, torch.Tensor] = {}
@@ -190,6 +194,7 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
         sums = torch.zeros(n_groups, D, dtype=torch.float64)
         counts = torch.zeros(n_groups, dtype=torch.float64)
         current: list[torch.Tensor] = []
+        labels = labels_of[name]
 
         def capture(module, args):
             x = args[0].double()  # [N, D], N = B*T in batch order
@@ -200,10 +205,11 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
 
         hook = router.register_forward_pre_hook(capture)
         try:
-            k = 0
+            start = 0
             for run in batches(windows):
-                current[:] = [torch.cat(labels[k: k + len(run)])]
-                k += len(run)
+                n = sum(len(w.tokens) - 1 for w in run)
+                current[:] = [labels[start: start + n]]
+                start += n
                 try:
                     model(torch.stack([w.tokens[:-1] for w in run]))
                 except _Captured:
