@@ -317,3 +317,16 @@ def test_random_expert_embeddings_do_not_separate_the_domains(tmp_path):
     model = load_model(out)
     by_domain = [routed_experts(model, letters * 20) for letters in SEPARABLE.values()]
     assert not all(all(experts == {e} for experts in routed.values()) for e, routed in enumerate(by_domain))
+
+
+def test_count_params_of_a_recipe_mixture_with_another_router_kind():
+    res = run("count-params", "--preset", "paper-small", "--recipe", "bam", "--experts", "4", "--router", "mlp",
+              "--json")
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.output)
+    D, E, L = 1024, 4, 6
+    per_router = 2 * D * D + 2 * D + E * 2 * D  # hidden.weight, hidden.bias, out.weight
+    assert body["groups"]["routers"] == {"tensors": 2 * L * 3, "total": 2 * L * per_router,
+                                         "active": 2 * L * per_router}
+    assert body["buffers"] == {"tensors": 0, "total": 0}
+    assert_one_line_error(run("count-params", "--preset", "paper-small", "--router", "mlp"), "--router")
