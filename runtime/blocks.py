@@ -3,8 +3,8 @@ router losses, the transformer block (a readable reference loop and a fused path
 the transformer trunk.
 
 One copy: the runtime (runtime/model.py) builds its Model on it, and every HF BAM export ships this very file
-(as blocks.py, byte for byte) next to modeling_bam.py, which imports it. So it imports only torch and the
-standard library, nothing relative. Configs are duck-typed: anything with ModelConfig's field names and its
+(as blocks_bam.py, byte for byte) next to modeling_bam.py, which imports it, together with runtime/routers.py
+(as routers.py: the router kinds). So it imports only torch, the standard library and .routers. Configs are duck-typed: anything with ModelConfig's field names and its
 `rotary_dim` works (runtime.config.ModelConfig, the export's BamConfig).
 
 Shapes: B batch, T new tokens, S key slots (T, or the cache's length), D d_model, H heads, G kv heads,
@@ -44,6 +44,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .routers import Router, make_router
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "swiglu": F.silu,  # gated: act(gate x) * up x
@@ -93,17 +95,19 @@ class Routing:
     topk: Optional[Tensor] = None  # [N, K] selected experts
 
 
-def route(router: nn.Linear, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
+def route(router: Router, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
           forced: Optional[Tensor]) -> Routing:
+    """Gates of any router kind (runtime/routers.py) for x [B, T, D]."""
     n_tok = x.shape[0] * x.shape[1]
     if forced is not None:
         return Routing(gates=forced.to(x.device, torch.float32).expand(n_tok, n_experts))
+    flat = x.reshape(n_tok, x.shape[-1])  # [N, D]
     if _autocast_on(x.device.type):  # router logits in the weights' precision, not autocast's
         with torch.autocast(x.device.type, enabled=False):
-            logits = router(x.to(router.weight.dtype))
+            logits = router(flat.to(router.dtype))
     else:
-        logits = router(x)
-    logits = logits.reshape(n_tok, n_experts).float()  # [N, E]
+        logits = router(flat)
+    logits = logits.float()  # [N, E]
     probs = logits.softmax(-1)
     if top_k is None:  # soft routing: every expert, full softmax gates
         return Routing(gates=probs, logits=logits, probs=probs)
@@ -365,8 +369,8 @@ class Block(nn.Module):
     Parameters (canonical names, see runtime/layout.py):
       attn          dense Q, K, V, O; or, in a shared-KV mixture, the one shared K and V
       attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
-      attn_router   [E, D]
-      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router [E, D]
+      attn_router   a Router of kind cfg.attn_router_kind (runtime/routers.py): [N, D] -> logits [N, E]
+      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router: kind cfg.ffn_router_kind
     """
 
     def __init__(self, cfg, index: int):
@@ -385,17 +389,17 @@ class Block(nn.Module):
         if Ea == 0:
             self.attn = Projections({**q, **kv, **o})
         elif self.expert_kv:
-            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
             self.attn_experts = Projections({**q, **kv, **o}, Ea)
         else:
-            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
             self.attn = Projections(kv)
             self.attn_experts = Projections({**q, **o}, Ea)
         self.gated = cfg.activation == "swiglu"
         ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
         ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
         if cfg.ffn_experts:
-            self.ffn_router = nn.Linear(D, cfg.ffn_experts, bias=False)
+            self.ffn_router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
             self.ffn_experts = Projections(ffn, cfg.ffn_experts)
         else:
             self.ffn = Projections(ffn)
@@ -665,6 +669,15 @@ class Transformer(nn.Module):
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def routers(self) -> dict[str, Router]:
+        """Every router by name (layers.{i}.attn_router, layers.{i}.ffn_router), in execution order."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Router)}
+
+    def after_step(self) -> None:
+        """Call after every optimizer step: routers with rule-based (non-gradient) state update it."""
+        for router in self.routers().values():
+            router.after_step()
 
     def new_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                   device: Optional[torch.device] = None) -> ModelKVCache:

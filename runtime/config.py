@@ -31,9 +31,16 @@ Position = Literal["rope", "learned", "none"]
 Block = Literal["sequential", "parallel", "parallel_two_norms"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
-Router = Literal["linear"]  # the router kinds; a new kind is a value here and a branch in runtime.model
+# The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
+# tests/test_routers.py holds the two lists together).
+Router = Literal["linear", "mlp", "attention", "expert_embedding"]
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
+
+
+# Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
+# so that every config that does not use them serializes to the same bytes as before they were added.
+WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature")
 
 
 class ConfigError(ValueError):
@@ -99,7 +106,10 @@ class ModelConfig:
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
-    router: Router = "linear"
+    router: Router = "linear"  # kind of the FFN routers, and of the attention routers unless attn_router says
+    attn_router: Router | None = None  # kind of the attention routers; None: the same as router
+    router_hidden: int | None = None  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
+    router_temperature: float = 0.1  # expert_embedding: initial temperature tau (the learned one is a tensor)
     lb_coef: float = 0.01  # alpha, load-balancing loss weight
     z_coef: float = 0.001  # beta, router z-loss weight
     name: str = ""  # free-form label (preset name, source architecture)
@@ -172,7 +182,17 @@ class ModelConfig:
             need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
         need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
-        need(self.router in ROUTERS, "router", f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        need(self.router in ROUTERS, "router",
+             f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if self.attn_router is not None:
+            need(self.attn_router in ROUTERS, "attn_router",
+                 f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")
+            need(self.attn_experts > 0, "attn_router", "a router kind for attention experts needs attn_experts > 0")
+        if self.router_hidden is not None:
+            need(0 < self.router_hidden <= MAX_DIM, "router_hidden",
+                 f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
+        need(math.isfinite(self.router_temperature) and self.router_temperature > 0, "router_temperature",
+             f"must be a finite number > 0, got {self.router_temperature!r}")
         need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
         need(self.z_coef >= 0, "z_coef", "must be >= 0")
         need(self.logit_scale != 0, "logit_scale", "must be non-zero")
@@ -195,6 +215,14 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def ffn_router_kind(self) -> str:
+        return self.router
+
+    @property
+    def attn_router_kind(self) -> str:
+        return self.attn_router or self.router
+
+    @property
     def gated_ffn(self) -> bool:
         return self.activation == "swiglu"
 
@@ -208,11 +236,17 @@ class ModelConfig:
 
     def dense(self) -> "ModelConfig":
         """The dense config with the same shapes (mixture fields reset)."""
-        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert")
+        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert",
+                            attn_router=None)
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except those of WRITTEN_WHEN_SET that hold their default."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in WRITTEN_WHEN_SET and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

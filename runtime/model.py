@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, load_balancing_loss, route,  # noqa: F401
                      router_losses, z_loss)
 from .config import ModelConfig
+from .layout import router_tensors
+from .routers import init_tensor
 
 # Rows of logits per chunk of the loss-only path: 2**26 fp32 logits (256 MiB) at most, e.g. 262 rows at
 # vocab 256000; the whole batch at once for small vocabularies.
@@ -52,11 +54,14 @@ class Model(Transformer):
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init (normal(0, std) for matrices, ones/zeros for norms and biases)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        routers = router_tensors(self.config)  # each router tensor's own init (runtime/routers.py)
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
             with torch.no_grad():
-                if name.endswith("norm.weight"):
+                if name in routers:
+                    p.copy_(init_tensor(routers[name], self.config, std, gen))
+                elif name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif p.dim() == 1 or name.endswith(".bias"):
                     p.zero_()

@@ -10,6 +10,9 @@ data), so auditing a 2B mixture costs nothing. Every canonical tensor gets a Ten
                                         numel / E * attn_top_k        (top-k routing)
             everything else             numel (routers run for every token; embeddings count whole,
                                         as in the paper)
+    Buffers (router state that gradients do not train, runtime/routers.py RouterTensor.buffer, e.g. a key
+    store) are not parameters: they are left out of the totals, the groups and Table 5, and counted apart
+    (Audit.buffers).
 
 Conventions:
     exact   the counts above.
@@ -20,6 +23,7 @@ Conventions:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,14 +31,17 @@ from typing import Any, Callable
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import dtype_name, nbytes
-from bam_surgery.runtime.layout import GROUPS, Mismatch, Shape, layout_mismatches, tensor_group, tensor_shapes
+from bam_surgery.runtime.layout import (GROUPS, Mismatch, Shape, buffer_names, layout_mismatches, tensor_group,
+                                        tensor_shapes)
 from bam_surgery.runtime.reader import Reader
 
 CONVENTIONS = ("exact", "paper")
 
 # layers.{i}.{module}[.{proj}].{weight|bias}, or a top-level {module}.{weight|bias}
 _CANONICAL = re.compile(
-    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z]+))?\.(?P<param>weight|bias)$")
+    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z]+))?\.(?P<param>weight|bias)$"
+    # router tensors of any kind: layers.{i}.ffn_router.log_temperature, ...ffn_router.hidden.bias
+    r"|^layers\.(?P<rlayer>\d+)\.(?P<router>attn_router|ffn_router)\.(?P<rest>[a-z_.]+)$")
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ def tensor_role(name: str) -> TensorRole:
     m = _CANONICAL.match(name)
     if not m:
         raise KeyError(f"{name}: not a canonical tensor name")
+    if m.group("router"):  # routers count as one module whatever their tensors (proj None)
+        return TensorRole(int(m.group("rlayer")), m.group("router"), None, m.group("rest"))
     layer = m.group("layer")
     return TensorRole(int(layer) if layer is not None else None, m.group("module"), m.group("proj"),
                       m.group("param"))
@@ -64,6 +73,7 @@ class TensorCount:
     active: int
     dtype: str | None = None  # from a checkpoint header; None when audited from a config
     nbytes: int | None = None
+    buffer: bool = False  # not a parameter (not trained by gradient): outside the totals
 
 
 def _active(cfg: ModelConfig, group: str, shape: Shape) -> int:
@@ -76,9 +86,10 @@ def _active(cfg: ModelConfig, group: str, shape: Shape) -> int:
 
 
 def exact_count(cfg: ModelConfig, name: str, shape: Shape, dtype: str | None = None,
-                nbytes: int | None = None) -> TensorCount:
+                nbytes: int | None = None, buffer: bool = False) -> TensorCount:
     group = tensor_group(name)
-    return TensorCount(name, group, tuple(shape), math.prod(shape), _active(cfg, group, shape), dtype, nbytes)
+    return TensorCount(name, group, tuple(shape), math.prod(shape), _active(cfg, group, shape), dtype, nbytes,
+                       buffer)
 
 
 # ---- the paper's convention: named deviations from exact ------------------------------------
@@ -144,7 +155,7 @@ def apply_paper_deviations(cfg: ModelConfig, counts: list[TensorCount]
             delta = -sum(adjusted[i].active for i in idx)
             for i in idx:
                 c = adjusted[i]
-                adjusted[i] = TensorCount(c.name, c.group, c.shape, c.total, 0, c.dtype, c.nbytes)
+                adjusted[i] = dataclasses.replace(c, active=0)
             adjustments.append(Adjustment(dev.key, dev.explanation, group, len(idx), 0, delta))
     return adjusted, adjustments
 
@@ -183,18 +194,29 @@ class Audit:
     mismatches: list[Mismatch] = field(default_factory=list)
 
     @property
+    def parameters(self) -> list[TensorCount]:
+        return [t for t in self.tensors if not t.buffer]
+
+    @property
     def total(self) -> int:
-        return sum(t.total for t in self.tensors)
+        return sum(t.total for t in self.parameters)
 
     @property
     def active(self) -> int:
-        return sum(t.active for t in self.tensors)
+        return sum(t.active for t in self.parameters)
+
+    @property
+    def buffers(self) -> GroupCount:
+        """Buffer tensors (not parameters): how many, and their values (total = active = numel)."""
+        bufs = [t for t in self.tensors if t.buffer]
+        n = sum(t.total for t in bufs)
+        return GroupCount(len(bufs), n, n)
 
     @property
     def groups(self) -> dict[str, GroupCount]:
         """Every group of runtime.layout.GROUPS, in that order (zeros included)."""
         acc = {g: [0, 0, 0] for g in GROUPS}
-        for t in self.tensors:
+        for t in self.parameters:
             a = acc[t.group]
             a[0] += 1
             a[1] += t.total
@@ -204,7 +226,7 @@ class Audit:
     def table5(self) -> list[tuple[str, int]]:
         """The audit in the rows of the paper's Table 5 (per-block rows: active count of layer 0)."""
         rows = []
-        roles = [(tensor_role(t.name), t) for t in self.tensors]
+        roles = [(tensor_role(t.name), t) for t in self.parameters]
         for label, per_block, selects in TABLE5_ROWS:
             rows.append((label, sum(t.active for r, t in roles
                                     if selects(r) and (not per_block or r.layer == 0))))
@@ -218,6 +240,7 @@ class Audit:
             total=self.total,
             active=self.active,
             groups={g: dict(tensors=c.tensors, total=c.total, active=c.active) for g, c in self.groups.items()},
+            buffers=dict(tensors=self.buffers.tensors, total=self.buffers.total),
             adjustments=[a.to_dict() for a in self.adjustments],
             table5={label: n for label, n in self.table5()},
             mismatches=[m.to_dict() for m in self.mismatches],
@@ -237,7 +260,8 @@ def _finish(cfg: ModelConfig, counts: list[TensorCount], convention: str,
 
 def audit(cfg: ModelConfig, convention: str = "exact") -> Audit:
     """Audit the model a config describes, from runtime.layout.tensor_shapes alone."""
-    counts = [exact_count(cfg, name, shape) for name, shape in tensor_shapes(cfg).items()]
+    buffers = buffer_names(cfg)
+    counts = [exact_count(cfg, name, shape, buffer=name in buffers) for name, shape in tensor_shapes(cfg).items()]
     return _finish(cfg, counts, convention, [])
 
 
@@ -252,11 +276,12 @@ def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelCon
     found = [(n, tuple(reader.shape(n))) for n in reader.names()]
     mismatches = layout_mismatches(tensor_shapes(cfg), found)
     counts = []
+    buffers = buffer_names(cfg)
     for name, shape in found:
         try:
             tensor_group(name), tensor_role(name)
         except KeyError:
             continue  # not a canonical name: already reported as "unexpected"
         dtype = reader.dtype(name)
-        counts.append(exact_count(cfg, name, shape, dtype_name(dtype), nbytes(shape, dtype)))
+        counts.append(exact_count(cfg, name, shape, dtype_name(dtype), nbytes(shape, dtype), name in buffers))
     return _finish(cfg, counts, convention, mismatches)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS
+from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS
 
 from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
 from .errors import USER_ERRORS, BamSurgeryError, one_line, os_error_message
@@ -173,6 +173,34 @@ def _check_format_out(fmt: str, out: str | None) -> None:
                    "name, so results do not depend on order.")
 @click.option("--router-std", type=click.FloatRange(min=0), metavar="X",
               help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
+@click.option("--router", "router_kind", type=click.Choice(ROUTERS),
+              help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
+                   "default: the recipe's, linear).")
+@click.option("--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
+@click.option("--attn-router", type=click.Choice(ROUTERS),
+              help="Router kind of the attention routers (overrides --router).")
+@click.option("--router-hidden", type=click.IntRange(min=1), metavar="N",
+              help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
+                   "(default head_dim).")
+@click.option("--router-temperature", type=click.FloatRange(min=0, min_open=True), metavar="T",
+              help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
+                   "default 0.1).")
+@click.option("--router-init", type=click.Choice(["random", "domain-mean", "profile"]), default="random",
+              show_default=True,
+              help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
+                   "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
+                   "(profile); the warm starts need --calibration.")
+@click.option("--calibration", metavar="SPEC",
+              help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
+                   "(NAME=SOURCE,...; domain-mean: one domain per expert, named like the expert; the seed's "
+                   "domain is general).")
+@click.option("--calibration-tokens", type=click.IntRange(min=1), default=8192, show_default=True, metavar="N",
+              help="Calibration tokens per domain (the first N of its train split).")
+@click.option("--tokenizer", metavar="PATH|bytes",
+              help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
+                   "vocabularies of at most 512).")
+@click.option("--token-cache", metavar="DIR",
+              help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
 @click.option("--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
               help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
                    "0.01).")
@@ -192,8 +220,9 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
-          weights, shared_kv_rule, router_seed, router_std, lb_coef, z_coef, dtype, max_shard_size, fmt, dry_run,
-          force, allow_nonfinite, allow_pickle, quiet) -> None:
+          weights, shared_kv_rule, router_seed, router_std, router_kind, ffn_router, attn_router, router_hidden,
+          router_temperature, router_init, calibration, calibration_tokens, tokenizer, token_cache, lb_coef, z_coef,
+          dtype, max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters.export import check_export
 
@@ -211,16 +240,29 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
         raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory path "
                               "to write shards")
     _check_format_out(fmt, out)
+    warm = None if router_init == "random" else router_init
+    if warm and not calibration:
+        raise BamSurgeryError(f"--router-init {router_init}: needs --calibration DATA (e.g. code=data/domains/code,"
+                              "general=data/domains/general)")
+    if calibration and not warm:
+        raise BamSurgeryError("--calibration: only --router-init domain-mean or profile reads calibration data")
     options = MergeOptions(seed_expert=seed_expert, extra_ffn_experts=extra_ffn_experts, ffn_top_k=ffn_top_k,
                            attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
                            z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
-                           router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite)
+                           router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite,
+                           router=router_kind, ffn_router=ffn_router, attn_router=attn_router,
+                           router_hidden=router_hidden, router_temperature=router_temperature, warm_start=warm)
     named = [parse_named(seed), *split_specs(experts)]
     names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
         readers = [opened.enter_context(open_input(spec, allow_pickle)) for _, spec in named]
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
+        if warm and not dry_run:  # a stage before the streamed merge: reads the inputs and the calibration data
+            from .warm_start import Calibration, warm_start
+
+            log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+            plan = warm_start(plan, Calibration(calibration, calibration_tokens, tokenizer, token_cache), log)
         if dry_run:
             click.echo(format_plan(plan))
             click.echo("")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import click
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
-from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
 from bam_surgery.runtime.errors import printable
@@ -38,8 +38,11 @@ def render_audit(a: Audit, source: str) -> str:
     out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
            f"convention  {a.convention}", ""]
     rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
-    rows.append(("total", len(a.tensors), a.total, a.active))
+    rows.append(("total", len(a.parameters), a.total, a.active))
     out.append(render_table(("group", "tensors", "total", "active"), rows))
+    if a.buffers.tensors:
+        out.append(f"buffers: {a.buffers.tensors} tensors, {a.buffers.total:,} values (router state not trained by "
+                   "gradient; not parameters, not in the counts above)")
     if a.convention == "paper":
         out += ["", "paper convention: deviations from exact (already applied above)"]
         if not a.adjustments:
@@ -143,7 +146,8 @@ def _routing_option(value: str | None) -> tuple[bool, int | None]:
 
 
 def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn_top_k: int | None,
-                         attention_routing: str | None) -> ModelConfig:
+                         attention_routing: str | None, router: str | None = None,
+                         router_hidden: int | None = None) -> ModelConfig:
     """The config `merge --recipe` would write; `experts` counts every expert of the mixture."""
     given, attn_top_k = _routing_option(attention_routing)
     if dense.is_mixture:
@@ -155,7 +159,8 @@ def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn
         # copies of the seed's FFN. Otherwise every expert is an input (extra copies count the same).
         n_inputs, extra = (1, experts - 1) if recipe.max_experts == 0 else (experts, 0)
         return mixture_config(recipe, dense, n_inputs, ffn_top_k=ffn_top_k, extra_ffn_experts=extra,
-                              attn_top_k=("soft" if attn_top_k is None else attn_top_k) if given else None)
+                              attn_top_k=("soft" if attn_top_k is None else attn_top_k) if given else None,
+                              router=router, router_hidden=router_hidden)
     except USER_ERRORS as e:
         raise click.UsageError(f"--recipe {recipe_name}: {one_line(e)}") from e
 
@@ -192,13 +197,17 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
               help="FFN experts each token runs (changes the active count only).")
 @click.option("--attention-routing", metavar="soft|topK",
               help="Attention experts each token runs: 'soft' (all of them) or topK, e.g. top2.")
+@click.option("--router", "router_kind", type=click.Choice(ROUTERS),
+              help="Router kind of the --recipe mixture (docs/routers.md; default: the recipe's).")
+@click.option("--router-hidden", type=click.IntRange(min=1), metavar="N",
+              help="mlp / attention routers of the --recipe mixture: hidden / query-key width.")
 @click.option("--convention", type=click.Choice(CONVENTIONS), default="exact", show_default=True,
               help="exact: every parameter that runs; paper: the BAM paper's Table 5 counting "
                    "(each deviation from exact is listed with its size).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 @ALLOW_PICKLE
-def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, as_json,
-                     allow_pickle):
+def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, router_kind,
+                     router_hidden, convention, as_json, allow_pickle):
     """Total and active parameter counts by group, from shapes alone.
 
     CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
@@ -212,6 +221,8 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
         raise click.UsageError("--experts needs --recipe")
     if recipe_name and experts is None:
         raise click.UsageError("--recipe needs --experts N")
+    if (router_kind or router_hidden) and not recipe_name:
+        raise click.UsageError("--router and --router-hidden need --recipe (a checkpoint's routers are its own)")
 
     if ckpt:
         with _open(ckpt, allow_pickle) as reader:
@@ -221,7 +232,8 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
     else:
         base, source = preset(preset_name), f"preset {preset_name}"
     if recipe_name:
-        cfg = _mixture_from_recipe(recipe_name, base, experts, ffn_top_k, attention_routing)
+        cfg = _mixture_from_recipe(recipe_name, base, experts, ffn_top_k, attention_routing, router_kind,
+                                   router_hidden)
         source += f" + recipe {recipe_name}, {experts} experts"
     else:
         cfg = _apply_routing(base, ffn_top_k, attention_routing)

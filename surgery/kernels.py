@@ -8,6 +8,8 @@ output plus one input (a mean: a float32 accumulator and one input). Ops (surger
     copy    out = source_0
     normal  out ~ normal(0, std), a CPU generator seeded per tensor
     zeros   out = 0
+    full    out = value
+    calibrated  out = the plan's tensor of that name (computed before the merge; surgery/warm_start.py)
 """
 from __future__ import annotations
 
@@ -58,12 +60,18 @@ def _zeros(t: TensorOp, read: Read) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype)
 
 
+def _full(t: TensorOp, read: Read) -> torch.Tensor:
+    return torch.full(t.shape, t.value, dtype=torch.float32).to(t.dtype)
+
+
 OP_TABLE: dict[str, Callable[[TensorOp, Read], torch.Tensor]] = {
-    "stack": _stack, "mean": _mean, "copy": _copy, "normal": _normal, "zeros": _zeros}
+    "stack": _stack, "mean": _mean, "copy": _copy, "normal": _normal, "zeros": _zeros, "full": _full}
 
 
-def run_op(t: TensorOp, read: Read) -> torch.Tensor:
-    """Compute one output tensor."""
+def run_op(t: TensorOp, read: Read, calibrated: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Compute one output tensor (`calibrated`: the plan's precomputed tensors, for op calibrated)."""
+    if t.op == "calibrated":
+        return (calibrated or {})[t.name].to(t.dtype)
     if t.op not in OP_TABLE:
         raise ValueError(f"{t.name}: unknown op {t.op!r}; the ops are {', '.join(OP_TABLE)}")
     out = OP_TABLE[t.op](t, read)

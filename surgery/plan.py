@@ -19,6 +19,12 @@ Ops in a plan:
     copy    out = source_0                         (recipe op `seed`, or a mean over one member)
     normal  out ~ normal(0, std), torch CPU generator seeded from (--router-seed, tensor name)
     zeros   out = 0
+    full    out = value                            (an expert_embedding router's log temperature)
+    calibrated  out = a tensor computed before the merge (surgery/warm_start.py: expert embeddings from data)
+
+Router tensors follow their kind's definition (runtime/routers.py RouterTensor.init): the tensor the logits
+are read from is normal(0, std) or, with the recipe's routers.init zeros, zeros; other matrices normal(0, std);
+expert embeddings normal(0, 1); a log temperature log(router_temperature).
 """
 from __future__ import annotations
 
@@ -34,15 +40,16 @@ import torch
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
-from bam_surgery.runtime.layout import ranges, tensor_shapes
+from bam_surgery.runtime.layout import ranges, router_tensors, tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
+from bam_surgery.runtime.routers import RouterTensor, router_class
 
 from .errors import BamSurgeryError, InputError
 from .names import input_names
 from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
 
-# Output names that are not dense names: routers, and expert tensors stacked from a dense tensor.
-ROUTER = re.compile(r"^layers\.\d+\.(ffn_router|attn_router)\.weight$")
+# Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
+# runtime.layout.router_tensors).
 STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\.(?P<rest>(q|k|v|o|gate|up|down)\.(weight|bias))$")
 
 
@@ -63,6 +70,12 @@ class MergeOptions:
     router_std: float | None = None
     shared_kv_rule: str | None = None  # mean | seed: how a shared K/V is made
     allow_nonfinite: bool = False
+    router: str | None = None  # router kind of every router (runtime/routers.py); None: the recipe's
+    ffn_router: str | None = None  # the FFN routers' kind (over `router`)
+    attn_router: str | None = None  # the attention routers' kind (over `router`)
+    router_hidden: int | None = None
+    router_temperature: float | None = None
+    warm_start: str | None = None  # domain-mean | profile (surgery/warm_start.py); None: random init
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,7 @@ class TensorOp:
     weights: tuple[float, ...] = ()  # mean: one per source
     std: float = 0.0  # normal
     rng_seed: int = 0  # normal
+    value: float = 0.0  # full
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +114,8 @@ class TensorOp:
             rec["weights"] = list(self.weights)
         if self.op == "normal":
             rec["std"], rec["seed"] = self.std, self.rng_seed
+        if self.op == "full":
+            rec["value"] = self.value
         return rec
 
 
@@ -126,6 +142,8 @@ class Plan:
     router_std: float
     shared_kv_rule: str | None
     tensors: list[TensorOp] = field(default_factory=list)
+    calibrated: dict[str, torch.Tensor] = field(default_factory=dict)  # op calibrated: name -> tensor
+    warm_start: dict[str, Any] | None = None  # how `calibrated` was made (surgery/warm_start.py), for provenance
 
     def __post_init__(self) -> None:
         self._by_name = {t.name: t for t in self.tensors}
@@ -146,7 +164,8 @@ class Plan:
                     lb_coef=cfg.lb_coef, z_coef=cfg.z_coef, weights=list(self.weights),
                     dtype=str(self.dtype).removeprefix("torch."), router_seed=self.options.router_seed,
                     router_std=self.router_std, router_init=self.recipe.router_init,
-                    shared_kv_rule=self.shared_kv_rule)
+                    shared_kv_rule=self.shared_kv_rule,
+                    **({"router_warm_start": self.warm_start} if self.warm_start else {}))
 
 
 def input_label(reader: Reader, index: int) -> str:
@@ -217,7 +236,10 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     try:
         out_cfg = mixture_config(recipe, dense_cfg, len(members), ffn_top_k=options.ffn_top_k,
                                  attn_top_k=options.attention_routing, extra_ffn_experts=options.extra_ffn_experts,
-                                 gate_norm=options.gate_norm, lb_coef=options.lb_coef, z_coef=options.z_coef)
+                                 gate_norm=options.gate_norm, lb_coef=options.lb_coef, z_coef=options.z_coef,
+                                 router=options.router, ffn_router=options.ffn_router,
+                                 attn_router=options.attn_router,
+                                 router_hidden=options.router_hidden, router_temperature=options.router_temperature)
     except ConfigError as e:
         raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
     router_std = recipe.router_std if options.router_std is None else float(options.router_std)
@@ -226,12 +248,49 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     if dtype.is_floating_point and router_std * 16 > torch.finfo(dtype).max:  # |N(0,1)| samples stay below 16
         raise BamSurgeryError(f"{std_from}: {router_std:g} overflows {str(dtype).removeprefix('torch.')} (largest "
                               f"value {torch.finfo(dtype).max:.4g}): the routers would hold Inf")
+    _check_router_init(recipe, out_cfg, options.warm_start)
     ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
     shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
     choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
                    dtype, router_std, shared_rule)  # everything but the tensors
-    return dataclasses.replace(choices, tensors=[_tensor_op(choices, layout, name, shape)
+    routers = router_tensors(out_cfg)
+    return dataclasses.replace(choices, tensors=[_router_op(choices, name, routers[name]) if name in routers
+                                                 else _tensor_op(choices, layout, name, shape)
                                                  for name, shape in tensor_shapes(out_cfg).items()])
+
+
+WARM_STARTS = ("domain-mean", "profile")
+
+
+def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: str | None) -> None:
+    kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
+    if warm_start is not None:
+        if warm_start not in WARM_STARTS:
+            raise BamSurgeryError(f"--router-init: unknown init {warm_start!r}; choose one of random, "
+                                  f"{', '.join(WARM_STARTS)}")
+        if "expert_embedding" not in kinds:
+            raise BamSurgeryError(f"--router-init {warm_start}: warm starts set expert embeddings; this mixture's "
+                                  f"routers are {', '.join(sorted(kinds)) or 'none'} (use --router expert_embedding)")
+    if recipe.router_init == "zeros":
+        for kind in sorted(kinds):
+            if not any(t.init == "logits" for t in router_class(kind).tensors(cfg, 2)):
+                raise BamSurgeryError(f"recipe {recipe.name}: routers.init zeros: router kind {kind} has no tensor "
+                                      "its logits are read from to zero; use routers.init normal")
+
+
+def _router_op(plan: Plan, name: str, spec: RouterTensor) -> TensorOp:
+    """A router tensor, made as its kind's definition says (runtime/routers.py)."""
+    dtype, init = plan.dtype, spec.init
+    if init == "logits":
+        init = "zeros" if plan.recipe.router_init == "zeros" else "normal"
+    if init in ("normal", "unit"):
+        return TensorOp(name, "normal", spec.shape, dtype, std=plan.router_std if init == "normal" else 1.0,
+                        rng_seed=router_rng_seed(plan.options.router_seed, name))
+    if init == "zeros":
+        return TensorOp(name, "zeros", spec.shape, dtype)
+    if init == "log_temperature":
+        return TensorOp(name, "full", spec.shape, dtype, value=math.log(plan.config.router_temperature))
+    raise AssertionError(f"{name}: router init {init!r} has no plan op")
 
 
 def _check_finite_options(options: MergeOptions) -> None:
@@ -264,13 +323,8 @@ def _check_shared_kv_rule(recipe: Recipe, rule: str | None) -> None:
 
 
 def _tensor_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...]) -> TensorOp:
-    """How output tensor `name` is made: a router init, a stack over expert slots, a copy or a mean."""
+    """How output tensor `name` is made (not a router): a stack over expert slots, a copy or a mean."""
     dtype, members = plan.dtype, plan.members
-    if ROUTER.match(name):
-        if plan.recipe.router_init != "normal":
-            return TensorOp(name, "zeros", shape, dtype)
-        return TensorOp(name, "normal", shape, dtype, std=plan.router_std,
-                        rng_seed=router_rng_seed(plan.options.router_seed, name))
     stacked = STACKED.match(name)
     # the dense tensor it is made from: layers.3.ffn_experts.up.weight <- layers.3.ffn.up.weight
     src = f"{stacked['layer']}.{stacked['group']}.{stacked['rest']}" if stacked else name
@@ -342,8 +396,15 @@ def format_plan(plan: Plan) -> str:
     lines.append("output   " + ("; ".join(routing) or "dense") + f"; dtype {str(plan.dtype).removeprefix('torch.')}"
                  f"; alpha={cfg.lb_coef} beta={cfg.z_coef}")
     if cfg.ffn_experts or cfg.attn_experts:
-        lines.append(f"routers  {plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
-                     == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}")
+        kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
+        kind = ("" if kinds == {"linear"} else f"kind FFN {cfg.ffn_router_kind}, attention {cfg.attn_router_kind}; "
+                if cfg.ffn_experts and cfg.attn_experts else f"kind {kinds.pop()}; ")
+        warm = (f"; expert embeddings warm-started ({plan.warm_start['init']}, {plan.warm_start['tokens']:,} "
+                "calibration tokens)" if plan.warm_start else f"; expert embeddings from --router-init "
+                f"{plan.options.warm_start} (computed when the merge runs)" if plan.options.warm_start else "")
+        lines.append(f"routers  {kind}{plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
+                     == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}"
+                     + warm)
     if len(plan.members) > 1:
         lines.append("mean     weights " + ", ".join(f"{w:.4g}" for w in plan.weights)
                      + " over inputs " + ",".join(map(str, plan.members)))

@@ -84,7 +84,7 @@ class PlanReader(Reader):
 
     def get(self, name: str) -> torch.Tensor:
         t = self.plan[name]
-        out = run_op(t, lambda s: read_source(self.plan, s, self.allow_nonfinite, self.warn))
+        out = run_op(t, lambda s: read_source(self.plan, s, self.allow_nonfinite, self.warn), self.plan.calibrated)
         if _may_make_nonfinite(self.plan, t) and not self.allow_nonfinite and not all_finite(out):
             bad = int((~torch.isfinite(out)).sum())
             raise InputError(f"{name}: the merge made {bad} non-finite value(s) ({t.op} in "

@@ -7,7 +7,7 @@ and the field, and says what to change. recipes/README.md documents the format w
         stack            one slice per expert, copied from that expert's tensor -> *_experts [E, ...]
         mean             (weighted) average over the mixture's inputs, accumulated in float32
         seed             copied from the seed
-    routers:             routers are new tensors: init normal(0, std) or zeros
+    routers:             routers are new tensors: their kind (runtime/routers.py), init normal(0, std) or zeros
     defaults:            option defaults (top-k, gate normalization, alpha/beta, ...); CLI overrides
     experts: {min, max}  how many --experts the recipe accepts
 
@@ -16,6 +16,7 @@ experts, with attn.k/v stacked (kv_mode "expert") or made once (kv_mode "shared"
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -26,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ConfigError, ModelConfig
+from bam_surgery.runtime.config import GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, ModelConfig
 
 from .errors import RecipeError
 
@@ -87,6 +88,10 @@ class Recipe:
     router_std: float
     text: str = ""  # the YAML source, recorded in output provenance
     path: str | None = None
+    ffn_router: str = "linear"  # router kinds (runtime/routers.py): routers.kind, or routers.ffn_kind / attn_kind
+    attn_router: str = "linear"
+    router_hidden: int | None = None  # routers.hidden (None: each kind's default)
+    router_temperature: float | None = None  # routers.temperature (None: the config's default)
 
     # -- structure implied by the ops ---------------------------------------------------------
     @property
@@ -200,12 +205,12 @@ def validate_recipe(doc: Any, origin: str = "<recipe>", text: str = "") -> Recip
     tensors = _validate_tensors(doc.get("tensors"), fail)
     min_experts, max_experts = _validate_experts(doc.get("experts", {}), fail)
     defaults = _validate_defaults(doc.get("defaults", {}), fail, tensors)
-    router_init, router_std = _validate_routers(doc.get("routers", {}), fail)
+    routers = _validate_routers(doc.get("routers", {}), fail)
     if defaults["extra_ffn_experts"] and tensors["ffn.up"] != "stack":
         raise fail("defaults.extra_ffn_experts", "needs FFN experts (tensors.ffn.*: stack)")
     return Recipe(name=name, description=" ".join(description.split()), tensors=tensors,
                   min_experts=min_experts, max_experts=max_experts, defaults=defaults,
-                  router_init=router_init, router_std=router_std, text=text, path=origin)
+                  text=text, path=origin, **routers)
 
 
 def _validate_tensors(section: Any, fail) -> dict[str, str]:
@@ -290,19 +295,40 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
     return d
 
 
-def _validate_routers(section: Any, fail) -> tuple[str, float]:
+ROUTER_FIELDS = ("init", "std", "kind", "ffn_kind", "attn_kind", "hidden", "temperature")
+
+
+def _validate_routers(section: Any, fail) -> dict[str, Any]:
+    """The routers section -> Recipe fields (router_init, router_std, ffn_router, attn_router, router_hidden,
+    router_temperature)."""
     if not isinstance(section, dict):
-        raise fail("routers", "must be a mapping with init (normal | zeros) and std")
+        raise fail("routers", "must be a mapping with init (normal | zeros), std and optionally kind, ffn_kind, "
+                              "attn_kind, hidden, temperature")
     for key in section:
-        if key not in ("init", "std"):
-            raise fail(f"routers.{key}", "unknown field; the fields are init, std")
+        if key not in ROUTER_FIELDS:
+            raise fail(f"routers.{key}", f"unknown field; the fields are {', '.join(ROUTER_FIELDS)}")
     init = section.get("init", "normal")
     if init not in ROUTER_INITS:
         raise fail("routers.init", f"unknown init {init!r}; choose one of {', '.join(ROUTER_INITS)}")
     std = section.get("std", 0.02)
     if not _is_finite_number(std) or std < 0:
         raise fail("routers.std", f"must be a finite number >= 0, got {_shown(std)}")
-    return init, float(std)
+    kinds = {}
+    for key in ("kind", "ffn_kind", "attn_kind"):
+        value = section.get(key)
+        if value is not None and value not in ROUTERS:
+            raise fail(f"routers.{key}", f"unknown router kind {_shown(value)}; choose one of {', '.join(ROUTERS)}")
+        kinds[key] = value
+    both = kinds["kind"] or "linear"
+    hidden = section.get("hidden")
+    if hidden is not None and (not _is_int(hidden) or not 0 < hidden <= MAX_DIM):
+        raise fail("routers.hidden", f"must be a positive integer, got {_shown(hidden)}")
+    temperature = section.get("temperature")
+    if temperature is not None and (not _is_finite_number(temperature) or temperature <= 0):
+        raise fail("routers.temperature", f"must be a finite number > 0, got {_shown(temperature)}")
+    return dict(router_init=init, router_std=float(std), ffn_router=kinds["ffn_kind"] or both,
+                attn_router=kinds["attn_kind"] or both, router_hidden=hidden,
+                router_temperature=None if temperature is None else float(temperature))
 
 
 def _is_int(v: Any) -> bool:
@@ -323,12 +349,16 @@ def _shown(v: Any) -> str:
 def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
                    ffn_top_k: int | None = None, attn_top_k: int | str | None = None,
                    extra_ffn_experts: int | None = None, gate_norm: str | None = None,
-                   lb_coef: float | None = None, z_coef: float | None = None) -> ModelConfig:
+                   lb_coef: float | None = None, z_coef: float | None = None, router: str | None = None,
+                   ffn_router: str | None = None, attn_router: str | None = None, router_hidden: int | None = None,
+                   router_temperature: float | None = None) -> ModelConfig:
     """The config of the mixture a recipe builds from `n_inputs` dense models of shape `dense_cfg`.
 
     n_inputs counts the mixture's members: the seed (when it joins) plus the --experts. Options left
     at None take the recipe's defaults. attn_top_k: None = recipe default, 'soft' or 0 = soft routing,
     k or 'topk' = top-k routing. FFN experts: n_inputs + extra_ffn_experts; attention experts: n_inputs.
+    Router kinds: router (every router), ffn_router / attn_router (one group, over router; an error where the
+    mixture has no such router); None: the recipe's. router_hidden, router_temperature likewise.
     """
     if dense_cfg.is_mixture:
         raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
@@ -362,6 +392,33 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
         raise ConfigError(f"ffn_top_k: top-{top_k} routing needs between 1 and {n_ffn} FFN experts")
     if attn_k is not None and not 1 <= attn_k <= n_attn:
         raise ConfigError(f"attn_top_k: top-{attn_k} routing needs between 1 and {n_attn} attention experts")
+    ffn_kind = ffn_router or router or recipe.ffn_router
+    attn_kind = attn_router or router or recipe.attn_router
+    for fld, kind in (("router", router), ("ffn_router", ffn_kind), ("attn_router", attn_kind)):
+        if fld == "router" and kind is None:
+            continue
+        if kind not in ROUTERS:
+            raise ConfigError(f"{fld}: unknown router kind {_shown(kind)}; choose one of {', '.join(ROUTERS)}")
+    if attn_router is not None and not n_attn:
+        raise ConfigError(f"attn_router: recipe {recipe.name} has no attention experts to route")
+    if ffn_router is not None and not n_ffn:
+        raise ConfigError(f"ffn_router: recipe {recipe.name} has no FFN experts to route")
+    # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
+    kind = ffn_kind if n_ffn else (attn_kind if n_attn else "linear")
+    # a recipe's hidden / temperature are defaults for the kinds that have them; given explicitly for kinds
+    # that have none, they are an error
+    used = {k for k, n in ((ffn_kind, n_ffn), (attn_kind, n_attn)) if n}
+    takes_hidden, takes_temperature = bool(used & {"mlp", "attention"}), "expert_embedding" in used
+    if router_hidden is not None and not takes_hidden:
+        raise ConfigError(f"router_hidden: applies to mlp and attention routers; this mixture's routers are "
+                          f"{', '.join(sorted(used)) or 'none'}")
+    if router_temperature is not None and not takes_temperature:
+        raise ConfigError(f"router_temperature: applies to expert_embedding routers; this mixture's routers are "
+                          f"{', '.join(sorted(used)) or 'none'}")
+    hidden = (recipe.router_hidden if router_hidden is None else router_hidden) if takes_hidden else None
+    temperature = (recipe.router_temperature if router_temperature is None else router_temperature
+                   ) if takes_temperature else None
+    temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
     base = f"{dense_cfg.name}-" if dense_cfg.name else ""
     return dense_cfg.replace(
         ffn_experts=n_ffn,
@@ -370,7 +427,10 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
         attn_experts=n_attn,
         attn_top_k=attn_k if n_attn else None,
         kv_mode=recipe.kv_mode if n_attn else "expert",
-        router="linear",
+        router=kind,
+        attn_router=attn_kind if n_attn and attn_kind != kind else None,
+        router_hidden=hidden,
+        router_temperature=temperature_default if temperature is None else float(temperature),
         lb_coef=d["lb_coef"] if lb_coef is None else float(lb_coef),
         z_coef=d["z_coef"] if z_coef is None else float(z_coef),
         name=f"{base}{recipe.name}",

@@ -97,7 +97,7 @@ def mixture_state(mix_cfg: ModelConfig, dense_states: list[dict[str, torch.Tenso
     gen = torch.Generator().manual_seed(router_seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in tensor_shapes(mix_cfg).items():
-        if name.endswith(("attn_router.weight", "ffn_router.weight")):
+        if "_router." in name:  # any router kind's tensors
             out[name] = (torch.randn(shape, generator=gen, dtype=torch.float64) / math.sqrt(shape[-1])).float()
         elif ".attn_experts." in name or ".ffn_experts." in name:
             dense_name = name.replace(".attn_experts.", ".attn.").replace(".ffn_experts.", ".ffn.")
@@ -187,9 +187,26 @@ def sub(state: dict[str, torch.Tensor], prefix: str, expert: int | None = None) 
     return {k[n:]: (v[expert] if expert is not None else v) for k, v in state.items() if k.startswith(prefix + ".")}
 
 
-def ref_gates(cfg: ModelConfig, router_w: torch.Tensor, x: torch.Tensor, top_k: int | None):
-    """Router: logits [N, E], full softmax p, gates [N, E] (top-k, normalized per cfg.gate_norm)."""
-    logits = x.reshape(-1, x.shape[-1]) @ router_w.T
+def ref_router_logits(cfg: ModelConfig, kind: str, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Router logits [N, E] of x [N, D], from the formulas in docs/routers.md (w: the router's tensors by
+    name under its prefix)."""
+    if kind == "linear":
+        return x @ w["weight"].T
+    if kind == "mlp":
+        return ref_activation("gelu", x @ w["hidden.weight"].T + w["hidden.bias"]) @ w["out.weight"].T
+    if kind == "attention":
+        q = x @ w["query.weight"].T  # [N, R]
+        k = w["embeddings.weight"] @ w["key.weight"].T  # [E, R]
+        return q @ k.T / math.sqrt(q.shape[-1])
+    if kind == "expert_embedding":
+        m = w["embeddings.weight"]
+        cos = (x @ m.T) / (x.norm(dim=-1, keepdim=True) * m.norm(dim=-1)[None, :])
+        return cos / torch.exp(w["log_temperature"])
+    raise AssertionError(kind)
+
+
+def ref_gates(cfg: ModelConfig, logits: torch.Tensor, top_k: int | None):
+    """Router logits [N, E] -> (logits, full softmax p, gates [N, E] (top-k, normalized per cfg.gate_norm), idx)."""
     p = torch.softmax(logits, dim=-1)
     if top_k is None:
         return logits, p, p, None
@@ -219,7 +236,10 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
         if forced is not None:
             gates = forced.double().expand(B * T, E)
         else:
-            logits, probs, gates, idx = ref_gates(cfg, s[f"{p}.{kind}_router.weight"], n, top_k)
+            router_kind = cfg.attn_router_kind if kind == "attn" else cfg.ffn_router_kind
+            x_flat = n.reshape(-1, n.shape[-1])
+            logits = ref_router_logits(cfg, router_kind, sub(s, f"{p}.{kind}_router"), x_flat)
+            logits, probs, gates, idx = ref_gates(cfg, logits, top_k)
             routers.append((kind, logits, probs, idx))
         gates = gates.reshape(B, T, E)
         return sum(gates[..., e, None] * expert_fn(e) for e in range(E))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -42,6 +43,14 @@ VARIANTS = {
                                position="learned", attn_experts=2, ffn_experts=2, ffn_top_k=1,
                                tie_embeddings=True),
     "dense": dict(block="parallel", norm="rmsnorm", activation="silu", position="none", lm_head_bias=True),
+    # router kinds (runtime/routers.py, shipped as routers.py)
+    "router_mlp": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, attn_experts=2,
+                       ffn_experts=3, ffn_top_k=2, router="mlp", router_hidden=24),
+    "router_attention": dict(block="parallel", norm="layernorm", activation="gelu", attn_experts=3, attn_top_k=2,
+                             ffn_experts=3, ffn_top_k=1, gate_norm="topk_softmax", router="attention"),
+    "router_expert_embedding": dict(block="parallel_two_norms", norm="layernorm", activation="swiglu",
+                                    attn_experts=2, kv_mode="shared", ffn_experts=3, ffn_top_k=2,
+                                    router="expert_embedding", attn_router="attention"),
 }
 
 
@@ -52,7 +61,9 @@ def random_model(variant: str, seed: int) -> Model:
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "router" in name:
+            if name.endswith("log_temperature"):  # cosine logits over tau 0.05: far from uniform
+                p.fill_(math.log(0.05))
+            elif "router" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif name.endswith("norm.weight") or (name.endswith(".bias") and p.dim() == 1 and "norm" in name):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)

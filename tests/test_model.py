@@ -57,6 +57,17 @@ MIXTURES = {
 }
 MIXTURE_CASES = [(f"{m}-{b}", dict(mix, **dense_variant(3 * j + k, b, list(POSITIONS.values())[(j + k) % 6])))
                  for j, (m, mix) in enumerate(MIXTURES.items()) for k, b in enumerate(BLOCKS)]
+# every router kind (runtime/routers.py), on FFN and attention routers, with each block style once
+ROUTER_KIND_MIXTURES = {
+    "mlp": dict(ffn_experts=3, ffn_top_k=2, attn_experts=3, router="mlp"),
+    "attention": dict(ffn_experts=3, ffn_top_k=2, attn_experts=3, attn_top_k=2, router="attention"),
+    "expert_embedding": dict(ffn_experts=3, ffn_top_k=1, attn_experts=3, kv_mode="shared",
+                             router="expert_embedding", router_temperature=0.5),
+    "mixed": dict(ffn_experts=3, ffn_top_k=2, attn_experts=3, router="mlp", attn_router="expert_embedding",
+                  router_hidden=16, gate_norm="topk_softmax"),
+}
+MIXTURE_CASES += [(f"router_{m}-{b}", dict(mix, **dense_variant(j, b, list(POSITIONS.values())[j % 6])))
+                  for j, ((m, mix), b) in enumerate(zip(ROUTER_KIND_MIXTURES.items(), BLOCKS * 2))]
 
 
 def test_dense_cases_cover_every_axis():
@@ -190,6 +201,8 @@ FORCED_MIXTURES = {
     "bam_shared_kv": (dict(attn_experts=3, kv_mode="shared", ffn_experts=3, ffn_top_k=1), dict(share_kv=True)),
     "topk_moa_expert_kv": (dict(attn_experts=3, attn_top_k=1, ffn_experts=3, gate_norm="topk_softmax"), dict()),
     "btx_ffn_only": (dict(ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"), dict(share_attention=True)),
+    **{f"router_{kind}": (dict(mix, n_kv_heads=2), dict(share_kv=mix.get("kv_mode") == "shared"))
+       for kind, mix in ROUTER_KIND_MIXTURES.items()},
 }
 
 
@@ -396,6 +409,7 @@ STRUCTURE_CASES = [
     dict(attn_experts=3), dict(attn_experts=3, kv_mode="shared", qkv_bias=True, o_bias=True),
     dict(ffn_experts=4, ffn_top_k=2, ffn_bias=True, activation="relu"),
     dict(ffn_experts=2, attn_experts=4, attn_top_k=2, block="parallel_two_norms", n_kv_heads=1),
+    *ROUTER_KIND_MIXTURES.values(),
 ]
 
 

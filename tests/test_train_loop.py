@@ -138,3 +138,24 @@ def test_random_init_from_a_model_config_file(tmp_path):
     assert load_model(res.checkpoint).config.to_dict() == cfg
     saved = load_run_config(res.run)
     assert (saved.seq_len, saved.batch_tokens, saved.lb_coef) == (32, 4 * 32, 0.01)
+
+
+def test_every_router_kind_trains_and_gets_after_step(tmp_path, monkeypatch):
+    """Routers of the other kinds train like linear ones (every tensor moves), and the loop calls each
+    router's after_step() once per optimizer step (the hook of rule-based kinds)."""
+    from bam_surgery.runtime.routers import Router
+
+    calls: list[str] = []
+    monkeypatch.setattr(Router, "after_step", lambda self: calls.append(self.kind))
+    cfg = preset("tiny", **SMALL, ffn_experts=3, attn_experts=2, router="expert_embedding", attn_router="mlp")
+    model = Model(cfg)
+    model.reset_parameters(seed=6)
+    init = save_model(model, tmp_path / "mix.safetensors")
+    res = train(_cfg(tmp_path, init=str(init), trainable=["routers"], steps=3, lr=1e-2, warmup_steps=0))
+    _, before = load_checkpoint(init)
+    _, after = load_checkpoint(res.checkpoint)
+    routers = [n for n in before if "_router." in n]
+    assert any(n.endswith("log_temperature") for n in routers) and any(".hidden." in n for n in routers)
+    assert all(not torch.equal(before[n], after[n]) for n in routers)
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in routers)
+    assert sorted(calls) == sorted(["mlp", "expert_embedding"] * cfg.n_layers * 3)

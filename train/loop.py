@@ -403,6 +403,7 @@ class _Run:
         grad_norm = float(dist_.local_value(norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.model.after_step()  # routers with rule-based state (runtime/routers.py) update it here
         sums = dist_.all_sum(d, sums).cpu() / (self.accum * d.world)
         racc = reduce_routing(racc, d)
         rec = {"loss": float(sums[0]), "nll": float(sums[1]), "lb_loss": float(sums[2]), "z_loss": float(sums[3]),
