@@ -258,7 +258,7 @@ def attention_flops(matmul_flops: float, layers: int, q_heads: int, head_dim: in
 
 
 # ---- one case, in a child process -----------------------------------------------------------------
-def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wall") -> Result:
+def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wall", train: bool = True) -> Result:
     import torch
 
     torch.set_num_threads(threads)
@@ -294,7 +294,7 @@ def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wa
         decode()  # warm-up
         seconds = statistics.median(decode() for _ in range(repeat))
         setattr(result, "decode1_tps" if batch == 1 else "decode4_tps", batch * steps / seconds)
-    if getattr(engine, "trains", True):
+    if train and getattr(engine, "trains", True):
         engine.model.train()
         optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
         result.train_tps = B * T / timed(lambda: engine.train_step(tokens, optimizer))
@@ -305,7 +305,8 @@ def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wa
 # ---- the parent: one process per case, the table ------------------------------------------------
 def child_main(args) -> None:
     case = next(c for c in CASES if c.name == args.child)
-    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads, args.clock))))
+    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads, args.clock,
+                                     train=not args.no_train))))
 
 
 def run_all(args) -> list[Result]:
@@ -321,7 +322,7 @@ def run_all(args) -> list[Result]:
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--child", case.name, "--size",
                                    args.size, "--repeat", str(args.repeat), "--threads", str(args.threads),
-                                   "--clock", args.clock],
+                                   "--clock", args.clock] + (["--no-train"] if args.no_train else []),
                                   capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
             if proc.returncode:
                 result = Result(case.name, error=(proc.stderr.strip().splitlines() or ["?"])[-1])
@@ -373,7 +374,7 @@ def targets(results: list[Result]) -> str:
     for kind in ("btx", "bam-expert-kv", "bam-shared-kv"):
         r = by.get(f"{kind} fused")
         if dense and r:
-            for metric in ("prefill_tps", "train_tps"):
+            for metric in ("prefill_tps", "train_tps") if dense.train_tps and r.train_tps else ("prefill_tps",):
                 ratio = eff(r, metric) / eff(dense, metric)
                 lines.append(f"- {kind} fused {metric[:-4]} FLOP efficiency / dense fused: {ratio:.2f} "
                              f"(target >= 0.90: {'met' if ratio >= 0.9 else 'NOT met'})")
@@ -395,8 +396,9 @@ def targets(results: list[Result]) -> str:
     for kind in KINDS:
         fused, ref = by.get(f"{kind} fused"), by.get(f"{kind} reference")
         if fused and ref:
+            train = f"{fused.train_tps / ref.train_tps:.2f}x" if ref.train_tps else "-"
             lines.append(f"- {kind}: fused / reference: prefill {fused.prefill_tps / ref.prefill_tps:.2f}x, "
-                         f"train {fused.train_tps / ref.train_tps:.2f}x, decode b1 "
+                         f"train {train}, decode b1 "
                          f"{fused.decode1_tps / ref.decode1_tps:.2f}x")
     for kind in KINDS:
         ort, eager = by.get(f"{kind} ORT"), by.get(f"{kind} fused")
@@ -437,6 +439,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: the process's CPU time, which time spent descheduled by "
                              "other work does not inflate (meaningful with --threads 1 only)")
+    parser.add_argument("--no-train", action="store_true", help="skip the training step (prefill and decode only)")
     parser.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
