@@ -54,6 +54,23 @@ def export_model(model, out: Path, **options) -> Path:
     return export(StateReader(state, model.config), out, "onnx", **options)
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if not k.startswith("dense")])
+def test_export_impl_equals_fused(kind):
+    """The runtime's impl="export" (what the graph traces) gives the fused path's logits, with its sparse FFN
+    dispatch and with every expert on every token (expert_kernel "dense", the benchmark's comparison)."""
+    model = model_for(kind, seed=3)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(tokens)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        fused = model(tokens, attention_mask=mask).logits
+        model.impl = "export"
+        sparse = model(tokens, attention_mask=mask).logits
+        model.expert_kernel = "dense"
+        dense = model(tokens, attention_mask=mask).logits
+    assert (sparse - fused).abs().max() < 1e-5 and (dense - fused).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_kind_verifies_in_onnxruntime(kind, tmp_path):
     model = model_for(kind)
