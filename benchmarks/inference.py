@@ -410,8 +410,8 @@ def targets(results: list[Result]) -> str:
         dense = by.get(f"{kind} ORT dense experts")
         if ort and dense:
             lines.append(f"- {kind}: ORT sparse FFN dispatch / every expert on every token: prefill "
-                         f"{ort.prefill_tps / dense.prefill_tps:.2f}x, decode b1 {ort.decode1_tps / dense.decode1_tps:.2f}x, "
-                         f"b4 {ort.decode4_tps / dense.decode4_tps:.2f}x")
+                         f"{ort.prefill_tps / dense.prefill_tps:.2f}x, decode b1 "
+                         f"{ort.decode1_tps / dense.decode1_tps:.2f}x, b4 {ort.decode4_tps / dense.decode4_tps:.2f}x")
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bam_surgery.runtime.atomic import atomic_dir
+from bam_surgery.runtime.blocks import ModelKVCache
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader, check_layout
@@ -110,11 +111,11 @@ def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, external: boo
     kind = (("BAM mixture" if cfg.attn_experts else "BTX/MoE mixture") if cfg.is_mixture else "dense model")
     files = f"`{GRAPH_FILE}`" + (f" and its weights `{DATA_FILE}` (keep them side by side)" if external else "")
     if options.kv_cache:
-        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, past + sequence] (1 token,
-0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask),
-and `past_key_values.{{i}}.key` / `.value` [batch, {cfg.n_kv_heads * (cfg.attn_experts if cfg.attn_experts and cfg.kv_mode == "expert" else 1)}, past, {cfg.head_dim}] for each of the {cfg.n_layers} layers (empty,
-past 0, for the prompt). Outputs: `logits` [batch, sequence, {cfg.vocab_size}] and `present.{{i}}.key` / `.value`
-(the past with the new tokens appended), the next step's past."""
+        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, past + sequence]
+(1 token, 0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask),
+and `past_key_values.{{i}}.key` / `.value` [batch, {ModelKVCache.kv_heads(cfg)}, past, {cfg.head_dim}] for each of the
+{cfg.n_layers} layers (empty, past 0, for the prompt). Outputs: `logits` [batch, sequence, {cfg.vocab_size}] and
+`present.{{i}}.key` / `.value` (the past with the new tokens appended), the next step's past."""
         snippet = f"""```python
 import numpy as np
 import onnxruntime as ort
@@ -136,9 +137,10 @@ for _ in range(8):  # greedy: the prompt once, then one token per step through t
 print(np.concatenate(new, axis=1))
 ```"""
     else:
-        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, sequence] (1 token, 0 padding;
-pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask). Output: `logits`
-[batch, sequence, {cfg.vocab_size}]. Exported without a KV cache: every step recomputes the whole sequence."""
+        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, sequence] (1 token,
+0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask).
+Output: `logits` [batch, sequence, {cfg.vocab_size}]. Exported without a KV cache: every step recomputes the
+whole sequence."""
         snippet = f"""```python
 import numpy as np
 import onnxruntime as ort
@@ -169,7 +171,7 @@ opset {options.opset or DEFAULT_OPSET}.
 
 {io}
 
-Axes batch, sequence and past are dynamic. {_ffn_note(cfg)}
+Axes batch, sequence and past are dynamic.{_ffn_note(cfg)}
 
 ## Run it with onnxruntime
 
@@ -182,5 +184,5 @@ Needs `numpy` and `onnxruntime` only:
 def _ffn_note(cfg: ModelConfig) -> str:
     if not cfg.ffn_experts:
         return ""
-    return (f"FFN experts are dispatched sparsely: each of the {cfg.ffn_experts} experts runs only on the tokens "
+    return (f" FFN experts are dispatched sparsely: each of the {cfg.ffn_experts} experts runs only on the tokens "
             f"routed to it (top-{cfg.ffn_top_k}), so a token costs {cfg.ffn_top_k} FFNs, not {cfg.ffn_experts}.")
