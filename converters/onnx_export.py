@@ -65,18 +65,19 @@ class OnnxExporter(Exporter):
             raise CapabilityError(f"onnx export writes fp32 or fp16 weights, not {str(dtype)[6:]}")
         cfg = reader.config
         check_layout(reader)
-        model = model_from_reader(reader, "cpu", torch.float32)
-        traced = model if dtype == torch.float32 else model_from_reader(reader, "cpu", dtype)
         log = options.log or (lambda line: None)
         with atomic_dir(out, replace=options.replace) as tmp:
+            traced = model_from_reader(reader, "cpu", dtype)
             scratch = tmp / ".trace"  # the tracer's file (and, past 2 GB, its one file per weight)
             scratch.mkdir()
             try:
                 export_graph(traced, scratch / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache)
+                # the runtime model is kept only as --verify's reference; the weights are held once more below
+                reference = traced if options.verify and dtype == torch.float32 else None
+                del traced
                 graph = onnx.load(scratch / GRAPH_FILE)  # with the weights, wherever the tracer put them
             finally:
                 shutil.rmtree(scratch)
-            del traced
             onnx.helper.set_model_props(graph, {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True),
                                                 "producer": "bam-surgery"})
             external = weight_bytes(graph) > EXTERNAL_DATA_BYTES
@@ -90,7 +91,8 @@ class OnnxExporter(Exporter):
             if options.verify:
                 from .onnx_runtime import verify_export
 
-                report = verify_export(model, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
+                reference = reference or model_from_reader(reader, "cpu", torch.float32)
+                report = verify_export(reference, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
                 log(report.summary())
                 if not report.ok:
                     raise VerificationError(f"{out}: the ONNX export does not match the runtime ({report.summary()}); "
