@@ -26,7 +26,8 @@ setup(
                   "bam_surgery.converters.hf_bam": ["*.py"]},
     # Exact pins for a reproducible environment live in requirements*.txt (the Makefile uses them).
     install_requires=["torch>=2.4", "safetensors>=0.4", "numpy", "click>=8.1", "tqdm",
-                      "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib"],
+                      "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib",
+                      "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
     extras_require={"test": ["transformers==5.23.0", "pytest>=8"]},
     entry_points={"console_scripts": ["bam-surgery = bam_surgery.surgery.cli:main"]},
 )

@@ -25,7 +25,13 @@ medians, taken in N rounds over all cases):
               attention expert under soft routing, top-k FFN experts, routers, the head) plus causal attention
               scores, 4 x query heads x head dim x mean key count; training counts 3x the forward
 
-Adding engines (e.g. onnxruntime rows): write a class with the Engine methods below, register it in ENGINES,
+ORT rows: the fused model exported with bam-surgery's ONNX exporter (converters/onnx_graph, KV-cache graph,
+fp32, default opset) and run in onnxruntime's CPU provider with --threads intra-op threads; prefill is the
+prompt through the graph with an empty past, decode feeds present back as past (converters/onnx_runtime).
+"dense experts" rows export every FFN expert on every token instead of the sparse dispatch (the cost the
+dispatch saves; their GFLOP/s still count the top-k FFN FLOPs). No training step.
+
+Adding engines: write a class with the Engine methods below, register it in ENGINES,
 and append Case(name, engine, kind) rows to CASES; the runner, table and targets pick them up.
 """
 from __future__ import annotations
@@ -63,10 +69,12 @@ class Case:
     name: str
     engine: str  # key of ENGINES
     kind: str  # runtime: a KINDS key; transformers: mixtral | jetmoe
-    impl: str = ""  # runtime: fused | reference
+    impl: str = ""  # runtime: fused | reference; onnxruntime: sparse | dense (FFN expert dispatch in the graph)
 
 
 CASES = [Case(f"{kind} {impl}", "runtime", kind, impl) for kind in KINDS for impl in ("reference", "fused")]
+CASES += [Case(f"{kind} ORT", "onnxruntime", kind, "sparse") for kind in KINDS]
+CASES += [Case(f"{kind} ORT dense experts", "onnxruntime", kind, "dense") for kind in ("btx", "bam-expert-kv")]
 CASES += [Case("Mixtral (transformers)", "transformers", "mixtral"),
           Case("JetMoE MoA top-4 (transformers)", "transformers", "jetmoe")]
 
@@ -204,7 +212,44 @@ class TransformersEngine:
         optimizer.step()
 
 
-ENGINES: dict[str, Callable[[Case, dict], object]] = {"runtime": RuntimeEngine, "transformers": TransformersEngine}
+class OrtEngine(RuntimeEngine):
+    """The runtime model exported to ONNX with its KV cache and run in onnxruntime (CPU); no training step."""
+
+    trains = False
+
+    def __init__(self, case: Case, size: dict):
+        import tempfile
+
+        from bam_surgery.converters.onnx_graph import export_graph
+        from bam_surgery.converters.onnx_runtime import OrtDecoder
+
+        super().__init__(Case(case.name, "runtime", case.kind, "fused"), size)
+        self.model.eval()
+        self._folder = tempfile.TemporaryDirectory(prefix="bench-onnx-")
+        path = Path(self._folder.name) / "model.onnx"
+        export_graph(self.model, path, ffn_kernel="dense" if case.impl == "dense" else None)
+        self.decoder = OrtDecoder(path, threads=self.torch.get_num_threads())
+
+    def prefill(self, tokens, max_len: int):
+        import numpy as np
+
+        ids = tokens.numpy()
+        mask = np.ones_like(ids)
+        logits, past = self.decoder.forward(ids, mask)
+        return past, mask, logits[:, -1].argmax(-1)
+
+    def decode(self, state, start: int, steps: int) -> None:
+        import numpy as np
+
+        past, mask, token = state
+        for _ in range(steps):
+            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), mask.dtype)], axis=1)
+            logits, past = self.decoder.forward(token[:, None].astype(np.int64), mask, past)
+            token = logits[:, -1].argmax(-1)
+
+
+ENGINES: dict[str, Callable[[Case, dict], object]] = {"runtime": RuntimeEngine, "transformers": TransformersEngine,
+                                                      "onnxruntime": OrtEngine}
 
 
 def attention_flops(matmul_flops: float, layers: int, q_heads: int, head_dim: int, seq: int) -> float:
@@ -213,7 +258,7 @@ def attention_flops(matmul_flops: float, layers: int, q_heads: int, head_dim: in
 
 
 # ---- one case, in a child process -----------------------------------------------------------------
-def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wall") -> Result:
+def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wall", train: bool = True) -> Result:
     import torch
 
     torch.set_num_threads(threads)
@@ -249,9 +294,10 @@ def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wa
         decode()  # warm-up
         seconds = statistics.median(decode() for _ in range(repeat))
         setattr(result, "decode1_tps" if batch == 1 else "decode4_tps", batch * steps / seconds)
-    engine.model.train()
-    optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
-    result.train_tps = B * T / timed(lambda: engine.train_step(tokens, optimizer))
+    if train and getattr(engine, "trains", True):
+        engine.model.train()
+        optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
+        result.train_tps = B * T / timed(lambda: engine.train_step(tokens, optimizer))
     result.times = {"prefill_s": prefill_s}
     return result
 
@@ -259,7 +305,8 @@ def run_case(case: Case, size: dict, repeat: int, threads: int, clock: str = "wa
 # ---- the parent: one process per case, the table ------------------------------------------------
 def child_main(args) -> None:
     case = next(c for c in CASES if c.name == args.child)
-    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads, args.clock))))
+    print(json.dumps(asdict(run_case(case, SIZES[args.size], args.repeat, args.threads, args.clock,
+                                     train=not args.no_train))))
 
 
 def run_all(args) -> list[Result]:
@@ -275,7 +322,7 @@ def run_all(args) -> list[Result]:
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--child", case.name, "--size",
                                    args.size, "--repeat", str(args.repeat), "--threads", str(args.threads),
-                                   "--clock", args.clock],
+                                   "--clock", args.clock] + (["--no-train"] if args.no_train else []),
                                   capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
             if proc.returncode:
                 result = Result(case.name, error=(proc.stderr.strip().splitlines() or ["?"])[-1])
@@ -308,8 +355,9 @@ def table(results: list[Result]) -> str:
             rows.append(f"| {r.case} | failed: {r.error} |")
             continue
         g = r.flops_per_token / 1e9
-        rows.append(f"| {r.case} | {r.prefill_tps:,.0f} | {r.prefill_tps * g:.1f} | {r.train_tps:,.0f} | "
-                    f"{3 * r.train_tps * g:.1f} | {r.decode1_tps:.1f} | {r.decode4_tps:.1f} | "
+        train = f"{r.train_tps:,.0f} | {3 * r.train_tps * g:.1f}" if r.train_tps else "- | -"
+        rows.append(f"| {r.case} | {r.prefill_tps:,.0f} | {r.prefill_tps * g:.1f} | {train} | "
+                    f"{r.decode1_tps:.1f} | {r.decode4_tps:.1f} | "
                     f"{r.kv_bytes_per_token:,} | {g:.3g} | {r.load_before:.1f} |")
     return "\n".join(rows)
 
@@ -326,7 +374,7 @@ def targets(results: list[Result]) -> str:
     for kind in ("btx", "bam-expert-kv", "bam-shared-kv"):
         r = by.get(f"{kind} fused")
         if dense and r:
-            for metric in ("prefill_tps", "train_tps"):
+            for metric in ("prefill_tps", "train_tps") if dense.train_tps and r.train_tps else ("prefill_tps",):
                 ratio = eff(r, metric) / eff(dense, metric)
                 lines.append(f"- {kind} fused {metric[:-4]} FLOP efficiency / dense fused: {ratio:.2f} "
                              f"(target >= 0.90: {'met' if ratio >= 0.9 else 'NOT met'})")
@@ -348,9 +396,22 @@ def targets(results: list[Result]) -> str:
     for kind in KINDS:
         fused, ref = by.get(f"{kind} fused"), by.get(f"{kind} reference")
         if fused and ref:
+            train = f"{fused.train_tps / ref.train_tps:.2f}x" if ref.train_tps else "-"
             lines.append(f"- {kind}: fused / reference: prefill {fused.prefill_tps / ref.prefill_tps:.2f}x, "
-                         f"train {fused.train_tps / ref.train_tps:.2f}x, decode b1 "
+                         f"train {train}, decode b1 "
                          f"{fused.decode1_tps / ref.decode1_tps:.2f}x")
+    for kind in KINDS:
+        ort, eager = by.get(f"{kind} ORT"), by.get(f"{kind} fused")
+        if ort and eager:
+            ok = all(getattr(ort, m) >= getattr(eager, m) for m in ("prefill_tps", "decode1_tps", "decode4_tps"))
+            lines.append(f"- {kind}: ORT / eager fused: prefill {ort.prefill_tps / eager.prefill_tps:.2f}x, decode b1 "
+                         f"{ort.decode1_tps / eager.decode1_tps:.2f}x, b4 {ort.decode4_tps / eager.decode4_tps:.2f}x "
+                         f"(target >= 1: {'met' if ok else 'NOT met'})")
+        dense = by.get(f"{kind} ORT dense experts")
+        if ort and dense:
+            lines.append(f"- {kind}: ORT sparse FFN dispatch / every expert on every token: prefill "
+                         f"{ort.prefill_tps / dense.prefill_tps:.2f}x, decode b1 "
+                         f"{ort.decode1_tps / dense.decode1_tps:.2f}x, b4 {ort.decode4_tps / dense.decode4_tps:.2f}x")
     return "\n".join(lines)
 
 
@@ -378,6 +439,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: the process's CPU time, which time spent descheduled by "
                              "other work does not inflate (meaningful with --threads 1 only)")
+    parser.add_argument("--no-train", action="store_true", help="skip the training step (prefill and decode only)")
     parser.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:

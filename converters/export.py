@@ -13,6 +13,7 @@ Formats:
     mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
+    onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -47,6 +48,10 @@ class ExportOptions:
     recipe: str | None = None  # named in capability messages
     metadata: Mapping[str, str] = field(default_factory=dict)  # canonical: extra metadata entries
     replace: bool = True  # an existing OUT may be replaced if it is our own output (False: refuse; --force: True)
+    opset: int | None = None  # onnx: the ONNX opset (None: the exporter's default)
+    kv_cache: bool = True  # onnx: past key/values as graph inputs, present key/values as outputs
+    verify: bool = False  # onnx: run the export in onnxruntime against the runtime before putting it in place
+    log: Callable[[str], None] | None = None  # progress and summary lines (the CLI prints them on stderr)
 
 
 class Exporter(ABC):
@@ -85,8 +90,9 @@ def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
     from .hf_export import HFExporter
     from .mixtral import MixtralExporter
+    from .onnx_export import OnnxExporter
 
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter())}
+    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter(), OnnxExporter())}
 
 
 def exporter(fmt: str) -> Exporter:

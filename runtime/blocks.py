@@ -10,7 +10,7 @@ One copy: the runtime (runtime/model.py) builds its Model on it, and every HF BA
 Shapes: B batch, T new tokens, S key slots (T, or the cache's length), D d_model, H heads, G kv heads,
 Dh head dim, E experts, K top-k, N = B*T tokens, A = N*K expert assignments, V vocab.
 
-Two implementations of a block, picked per forward (`impl`):
+Three implementations of a block, picked per forward (`impl`):
     reference  each expert in a plain Python loop: the oracle the tests hold the fused path to.
     fused      the path training and inference use; same parameters, same routing trace:
       attention experts   one wide attention. Q (and K, V with expert KV) for all E experts come from one
@@ -26,6 +26,11 @@ Two implementations of a block, picked per forward (`impl`):
                           matmuls over the stacked [E, out, in] weights, then weighted by their gates and
                           summed per token: cost proportional to K, no Python loop over experts, no
                           host-device synchronisation per expert (see `expert_kernel`).
+    export     the fused attention, and FFN experts by sparse dispatch without data-dependent control flow, for
+               graph exporters (ONNX): a static loop over the E experts, each gathering the tokens routed to
+               it (none, some or all: nonzero, gather, index_add), so each token runs through its K experts
+               only; no grouped-matmul kernel, no host synchronisation. expert_kernel "dense" instead runs
+               every expert on every token weighted by its gate (E FFNs per token: only to measure against).
 
 Routing and auxiliary losses (paper, Appendix B.1), per router with N experts over B tokens:
     L_LB = N * sum_i f_i * P_i     f_i: fraction of the B*K top-k assignments that went to expert i
@@ -54,7 +59,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-IMPLS = ("fused", "reference")
+IMPLS = ("fused", "reference", "export")
 # scaled_dot_product_attention(enable_gqa=...) appeared in torch 2.5; older versions copy K/V heads instead.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -151,12 +156,13 @@ class Norm(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.shape = (cfg.d_model,)  # a constant, not x.shape[-1]: graph exporters trace x's sizes as tensors
         self.weight = nn.Parameter(torch.ones(cfg.d_model))
         self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.norm_bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kind == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
@@ -443,6 +449,8 @@ class Block(nn.Module):
         r = self._route("ffn", x, step)
         if step.impl == "reference":
             return self._ffn_reference(x, r)
+        if step.impl == "export":
+            return self._ffn_export(x, r, step)
         return self._ffn_fused(x, r, step)
 
     # -- reference: one expert at a time ---------------------------------------------------
@@ -497,17 +505,25 @@ class Block(nn.Module):
         h = self.act(p.proj("gate", x, e)) * h if self.gated else self.act(h)
         return p.proj("down", h, e)
 
-    def _ffn_reference(self, x: Tensor, r: Routing) -> Tensor:
-        # Sparse dispatch: each expert sees only the tokens routed to it.
+    def _ffn_reference(self, x: Tensor, r: Routing, skip_idle: bool = True) -> Tensor:
+        # Sparse dispatch: each expert sees only the tokens routed to it (skip_idle: experts with none do not run).
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         out = torch.zeros_like(flat)
         for e in range(self.cfg.ffn_experts):
             idx = r.gates[:, e].nonzero(as_tuple=True)[0]
-            if idx.numel():
+            if not skip_idle or idx.numel():
                 y = self.ffn_expert(flat[idx], e)
                 out = out.index_add(0, idx, (r.gates[idx, e, None].to(y.dtype) * y).to(out.dtype))
         return out.view(B, T, D)
+
+    def _ffn_export(self, x: Tensor, r: Routing, step: ForwardPass) -> Tensor:
+        """Sparse dispatch as in the reference, with no branch on the routing: an expert with no tokens runs on
+        zero rows. expert_kernel "dense": every expert on every token, times its gate (zero when unselected)."""
+        if step.expert_kernel != "dense":
+            return self._ffn_reference(x, r, skip_idle=False)
+        gates = r.gates.view(*x.shape[:2], -1, 1)  # [B, T, E, 1]
+        return sum(gates[:, :, e].to(x.dtype) * self.ffn_expert(x, e) for e in range(self.cfg.ffn_experts))
 
     # -- fused: all experts at once --------------------------------------------------------
     def _attention_fused(self, x: Tensor, step: ForwardPass) -> Tensor:

@@ -366,6 +366,9 @@ cli.add_command(inspect_cmd)
 from .cli_generate import generate_cmd  # noqa: E402
 
 cli.add_command(generate_cmd)
+from .cli_onnx import export_onnx_cmd  # noqa: E402
+
+cli.add_command(export_onnx_cmd)
 
 from .cli_train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
 

@@ -1,0 +1,190 @@
+"""The `onnx` format: one ONNX graph of the model for onnxruntime (and any ONNX runtime), with its KV cache.
+
+    exporter("onnx").write(reader, Path("out"), ExportOptions(opset=17, dtype=torch.float16, kv_cache=True,
+                                                              verify=True, log=print))
+
+OUT (a folder, written atomically through runtime.atomic, with its marker):
+    model.onnx        the graph (converters/onnx_graph: inputs, outputs, dynamic axes); the model's config is
+                      in its metadata ("bam_config")
+    model.onnx.data   the weights, when they pass EXTERNAL_DATA_BYTES (protobuf cannot hold 2 GB in one file)
+    README.md         how to run it with onnxruntime (greedy decoding through the KV cache, in numpy)
+    tokenizer files   copied from the input when it has them
+With options.verify the export is run in onnxruntime against the runtime (converters/onnx_runtime) before
+it is put in place; a mismatch leaves nothing at OUT.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from bam_surgery.runtime.atomic import atomic_dir
+from bam_surgery.runtime.blocks import ModelKVCache
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.reader import Reader, check_layout
+
+from .export import CapabilityError, ExportOptions, Exporter
+from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph
+
+GRAPH_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+# Weights past this go to DATA_FILE: a protobuf message (model.onnx) cannot exceed 2 GiB; leave room for the graph.
+EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+class VerificationError(CheckpointError):
+    """--verify found the export and the runtime disagreeing (the message gives the numbers)."""
+
+
+def check_opset(opset: int) -> None:
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise CapabilityError(f"--opset {opset}: the ONNX export needs opset {MIN_OPSET} to {MAX_OPSET} "
+                              f"(scaled dot-product attention needs {MIN_OPSET}); default {DEFAULT_OPSET}")
+
+
+class OnnxExporter(Exporter):
+    name = "onnx"
+    summary = "ONNX graph with KV-cache inputs and outputs for onnxruntime (bam-surgery export-onnx has its options)"
+
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        pass  # every model the runtime builds traces: dense, FFN experts, attention experts (both KV modes, top-k)
+
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        import onnx
+
+        from bam_surgery.runtime import model_from_reader
+
+        opset = options.opset or DEFAULT_OPSET
+        check_opset(opset)
+        dtype = options.dtype or torch.float32
+        if dtype not in DTYPES.values():
+            raise CapabilityError(f"onnx export writes fp32 or fp16 weights, not {str(dtype)[6:]}")
+        cfg = reader.config
+        check_layout(reader)
+        log = options.log or (lambda line: None)
+        with atomic_dir(out, replace=options.replace) as tmp:
+            traced = model_from_reader(reader, "cpu", dtype)
+            scratch = tmp / ".trace"  # the tracer's file (and, past 2 GB, its one file per weight)
+            scratch.mkdir()
+            try:
+                export_graph(traced, scratch / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache)
+                # the runtime model is kept only as --verify's reference; the weights are held once more below
+                reference = traced if options.verify and dtype == torch.float32 else None
+                del traced
+                graph = onnx.load(scratch / GRAPH_FILE)  # with the weights, wherever the tracer put them
+            finally:
+                shutil.rmtree(scratch)
+            onnx.helper.set_model_props(graph, {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True),
+                                                "producer": "bam-surgery"})
+            external = weight_bytes(graph) > EXTERNAL_DATA_BYTES
+            onnx.save_model(graph, tmp / GRAPH_FILE, save_as_external_data=external, all_tensors_to_one_file=True,
+                            location=DATA_FILE, size_threshold=0)
+            del graph
+            onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also reads external data
+            for f in options.tokenizer_files:
+                shutil.copyfile(f, tmp / Path(f).name)
+            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
+            if options.verify:
+                from .onnx_runtime import verify_export
+
+                reference = reference or model_from_reader(reader, "cpu", torch.float32)
+                report = verify_export(reference, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
+                log(report.summary())
+                if not report.ok:
+                    raise VerificationError(f"{out}: the ONNX export does not match the runtime ({report.summary()}); "
+                                            "nothing was written")
+        return out
+
+
+def weight_bytes(graph) -> int:
+    """Bytes of the graph's initializers (its weights)."""
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes if not t.raw_data else len(t.raw_data) for t in graph.graph.initializer)
+
+
+def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, external: bool) -> str:
+    """README.md of an export: what the graph takes and returns, and a snippet that runs it (tests run it)."""
+    np_dtype = "np.float16" if options.dtype == torch.float16 else "np.float32"
+    kind = (("BAM mixture" if cfg.attn_experts else "BTX/MoE mixture") if cfg.is_mixture else "dense model")
+    files = f"`{GRAPH_FILE}`" + (f" and its weights `{DATA_FILE}` (keep them side by side)" if external else "")
+    if options.kv_cache:
+        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, past + sequence]
+(1 token, 0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask),
+and `past_key_values.{{i}}.key` / `.value` [batch, {ModelKVCache.kv_heads(cfg)}, past, {cfg.head_dim}] for each of the
+{cfg.n_layers} layers (empty, past 0, for the prompt). Outputs: `logits` [batch, sequence, {cfg.vocab_size}] and
+`present.{{i}}.key` / `.value` (the past with the new tokens appended), the next step's past."""
+        snippet = f"""```python
+import numpy as np
+import onnxruntime as ort
+
+session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
+ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
+mask = np.ones_like(ids)  # 1 token, 0 padding
+past = {{i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), {np_dtype})
+        for i in session.get_inputs() if i.name.startswith("past_key_values.")}}
+new = []
+for _ in range(8):  # greedy: the prompt once, then one token per step through the KV cache
+    positions = (mask.cumsum(-1) - 1).clip(min=0)[:, -ids.shape[1]:]
+    logits, *present = session.run(None, {{"input_ids": ids, "attention_mask": mask,
+                                          "position_ids": positions, **past}})
+    ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    new.append(ids)
+    mask = np.concatenate([mask, np.ones_like(ids)], axis=1)
+    past = dict(zip(past, present))
+print(np.concatenate(new, axis=1))
+```"""
+    else:
+        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, sequence] (1 token,
+0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask).
+Output: `logits` [batch, sequence, {cfg.vocab_size}]. Exported without a KV cache: every step recomputes the
+whole sequence."""
+        snippet = f"""```python
+import numpy as np
+import onnxruntime as ort
+
+session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
+ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
+mask = np.ones_like(ids)  # 1 token, 0 padding
+prompt_len = ids.shape[1]
+for _ in range(8):  # greedy, recomputing the whole sequence each step (no KV cache in this export)
+    positions = (mask.cumsum(-1) - 1).clip(min=0)
+    (logits,) = session.run(None, {{"input_ids": ids, "attention_mask": mask, "position_ids": positions}})
+    token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    ids = np.concatenate([ids, token], axis=1)
+    mask = np.concatenate([mask, np.ones_like(token)], axis=1)
+print(ids[:, prompt_len:])
+```"""
+    return f"""---
+library_name: onnx
+tags: [onnx, onnxruntime, bam-surgery]
+---
+# {name}
+
+An ONNX export of a {kind} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}) written by
+**bam-surgery export-onnx**: {files}, {"fp16" if options.dtype == torch.float16 else "fp32"} weights,
+opset {options.opset or DEFAULT_OPSET}.
+
+## Graph
+
+{io}
+
+Axes batch, sequence and past are dynamic.{_ffn_note(cfg)}
+
+## Run it with onnxruntime
+
+Needs `numpy` and `onnxruntime` only:
+
+{snippet}
+"""
+
+
+def _ffn_note(cfg: ModelConfig) -> str:
+    if not cfg.ffn_experts:
+        return ""
+    return (f" FFN experts are dispatched sparsely: each of the {cfg.ffn_experts} experts runs only on the tokens "
+            f"routed to it (top-{cfg.ffn_top_k}), so a token costs {cfg.ffn_top_k} FFNs, not {cfg.ffn_experts}.")
