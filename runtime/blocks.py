@@ -91,9 +91,49 @@ class Routing:
     logits: Optional[Tensor] = None  # [N, E] router logits, float32 (None when forced)
     probs: Optional[Tensor] = None  # [N, E] full softmax
     topk: Optional[Tensor] = None  # [N, K] selected experts
+    queries: Optional[Tensor] = None  # key-store routers: [N, D] unit queries, detached (the key updates read them)
 
 
-def route(router: nn.Linear, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
+class KeyStoreRouter(nn.Module):
+    """The self-organizing key-store router (SoME): a trained query network and a store of E expert keys that
+    no gradient reaches.
+
+        q_n       = W_out gelu(W_in x_n + b_in) + b_out           query network D -> 2D -> D (trained)
+        logits_ne = cos(q_n, k_e) / temperature                   k_e: row e of `keys` [E, D], unit norm
+
+    Cosine, not a dot product: the keys move by the rules of runtime/key_store.py (toward queries, toward each
+    other), which are averages; on the unit sphere an average does not shrink a key's norm and with it every
+    logit, so the temperature keeps one meaning (logits stay in [-1/T, 1/T]) over the whole run.
+    Buffers (in the state dict, never in the optimizer): keys [E, D], usage [E] (the EMA of each expert's
+    share of the assignments, which only the key updates read)."""
+
+    def __init__(self, d_model: int, n_experts: int, temperature: float):
+        super().__init__()
+        self.temperature = temperature
+        self.query_in = nn.Linear(d_model, 2 * d_model)
+        self.query_out = nn.Linear(2 * d_model, d_model)
+        self.register_buffer("keys", F.normalize(torch.randn(n_experts, d_model), dim=-1))
+        self.register_buffer("usage", torch.full((n_experts,), 1.0 / n_experts))
+
+    @property
+    def weight(self) -> Tensor:  # the dtype route() computes in
+        return self.query_in.weight
+
+    def reset_keys(self, generator: Optional[torch.Generator] = None) -> None:
+        """Random unit keys and uniform usage (1/E each)."""
+        with torch.no_grad():
+            keys = torch.randn(self.keys.shape, generator=generator)
+            self.keys.copy_(F.normalize(keys, dim=-1))
+            self.usage.fill_(1.0 / self.usage.numel())
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [..., D] -> (logits [..., E], unit queries [..., D])."""
+        q = F.normalize(self.query_out(F.gelu(self.query_in(x))), dim=-1)
+        keys = F.normalize(self.keys.to(q.dtype), dim=-1)  # unit already; normalized again for loaded stores
+        return q @ keys.t() / self.temperature, q
+
+
+def route(router: nn.Module, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
           forced: Optional[Tensor]) -> Routing:
     n_tok = x.shape[0] * x.shape[1]
     if forced is not None:
@@ -103,15 +143,19 @@ def route(router: nn.Linear, x: Tensor, n_experts: int, top_k: Optional[int], ga
             logits = router(x.to(router.weight.dtype))
     else:
         logits = router(x)
+    queries = None
+    if isinstance(logits, tuple):  # a key-store router also returns its queries
+        logits, queries = logits
+        queries = queries.reshape(n_tok, -1).detach()
     logits = logits.reshape(n_tok, n_experts).float()  # [N, E]
     probs = logits.softmax(-1)
     if top_k is None:  # soft routing: every expert, full softmax gates
-        return Routing(gates=probs, logits=logits, probs=probs)
+        return Routing(gates=probs, logits=logits, probs=probs, queries=queries)
     top_p, top_i = probs.topk(top_k, dim=-1)  # [N, K]
     if gate_norm == "topk_softmax":
         top_p = top_p / top_p.sum(-1, keepdim=True)
     gates = torch.zeros_like(probs).scatter(-1, top_i, top_p)
-    return Routing(gates=gates, logits=logits, probs=probs, topk=top_i)
+    return Routing(gates=gates, logits=logits, probs=probs, topk=top_i, queries=queries)
 
 
 def load_balancing_loss(probs: Tensor, topk: Tensor, n_experts: int) -> Tensor:
@@ -366,7 +410,8 @@ class Block(nn.Module):
       attn          dense Q, K, V, O; or, in a shared-KV mixture, the one shared K and V
       attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
       attn_router   [E, D]
-      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router [E, D]
+      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router [E, D] (router "linear") or
+                    a KeyStoreRouter (router "key_store")
     """
 
     def __init__(self, cfg, index: int):
@@ -394,7 +439,10 @@ class Block(nn.Module):
         self.gated = cfg.activation == "swiglu"
         ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
         ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
-        if cfg.ffn_experts:
+        if cfg.ffn_experts and cfg.router == "key_store":
+            self.ffn_router = KeyStoreRouter(D, cfg.ffn_experts, cfg.router_temperature)
+            self.ffn_experts = Projections(ffn, cfg.ffn_experts)
+        elif cfg.ffn_experts:
             self.ffn_router = nn.Linear(D, cfg.ffn_experts, bias=False)
             self.ffn_experts = Projections(ffn, cfg.ffn_experts)
         else:
@@ -619,7 +667,8 @@ class Transformer(nn.Module):
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = Norm(cfg)
+        # a model without a final norm (cfg.final_norm False) feeds the last block's output to the head as is
+        self.final_norm = Norm(cfg) if getattr(cfg, "final_norm", True) else nn.Identity()
         self.impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
         self.expert_kernel: Optional[str] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
 

@@ -31,7 +31,7 @@ Position = Literal["rope", "learned", "none"]
 Block = Literal["sequential", "parallel", "parallel_two_norms"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
-Router = Literal["linear"]  # the router kinds; a new kind is a value here and a branch in runtime.model
+Router = Literal["linear", "key_store"]  # the router kinds; a new kind is a value here and a branch in runtime.blocks
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
@@ -92,6 +92,7 @@ class ModelConfig:
     block: Block = "sequential"  # parallel: one shared norm; parallel_two_norms: NeoX
     tie_embeddings: bool = False
     logit_scale: float = 1.0  # multiplies the logits (Cohere)
+    final_norm: bool = True  # False: the last block's output goes to the head without a norm
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
@@ -99,7 +100,15 @@ class ModelConfig:
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
-    router: Router = "linear"
+    router: Router = "linear"  # FFN routers; key_store: runtime/key_store.py (attention routers stay linear)
+    router_temperature: float = 1.0  # key_store: logits = cos(query, key) / router_temperature
+    # key_store update rules, once per optimizer step (docs/routers.md, "key store"): attraction, peer pull,
+    # reactivation step of inactive experts, the usage percentile below which an expert is inactive, usage EMA
+    key_store_alpha: float = 0.01
+    key_store_beta: float = 0.005
+    key_store_delta: float = 0.001
+    key_store_theta_percentile: float = 0.05
+    key_store_ema_decay: float = 0.99
     lb_coef: float = 0.01  # alpha, load-balancing loss weight
     z_coef: float = 0.001  # beta, router z-loss weight
     name: str = ""  # free-form label (preset name, source architecture)
@@ -173,6 +182,17 @@ class ModelConfig:
                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
         need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
         need(self.router in ROUTERS, "router", f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if self.router == "key_store":
+            need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
+            need(self.attn_experts == 0, "router", "key_store routes FFN experts only: needs attn_experts == 0")
+        for fld in ("router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
+                    "key_store_theta_percentile", "key_store_ema_decay"):
+            need(math.isfinite(getattr(self, fld)), fld, f"must be a finite number, got {getattr(self, fld)!r}")
+        need(self.router_temperature > 0, "router_temperature", f"must be > 0, got {self.router_temperature!r}")
+        for fld in ("key_store_alpha", "key_store_beta", "key_store_delta", "key_store_theta_percentile"):
+            need(0.0 <= getattr(self, fld) <= 1.0, fld, f"must be in [0, 1], got {getattr(self, fld)!r}")
+        need(0.0 <= self.key_store_ema_decay < 1.0, "key_store_ema_decay",
+             f"must be in [0, 1), got {self.key_store_ema_decay!r}")
         need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
         need(self.z_coef >= 0, "z_coef", "must be >= 0")
         need(self.logit_scale != 0, "logit_scale", "must be non-zero")
@@ -264,6 +284,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         block="parallel", tie_embeddings=True, max_positions=2048,
     ),
     # A tiny model used by `make demo` and tests; shaped like paper-small, scaled down.
+    # The self-organizing mixture (SoME) of the ablation logs (seeds/004): 10 sequential blocks, LayerNorm with
+    # bias, biases in every projection and the untied head, RoPE (the logs count no position table), a non-gated
+    # GELU FFN expert of width 1024 in every layer, top-4 of E through a key-store router. Its counts (trainable
+    # 29.42M, totals 701.50M / 1373.57M / 2717.71M / 5406.00M) hold for a model without a final norm; see
+    # docs/param-counting.md. "trainable": the experts are frozen (count-params' default --trainable).
+    **{f"some-{E}": dict(
+        source=f"SoME ablation logs (seeds/004), {E} frozen experts",
+        trainable=["*", "!ffn_experts"],
+        vocab_size=8192, d_model=512, n_layers=10, n_heads=8, ffn_hidden=1024, activation="gelu",
+        norm="layernorm", norm_bias=True, qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True,
+        position="rope", block="sequential", tie_embeddings=False, max_positions=768, final_norm=False,
+        ffn_experts=E, ffn_top_k=4, gate_norm="topk_softmax", router="key_store", router_temperature=0.8,
+        key_store_alpha=0.01, key_store_beta=0.005, key_store_delta=0.001, key_store_theta_percentile=0.05,
+        key_store_ema_decay=0.99, lb_coef=0.0, z_coef=0.0,
+    ) for E in (64, 128, 256, 512)},
     "tiny": dict(
         source="bam-surgery demo: paper-small's architecture at toy size",
         vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128,
@@ -273,12 +308,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+PRESET_NOTES = ("source", "trainable")  # preset entries that are not config fields
+
+
+def preset_trainable(name: str) -> list[str]:
+    """The trainable patterns a preset's model is meant to train with (train --trainable syntax); ['*'] unless
+    it says otherwise (the SoME presets freeze their experts)."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return list(PRESETS[name].get("trainable", ["*"]))
+
+
 def preset(name: str, /, **overrides: Any) -> ModelConfig:
     """A preset's config with fields overridden; `name` is positional-only so that the config's own
     `name` field can be overridden too: preset("tiny", name="seed")."""
     if name not in PRESETS:
         raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    fields = {k: v for k, v in PRESETS[name].items() if k != "source"}
+    fields = {k: v for k, v in PRESETS[name].items() if k not in PRESET_NOTES}
     fields["name"] = name
     fields.update(overrides)
     return ModelConfig(**fields)

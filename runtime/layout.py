@@ -21,9 +21,14 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     layers.{i}.ffn.up.weight                  [F, D]        .bias [F] iff ffn_bias
     layers.{i}.ffn.down.weight                [D, F]        .bias [D] iff ffn_bias
     FFN experts (ffn_experts == E > 0):
-    layers.{i}.ffn_router.weight              [E, D]
+    layers.{i}.ffn_router.weight              [E, D]        router "linear"
+    key-store router (router "key_store"):
+    layers.{i}.ffn_router.query_in.weight     [2D, D]       .bias [2D]
+    layers.{i}.ffn_router.query_out.weight    [D, 2D]       .bias [D]
+    layers.{i}.ffn_router.keys                [E, D]        buffer: unit expert keys
+    layers.{i}.ffn_router.usage               [E]           buffer: usage EMA
     layers.{i}.ffn_experts.{gate,up,down}.weight   [E, F, D] / [E, D, F]; biases [E, *]
-    final_norm.weight / .bias                 [D]
+    final_norm.weight / .bias                 [D]           iff final_norm
     lm_head.weight                            [V, D]        absent iff tie_embeddings
     lm_head.bias                              [V]           iff lm_head_bias
 """
@@ -78,7 +83,12 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{p}.attn.o", D, cfg.q_dim, cfg.o_bias)
     E = cfg.ffn_experts
     fp = f"{p}.ffn_experts" if E else f"{p}.ffn"
-    if E:
+    if E and cfg.router == "key_store":
+        _linear(out, f"{p}.ffn_router.query_in", 2 * D, D, True)
+        _linear(out, f"{p}.ffn_router.query_out", D, 2 * D, True)
+        out[f"{p}.ffn_router.keys"] = (E, D)  # buffer
+        out[f"{p}.ffn_router.usage"] = (E,)  # buffer
+    elif E:
         out[f"{p}.ffn_router.weight"] = (E, D)
     if cfg.gated_ffn:
         _linear(out, f"{fp}.gate", F, D, cfg.ffn_bias, E)
@@ -94,7 +104,8 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
         out["pos_embed.weight"] = (cfg.max_positions, cfg.d_model)
     for i in range(cfg.n_layers):
         out.update(layer_shapes(cfg, i))
-    _norm(out, "final_norm", cfg)
+    if cfg.final_norm:
+        _norm(out, "final_norm", cfg)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
     if cfg.lm_head_bias:
@@ -103,9 +114,12 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
 
 
 # ---- groups, for audits --------------------------------------------------------------------
-GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", "routers", "norms")
+GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", "routers", "norms", "key_store")
+# groups of buffers: state a model keeps in its checkpoint that is not a parameter (no gradient, no optimizer)
+BUFFER_GROUPS = ("key_store",)
 
 _GROUP_RULES = [
+    (re.compile(r"\.ffn_router\.(keys|usage)$"), "key_store"),
     (re.compile(r"^(embed|pos_embed|lm_head)\."), "embeddings"),
     (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm)\."), "norms"),
     (re.compile(r"\.(attn_router|ffn_router)\."), "routers"),

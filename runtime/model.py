@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, load_balancing_loss, route,  # noqa: F401
-                     router_losses, z_loss)
+from .blocks import (ForcedRouting, KeyStoreRouter, ModelKVCache, Routing, Transformer,  # noqa: F401
+                     load_balancing_loss, route, router_losses, z_loss)
 from .config import ModelConfig
 
 # Rows of logits per chunk of the loss-only path: 2**26 fp32 logits (256 MiB) at most, e.g. 262 rows at
@@ -62,6 +62,15 @@ class Model(Transformer):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for module in self.modules():  # after the parameters, so adding a key store changes no parameter's init
+            if isinstance(module, KeyStoreRouter) and not module.keys.is_meta:
+                module.reset_keys(gen)
+
+    def after_step(self, stats) -> dict:
+        """Once per optimizer step, after the parameter update and without gradient: the non-gradient updates of
+        the model's own state from the routing of that step (the key-store rules, runtime/key_store.py; stats is
+        its KeyStoreStats). Returns router name -> the inactive experts it saw; nothing for other routers."""
+        return stats.apply(self)
 
     # lm_head.bias is a canonical name but nn.Linear(bias=False) has no slot when tied; keep one place.
     def state_dict(self, *args, **kwargs):

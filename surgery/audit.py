@@ -10,6 +10,8 @@ data), so auditing a 2B mixture costs nothing. Every canonical tensor gets a Ten
                                         numel / E * attn_top_k        (top-k routing)
             everything else             numel (routers run for every token; embeddings count whole,
                                         as in the paper)
+            key store buffers           0: not parameters; counted apart (Audit.buffers), never in total
+    trainable  the parameters that `train --trainable PATTERNS` trains (the SoME presets freeze their experts)
 
 Conventions:
     exact   the counts above.
@@ -27,14 +29,17 @@ from typing import Any, Callable
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import dtype_name, nbytes
-from bam_surgery.runtime.layout import GROUPS, Mismatch, Shape, layout_mismatches, tensor_group, tensor_shapes
+from bam_surgery.runtime.layout import (BUFFER_GROUPS, GROUPS, Mismatch, Shape, layout_mismatches, tensor_group,
+                                        tensor_shapes)
+from bam_surgery.train.optim import select_trainable
 from bam_surgery.runtime.reader import Reader
 
 CONVENTIONS = ("exact", "paper")
 
-# layers.{i}.{module}[.{proj}].{weight|bias}, or a top-level {module}.{weight|bias}
+# layers.{i}.{module}[.{proj}].{weight|bias}, or a top-level {module}.{weight|bias}; the key store's buffers
+# layers.{i}.ffn_router.{keys|usage} and its query network layers.{i}.ffn_router.query_{in,out}.{weight|bias}
 _CANONICAL = re.compile(
-    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z]+))?\.(?P<param>weight|bias)$")
+    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z_]+))?\.(?P<param>weight|bias|keys|usage)$")
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,16 @@ class TensorCount:
     dtype: str | None = None  # from a checkpoint header; None when audited from a config
     nbytes: int | None = None
 
+    @property
+    def is_buffer(self) -> bool:
+        """State kept in the checkpoint that is not a parameter (the key store): outside total and active."""
+        return self.group in BUFFER_GROUPS
+
 
 def _active(cfg: ModelConfig, group: str, shape: Shape) -> int:
     numel = math.prod(shape)
+    if group in BUFFER_GROUPS:
+        return 0
     if group == "ffn_experts":
         return numel // shape[0] * min(cfg.ffn_top_k, shape[0])
     if group == "attention_experts" and cfg.attn_top_k is not None:
@@ -181,14 +193,30 @@ class Audit:
     tensors: list[TensorCount]
     adjustments: list[Adjustment] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
+    trainable_patterns: list[str] = field(default_factory=lambda: ["*"])  # train --trainable syntax
+
+    @property
+    def parameters(self) -> list[TensorCount]:
+        return [t for t in self.tensors if not t.is_buffer]
 
     @property
     def total(self) -> int:
-        return sum(t.total for t in self.tensors)
+        """Parameters only: the key store's buffers are counted apart (`buffers`)."""
+        return sum(t.total for t in self.parameters)
 
     @property
     def active(self) -> int:
-        return sum(t.active for t in self.tensors)
+        return sum(t.active for t in self.parameters)
+
+    @property
+    def buffers(self) -> int:
+        return sum(t.total for t in self.tensors if t.is_buffer)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters the trainable patterns select (train --trainable; a user error if one matches nothing)."""
+        chosen = select_trainable([t.name for t in self.parameters], self.trainable_patterns)
+        return sum(t.total for t in self.parameters if t.name in chosen)
 
     @property
     def groups(self) -> dict[str, GroupCount]:
@@ -204,7 +232,7 @@ class Audit:
     def table5(self) -> list[tuple[str, int]]:
         """The audit in the rows of the paper's Table 5 (per-block rows: active count of layer 0)."""
         rows = []
-        roles = [(tensor_role(t.name), t) for t in self.tensors]
+        roles = [(tensor_role(t.name), t) for t in self.parameters]
         for label, per_block, selects in TABLE5_ROWS:
             rows.append((label, sum(t.active for r, t in roles
                                     if selects(r) and (not per_block or r.layer == 0))))
@@ -217,6 +245,9 @@ class Audit:
             convention=self.convention,
             total=self.total,
             active=self.active,
+            trainable=self.trainable,
+            trainable_patterns=list(self.trainable_patterns),
+            buffers=self.buffers,
             groups={g: dict(tensors=c.tensors, total=c.total, active=c.active) for g, c in self.groups.items()},
             adjustments=[a.to_dict() for a in self.adjustments],
             table5={label: n for label, n in self.table5()},
@@ -226,22 +257,26 @@ class Audit:
 
 
 def _finish(cfg: ModelConfig, counts: list[TensorCount], convention: str,
-            mismatches: list[Mismatch]) -> Audit:
+            mismatches: list[Mismatch], trainable: list[str] | None) -> Audit:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
     adjustments: list[Adjustment] = []
     if convention == "paper":
         counts, adjustments = apply_paper_deviations(cfg, counts)
-    return Audit(cfg, convention, counts, adjustments, mismatches)
+    a = Audit(cfg, convention, counts, adjustments, mismatches, list(trainable or ["*"]))
+    a.trainable  # a pattern that matches nothing is refused here, not when the audit is printed
+    return a
 
 
-def audit(cfg: ModelConfig, convention: str = "exact") -> Audit:
-    """Audit the model a config describes, from runtime.layout.tensor_shapes alone."""
+def audit(cfg: ModelConfig, convention: str = "exact", trainable: list[str] | None = None) -> Audit:
+    """Audit the model a config describes, from runtime.layout.tensor_shapes alone. trainable: patterns as
+    train --trainable takes them (default: every parameter)."""
     counts = [exact_count(cfg, name, shape) for name, shape in tensor_shapes(cfg).items()]
-    return _finish(cfg, counts, convention, [])
+    return _finish(cfg, counts, convention, [], trainable)
 
 
-def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelConfig | None = None) -> Audit:
+def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelConfig | None = None,
+                     trainable: list[str] | None = None) -> Audit:
     """Audit a checkpoint from its header: names, shapes and dtypes only (no tensor data is read).
 
     `config` overrides reader.config (e.g. to count a BTX checkpoint's active parameters at another
@@ -259,4 +294,4 @@ def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelCon
             continue  # not a canonical name: already reported as "unexpected"
         dtype = reader.dtype(name)
         counts.append(exact_count(cfg, name, shape, dtype_name(dtype), nbytes(shape, dtype)))
-    return _finish(cfg, counts, convention, mismatches)
+    return _finish(cfg, counts, convention, mismatches, trainable)

@@ -8,7 +8,9 @@ from typing import Any, Sequence
 import click
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
-from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ConfigError, ModelConfig, preset, preset_trainable
+from bam_surgery.runtime.layout import BUFFER_GROUPS
+from bam_surgery.train.config import split_patterns
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
 from bam_surgery.runtime.errors import printable
@@ -38,8 +40,17 @@ def render_audit(a: Audit, source: str) -> str:
     out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
            f"convention  {a.convention}", ""]
     rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
-    rows.append(("total", len(a.tensors), a.total, a.active))
+    rows = [r for r in rows if r[0] not in BUFFER_GROUPS]
+    rows.append(("total", len(a.parameters), a.total, a.active))
     out.append(render_table(("group", "tensors", "total", "active"), rows))
+    patterns = ",".join(a.trainable_patterns)
+    share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
+    out += ["", f"total       {a.total:,} = {millions(a.total)}",
+            f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
+    if a.buffers:
+        n = sum(1 for t in a.tensors if t.is_buffer)
+        out.append(f"buffers     {a.buffers:,} = {millions(a.buffers)} in {n} tensors (key store: expert keys and "
+                   "usage EMA; in the checkpoint, not parameters, not in total)")
     if a.convention == "paper":
         out += ["", "paper convention: deviations from exact (already applied above)"]
         if not a.adjustments:
@@ -57,6 +68,11 @@ def render_audit(a: Audit, source: str) -> str:
         out += ["", f"layout mismatches ({len(a.mismatches)})"]
         out += [f"  {m.message()}" for m in a.mismatches]
     return "\n".join(out)
+
+
+def millions(n: int) -> str:
+    """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
+    return f"{n / 1e6:.2f}M"
 
 
 def _show(field: str, value: Any) -> str:
@@ -199,10 +215,13 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
 @click.option("--convention", type=click.Choice(CONVENTIONS), default="exact", show_default=True,
               help="exact: every parameter that runs; paper: the BAM paper's Table 5 counting "
                    "(each deviation from exact is listed with its size).")
+@click.option("--trainable", "trainable", metavar="PATTERNS",
+              help="Count as trainable what `train --trainable PATTERNS` trains (groups or globs, '!' excludes; "
+                   "default: the preset's own patterns, e.g. some-64 freezes its experts, else every parameter).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 @ALLOW_PICKLE
-def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, as_json,
-                     allow_pickle):
+def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, convention, trainable,
+                     as_json, allow_pickle):
     """Total and active parameter counts by group, from shapes alone.
 
     CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
@@ -217,9 +236,15 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
     if recipe_name and experts is None:
         raise click.UsageError("--recipe needs --experts N")
 
+    if trainable is not None:
+        patterns = split_patterns(trainable)
+        if not patterns:
+            raise click.BadParameter("no patterns: give at least one (e.g. '*')", param_hint="--trainable")
+    else:
+        patterns = preset_trainable(preset_name) if preset_name else ["*"]
     if ckpt:
         with _open(ckpt, allow_pickle) as reader:
-            a = audit_checkpoint(reader, convention)
+            a = audit_checkpoint(reader, convention, trainable=patterns)
         _refuse_mismatches(ckpt, a)
         base, source = reader.config, ckpt
     else:
@@ -232,7 +257,7 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
     if not ckpt or cfg is not base:
         # a preset, a mixture that does not exist yet, or a re-routed checkpoint: its layout was
         # checked above, so the config's shapes are the checkpoint's shapes
-        a = audit(cfg, convention)
+        a = audit(cfg, convention, trainable=patterns)
     if as_json:
         click.echo(json.dumps(dict(source=source, kind=describe_kind(cfg), **a.to_dict()), indent=2))
     else:
