@@ -2,23 +2,26 @@
 from the routing of that step. No gradient is involved; the forward (query network, cosine logits) is
 runtime/blocks.py's KeyStoreRouter. Formulas, with the reasons for each choice: docs/routers.md, "key store".
 
-Shapes: E experts, D d_model, N tokens of the step (every micro-batch, every process), K top-k.
+Shapes: E experts, D d_model, N tokens of the step (every micro-batch, every process), K top-k, m = floor(theta E).
 
-Per step and router, the routing gives (accumulated by KeyStoreStats, all-reduced across processes):
+Per step and router, the routing gives (accumulated by KeyStoreStats, summed across micro-batches and processes):
     c_e      number of tokens that selected expert e                          counts       [E]
     s_e      sum of the unit queries of those tokens                          query_sums   [E, D]
     C_ef     number of tokens that selected both e and f (e != f; C_ee = 0)   co_counts    [E, E]
-    qbar     mean unit query of all N tokens                                  mean_query   [D]
+    W        the m worst-served tokens: lowest best logit max_e logit_ne      worst        [m, 1 + D]
+             (ties: the token seen first), each with its unit query           (score, query)
 
 The rules, from the keys k_e before the step (unit rows of `keys`) and the usage EMA u_e:
     usage       u'_e = gamma * u_e + (1 - gamma) * c_e / sum_f c_f           (gamma = ema_decay; unchanged if no
                                                                               token was routed)
-    inactive    the floor(theta * E) experts of lowest u'_e (ties: lower index first) whose u'_e is below the
-                fair share 1/E                                               (theta = theta_percentile)
+    inactive    the m experts of lowest u'_e (ties: lower index first) whose u'_e is below the fair share 1/E
+                                                                             (theta = theta_percentile)
     attraction  A_e = s_e / c_e - k_e                    if c_e > 0, else 0
     peer pull   P_e = sum_f C_ef k_f / sum_f C_ef - k_e   if sum_f C_ef > 0, else 0
-    reactivate  R_e = qbar - k_e                          if e is inactive, else 0
-    keys        k'_e = normalize(k_e + alpha * A_e + beta * P_e + delta * R_e)   (k_e kept if that is zero)
+    dispersion  S_e = k_e - kbar,  kbar = (1/E) sum_f k_f (pushes every key away from the keys' centroid)
+    keys        k'_e = normalize(k_e + alpha * A_e + beta * P_e + delta * S_e)   (k_e kept if that is zero)
+    re-seed     the i-th inactive expert (by rising u'_e) takes the unit query of the i-th worst-served token:
+                k'_e = q_{W_i}, u'_e = 1/E (a fresh start); without a token for it, it keeps k'_e and u'_e
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def inactive_experts(usage: Tensor, theta_percentile: float) -> Tensor:
     """Bool [E]: the floor(theta * E) experts of lowest usage (ties: lower index first) that are used less than
     their fair share 1/E. Uniform usage has none."""
     E = usage.numel()
-    m = math.floor(theta_percentile * E + 1e-9)  # 0.05 * 64 -> 3; the epsilon guards 0.07 * 100 = 7.000000000000001
+    m = n_inactive(E, theta_percentile)  # 0.05 * 64 -> 3
     out = torch.zeros(E, dtype=torch.bool, device=usage.device)
     if m == 0:
         return out
@@ -69,15 +72,26 @@ def peer_pull(keys: Tensor, co_counts: Tensor) -> Tensor:
     return torch.where((weight > 0)[:, None], peers - keys, torch.zeros_like(keys))
 
 
-def reactivation(keys: Tensor, mean_query: Tensor, inactive: Tensor) -> Tensor:
-    """R_e = qbar - k_e for inactive experts, 0 otherwise: [E, D]."""
-    return torch.where(inactive[:, None], mean_query[None, :] - keys, torch.zeros_like(keys))
+def dispersion(keys: Tensor) -> Tensor:
+    """S_e = k_e - kbar, kbar the mean of all keys: [E, D]."""
+    return keys - keys.mean(0, keepdim=True)
+
+
+def reseed(keys: Tensor, usage: Tensor, inactive: Tensor, worst_queries: Tensor) -> tuple[Tensor, Tensor]:
+    """The i-th inactive expert (rising usage, ties lower index) takes worst_queries[i] [m, D] as its key and the
+    fair share 1/E as its usage; returns (keys, usage), new tensors."""
+    keys, usage = keys.clone(), usage.clone()
+    order = torch.argsort(usage, stable=True)
+    chosen = order[inactive[order]][:worst_queries.shape[0]]
+    keys[chosen] = worst_queries[:chosen.numel()].to(keys.dtype)
+    usage[chosen] = 1.0 / usage.numel()
+    return keys, usage
 
 
 def move_keys(keys: Tensor, alpha: float, attract: Tensor, beta: float, pull: Tensor, delta: float,
-              reactivate: Tensor) -> Tensor:
-    """k' = normalize(k + alpha A + beta P + delta R), row by row; a row that would be zero keeps k."""
-    moved = keys + alpha * attract + beta * pull + delta * reactivate
+              disperse: Tensor) -> Tensor:
+    """k' = normalize(k + alpha A + beta P + delta S), row by row; a row that would be zero keeps k."""
+    moved = keys + alpha * attract + beta * pull + delta * disperse
     norm = moved.norm(dim=-1, keepdim=True)
     return torch.where(norm > 0, moved / norm.clamp_min(1e-30), keys)
 
@@ -85,48 +99,56 @@ def move_keys(keys: Tensor, alpha: float, attract: Tensor, beta: float, pull: Te
 # ---- one step's statistics ---------------------------------------------------------------------------------
 @dataclass
 class StepStatistics:
-    """What the rules read of one step's routing of one router (sums, so micro-batches and processes add)."""
+    """What the rules read of one step's routing of one router: sums (micro-batches and processes add them) and
+    the worst-served tokens (merged: the m lowest scores)."""
 
     counts: Tensor  # [E]
     query_sums: Tensor  # [E, D]
     co_counts: Tensor  # [E, E], zero diagonal
-    query_total: Tensor  # [D]
     tokens: Tensor  # [] (a float, to travel in the same all-reduce)
+    worst: Tensor  # [<= m, 1 + D]: (best logit, unit query) of the worst-served tokens, worst first
 
-    @property
-    def mean_query(self) -> Tensor:
-        return self.query_total / self.tokens.clamp_min(1)
+    def flat_sums(self) -> Tensor:
+        return torch.cat([self.counts, self.query_sums.reshape(-1), self.co_counts.reshape(-1), self.tokens.reshape(1)])
 
-    def flat(self) -> Tensor:
-        return torch.cat([self.counts, self.query_sums.reshape(-1), self.co_counts.reshape(-1), self.query_total,
-                          self.tokens.reshape(1)])
-
-    @classmethod
-    def unflat(cls, v: Tensor, n_experts: int, d_model: int) -> "StepStatistics":
+    @staticmethod
+    def split_sums(v: Tensor, n_experts: int, d_model: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         E, D = n_experts, d_model
-        sizes = [E, E * D, E * E, D, 1]
-        parts = torch.split(v, sizes)
-        return cls(parts[0], parts[1].view(E, D), parts[2].view(E, E), parts[3], parts[4][0])
+        counts, sums, co, tokens = torch.split(v, [E, E * D, E * E, 1])
+        return counts, sums.view(E, D), co.view(E, E), tokens[0]
 
 
-def step_statistics(topk: Tensor, queries: Tensor, n_experts: int) -> StepStatistics:
-    """Sums of one forward's routing: topk [N, K] selected experts, queries [N, D] unit queries (float32)."""
+def worst_served(candidates: Tensor, m: int) -> Tensor:
+    """The m rows of candidates [n, 1 + D] with the lowest score (column 0), lowest first; ties keep row order."""
+    order = torch.argsort(candidates[:, 0], stable=True)[:m]
+    return candidates[order]
+
+
+def step_statistics(topk: Tensor, queries: Tensor, best: Tensor, n_experts: int, m: int) -> StepStatistics:
+    """One forward's routing: topk [N, K] selected experts, queries [N, D] unit queries, best [N] each token's
+    highest logit; m worst-served tokens kept."""
     N, K = topk.shape
-    E, D = n_experts, queries.shape[-1]
+    E = n_experts
     q = queries.float()
     flat = topk.reshape(-1)  # assignment a = n*K + j
     counts = torch.zeros(E, device=q.device).index_add_(0, flat, torch.ones(flat.numel(), device=q.device))
-    query_sums = torch.zeros(E, D, device=q.device).index_add_(0, flat, q.repeat_interleave(K, dim=0))
+    query_sums = torch.zeros(E, q.shape[-1], device=q.device).index_add_(0, flat, q.repeat_interleave(K, dim=0))
     # co-selection: every ordered pair (j, l), j != l, of one token's K choices; N*K*(K-1) pairs, no [N, E] one-hot
     j, l = torch.meshgrid(torch.arange(K, device=q.device), torch.arange(K, device=q.device), indexing="ij")
     off = j != l
     pairs = topk[:, j[off]] * E + topk[:, l[off]]  # [N, K*(K-1)] flat index e*E + f
     co = torch.zeros(E * E, device=q.device).index_add_(0, pairs.reshape(-1),
                                                          torch.ones(pairs.numel(), device=q.device))
-    return StepStatistics(counts, query_sums, co.view(E, E), q.sum(0), torch.tensor(float(N), device=q.device))
+    worst = worst_served(torch.cat([best.float()[:, None], q], dim=1), m)
+    return StepStatistics(counts, query_sums, co.view(E, E), torch.tensor(float(N), device=q.device), worst)
 
 
 # ---- applying the rules to a model -------------------------------------------------------------------------
+def n_inactive(n_experts: int, theta_percentile: float) -> int:
+    """m = floor(theta E); the epsilon guards products such as 0.07 * 100 = 7.000000000000001."""
+    return math.floor(theta_percentile * n_experts + 1e-9)
+
+
 def update_router(router: KeyStoreRouter, stats: StepStatistics, cfg) -> Tensor:
     """Apply the rules to one router's buffers in place (cfg: the model config's key_store_* knobs); returns the
     inactive mask it used."""
@@ -134,20 +156,23 @@ def update_router(router: KeyStoreRouter, stats: StepStatistics, cfg) -> Tensor:
         keys = router.keys.float()
         usage = usage_ema(router.usage.float(), stats.counts, cfg.key_store_ema_decay)
         inactive = inactive_experts(usage, cfg.key_store_theta_percentile)
-        new = move_keys(keys, cfg.key_store_alpha, attraction(keys, stats.query_sums, stats.counts),
-                        cfg.key_store_beta, peer_pull(keys, stats.co_counts),
-                        cfg.key_store_delta, reactivation(keys, stats.mean_query, inactive))
-        router.keys.copy_(new.to(router.keys.dtype))
+        moved = move_keys(keys, cfg.key_store_alpha, attraction(keys, stats.query_sums, stats.counts),
+                          cfg.key_store_beta, peer_pull(keys, stats.co_counts),
+                          cfg.key_store_delta, dispersion(keys))
+        moved, usage = reseed(moved, usage, inactive, stats.worst[:, 1:])
+        router.keys.copy_(moved.to(router.keys.dtype))
         router.usage.copy_(usage.to(router.usage.dtype))
     return inactive
 
 
 class KeyStoreStats:
     """The statistics of one optimizer step for every key-store router of a model: `add(out.routing)` after each
-    forward of the step, `reduce(all_sum)` across processes, then `Model.after_step(stats)`."""
+    forward of the step, `reduce(all_sum, rank, world)` across processes, then `Model.after_step(stats)`."""
 
-    def __init__(self):
-        self.sums: dict[str, Tensor] = {}  # router name -> StepStatistics.flat()
+    def __init__(self, config):
+        self.config = config  # the model config (key_store_theta_percentile: how many worst-served tokens)
+        self.sums: dict[str, Tensor] = {}  # router name -> StepStatistics.flat_sums()
+        self.worst: dict[str, Tensor] = {}  # router name -> [<= m, 1 + D]
         self.shapes: dict[str, tuple[int, int]] = {}
 
     def add(self, routing: dict[str, Routing]) -> None:
@@ -155,36 +180,53 @@ class KeyStoreStats:
             if r.queries is None or r.topk is None:
                 continue
             E, D = r.probs.shape[-1], r.queries.shape[-1]
-            v = step_statistics(r.topk, r.queries, E).flat()
+            m = n_inactive(E, self.config.key_store_theta_percentile)
+            st = step_statistics(r.topk, r.queries, r.logits.detach().max(-1).values, E, m)
             self.shapes[name] = (E, D)
-            self.sums[name] = v if name not in self.sums else self.sums[name] + v
+            if name not in self.sums:
+                self.sums[name], self.worst[name] = st.flat_sums(), st.worst
+            else:  # earlier micro-batches first: ties go to the token seen first
+                self.sums[name] = self.sums[name] + st.flat_sums()
+                self.worst[name] = worst_served(torch.cat([self.worst[name], st.worst]), m)
 
-    def reduce(self, all_sum: Callable[[Tensor], Tensor]) -> None:
-        """Sum every process's statistics (all_sum: an all-reduce of one tensor). Every process runs the same
-        model on its own micro-batches, so every process holds the same routers in the same order."""
-        if self.sums:
-            names = sorted(self.sums)
-            joined = all_sum(torch.cat([self.sums[n] for n in names]))
-            for n, part in zip(names, torch.split(joined, [self.sums[n].numel() for n in names])):
-                self.sums[n] = part
+    def reduce(self, all_sum: Callable[[Tensor], Tensor], rank: int = 0, world: int = 1) -> None:
+        """Combine every process's statistics with all_sum (an all-reduce of one tensor): sums are summed; the
+        worst-served candidates are gathered (each process fills its own slot of a zero tensor) and merged in
+        rank order. Every process runs the same model, so every process holds the same routers."""
+        if not self.sums:
+            return
+        names = sorted(self.sums)
+        slots = []
+        for n in names:
+            E, D = self.shapes[n]
+            m = n_inactive(E, self.config.key_store_theta_percentile)
+            slot = torch.zeros(world, m, 2 + D, device=self.sums[n].device)  # (valid, score, query)
+            w = self.worst[n]
+            slot[rank, :w.shape[0], 0] = 1.0
+            slot[rank, :w.shape[0], 1:] = w
+            slots.append(slot.reshape(-1))
+        parts = [self.sums[n] for n in names] + slots
+        joined = torch.split(all_sum(torch.cat(parts)), [p.numel() for p in parts])
+        for i, n in enumerate(names):
+            E, D = self.shapes[n]
+            self.sums[n] = joined[i]
+            gathered = joined[len(names) + i].view(-1, 2 + D)  # rank-major rows
+            gathered = gathered[gathered[:, 0] > 0.5, 1:]
+            self.worst[n] = worst_served(gathered, n_inactive(E, self.config.key_store_theta_percentile))
 
     def statistics(self, name: str) -> StepStatistics:
-        return StepStatistics.unflat(self.sums[name], *self.shapes[name])
+        counts, sums, co, tokens = StepStatistics.split_sums(self.sums[name], *self.shapes[name])
+        return StepStatistics(counts, sums, co, tokens, self.worst[name])
 
     def apply(self, model: nn.Module) -> dict[str, Tensor]:
         """Update every router with statistics; returns router name -> inactive mask."""
-        cfg = model.config
         out = {}
         for name in self.sums:
             router = model.get_submodule(name)
             if not isinstance(router, KeyStoreRouter):
                 raise TypeError(f"{name} is not a key-store router")
-            out[name] = update_router(router, self.statistics(name), cfg)
+            out[name] = update_router(router, self.statistics(name), model.config)
         return out
-
-
-def key_store_routers(model: nn.Module) -> dict[str, KeyStoreRouter]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, KeyStoreRouter)}
 
 
 def has_key_store(model: nn.Module, config: Optional[object] = None) -> bool:
@@ -192,5 +234,6 @@ def has_key_store(model: nn.Module, config: Optional[object] = None) -> bool:
     return getattr(cfg, "router", None) == "key_store"
 
 
-__all__ = ["KeyStoreStats", "StepStatistics", "attraction", "has_key_store", "inactive_experts", "key_store_routers",
-           "move_keys", "peer_pull", "reactivation", "step_statistics", "update_router", "usage_ema"]
+__all__ = ["KeyStoreStats", "StepStatistics", "attraction", "dispersion", "has_key_store", "inactive_experts",
+           "move_keys", "n_inactive", "peer_pull", "reseed", "step_statistics", "update_router", "usage_ema",
+           "worst_served"]

@@ -42,6 +42,10 @@ VARIANTS = {
                                position="learned", attn_experts=2, ffn_experts=2, ffn_top_k=1,
                                tie_embeddings=True),
     "dense": dict(block="parallel", norm="rmsnorm", activation="silu", position="none", lm_head_bias=True),
+    # SoME: key-store router (query network, cosine over unit keys / temperature), no final norm
+    "key_store": dict(block="sequential", norm="layernorm", norm_bias=True, activation="gelu", qkv_bias=True,
+                      o_bias=True, ffn_bias=True, lm_head_bias=True, final_norm=False, ffn_experts=6, ffn_top_k=3,
+                      gate_norm="topk_softmax", router="key_store", router_temperature=0.1),
 }
 
 

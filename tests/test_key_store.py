@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from bam_surgery.runtime import Model, load_checkpoint, load_model, preset
-from bam_surgery.runtime.key_store import (KeyStoreStats, attraction, inactive_experts, move_keys, peer_pull,
-                                           reactivation, step_statistics, update_router, usage_ema)
+from bam_surgery.runtime.key_store import (KeyStoreStats, attraction, dispersion, inactive_experts, move_keys,
+                                           peer_pull, reseed, step_statistics, update_router, usage_ema, worst_served)
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.surgery.audit import audit
 from bam_surgery.surgery.cli import cli
@@ -26,10 +26,11 @@ CORPUS = ROOT / "data" / "domains"
 
 # ---- the hand-sized case: E = 3 experts in D = 2, two tokens, top-2 ---------------------------------------
 # keys k0 = (1, 0), k1 = (0, 1), k2 = (-1, 0); token a: q = (0.6, 0.8) selects {0, 1}; token b: q = (0.8, -0.6)
-# selects {0, 2}.
+# selects {0, 2}. Best logits (temperature 1): a max(0.6, 0.8, -0.6) = 0.8, b max(0.8, -0.6, -0.8) = 0.8.
 KEYS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
 TOPK = torch.tensor([[0, 1], [0, 2]])
 QUERIES = torch.tensor([[0.6, 0.8], [0.8, -0.6]])
+BEST = torch.tensor([0.8, 0.8])
 
 
 def close(a, b, tol=1e-6):
@@ -38,17 +39,26 @@ def close(a, b, tol=1e-6):
 
 
 def test_step_statistics_by_hand():
-    s = step_statistics(TOPK, QUERIES, 3)
+    s = step_statistics(TOPK, QUERIES, BEST, 3, 1)
     assert close(s.counts, [2, 1, 1])
     # s0 = qa + qb = (1.4, 0.2); s1 = qa; s2 = qb
     assert close(s.query_sums, [[1.4, 0.2], [0.6, 0.8], [0.8, -0.6]])
     # pairs (0, 1) from token a, (0, 2) from token b, both orders; nothing on the diagonal
     assert close(s.co_counts, [[0, 1, 1], [1, 0, 0], [1, 0, 0]])
-    assert close(s.mean_query, [0.7, 0.1]) and float(s.tokens) == 2
+    assert float(s.tokens) == 2
+    assert close(s.worst, [[0.8, 0.6, 0.8]])  # a tie: the token seen first
+    assert close(step_statistics(TOPK, QUERIES, torch.tensor([0.9, 0.1]), 3, 2).worst,
+                 [[0.1, 0.8, -0.6], [0.9, 0.6, 0.8]])  # lowest best logit first
+
+
+def test_worst_served_merges_by_score_then_order():
+    rows = torch.tensor([[0.5, 1.0], [0.2, 2.0], [0.5, 3.0], [0.9, 4.0], [0.2, 5.0]])
+    assert worst_served(rows, 3)[:, 1].tolist() == [2.0, 5.0, 1.0]
+    assert worst_served(rows, 0).shape == (0, 2)
 
 
 def test_attraction_by_hand():
-    s = step_statistics(TOPK, QUERIES, 3)
+    s = step_statistics(TOPK, QUERIES, BEST, 3, 1)
     # A0 = (1.4, 0.2) / 2 - (1, 0) = (-0.3, 0.1); A1 = (0.6, 0.8) - (0, 1); A2 = (0.8, -0.6) - (-1, 0)
     assert close(attraction(KEYS, s.query_sums, s.counts), [[-0.3, 0.1], [0.6, -0.2], [1.8, -0.6]])
     # an expert nobody selected does not move
@@ -88,33 +98,53 @@ def test_inactive_experts_by_hand():
     assert inactive_experts(u, 0.05).nonzero().flatten().tolist() == [7, 9, 40]
 
 
-def test_reactivation_by_hand():
-    inactive = torch.tensor([False, True, False])
-    assert close(reactivation(KEYS, torch.tensor([0.7, 0.1]), inactive), [[0, 0], [0.7, -0.9], [0, 0]])
+def test_dispersion_by_hand():
+    # kbar = (0, 1/3): S0 = (1, -1/3), S1 = (0, 2/3), S2 = (-1, -1/3)
+    assert close(dispersion(KEYS), [[1.0, -1 / 3], [0.0, 2 / 3], [-1.0, -1 / 3]])
+
+
+def test_reseed_by_hand():
+    usage = torch.tensor([0.5, 0.1, 0.3, 0.05, 0.05])  # fair share 0.2
+    inactive = torch.tensor([False, True, False, True, True])
+    keys = torch.eye(5)[:, :2].clone()  # any keys
+    worst = torch.tensor([[0.0, 1.0], [1.0, 0.0]])  # two worst-served queries, worst first
+    new_keys, new_usage = reseed(keys, usage, inactive, worst)
+    # inactive by rising usage: 3 (0.05), 4 (0.05, higher index), 1 (0.1); two queries: 3 and 4 are re-seeded
+    assert close(new_keys[3], [0.0, 1.0]) and close(new_keys[4], [1.0, 0.0]) and close(new_keys[1], keys[1])
+    assert close(new_usage, [0.5, 0.1, 0.3, 0.2, 0.2])
+    assert close(keys, torch.eye(5)[:, :2]) and close(usage, [0.5, 0.1, 0.3, 0.05, 0.05])  # inputs untouched
 
 
 def test_one_whole_update_by_hand():
     """alpha 0.1, beta 0.05, delta 0.2, gamma 0.5, theta 0.34 (floor(1.02) = 1 inactive of 3): usage
-    (5/12, 7/24, 7/24) makes expert 1 inactive (tie with 2: lower index); then
-    k0 + 0.1 A0 + 0.05 P0           = (1 - 0.03 - 0.075, 0.01 + 0.025)              = (0.895, 0.035)
-    k1 + 0.1 A1 + 0.05 P1 + 0.2 R1  = (0.06 + 0.05 + 0.14, 1 - 0.02 - 0.05 - 0.18)  = (0.25, 0.75)
-    k2 + 0.1 A2 + 0.05 P2           = (-1 + 0.18 + 0.1, -0.06)                      = (-0.72, -0.06)
-    each divided by its norm."""
+    (5/12, 7/24, 7/24) makes expert 1 inactive (tie with 2: lower index); dispersion from kbar = (0, 1/3):
+    k0 + 0.1 A0 + 0.05 P0 + 0.2 S0 = (1 - 0.03 - 0.075 + 0.2, 0.01 + 0.025 - 0.2/3)
+    k2 + 0.1 A2 + 0.05 P2 + 0.2 S2 = (-1 + 0.18 + 0.1 - 0.2, -0.06 - 0.2/3)
+    each divided by its norm; expert 1 is re-seeded to the worst-served query: token b (best logit 0.1 < 0.9),
+    (0.8, -0.6), and its usage to 1/3."""
     from bam_surgery.runtime.blocks import KeyStoreRouter
 
     router = KeyStoreRouter(2, 3, temperature=1.0)
     router.keys.copy_(KEYS)
     cfg = preset("tiny").replace(key_store_alpha=0.1, key_store_beta=0.05, key_store_delta=0.2,
                                  key_store_theta_percentile=0.34, key_store_ema_decay=0.5)
-    inactive = update_router(router, step_statistics(TOPK, QUERIES, 3), cfg)
+    stats = step_statistics(TOPK, QUERIES, torch.tensor([0.9, 0.1]), 3, 1)
+    inactive = update_router(router, stats, cfg)
     assert inactive.tolist() == [False, True, False]
-    assert close(router.usage, [5 / 12, 7 / 24, 7 / 24])
-    expected = [[0.895 / math.hypot(0.895, 0.035), 0.035 / math.hypot(0.895, 0.035)],
-                [1 / math.sqrt(10), 3 / math.sqrt(10)],
-                [-0.72 / math.hypot(0.72, 0.06), -0.06 / math.hypot(0.72, 0.06)]]
+    assert close(router.usage, [5 / 12, 1 / 3, 7 / 24])
+    k0 = (1.0 - 0.03 - 0.075 + 0.2, 0.01 + 0.025 - 0.2 / 3)
+    k2 = (-1.0 + 0.18 + 0.1 - 0.2, -0.06 - 0.2 / 3)
+    expected = [[k0[0] / math.hypot(*k0), k0[1] / math.hypot(*k0)], [0.8, -0.6],
+                [k2[0] / math.hypot(*k2), k2[1] / math.hypot(*k2)]]
     assert close(router.keys, expected)
     # move_keys alone: a row that would vanish keeps its key
     assert close(move_keys(KEYS, 1.0, -KEYS, 0.0, KEYS, 0.0, KEYS), KEYS)
+    # delta 0 and nobody inactive: attraction and peer pull alone
+    router.keys.copy_(KEYS)
+    router.usage.fill_(1 / 3)
+    update_router(router, stats, cfg.replace(key_store_delta=0.0, key_store_theta_percentile=0.0))
+    k1 = (0.06 + 0.05, 1 - 0.02 - 0.05)  # k1 + 0.1 A1 + 0.05 P1
+    assert close(router.keys[1], [k1[0] / math.hypot(*k1), k1[1] / math.hypot(*k1)])
 
 
 def test_forward_is_cosine_over_temperature():
@@ -164,7 +194,7 @@ def test_statistics_add_over_micro_batches():
     model = Model(cfg)
     model.reset_parameters(seed=1)
     tokens = torch.randint(0, 256, (4, 16))
-    whole, parts = KeyStoreStats(), KeyStoreStats()
+    whole, parts = KeyStoreStats(cfg), KeyStoreStats(cfg)
     with torch.no_grad():
         whole.add(model(tokens).routing)
         parts.add(model(tokens[:2]).routing)
@@ -172,6 +202,36 @@ def test_statistics_add_over_micro_batches():
     for name in whole.sums:
         assert torch.allclose(whole.sums[name], parts.sums[name], atol=1e-4)
         assert float(whole.statistics(name).counts.sum()) == 4 * 16 * 2
+        assert whole.worst[name].shape == (0, 33)  # floor(0.05 * 8) = 0: nothing to re-seed at 8 experts
+
+
+def test_statistics_reduce_across_processes():
+    """Two processes with one micro-batch each, reduced through a summing stand-in for all_reduce, hold the
+    statistics of the whole step: sums, and the worst-served tokens gathered and merged in rank order."""
+    cfg = preset("some-64", **SMALL_SOME, key_store_theta_percentile=0.25)  # m = 2 of 8
+    model = Model(cfg)
+    model.reset_parameters(seed=1)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    whole = KeyStoreStats(cfg)
+    with torch.no_grad():
+        whole.add(model(tokens).routing)
+        ranks = []
+        for r in range(2):
+            st = KeyStoreStats(cfg)
+            st.add(model(tokens[2 * r:2 * r + 2]).routing)
+            ranks.append(st)
+    sent = []
+    for r, st in enumerate(ranks):  # first pass: collect what each rank sends (all_sum returns its input)
+        saved = (dict(st.sums), dict(st.worst))
+        st.reduce(lambda t: sent.append(t) or t, r, 2)
+        st.sums, st.worst = saved
+    total = sent[0] + sent[1]
+    for r, st in enumerate(ranks):
+        st.reduce(lambda t: total, r, 2)
+        for name in whole.sums:
+            assert torch.allclose(st.sums[name], whole.sums[name], atol=1e-4)
+            assert st.worst[name].shape == (2, 33)
+            assert torch.allclose(st.worst[name], whole.worst[name], atol=1e-5)
 
 
 def _train_cfg(tmp_path, out, **kw) -> TrainConfig:

@@ -387,7 +387,7 @@ class _Run:
         mbs = micro_batches(samples, self.cfg.micro_batch, d.world, d.rank)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, nll, lb, z: sums of micro-batch means
         racc = RoutingAccumulator()
-        kstats = KeyStoreStats() if self.key_store else None  # what the key-store rules read of this step
+        kstats = KeyStoreStats(self.model_config) if self.key_store else None  # the key-store rules read it
         data_s = 0.0
         for a, mb in enumerate(mbs):
             t = time.perf_counter()
@@ -410,7 +410,7 @@ class _Run:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if kstats is not None:  # once per optimizer step, from every process's routing of it, no gradient
-            kstats.reduce(lambda t: dist_.all_sum(d, t))
+            kstats.reduce(lambda t: dist_.all_sum(d, t), d.rank, d.world)
             self.model.after_step(kstats)
         sums = dist_.all_sum(d, sums).cpu() / (self.accum * d.world)
         racc = reduce_routing(racc, d)
