@@ -36,6 +36,12 @@ ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), ge
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
+# Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
+# so that every config that does not use them serializes to the same bytes as before they were added.
+WRITTEN_WHEN_SET = ("final_norm", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
+                    "key_store_theta_percentile", "key_store_ema_decay")
+
+
 class ConfigError(ValueError):
     """A config field is missing, unknown or inconsistent; the message names the field."""
 
@@ -101,7 +107,7 @@ class ModelConfig:
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
     router: Router = "linear"  # FFN routers; key_store: runtime/key_store.py (attention routers stay linear)
-    router_temperature: float = 1.0  # key_store: logits = cos(query, key) / router_temperature
+    router_temperature: float = 0.1  # key_store: logits = cos(query, key) / router_temperature (fixed)
     # key_store update rules, once per optimizer step (docs/routers.md, "key store"): attraction, peer pull,
     # reactivation step of inactive experts, the usage percentile below which an expert is inactive, usage EMA
     key_store_alpha: float = 0.01
@@ -232,7 +238,12 @@ class ModelConfig:
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except those of WRITTEN_WHEN_SET that hold their default."""
+        d = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.name in WRITTEN_WHEN_SET and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -43,10 +43,11 @@ def render_audit(a: Audit, source: str) -> str:
     rows = [r for r in rows if r[0] not in BUFFER_GROUPS]
     rows.append(("total", len(a.parameters), a.total, a.active))
     out.append(render_table(("group", "tensors", "total", "active"), rows))
-    patterns = ",".join(a.trainable_patterns)
-    share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
-    out += ["", f"total       {a.total:,} = {millions(a.total)}",
-            f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
+    if a.buffers or a.trainable_patterns != ["*"]:  # otherwise every parameter trains and the table says it all
+        patterns = ",".join(a.trainable_patterns)
+        share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
+        out += ["", f"total       {a.total:,} = {millions(a.total)}",
+                f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
     if a.buffers:
         n = sum(1 for t in a.tensors if t.is_buffer)
         out.append(f"buffers     {a.buffers:,} = {millions(a.buffers)} in {n} tensors (key store: expert keys and "

@@ -72,7 +72,7 @@ class BamConfig(PretrainedConfig):
         attn_top_k: int | None = None,
         kv_mode: str = "expert",
         router: str = "linear",
-        router_temperature: float = 1.0,
+        router_temperature: float = 0.1,
         key_store_alpha: float = 0.01,
         key_store_beta: float = 0.005,
         key_store_delta: float = 0.001,
