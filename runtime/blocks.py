@@ -3,8 +3,8 @@ router losses, the transformer block (a readable reference loop and a fused path
 the transformer trunk.
 
 One copy: the runtime (runtime/model.py) builds its Model on it, and every HF BAM export ships this very file
-(as blocks.py, byte for byte) next to modeling_bam.py, which imports it. So it imports only torch and the
-standard library, nothing relative. Configs are duck-typed: anything with ModelConfig's field names and its
+(as blocks_bam.py, byte for byte) next to modeling_bam.py, which imports it, together with runtime/routers.py
+(as routers.py: the router kinds). So it imports only torch, the standard library and .routers. Configs are duck-typed: anything with ModelConfig's field names and its
 `rotary_dim` works (runtime.config.ModelConfig, the export's BamConfig).
 
 Shapes: B batch, T new tokens, S key slots (T, or the cache's length), D d_model, H heads, G kv heads,
@@ -44,6 +44,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .routers import Router, make_router
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "swiglu": F.silu,  # gated: act(gate x) * up x
@@ -91,71 +93,29 @@ class Routing:
     logits: Optional[Tensor] = None  # [N, E] router logits, float32 (None when forced)
     probs: Optional[Tensor] = None  # [N, E] full softmax
     topk: Optional[Tensor] = None  # [N, K] selected experts
-    queries: Optional[Tensor] = None  # key-store routers: [N, D] unit queries, detached (the key updates read them)
 
 
-class KeyStoreRouter(nn.Module):
-    """The self-organizing key-store router (SoME): a trained query network and a store of E expert keys that
-    no gradient reaches.
-
-        q_n       = W_out gelu(W_in x_n + b_in) + b_out           query network D -> 2D -> D (trained)
-        logits_ne = cos(q_n, k_e) / temperature                   k_e: row e of `keys` [E, D], unit norm
-
-    Cosine, not a dot product: the keys move by the rules of runtime/key_store.py (toward queries, toward each
-    other), which are averages; on the unit sphere an average does not shrink a key's norm and with it every
-    logit, so the temperature keeps one meaning (logits stay in [-1/T, 1/T]) over the whole run.
-    Buffers (in the state dict, never in the optimizer): keys [E, D], usage [E] (the EMA of each expert's
-    share of the assignments, which only the key updates read)."""
-
-    def __init__(self, d_model: int, n_experts: int, temperature: float):
-        super().__init__()
-        self.temperature = temperature
-        self.query_in = nn.Linear(d_model, 2 * d_model)
-        self.query_out = nn.Linear(2 * d_model, d_model)
-        self.register_buffer("keys", F.normalize(torch.randn(n_experts, d_model), dim=-1))
-        self.register_buffer("usage", torch.full((n_experts,), 1.0 / n_experts))
-
-    @property
-    def weight(self) -> Tensor:  # the dtype route() computes in
-        return self.query_in.weight
-
-    def reset_keys(self, generator: Optional[torch.Generator] = None) -> None:
-        """Random unit keys and uniform usage (1/E each)."""
-        with torch.no_grad():
-            keys = torch.randn(self.keys.shape, generator=generator)
-            self.keys.copy_(F.normalize(keys, dim=-1))
-            self.usage.fill_(1.0 / self.usage.numel())
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [..., D] -> (logits [..., E], unit queries [..., D])."""
-        q = F.normalize(self.query_out(F.gelu(self.query_in(x))), dim=-1)
-        keys = F.normalize(self.keys.to(q.dtype), dim=-1)  # unit already; normalized again for loaded stores
-        return q @ keys.t() / self.temperature, q
-
-
-def route(router: nn.Module, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
+def route(router: Router, x: Tensor, n_experts: int, top_k: Optional[int], gate_norm: str,
           forced: Optional[Tensor]) -> Routing:
+    """Gates of any router kind (runtime/routers.py) for x [B, T, D]."""
     n_tok = x.shape[0] * x.shape[1]
     if forced is not None:
         return Routing(gates=forced.to(x.device, torch.float32).expand(n_tok, n_experts))
+    flat = x.reshape(n_tok, x.shape[-1])  # [N, D]
     if _autocast_on(x.device.type):  # router logits in the weights' precision, not autocast's
         with torch.autocast(x.device.type, enabled=False):
-            logits = router(x.to(router.weight.dtype))
+            logits = router(flat.to(router.dtype))
     else:
-        logits = router(x)
-    queries = None
-    if isinstance(logits, tuple):  # a key-store router also returns its queries
-        logits, queries = logits
-        queries = queries.reshape(n_tok, -1).detach()
-    logits = logits.reshape(n_tok, n_experts).float()  # [N, E]
+        logits = router(flat)
+    logits = logits.float()  # [N, E]
     probs = logits.softmax(-1)
     if top_k is None:  # soft routing: every expert, full softmax gates
-        return Routing(gates=probs, logits=logits, probs=probs, queries=queries)
+        return Routing(gates=probs, logits=logits, probs=probs)
     top_p, top_i = probs.topk(top_k, dim=-1)  # [N, K]
     if gate_norm == "topk_softmax":
         top_p = top_p / top_p.sum(-1, keepdim=True)
     gates = torch.zeros_like(probs).scatter(-1, top_i, top_p)
-    return Routing(gates=gates, logits=logits, probs=probs, topk=top_i, queries=queries)
+    return Routing(gates=gates, logits=logits, probs=probs, topk=top_i)
 
 
 def load_balancing_loss(probs: Tensor, topk: Tensor, n_experts: int) -> Tensor:
@@ -409,9 +369,8 @@ class Block(nn.Module):
     Parameters (canonical names, see runtime/layout.py):
       attn          dense Q, K, V, O; or, in a shared-KV mixture, the one shared K and V
       attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
-      attn_router   [E, D]
-      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router [E, D] (router "linear") or
-                    a KeyStoreRouter (router "key_store")
+      attn_router   a Router of kind cfg.attn_router_kind (runtime/routers.py): [N, D] -> logits [N, E]
+      ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router: kind cfg.ffn_router_kind
     """
 
     def __init__(self, cfg, index: int):
@@ -430,20 +389,17 @@ class Block(nn.Module):
         if Ea == 0:
             self.attn = Projections({**q, **kv, **o})
         elif self.expert_kv:
-            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
             self.attn_experts = Projections({**q, **kv, **o}, Ea)
         else:
-            self.attn_router = nn.Linear(D, Ea, bias=False)
+            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
             self.attn = Projections(kv)
             self.attn_experts = Projections({**q, **o}, Ea)
         self.gated = cfg.activation == "swiglu"
         ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
         ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
-        if cfg.ffn_experts and cfg.router == "key_store":
-            self.ffn_router = KeyStoreRouter(D, cfg.ffn_experts, cfg.router_temperature)
-            self.ffn_experts = Projections(ffn, cfg.ffn_experts)
-        elif cfg.ffn_experts:
-            self.ffn_router = nn.Linear(D, cfg.ffn_experts, bias=False)
+        if cfg.ffn_experts:
+            self.ffn_router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
             self.ffn_experts = Projections(ffn, cfg.ffn_experts)
         else:
             self.ffn = Projections(ffn)
@@ -714,6 +670,15 @@ class Transformer(nn.Module):
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def routers(self) -> dict[str, Router]:
+        """Every router by name (layers.{i}.attn_router, layers.{i}.ffn_router), in execution order."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Router)}
+
+    def after_step(self) -> None:
+        """Call after every optimizer step: routers with rule-based (non-gradient) state update it."""
+        for router in self.routers().values():
+            router.after_step()
 
     def new_cache(self, batch: int, max_len: int, dtype: Optional[torch.dtype] = None,
                   device: Optional[torch.device] = None) -> ModelKVCache:

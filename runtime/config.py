@@ -31,15 +31,17 @@ Position = Literal["rope", "learned", "none"]
 Block = Literal["sequential", "parallel", "parallel_two_norms"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
-Router = Literal["linear", "key_store"]  # the router kinds; a new kind is a value here and a branch in runtime.blocks
+# The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
+# tests/test_routers.py holds the two lists together).
+Router = Literal["linear", "mlp", "attention", "expert_embedding", "key_store"]
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
 # Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
 # so that every config that does not use them serializes to the same bytes as before they were added.
-WRITTEN_WHEN_SET = ("final_norm", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
-                    "key_store_theta_percentile", "key_store_ema_decay")
+WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
+                    "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay")
 
 
 class ConfigError(ValueError):
@@ -106,10 +108,14 @@ class ModelConfig:
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
-    router: Router = "linear"  # FFN routers; key_store: runtime/key_store.py (attention routers stay linear)
-    router_temperature: float = 0.1  # key_store: logits = cos(query, key) / router_temperature (fixed)
+    router: Router = "linear"  # kind of the FFN routers, and of the attention routers unless attn_router says
+    attn_router: Router | None = None  # kind of the attention routers; None: the same as router
+    router_hidden: int | None = None  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
+    # expert_embedding: initial temperature tau (the learned one is a tensor); key_store: the fixed temperature
+    # of its cosine logits
+    router_temperature: float = 0.1
     # key_store update rules, once per optimizer step (docs/routers.md, "key store"): attraction, peer pull,
-    # reactivation step of inactive experts, the usage percentile below which an expert is inactive, usage EMA
+    # dispersion, the share of experts that may be re-seeded per step, the usage EMA's decay
     key_store_alpha: float = 0.01
     key_store_beta: float = 0.005
     key_store_delta: float = 0.001
@@ -187,18 +193,26 @@ class ModelConfig:
             need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
         need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
-        need(self.router in ROUTERS, "router", f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        need(self.router in ROUTERS, "router", f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
+        if self.attn_router is not None:
+            need(self.attn_router in ROUTERS, "attn_router",
+                 f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")
+            need(self.attn_experts > 0, "attn_router", "a router kind for attention experts needs attn_experts > 0")
+        if self.router_hidden is not None:
+            need(0 < self.router_hidden <= MAX_DIM, "router_hidden",
+                 f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
+        need(math.isfinite(self.router_temperature) and self.router_temperature > 0, "router_temperature",
+             f"must be a finite number > 0, got {self.router_temperature!r}")
+        # the key store routes FFN experts (its rules read top-k FFN routing); attention routers take another kind
         if self.router == "key_store":
             need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
-            need(self.attn_experts == 0, "router", "key_store routes FFN experts only: needs attn_experts == 0")
-        for fld in ("router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
-                    "key_store_theta_percentile", "key_store_ema_decay"):
-            need(math.isfinite(getattr(self, fld)), fld, f"must be a finite number, got {getattr(self, fld)!r}")
-        need(self.router_temperature > 0, "router_temperature", f"must be > 0, got {self.router_temperature!r}")
+        need(self.attn_router_kind != "key_store" or not self.attn_experts, "attn_router",
+             "key_store routes FFN experts only; give attention experts another kind (e.g. attn_router: linear)")
         for fld in ("key_store_alpha", "key_store_beta", "key_store_delta", "key_store_theta_percentile"):
-            need(0.0 <= getattr(self, fld) <= 1.0, fld, f"must be in [0, 1], got {getattr(self, fld)!r}")
-        need(0.0 <= self.key_store_ema_decay < 1.0, "key_store_ema_decay",
-             f"must be in [0, 1), got {self.key_store_ema_decay!r}")
+            v = getattr(self, fld)
+            need(math.isfinite(v) and 0.0 <= v <= 1.0, fld, f"must be in [0, 1], got {v!r}")
+        need(math.isfinite(self.key_store_ema_decay) and 0.0 <= self.key_store_ema_decay < 1.0,
+             "key_store_ema_decay", f"must be in [0, 1), got {self.key_store_ema_decay!r}")
         need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
         need(self.z_coef >= 0, "z_coef", "must be >= 0")
         need(self.logit_scale != 0, "logit_scale", "must be non-zero")
@@ -221,6 +235,14 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def ffn_router_kind(self) -> str:
+        return self.router
+
+    @property
+    def attn_router_kind(self) -> str:
+        return self.attn_router or self.router
+
+    @property
     def gated_ffn(self) -> bool:
         return self.activation == "swiglu"
 
@@ -234,7 +256,8 @@ class ModelConfig:
 
     def dense(self) -> "ModelConfig":
         """The dense config with the same shapes (mixture fields reset)."""
-        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert")
+        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert",
+                            attn_router=None)
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The key store's update rules (SoME): how the expert keys of a key-store router move, once per optimizer step,
 from the routing of that step. No gradient is involved; the forward (query network, cosine logits) is
-runtime/blocks.py's KeyStoreRouter. Formulas, with the reasons for each choice: docs/routers.md, "key store".
+runtime/routers.py's KeyStoreRouter. Formulas, with the reasons for each choice: docs/routers.md, "key store".
 
 Shapes: E experts, D d_model, N tokens of the step (every micro-batch, every process), K top-k, m = floor(theta E).
 
@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from .blocks import KeyStoreRouter, Routing
+from .routers import KeyStoreRouter
 
 
 # ---- the rules: pure functions ----------------------------------------------------------------------------
@@ -165,75 +165,72 @@ def update_router(router: KeyStoreRouter, stats: StepStatistics, cfg) -> Tensor:
     return inactive
 
 
-class KeyStoreStats:
-    """The statistics of one optimizer step for every key-store router of a model: `add(out.routing)` after each
-    forward of the step, `reduce(all_sum, rank, world)` across processes, then `Model.after_step(stats)`."""
-
-    def __init__(self, config):
-        self.config = config  # the model config (key_store_theta_percentile: how many worst-served tokens)
-        self.sums: dict[str, Tensor] = {}  # router name -> StepStatistics.flat_sums()
-        self.worst: dict[str, Tensor] = {}  # router name -> [<= m, 1 + D]
-        self.shapes: dict[str, tuple[int, int]] = {}
-
-    def add(self, routing: dict[str, Routing]) -> None:
-        for name, r in routing.items():
-            if r.queries is None or r.topk is None:
-                continue
-            E, D = r.probs.shape[-1], r.queries.shape[-1]
-            m = n_inactive(E, self.config.key_store_theta_percentile)
-            st = step_statistics(r.topk, r.queries, r.logits.detach().max(-1).values, E, m)
-            self.shapes[name] = (E, D)
-            if name not in self.sums:
-                self.sums[name], self.worst[name] = st.flat_sums(), st.worst
-            else:  # earlier micro-batches first: ties go to the token seen first
-                self.sums[name] = self.sums[name] + st.flat_sums()
-                self.worst[name] = worst_served(torch.cat([self.worst[name], st.worst]), m)
-
-    def reduce(self, all_sum: Callable[[Tensor], Tensor], rank: int = 0, world: int = 1) -> None:
-        """Combine every process's statistics with all_sum (an all-reduce of one tensor): sums are summed; the
-        worst-served candidates are gathered (each process fills its own slot of a zero tensor) and merged in
-        rank order. Every process runs the same model, so every process holds the same routers."""
-        if not self.sums:
-            return
-        names = sorted(self.sums)
-        slots = []
-        for n in names:
-            E, D = self.shapes[n]
-            m = n_inactive(E, self.config.key_store_theta_percentile)
-            slot = torch.zeros(world, m, 2 + D, device=self.sums[n].device)  # (valid, score, query)
-            w = self.worst[n]
-            slot[rank, :w.shape[0], 0] = 1.0
-            slot[rank, :w.shape[0], 1:] = w
-            slots.append(slot.reshape(-1))
-        parts = [self.sums[n] for n in names] + slots
-        joined = torch.split(all_sum(torch.cat(parts)), [p.numel() for p in parts])
-        for i, n in enumerate(names):
-            E, D = self.shapes[n]
-            self.sums[n] = joined[i]
-            gathered = joined[len(names) + i].view(-1, 2 + D)  # rank-major rows
-            gathered = gathered[gathered[:, 0] > 0.5, 1:]
-            self.worst[n] = worst_served(gathered, n_inactive(E, self.config.key_store_theta_percentile))
-
-    def statistics(self, name: str) -> StepStatistics:
-        counts, sums, co, tokens = StepStatistics.split_sums(self.sums[name], *self.shapes[name])
-        return StepStatistics(counts, sums, co, tokens, self.worst[name])
-
-    def apply(self, model: nn.Module) -> dict[str, Tensor]:
-        """Update every router with statistics; returns router name -> inactive mask."""
-        out = {}
-        for name in self.sums:
-            router = model.get_submodule(name)
-            if not isinstance(router, KeyStoreRouter):
-                raise TypeError(f"{name} is not a key-store router")
-            out[name] = update_router(router, self.statistics(name), model.config)
-        return out
+def _all_sum(t: Tensor) -> Tensor:
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
 
 
-def has_key_store(model: nn.Module, config: Optional[object] = None) -> bool:
-    cfg = config if config is not None else getattr(model, "config", None)
-    return getattr(cfg, "router", None) == "key_store"
+class KeyStoreCollector:
+    """One key-store router's statistics of the current optimizer step. The router hands it every training
+    forward's logits [N, E] and unit queries [N, D] (`add`); its after_step calls `apply`, which combines every
+    process's statistics (torch.distributed, when a process group is up), runs the rules and starts the next
+    step from zero. The top-k is recomputed from the logits exactly as runtime.blocks.route selects it."""
+
+    def __init__(self, cfg, n_experts: int):
+        self.cfg, self.n_experts = cfg, n_experts
+        self.top_k = cfg.ffn_top_k
+        self.m = n_inactive(n_experts, cfg.key_store_theta_percentile)
+        self.d_model = cfg.d_model
+        self.sums: Optional[Tensor] = None  # StepStatistics.flat_sums()
+        self.worst: Optional[Tensor] = None  # [<= m, 1 + D]
+
+    def add(self, logits: Tensor, queries: Tensor) -> None:
+        logits = logits.float()
+        topk = logits.softmax(-1).topk(self.top_k, dim=-1).indices  # [N, K], as route() picks
+        st = step_statistics(topk, queries, logits.max(-1).values, self.n_experts, self.m)
+        if self.sums is None:
+            self.sums, self.worst = st.flat_sums(), st.worst
+        else:  # earlier micro-batches first: ties go to the token seen first
+            self.sums = self.sums + st.flat_sums()
+            self.worst = worst_served(torch.cat([self.worst, st.worst]), self.m)
+
+    def reduce(self, all_sum: Callable[[Tensor], Tensor], rank: int, world: int) -> None:
+        """Combine every process's statistics with all_sum (an all-reduce of one tensor): the sums are summed;
+        the worst-served candidates are gathered (each process fills its own slot of a zero tensor) and merged
+        in rank order. A process that routed nothing this step takes part with zeros."""
+        D, E = self.d_model, self.n_experts
+        if self.sums is None:  # every process joins the collective, with zeros if it routed nothing
+            self.sums, self.worst = torch.zeros(E + E * D + E * E + 1), torch.zeros(0, 1 + D)
+        sums = self.sums
+        slot = torch.zeros(world, self.m, 2 + D, device=sums.device)  # (valid, best logit, query)
+        n = self.worst.shape[0]
+        slot[rank, :n, 0] = 1.0
+        slot[rank, :n, 1:] = self.worst
+        joined = all_sum(torch.cat([sums, slot.reshape(-1)]))
+        self.sums = joined[:sums.numel()]
+        gathered = joined[sums.numel():].view(-1, 2 + D)  # rank-major rows
+        self.worst = worst_served(gathered[gathered[:, 0] > 0.5, 1:], self.m)
+
+    def statistics(self) -> StepStatistics:
+        counts, sums, co, tokens = StepStatistics.split_sums(self.sums, self.n_experts, self.d_model)
+        return StepStatistics(counts, sums, co, tokens, self.worst)
+
+    def apply(self, router: KeyStoreRouter) -> Optional[Tensor]:
+        """The rules on the router's buffers from this step's statistics, then a fresh step; returns the inactive
+        mask (None if no token was routed since the last step)."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            device = router.keys.device
+            if self.sums is not None:
+                self.sums, self.worst = self.sums.to(device), self.worst.to(device)
+            self.reduce(lambda t: _all_sum(t.to(device)), dist.get_rank(), dist.get_world_size())
+        if self.sums is None or float(self.statistics().tokens) == 0:
+            self.sums, self.worst = None, None
+            return None
+        inactive = update_router(router, self.statistics(), self.cfg)
+        self.sums, self.worst = None, None
+        return inactive
 
 
-__all__ = ["KeyStoreStats", "StepStatistics", "attraction", "dispersion", "has_key_store", "inactive_experts",
-           "move_keys", "n_inactive", "peer_pull", "reseed", "step_statistics", "update_router", "usage_ema",
-           "worst_served"]
+__all__ = ["KeyStoreCollector", "StepStatistics", "attraction", "dispersion", "inactive_experts", "move_keys",
+           "n_inactive", "peer_pull", "reseed", "step_statistics", "update_router", "usage_ema", "worst_served"]

@@ -12,7 +12,7 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     .bias iff qkv_bias
     layers.{i}.attn.o.weight                  [D, H*Dh]     .bias [D] iff o_bias
     attention experts (attn_experts == E > 0):
-    layers.{i}.attn_router.weight             [E, D]
+    layers.{i}.attn_router.*                  the router's tensors (runtime/routers.py; linear: weight [E, D])
     layers.{i}.attn_experts.q.weight          [E, H*Dh, D]  (and o: [E, D, H*Dh]; biases [E, *])
     layers.{i}.attn_experts.k.weight / .v     [E, G*Dh, D]  kv_mode == "expert"
     layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     kv_mode == "shared" (one K, V)
@@ -21,12 +21,7 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     layers.{i}.ffn.up.weight                  [F, D]        .bias [F] iff ffn_bias
     layers.{i}.ffn.down.weight                [D, F]        .bias [D] iff ffn_bias
     FFN experts (ffn_experts == E > 0):
-    layers.{i}.ffn_router.weight              [E, D]        router "linear"
-    key-store router (router "key_store"):
-    layers.{i}.ffn_router.query_in.weight     [2D, D]       .bias [2D]
-    layers.{i}.ffn_router.query_out.weight    [D, 2D]       .bias [D]
-    layers.{i}.ffn_router.keys                [E, D]        buffer: unit expert keys
-    layers.{i}.ffn_router.usage               [E]           buffer: usage EMA
+    layers.{i}.ffn_router.*                   the router's tensors (runtime/routers.py; linear: weight [E, D])
     layers.{i}.ffn_experts.{gate,up,down}.weight   [E, F, D] / [E, D, F]; biases [E, *]
     final_norm.weight / .bias                 [D]           iff final_norm
     lm_head.weight                            [V, D]        absent iff tie_embeddings
@@ -40,6 +35,7 @@ from typing import Any, Iterable
 
 from .config import ModelConfig
 from .errors import printable
+from .routers import RouterTensor, router_class
 
 Shape = tuple[int, ...]
 
@@ -57,6 +53,27 @@ def _norm(out: dict[str, Shape], prefix: str, cfg: ModelConfig) -> None:
         out[f"{prefix}.bias"] = (cfg.d_model,)
 
 
+def router_tensors(cfg: ModelConfig) -> dict[str, RouterTensor]:
+    """Every router tensor of a model by canonical name (layers.{i}.{ffn,attn}_router.{tensor}), in file order."""
+    out: dict[str, RouterTensor] = {}
+    for i in range(cfg.n_layers):
+        for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+                               ("ffn", cfg.ffn_router_kind, cfg.ffn_experts)):
+            if E:
+                out.update((f"layers.{i}.{group}_router.{t.name}", t) for t in router_class(kind).tensors(cfg, E))
+    return out
+
+
+def _router(out: dict[str, Shape], prefix: str, kind: str, cfg: ModelConfig, n_experts: int) -> None:
+    for t in router_class(kind).tensors(cfg, n_experts):
+        out[f"{prefix}.{t.name}"] = t.shape
+
+
+def buffer_names(cfg: ModelConfig) -> set[str]:
+    """Canonical tensors that are buffers (not trained by gradient), e.g. a key store's keys."""
+    return {name for name, t in router_tensors(cfg).items() if t.buffer}
+
+
 def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     D, F = cfg.d_model, cfg.ffn_hidden
     out: dict[str, Shape] = {}
@@ -66,7 +83,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _norm(out, f"{p}.ffn_norm", cfg)
     E = cfg.attn_experts
     if E:
-        out[f"{p}.attn_router.weight"] = (E, D)
+        _router(out, f"{p}.attn_router", cfg.attn_router_kind, cfg, E)
         if cfg.kv_mode == "expert":
             _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
             _linear(out, f"{p}.attn_experts.k", cfg.kv_dim, D, cfg.qkv_bias, E)
@@ -83,13 +100,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{p}.attn.o", D, cfg.q_dim, cfg.o_bias)
     E = cfg.ffn_experts
     fp = f"{p}.ffn_experts" if E else f"{p}.ffn"
-    if E and cfg.router == "key_store":
-        _linear(out, f"{p}.ffn_router.query_in", 2 * D, D, True)
-        _linear(out, f"{p}.ffn_router.query_out", D, 2 * D, True)
-        out[f"{p}.ffn_router.keys"] = (E, D)  # buffer
-        out[f"{p}.ffn_router.usage"] = (E,)  # buffer
-    elif E:
-        out[f"{p}.ffn_router.weight"] = (E, D)
+    if E:
+        _router(out, f"{p}.ffn_router", cfg.ffn_router_kind, cfg, E)
     if cfg.gated_ffn:
         _linear(out, f"{fp}.gate", F, D, cfg.ffn_bias, E)
     _linear(out, f"{fp}.up", F, D, cfg.ffn_bias, E)

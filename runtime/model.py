@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import (ForcedRouting, KeyStoreRouter, ModelKVCache, Routing, Transformer,  # noqa: F401
-                     load_balancing_loss, route, router_losses, z_loss)
+from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, load_balancing_loss, route,  # noqa: F401
+                     router_losses, z_loss)
 from .config import ModelConfig
+from .layout import router_tensors
+from .key_store import KeyStoreCollector
+from .routers import KeyStoreRouter, init_tensor
 
 # Rows of logits per chunk of the loss-only path: 2**26 fp32 logits (256 MiB) at most, e.g. 262 rows at
 # vocab 256000; the whole batch at once for small vocabularies.
@@ -47,30 +50,31 @@ class Model(Transformer):
         if cfg.lm_head_bias:
             self.lm_head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.loss_chunk_rows: Optional[int] = None  # rows per chunk of the loss-only path (None: automatic)
+        for router in self.routers().values():  # the runtime's key stores learn (an HF export's only route)
+            if isinstance(router, KeyStoreRouter):
+                router.collector = KeyStoreCollector(cfg, router.n_experts)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init (normal(0, std) for matrices, ones/zeros for norms and biases)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        routers = router_tensors(self.config)  # each router tensor's own init (runtime/routers.py)
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
             with torch.no_grad():
-                if name.endswith("norm.weight"):
+                if name in routers:
+                    p.copy_(init_tensor(routers[name], self.config, std, gen))
+                elif name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif p.dim() == 1 or name.endswith(".bias"):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
-        for module in self.modules():  # after the parameters, so adding a key store changes no parameter's init
-            if isinstance(module, KeyStoreRouter) and not module.keys.is_meta:
-                module.reset_keys(gen)
-
-    def after_step(self, stats) -> dict:
-        """Once per optimizer step, after the parameter update and without gradient: the non-gradient updates of
-        the model's own state from the routing of that step (the key-store rules, runtime/key_store.py; stats is
-        its KeyStoreStats). Returns router name -> the inactive experts it saw; nothing for other routers."""
-        return stats.apply(self)
+        for name, b in self.named_buffers():  # router state moved by rules (a key store's keys and usage)
+            if name in routers and not b.is_meta:
+                with torch.no_grad():
+                    b.copy_(init_tensor(routers[name], self.config, std, gen))
 
     # lm_head.bias is a canonical name but nn.Linear(bias=False) has no slot when tied; keep one place.
     def state_dict(self, *args, **kwargs):

@@ -79,7 +79,10 @@ def test_optional_fields_take_defaults_when_absent():
     (dict(position="alibi"), "position"),
     (dict(gate_norm="sigmoid"), "gate_norm"),
     (dict(kv_mode="grouped"), "kv_mode"),
-    (dict(router="mlp"), "router"),
+    (dict(router="cosine"), "router"),
+    (dict(ffn_experts=4, attn_router="mlp"), "attn_router"),
+    (dict(router_hidden=0), "router_hidden"),
+    (dict(router_temperature=0.0), "router_temperature"),
     (dict(rotary_fraction=0.0), "rotary_fraction"),
     (dict(rotary_fraction=0.125), "rotary_fraction"),  # head_dim 8 * 0.125 = 1 rotary dim: odd
     (dict(vocab_size=0), "vocab_size"),

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from bam_surgery.runtime import Model, load_checkpoint, load_model, preset
-from bam_surgery.runtime.key_store import (KeyStoreStats, attraction, dispersion, inactive_experts, move_keys,
+from bam_surgery.runtime.key_store import (KeyStoreCollector, attraction, dispersion, inactive_experts, move_keys,
                                            peer_pull, reseed, step_statistics, update_router, usage_ema, worst_served)
-from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.layout import buffer_names, tensor_shapes
+from bam_surgery.runtime.routers import KeyStoreRouter
 from bam_surgery.surgery.audit import audit
 from bam_surgery.surgery.cli import cli
 from bam_surgery.train import TrainConfig, load_run_config, train
@@ -122,9 +124,7 @@ def test_one_whole_update_by_hand():
     k2 + 0.1 A2 + 0.05 P2 + 0.2 S2 = (-1 + 0.18 + 0.1 - 0.2, -0.06 - 0.2/3)
     each divided by its norm; expert 1 is re-seeded to the worst-served query: token b (best logit 0.1 < 0.9),
     (0.8, -0.6), and its usage to 1/3."""
-    from bam_surgery.runtime.blocks import KeyStoreRouter
-
-    router = KeyStoreRouter(2, 3, temperature=1.0)
+    router = KeyStoreRouter(SimpleNamespace(d_model=2, router_temperature=1.0), 3)
     router.keys.copy_(KEYS)
     cfg = preset("tiny").replace(key_store_alpha=0.1, key_store_beta=0.05, key_store_delta=0.2,
                                  key_store_theta_percentile=0.34, key_store_ema_decay=0.5)
@@ -148,9 +148,7 @@ def test_one_whole_update_by_hand():
 
 
 def test_forward_is_cosine_over_temperature():
-    from bam_surgery.runtime.blocks import KeyStoreRouter
-
-    router = KeyStoreRouter(2, 3, temperature=0.8)
+    router = KeyStoreRouter(SimpleNamespace(d_model=2, router_temperature=0.8), 3)
     router.keys.copy_(KEYS)
     with torch.no_grad():  # a query network that passes x through: W_out W_in = I, no biases
         router.query_in.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]) * 10)
@@ -158,8 +156,12 @@ def test_forward_is_cosine_over_temperature():
         router.query_out.weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]))
         router.query_out.bias.zero_()
         x = torch.tensor([[3.0, 4.0]])  # gelu(30) = 30, gelu(40) = 40: query (30, 40), unit (0.6, 0.8)
-        logits, q = router(x)
-    assert close(q, [[0.6, 0.8]], 1e-5)
+        seen = []
+        router.collector = SimpleNamespace(add=lambda logits, q: seen.append(q))
+        logits = router.eval()(x)
+        assert seen == []  # not training: nothing collected
+        router.train()(x)
+    assert close(seen[0], [[0.6, 0.8]], 1e-5)
     assert close(logits, [[0.6 / 0.8, 0.8 / 0.8, -0.6 / 0.8]], 1e-5)
     assert {n for n, _ in router.named_parameters()} == {"query_in.weight", "query_in.bias", "query_out.weight",
                                                         "query_out.bias"}
@@ -180,7 +182,7 @@ def test_keys_take_no_gradient_and_the_state_dict_holds_them():
     out.loss.backward()
     r = model.layers[0].ffn_router
     assert r.query_in.weight.grad is not None and not r.keys.requires_grad
-    assert out.routing["layers.0.ffn_router"].queries.shape == (32, 32)
+    assert buffer_names(cfg) == {f"layers.{i}.ffn_router.{b}" for i in range(2) for b in ("keys", "usage")}
     # the same seed gives the same keys; reset gives unit keys and uniform usage
     other = Model(cfg)
     other.reset_parameters(seed=0)
@@ -188,21 +190,36 @@ def test_keys_take_no_gradient_and_the_state_dict_holds_them():
     assert close(r.keys.norm(dim=-1), torch.ones(8)) and close(r.usage, torch.full((8,), 1 / 8))
 
 
+def _collected(model, *batches) -> dict[str, KeyStoreCollector]:
+    """Run training-mode forwards (no gradient needed) and return each key store's collector."""
+    model.train()
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    return {n: r.collector for n, r in model.routers().items()}
+
+
 def test_statistics_add_over_micro_batches():
-    """Two micro-batches' sums are the sums of the whole step (what the loop hands after_step)."""
-    cfg = preset("some-64", **SMALL_SOME)
+    """Two micro-batches' statistics are the statistics of the whole step (what after_step applies)."""
+    cfg = preset("some-64", **SMALL_SOME, key_store_theta_percentile=0.25)  # m = 2 of 8
     model = Model(cfg)
     model.reset_parameters(seed=1)
-    tokens = torch.randint(0, 256, (4, 16))
-    whole, parts = KeyStoreStats(cfg), KeyStoreStats(cfg)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    whole = {n: (c.sums.clone(), c.worst.clone()) for n, c in _collected(model, tokens).items()}
+    for c in _collected(model).values():
+        c.sums = c.worst = None
+    parts = _collected(model, tokens[:2], tokens[2:])
+    for name, (sums, worst) in whole.items():
+        assert torch.allclose(parts[name].sums, sums, atol=1e-4)
+        assert torch.allclose(parts[name].worst, worst, atol=1e-5) and worst.shape == (2, 33)
+        assert float(parts[name].statistics().counts.sum()) == 4 * 16 * 2
+    # eval-mode forwards collect nothing
+    for c in parts.values():
+        c.sums = c.worst = None
     with torch.no_grad():
-        whole.add(model(tokens).routing)
-        parts.add(model(tokens[:2]).routing)
-        parts.add(model(tokens[2:]).routing)
-    for name in whole.sums:
-        assert torch.allclose(whole.sums[name], parts.sums[name], atol=1e-4)
-        assert float(whole.statistics(name).counts.sum()) == 4 * 16 * 2
-        assert whole.worst[name].shape == (0, 33)  # floor(0.05 * 8) = 0: nothing to re-seed at 8 experts
+        model.eval()(tokens)
+    assert all(c.sums is None for c in parts.values())
+    assert model.after_step() is None and all(c.sums is None for c in parts.values())  # nothing routed: no-op
 
 
 def test_statistics_reduce_across_processes():
@@ -212,26 +229,36 @@ def test_statistics_reduce_across_processes():
     model = Model(cfg)
     model.reset_parameters(seed=1)
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
-    whole = KeyStoreStats(cfg)
-    with torch.no_grad():
-        whole.add(model(tokens).routing)
-        ranks = []
-        for r in range(2):
-            st = KeyStoreStats(cfg)
-            st.add(model(tokens[2 * r:2 * r + 2]).routing)
-            ranks.append(st)
+    name = "layers.1.ffn_router"
+
+    def take():
+        c = model.routers()[name].collector
+        out = (c.sums, c.worst)
+        c.sums = c.worst = None
+        return out
+
+    _collected(model, tokens)
+    whole = take()
+    ranks = []
+    for r in range(2):
+        _collected(model, tokens[2 * r:2 * r + 2])
+        ranks.append(take())
     sent = []
-    for r, st in enumerate(ranks):  # first pass: collect what each rank sends (all_sum returns its input)
-        saved = (dict(st.sums), dict(st.worst))
-        st.reduce(lambda t: sent.append(t) or t, r, 2)
-        st.sums, st.worst = saved
+    for r, (sums, worst) in enumerate(ranks):  # what each rank contributes (all_sum returns its input)
+        c = KeyStoreCollector(cfg, 8)
+        c.sums, c.worst = sums, worst
+        c.reduce(lambda t: sent.append(t.clone()) or t, r, 2)
     total = sent[0] + sent[1]
-    for r, st in enumerate(ranks):
-        st.reduce(lambda t: total, r, 2)
-        for name in whole.sums:
-            assert torch.allclose(st.sums[name], whole.sums[name], atol=1e-4)
-            assert st.worst[name].shape == (2, 33)
-            assert torch.allclose(st.worst[name], whole.worst[name], atol=1e-5)
+    for r, (sums, worst) in enumerate(ranks):
+        c = KeyStoreCollector(cfg, 8)
+        c.sums, c.worst = sums, worst
+        c.reduce(lambda t: total, r, 2)
+        assert torch.allclose(c.sums, whole[0], atol=1e-4)
+        assert c.worst.shape == (2, 33) and torch.allclose(c.worst, whole[1], atol=1e-5)
+    # a process that routed nothing joins with zeros
+    idle = KeyStoreCollector(cfg, 8)
+    idle.reduce(lambda t: t, 1, 2)
+    assert float(idle.statistics().tokens) == 0 and idle.worst.shape == (0, 33)
 
 
 def _train_cfg(tmp_path, out, **kw) -> TrainConfig:
@@ -278,16 +305,16 @@ def test_training_moves_keys_once_per_step_and_resumes_exactly(tmp_path, monkeyp
 
 def test_key_store_rules_run_once_per_step(tmp_path, monkeypatch):
     calls = []
-    original = Model.after_step
+    original = KeyStoreCollector.apply
 
-    def counting(self, stats):
-        calls.append({n: float(stats.statistics(n).tokens) for n in stats.sums})
-        return original(self, stats)
+    def counting(self, router):
+        calls.append(float(self.statistics().tokens))
+        return original(self, router)
 
-    monkeypatch.setattr(Model, "after_step", counting)
+    monkeypatch.setattr(KeyStoreCollector, "apply", counting)
     train(_train_cfg(tmp_path, "once", steps=3, save_every=0))
-    # 3 steps; each step's statistics cover all of its 4 sequences x 32 tokens (2 micro-batches of 2)
-    assert calls == [{"layers.0.ffn_router": 128.0, "layers.1.ffn_router": 128.0}] * 3
+    # 3 steps x 2 routers; each step's statistics cover all of its 4 sequences x 32 tokens (2 micro-batches of 2)
+    assert calls == [128.0] * 6
 
 
 # ---- the SoME presets: counts of the ablation logs -----------------------------------------------------------

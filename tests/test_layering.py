@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("runtime", "converters", "train", "surgery")  # each may import the ones before it
 LAYER_DIRS = ORDER + ("recipes",)
 # files shipped into exported HF folders run without bam_surgery installed: torch/transformers only, and
-# each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it)
+# each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it;
+# runtime/routers.py as routers.py next to it, which blocks_bam.py imports)
 STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py"),
-              Path("runtime/blocks.py")}
+              Path("runtime/blocks.py"), Path("runtime/routers.py")}
 SHIPPED_AS = {Path("converters/hf_bam/blocks_bam.py"): Path("runtime/blocks.py")}
 
 def _modules(layer: str, root: Path = ROOT) -> list[Path]:

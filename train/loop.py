@@ -8,8 +8,9 @@ One optimizer step: the learning rate of update n (optim.lr_at); the step's G gl
 (packing.MixtureSampler); on each process its micro-batches, each a forward pass with targets and
 loss = NLL + alpha * L_LB + beta * L_z (the model's terms, summed over routers), backward of
 loss / accumulation, gradients synchronized on the last micro-batch only; the global gradient norm
-clipped; AdamW; then, for a model with key-store routers, model.after_step: the key-store rules from the
-step's routing summed over every micro-batch and process (runtime/key_store.py). Every step writes a metrics line; evaluation and checkpoints at their intervals
+clipped; AdamW; then model.after_step(): routers whose state moves by rules (key stores) update it from
+the step's routing, summed over every micro-batch and process (runtime/key_store.py). Every step writes a
+metrics line; evaluation and checkpoints at their intervals
 and at the end.
 """
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch
 
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
 from bam_surgery.runtime.config import PRESETS, ConfigError
-from bam_surgery.runtime.key_store import KeyStoreStats, has_key_store
 
 from . import distributed as dist_
 from .card import model_card
@@ -220,7 +220,6 @@ class _Run:
         # fp32 master weights (and optimizer state) whatever the checkpoint's dtype; autocast does bf16
         self.model = model.float().to(self.d.device).train()
         self.trainable = apply_trainable(self.model, cfg.trainable)
-        self.key_store = has_key_store(self.model)
 
     def _tokenized(self, domains: list[Domain], split: str) -> list:
         """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
@@ -387,7 +386,6 @@ class _Run:
         mbs = micro_batches(samples, self.cfg.micro_batch, d.world, d.rank)
         sums = torch.zeros(4, dtype=torch.float64, device=dev)  # loss, nll, lb, z: sums of micro-batch means
         racc = RoutingAccumulator()
-        kstats = KeyStoreStats(self.model_config) if self.key_store else None  # the key-store rules read it
         data_s = 0.0
         for a, mb in enumerate(mbs):
             t = time.perf_counter()
@@ -403,15 +401,11 @@ class _Run:
             sums += torch.stack([loss.detach(), out.nll.detach(), out.lb_loss.detach(),
                                  out.z_loss.detach()]).double()  # stays on the device: no sync per micro-batch
             racc.add(out.routing)
-            if kstats is not None:
-                kstats.add(out.routing)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
         grad_norm = float(dist_.local_value(norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if kstats is not None:  # once per optimizer step, from every process's routing of it, no gradient
-            kstats.reduce(lambda t: dist_.all_sum(d, t), d.rank, d.world)
-            self.model.after_step(kstats)
+        self.model.after_step()  # rule-based router state (key stores), from this step's routing, no gradient
         sums = dist_.all_sum(d, sums).cpu() / (self.accum * d.world)
         racc = reduce_routing(racc, d)
         rec = {"loss": float(sums[0]), "nll": float(sums[1]), "lb_loss": float(sums[2]), "z_loss": float(sums[3]),

@@ -19,7 +19,8 @@ SUPPORTED = {
     "block": ("sequential", "parallel", "parallel_two_norms"),
     "gate_norm": ("softmax", "topk_softmax"),
     "kv_mode": ("expert", "shared"),
-    "router": ("linear", "key_store"),
+    "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
+    "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
 }
 
 
@@ -72,6 +73,8 @@ class BamConfig(PretrainedConfig):
         attn_top_k: int | None = None,
         kv_mode: str = "expert",
         router: str = "linear",
+        attn_router: str | None = None,
+        router_hidden: int | None = None,
         router_temperature: float = 0.1,
         key_store_alpha: float = 0.01,
         key_store_beta: float = 0.005,
@@ -97,9 +100,9 @@ class BamConfig(PretrainedConfig):
         self.ffn_experts, self.ffn_top_k, self.gate_norm = ffn_experts, ffn_top_k, gate_norm
         self.attn_experts, self.attn_top_k, self.kv_mode = attn_experts, attn_top_k, kv_mode
         self.router, self.lb_coef, self.z_coef, self.name = router, lb_coef, z_coef, name
-        # key_store: the temperature shapes the logits; the update rules' knobs only matter to training, kept so
-        # that a config.json read back gives the same model config
-        self.router_temperature = router_temperature
+        self.attn_router, self.router_hidden, self.router_temperature = attn_router, router_hidden, router_temperature
+        # key_store: the update rules' knobs only matter to training; kept so that a config.json read back gives
+        # the same model config
         self.key_store_alpha, self.key_store_beta, self.key_store_delta = key_store_alpha, key_store_beta, key_store_delta
         self.key_store_theta_percentile, self.key_store_ema_decay = key_store_theta_percentile, key_store_ema_decay
         self.use_cache = use_cache
@@ -110,6 +113,15 @@ class BamConfig(PretrainedConfig):
         # Passed up (not set here) because older transformers versions set it in their own __init__;
         # attribute_map routes it to tie_embeddings.
         super().__init__(tie_word_embeddings=tie_embeddings, **kwargs)
+
+    @property
+    def ffn_router_kind(self) -> str:
+        return self.router
+
+    @property
+    def attn_router_kind(self) -> str:
+        """Same rule as bam-surgery's ModelConfig: attn_router, or router when it is None."""
+        return self.attn_router or self.router
 
     @property
     def rotary_dim(self) -> int:

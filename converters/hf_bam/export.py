@@ -7,6 +7,7 @@ The directory holds:
     config.json                      every ModelConfig field (same names) + architectures, auto_map, model_type, torch_dtype
     configuration_bam.py, modeling_bam.py       the remote code, copied from this package
     blocks_bam.py                    the model math modeling_bam.py imports: runtime/blocks.py, byte for byte
+    routers.py                       the router kinds blocks_bam.py imports: runtime/routers.py, byte for byte
     generation_config.json
     model.safetensors                one file, or, with max_shard_bytes,
     model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -27,6 +28,7 @@ from typing import Iterable, Mapping
 import torch
 
 from bam_surgery.runtime import blocks as runtime_blocks
+from bam_surgery.runtime import routers as runtime_routers
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import FLOAT_DTYPES, dtype_name, main_dtype
 from bam_surgery.runtime.layout import tensor_shapes
@@ -42,7 +44,7 @@ CODE_DIR = Path(__file__).parent
 CODE_FILES = ("configuration_bam.py", "modeling_bam.py")
 # every file of remote code in an export -> where it comes from (one copy of the model math: the runtime's)
 SHIPPED_FILES = {**{name: CODE_DIR / name for name in CODE_FILES},
-                 "blocks_bam.py": Path(runtime_blocks.__file__)}
+                 "blocks_bam.py": Path(runtime_blocks.__file__), "routers.py": Path(runtime_routers.__file__)}
 ARCHITECTURE = "BamForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_bam.BamConfig", "AutoModelForCausalLM": "modeling_bam.BamForCausalLM"}
 
