@@ -4,7 +4,7 @@ runtime/routers.py's KeyStoreRouter. Formulas, with the reasons for each choice:
 
 Shapes: E experts, D d_model, N tokens of the step (every micro-batch, every process), K top-k, m = floor(theta E).
 
-Per step and router, the routing gives (accumulated by KeyStoreStats, summed across micro-batches and processes):
+Per step and router, the routing gives (KeyStoreCollector: summed over micro-batches and processes):
     c_e      number of tokens that selected expert e                          counts       [E]
     s_e      sum of the unit queries of those tokens                          query_sums   [E, D]
     C_ef     number of tokens that selected both e and f (e != f; C_ee = 0)   co_counts    [E, E]

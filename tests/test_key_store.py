@@ -357,12 +357,16 @@ def test_bad_key_store_configs_name_their_field():
 
     with pytest.raises(ConfigError, match="^router: key_store routes FFN experts"):
         preset("tiny", router="key_store")
-    with pytest.raises(ConfigError, match="^router_temperature: must be > 0"):
+    with pytest.raises(ConfigError, match="^router_temperature: must be a finite number > 0"):
         preset("some-64", router_temperature=0.0)
     with pytest.raises(ConfigError, match="^key_store_ema_decay: must be in"):
         preset("some-64", key_store_ema_decay=1.0)
     with pytest.raises(ConfigError, match="^key_store_alpha: must be in"):
         preset("some-64", key_store_alpha=-0.1)
+    with pytest.raises(ConfigError, match="^attn_router: key_store routes FFN experts only"):
+        preset("tiny", ffn_experts=2, attn_experts=2, router="key_store")
+    assert preset("tiny", ffn_experts=2, attn_experts=2, router="key_store", attn_router="linear").attn_router_kind \
+        == "linear"
 
 
 def test_a_checkpoint_round_trips_with_its_store(tmp_path):
