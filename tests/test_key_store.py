@@ -383,3 +383,16 @@ def test_a_checkpoint_round_trips_with_its_store(tmp_path):
     res = CliRunner().invoke(cli, ["count-params", str(path)])
     assert res.exit_code == 0, res.output
     assert "buffers     528 = 0.00M in 4 tensors" in res.output  # 2 layers x (8 x 32 + 8)
+
+
+def test_exports_without_a_final_norm_are_refused_where_the_format_has_one():
+    from bam_surgery.converters.export import CapabilityError
+    from bam_surgery.converters.hf.architectures import ARCHITECTURES
+    from bam_surgery.converters.hf.mixtral_config import mixtral_problems
+
+    dense = preset("tiny", block="sequential", final_norm=False)
+    with pytest.raises(CapabilityError, match="needs final_norm=True"):
+        ARCHITECTURES["llama"].config.write(dense.replace(norm="rmsnorm"), "llama")
+    mix = preset("tiny", block="sequential", norm="rmsnorm", final_norm=False, ffn_experts=2, gate_norm="topk_softmax")
+    assert ("a final norm", "no final norm") in mixtral_problems(mix)
+    assert ("linear routers", "router key_store") in mixtral_problems(mix.replace(router="key_store"))
