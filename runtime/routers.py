@@ -195,8 +195,9 @@ class KeyStoreRouter(Router):
         q        = W_out gelu(W_in x + b_in) + b_out      query network D -> 2D -> D (trained)
         logits_e = cos(q, k_e) / T                        k_e: unit rows of `keys`; T = router_temperature (fixed)
 
-    Cosine, not a dot product: the rules move keys by averages (toward queries, toward each other); on the unit
-    sphere an average does not shrink a key, so the logits stay in [-1/T, 1/T] and T keeps one meaning all run.
+    Cosine, not a dot product: the rules move keys by averages (toward queries, toward each other), which are
+    shorter than their parts; with unit keys (renormalized after every move) and unit queries the logits stay in
+    [-1/T, 1/T] and T keeps one meaning all run.
     Buffers: keys [E, D], usage [E] (the EMA of each expert's share of the assignments; only the rules read it).
 
     `collector` (set by the runtime's Model, runtime/key_store.py): while training, each forward hands it the
