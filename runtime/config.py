@@ -16,6 +16,7 @@ ffn_exp/Block = 1024*4096, ffn_red/Block = 2048*1024).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -278,7 +279,10 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown config field (known: {', '.join(sorted(known))})")
+            # the nearest known names, not all of them: the list has grown past what one error line should carry
+            near = difflib.get_close_matches(str(unknown[0]), sorted(known), n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(near)}?" if near else "runtime/config.py ModelConfig lists the fields"
+            raise ConfigError(f"{unknown[0]}: unknown config field ({hint})")
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in d]
         if missing:
