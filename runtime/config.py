@@ -16,6 +16,7 @@ ffn_exp/Block = 1024*4096, ffn_red/Block = 2048*1024).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -33,14 +34,15 @@ GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
 # The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
 # tests/test_routers.py holds the two lists together).
-Router = Literal["linear", "mlp", "attention", "expert_embedding"]
+Router = Literal["linear", "mlp", "attention", "expert_embedding", "key_store"]
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
 # Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
 # so that every config that does not use them serializes to the same bytes as before they were added.
-WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature")
+WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
+                    "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay")
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,7 @@ class ModelConfig:
     block: Block = "sequential"  # parallel: one shared norm; parallel_two_norms: NeoX
     tie_embeddings: bool = False
     logit_scale: float = 1.0  # multiplies the logits (Cohere)
+    final_norm: bool = True  # False: the last block's output goes to the head without a norm
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
@@ -109,7 +112,16 @@ class ModelConfig:
     router: Router = "linear"  # kind of the FFN routers, and of the attention routers unless attn_router says
     attn_router: Router | None = None  # kind of the attention routers; None: the same as router
     router_hidden: int | None = None  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
-    router_temperature: float = 0.1  # expert_embedding: initial temperature tau (the learned one is a tensor)
+    # expert_embedding: initial temperature tau (the learned one is a tensor); key_store: the fixed temperature
+    # of its cosine logits
+    router_temperature: float = 0.1
+    # key_store update rules, once per optimizer step (docs/routers.md, "key store"): attraction, peer pull,
+    # dispersion, the share of experts that may be re-seeded per step, the usage EMA's decay
+    key_store_alpha: float = 0.01
+    key_store_beta: float = 0.005
+    key_store_delta: float = 0.001
+    key_store_theta_percentile: float = 0.05
+    key_store_ema_decay: float = 0.99
     lb_coef: float = 0.01  # alpha, load-balancing loss weight
     z_coef: float = 0.001  # beta, router z-loss weight
     name: str = ""  # free-form label (preset name, source architecture)
@@ -193,6 +205,16 @@ class ModelConfig:
                  f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
         need(math.isfinite(self.router_temperature) and self.router_temperature > 0, "router_temperature",
              f"must be a finite number > 0, got {self.router_temperature!r}")
+        # the key store routes FFN experts (its rules read top-k FFN routing); attention routers take another kind
+        if self.router == "key_store":
+            need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
+        need(self.attn_router_kind != "key_store" or not self.attn_experts, "attn_router",
+             "key_store routes FFN experts only; give attention experts another kind (e.g. attn_router: linear)")
+        for fld in ("key_store_alpha", "key_store_beta", "key_store_delta", "key_store_theta_percentile"):
+            v = getattr(self, fld)
+            need(math.isfinite(v) and 0.0 <= v <= 1.0, fld, f"must be in [0, 1], got {v!r}")
+        need(math.isfinite(self.key_store_ema_decay) and 0.0 <= self.key_store_ema_decay < 1.0,
+             "key_store_ema_decay", f"must be in [0, 1), got {self.key_store_ema_decay!r}")
         need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
         need(self.z_coef >= 0, "z_coef", "must be >= 0")
         need(self.logit_scale != 0, "logit_scale", "must be non-zero")
@@ -258,7 +280,10 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"{unknown[0]}: unknown config field (known: {', '.join(sorted(known))})")
+            # the nearest known names, not all of them: the list has grown past what one error line should carry
+            near = difflib.get_close_matches(str(unknown[0]), sorted(known), n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(near)}?" if near else "runtime/config.py ModelConfig lists the fields"
+            raise ConfigError(f"{unknown[0]}: unknown config field ({hint})")
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in d]
         if missing:
@@ -298,6 +323,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         block="parallel", tie_embeddings=True, max_positions=2048,
     ),
     # A tiny model used by `make demo` and tests; shaped like paper-small, scaled down.
+    # The self-organizing mixture (SoME) of the ablation logs (seeds/004): 10 sequential blocks, LayerNorm with
+    # bias, biases in every projection and the untied head, RoPE (the logs count no position table), a non-gated
+    # GELU FFN expert of width 1024 in every layer, top-4 of E through a key-store router. Its counts (trainable
+    # 29.42M, totals 701.50M / 1373.57M / 2717.71M / 5406.00M) hold for a model without a final norm; see
+    # docs/param-counting.md. "trainable": the experts are frozen (count-params' default --trainable).
+    **{f"some-{E}": dict(
+        source=f"SoME ablation logs (seeds/004), {E} frozen experts",
+        trainable=["*", "!ffn_experts"],
+        vocab_size=8192, d_model=512, n_layers=10, n_heads=8, ffn_hidden=1024, activation="gelu",
+        norm="layernorm", norm_bias=True, qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True,
+        position="rope", block="sequential", tie_embeddings=False, max_positions=768, final_norm=False,
+        ffn_experts=E, ffn_top_k=4, gate_norm="topk_softmax", router="key_store", router_temperature=0.8,
+        key_store_alpha=0.01, key_store_beta=0.005, key_store_delta=0.001, key_store_theta_percentile=0.05,
+        key_store_ema_decay=0.99, lb_coef=0.0, z_coef=0.0,
+    ) for E in (64, 128, 256, 512)},
     "tiny": dict(
         source="bam-surgery demo: paper-small's architecture at toy size",
         vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128,
@@ -307,12 +347,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+PRESET_NOTES = ("source", "trainable")  # preset entries that are not config fields
+
+
+def preset_trainable(name: str) -> list[str]:
+    """The trainable patterns a preset's model is meant to train with (train --trainable syntax); ['*'] unless
+    it says otherwise (the SoME presets freeze their experts)."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return list(PRESETS[name].get("trainable", ["*"]))
+
+
 def preset(name: str, /, **overrides: Any) -> ModelConfig:
     """A preset's config with fields overridden; `name` is positional-only so that the config's own
     `name` field can be overridden too: preset("tiny", name="seed")."""
     if name not in PRESETS:
         raise ConfigError(f"preset: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    fields = {k: v for k, v in PRESETS[name].items() if k != "source"}
+    fields = {k: v for k, v in PRESETS[name].items() if k not in PRESET_NOTES}
     fields["name"] = name
     fields.update(overrides)
     return ModelConfig(**fields)

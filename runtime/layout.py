@@ -23,7 +23,7 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     FFN experts (ffn_experts == E > 0):
     layers.{i}.ffn_router.*                   the router's tensors (runtime/routers.py; linear: weight [E, D])
     layers.{i}.ffn_experts.{gate,up,down}.weight   [E, F, D] / [E, D, F]; biases [E, *]
-    final_norm.weight / .bias                 [D]
+    final_norm.weight / .bias                 [D]           iff final_norm
     lm_head.weight                            [V, D]        absent iff tie_embeddings
     lm_head.bias                              [V]           iff lm_head_bias
 """
@@ -116,7 +116,8 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
         out["pos_embed.weight"] = (cfg.max_positions, cfg.d_model)
     for i in range(cfg.n_layers):
         out.update(layer_shapes(cfg, i))
-    _norm(out, "final_norm", cfg)
+    if cfg.final_norm:
+        _norm(out, "final_norm", cfg)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
     if cfg.lm_head_bias:

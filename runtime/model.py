@@ -22,7 +22,8 @@ from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, load_bal
                      router_losses, z_loss)
 from .config import ModelConfig
 from .layout import router_tensors
-from .routers import init_tensor
+from .key_store import KeyStoreCollector
+from .routers import KeyStoreRouter, init_tensor
 
 # Rows of logits per chunk of the loss-only path: 2**26 fp32 logits (256 MiB) at most, e.g. 262 rows at
 # vocab 256000; the whole batch at once for small vocabularies.
@@ -49,6 +50,9 @@ class Model(Transformer):
         if cfg.lm_head_bias:
             self.lm_head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.loss_chunk_rows: Optional[int] = None  # rows per chunk of the loss-only path (None: automatic)
+        for router in self.routers().values():  # the runtime's key stores learn (an HF export's only route)
+            if isinstance(router, KeyStoreRouter):
+                router.collector = KeyStoreCollector(cfg, router.n_experts)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -67,6 +71,10 @@ class Model(Transformer):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for name, b in self.named_buffers():  # router state moved by rules (a key store's keys and usage)
+            if name in routers and not b.is_meta:
+                with torch.no_grad():
+                    b.copy_(init_tensor(routers[name], self.config, std, gen))
 
     # lm_head.bias is a canonical name but nn.Linear(bias=False) has no slot when tied; keep one place.
     def state_dict(self, *args, **kwargs):

@@ -19,6 +19,9 @@ Kinds (D d_model, E experts, Dh head_dim; docs/routers.md has the formulas and t
                       logits_e = q.k_e / sqrt(R)            embeddings.weight [E, D] (m_e); R = router_hidden or Dh
     expert_embedding  logits_e = cos(x, m_e) / tau,         embeddings.weight [E, D], log_temperature [1] = log tau
                       tau = exp(log_temperature)            (initialized to log(router_temperature))
+    key_store         q = W_out gelu(W_in x + b_in) + b_out, query_in.weight [2D, D], .bias [2D],
+                      logits_e = cos(q, k_e) / T            query_out.weight [D, 2D], .bias [D]; buffers keys [E, D],
+                      (T = router_temperature, fixed)       usage [E], moved by runtime/key_store.py's rules
 
 This file is shipped next to blocks.py into every HF BAM export (as routers.py, byte for byte): it imports
 only torch and the standard library. Configs are duck-typed (router_hidden, router_temperature, d_model,
@@ -44,6 +47,8 @@ INITS = (
     "unit",  # normal(0, 1): expert embeddings live in model space, where the normed states are O(1) per coordinate
     "zeros",
     "log_temperature",  # log(cfg.router_temperature)
+    "unit_rows",  # normal(0, 1) rows scaled to unit norm: random directions (a key store's keys)
+    "fair_share",  # 1/E everywhere (a key store's usage EMA: uniform)
 )
 
 
@@ -59,6 +64,7 @@ class Router(nn.Module):
     """Base of every kind: token states [N, D] -> logits [N, E]."""
 
     kind: ClassVar[str]
+    routes_attention: ClassVar[bool] = True  # False: FFN routers only (the config refuses it for attention)
 
     def __init__(self, cfg, n_experts: int):
         super().__init__()
@@ -88,6 +94,10 @@ def init_tensor(spec: RouterTensor, cfg, std: float, generator: torch.Generator 
         return torch.zeros(spec.shape)
     if spec.init == "log_temperature":
         return torch.full(spec.shape, math.log(cfg.router_temperature))
+    if spec.init == "unit_rows":
+        return F.normalize(torch.randn(spec.shape, generator=generator), dim=-1)
+    if spec.init == "fair_share":
+        return torch.full(spec.shape, 1.0 / spec.shape[0])
     raise ValueError(f"{spec.name}: unknown router init {spec.init!r}; the inits are {', '.join(INITS)}")
 
 
@@ -180,8 +190,60 @@ class ExpertEmbeddingRouter(Router):
         return cos * torch.exp(-self.log_temperature)
 
 
+class KeyStoreRouter(Router):
+    """The self-organizing key store (SoME): a trained query network into a store of E expert keys that no
+    gradient reaches; the keys move by rules once per optimizer step (runtime/key_store.py, docs/routers.md).
+
+        q        = W_out gelu(W_in x + b_in) + b_out      query network D -> 2D -> D (trained)
+        logits_e = cos(q, k_e) / T                        k_e: unit rows of `keys`; T = router_temperature (fixed)
+
+    Cosine, not a dot product: the rules move keys by averages (toward queries, toward each other), which are
+    shorter than their parts; with unit keys (renormalized after every move) and unit queries the logits stay in
+    [-1/T, 1/T] and T keeps one meaning all run.
+    Buffers: keys [E, D], usage [E] (the EMA of each expert's share of the assignments; only the rules read it).
+
+    `collector` (set by the runtime's Model, runtime/key_store.py): while training, each forward hands it the
+    step's logits and unit queries, and after_step applies the rules. Without one (an HF export) the router
+    only routes."""
+
+    kind = "key_store"
+    routes_attention = False  # its statistics and rules read the FFN top-k
+
+    def __init__(self, cfg, n_experts: int):
+        super().__init__(cfg, n_experts)
+        D = cfg.d_model
+        self.temperature = cfg.router_temperature
+        self.query_in = nn.Linear(D, 2 * D)  # [2D, D], bias [2D]
+        self.query_out = nn.Linear(2 * D, D)  # [D, 2D], bias [D]
+        self.register_buffer("keys", F.normalize(torch.randn(n_experts, D), dim=-1))  # [E, D]
+        self.register_buffer("usage", torch.full((n_experts,), 1.0 / n_experts))  # [E]
+        self.collector = None
+
+    @classmethod
+    def tensors(cls, cfg, n_experts: int) -> list[RouterTensor]:
+        D = cfg.d_model
+        # state_dict order: the module's own buffers before its submodules' parameters
+        return [RouterTensor("keys", (n_experts, D), "unit_rows", buffer=True),
+                RouterTensor("usage", (n_experts,), "fair_share", buffer=True),
+                RouterTensor("query_in.weight", (2 * D, D), "normal"), RouterTensor("query_in.bias", (2 * D,), "zeros"),
+                RouterTensor("query_out.weight", (D, 2 * D), "normal"), RouterTensor("query_out.bias", (D,), "zeros")]
+
+    def forward(self, x: Tensor) -> Tensor:  # [N, D] -> [N, E]
+        q = F.normalize(self.query_out(F.gelu(self.query_in(x))), dim=-1)  # [N, D], unit
+        keys = F.normalize(self.keys.to(q.dtype), dim=-1)  # unit already; normalized again for edited stores
+        logits = (q @ keys.t()) * (1.0 / self.temperature)
+        if self.training and self.collector is not None:
+            self.collector.add(logits.detach(), q.detach())
+        return logits
+
+    def after_step(self) -> None:
+        if self.collector is not None:
+            self.collector.apply(self)
+
+
 ROUTER_KINDS: dict[str, type[Router]] = {cls.kind: cls for cls in
-                                         (LinearRouter, MLPRouter, AttentionRouter, ExpertEmbeddingRouter)}
+                                         (LinearRouter, MLPRouter, AttentionRouter, ExpertEmbeddingRouter,
+                                          KeyStoreRouter)}
 
 
 def router_class(kind: str) -> type[Router]:

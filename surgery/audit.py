@@ -13,6 +13,7 @@ data), so auditing a 2B mixture costs nothing. Every canonical tensor gets a Ten
     Buffers (router state that gradients do not train, runtime/routers.py RouterTensor.buffer, e.g. a key
     store) are not parameters: they are left out of the totals, the groups and Table 5, and counted apart
     (Audit.buffers).
+    trainable  the parameters that `train --trainable PATTERNS` trains (the SoME presets freeze their experts)
 
 Conventions:
     exact   the counts above.
@@ -31,8 +32,9 @@ from typing import Any, Callable
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import dtype_name, nbytes
-from bam_surgery.runtime.layout import (GROUPS, Mismatch, Shape, buffer_names, layout_mismatches, tensor_group,
-                                        tensor_shapes)
+from bam_surgery.runtime.layout import (GROUPS, Mismatch, Shape, buffer_names, layout_mismatches,
+                                        tensor_group, tensor_shapes)
+from bam_surgery.train.optim import select_trainable
 from bam_surgery.runtime.reader import Reader
 
 CONVENTIONS = ("exact", "paper")
@@ -192,6 +194,7 @@ class Audit:
     tensors: list[TensorCount]
     adjustments: list[Adjustment] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
+    trainable_patterns: list[str] = field(default_factory=lambda: ["*"])  # train --trainable syntax
 
     @property
     def parameters(self) -> list[TensorCount]:
@@ -213,8 +216,15 @@ class Audit:
         return GroupCount(len(bufs), n, n)
 
     @property
+    def trainable(self) -> int:
+        """Parameters the trainable patterns select (train --trainable; a user error if one matches nothing)."""
+        chosen = select_trainable([t.name for t in self.parameters], self.trainable_patterns)
+        return sum(t.total for t in self.parameters if t.name in chosen)
+
+    @property
     def groups(self) -> dict[str, GroupCount]:
-        """Every group of runtime.layout.GROUPS, in that order (zeros included)."""
+        """Every group of runtime.layout.GROUPS, in that order (zeros included), parameters only (buffers are
+        counted apart: `buffers`)."""
         acc = {g: [0, 0, 0] for g in GROUPS}
         for t in self.parameters:
             a = acc[t.group]
@@ -241,6 +251,8 @@ class Audit:
             active=self.active,
             groups={g: dict(tensors=c.tensors, total=c.total, active=c.active) for g, c in self.groups.items()},
             buffers=dict(tensors=self.buffers.tensors, total=self.buffers.total),
+            trainable=self.trainable,
+            trainable_patterns=list(self.trainable_patterns),
             adjustments=[a.to_dict() for a in self.adjustments],
             table5={label: n for label, n in self.table5()},
             mismatches=[m.to_dict() for m in self.mismatches],
@@ -249,23 +261,27 @@ class Audit:
 
 
 def _finish(cfg: ModelConfig, counts: list[TensorCount], convention: str,
-            mismatches: list[Mismatch]) -> Audit:
+            mismatches: list[Mismatch], trainable: list[str] | None = None) -> Audit:
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
     adjustments: list[Adjustment] = []
     if convention == "paper":
         counts, adjustments = apply_paper_deviations(cfg, counts)
-    return Audit(cfg, convention, counts, adjustments, mismatches)
+    a = Audit(cfg, convention, counts, adjustments, mismatches, list(trainable or ["*"]))
+    a.trainable  # a pattern that matches nothing is refused here, not when the audit is printed
+    return a
 
 
-def audit(cfg: ModelConfig, convention: str = "exact") -> Audit:
-    """Audit the model a config describes, from runtime.layout.tensor_shapes alone."""
+def audit(cfg: ModelConfig, convention: str = "exact", trainable: list[str] | None = None) -> Audit:
+    """Audit the model a config describes, from runtime.layout.tensor_shapes alone. trainable: patterns as
+    train --trainable takes them (default: every parameter)."""
     buffers = buffer_names(cfg)
     counts = [exact_count(cfg, name, shape, buffer=name in buffers) for name, shape in tensor_shapes(cfg).items()]
-    return _finish(cfg, counts, convention, [])
+    return _finish(cfg, counts, convention, [], trainable)
 
 
-def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelConfig | None = None) -> Audit:
+def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelConfig | None = None,
+                     trainable: list[str] | None = None) -> Audit:
     """Audit a checkpoint from its header: names, shapes and dtypes only (no tensor data is read).
 
     `config` overrides reader.config (e.g. to count a BTX checkpoint's active parameters at another
@@ -284,4 +300,4 @@ def audit_checkpoint(reader: Reader, convention: str = "exact", config: ModelCon
             continue  # not a canonical name: already reported as "unexpected"
         dtype = reader.dtype(name)
         counts.append(exact_count(cfg, name, shape, dtype_name(dtype), nbytes(shape, dtype), name in buffers))
-    return _finish(cfg, counts, convention, mismatches)
+    return _finish(cfg, counts, convention, mismatches, trainable)

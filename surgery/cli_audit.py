@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import click
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
-from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset, preset_trainable
+from bam_surgery.train.config import split_patterns
 
 from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
 from bam_surgery.runtime.errors import printable
@@ -40,9 +41,15 @@ def render_audit(a: Audit, source: str) -> str:
     rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
     rows.append(("total", len(a.parameters), a.total, a.active))
     out.append(render_table(("group", "tensors", "total", "active"), rows))
+    if a.buffers.tensors or a.trainable_patterns != ["*"]:  # otherwise every parameter trains: the table says it
+        patterns = ",".join(a.trainable_patterns)
+        share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
+        out += ["", f"total       {a.total:,} = {millions(a.total)}",
+                f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
     if a.buffers.tensors:
-        out.append(f"buffers: {a.buffers.tensors} tensors, {a.buffers.total:,} values (router state not trained by "
-                   "gradient; not parameters, not in the counts above)")
+        out.append(f"buffers     {a.buffers.total:,} = {millions(a.buffers.total)} in {a.buffers.tensors} tensors "
+                   "(router state moved by rules, not by gradient, e.g. a key store's keys and usage EMA; in the "
+                   "checkpoint, not parameters, not in total)")
     if a.convention == "paper":
         out += ["", "paper convention: deviations from exact (already applied above)"]
         if not a.adjustments:
@@ -60,6 +67,11 @@ def render_audit(a: Audit, source: str) -> str:
         out += ["", f"layout mismatches ({len(a.mismatches)})"]
         out += [f"  {m.message()}" for m in a.mismatches]
     return "\n".join(out)
+
+
+def millions(n: int) -> str:
+    """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
+    return f"{n / 1e6:.2f}M"
 
 
 def _show(field: str, value: Any) -> str:
@@ -201,13 +213,16 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
               help="Router kind of the --recipe mixture (docs/routers.md; default: the recipe's).")
 @click.option("--router-hidden", type=click.IntRange(min=1), metavar="N",
               help="mlp / attention routers of the --recipe mixture: hidden / query-key width.")
+@click.option("--trainable", "trainable", metavar="PATTERNS",
+              help="Count as trainable what `train --trainable PATTERNS` trains (groups or globs, '!' excludes; "
+                   "default: the preset's own patterns, e.g. some-64 freezes its experts, else every parameter).")
 @click.option("--convention", type=click.Choice(CONVENTIONS), default="exact", show_default=True,
               help="exact: every parameter that runs; paper: the BAM paper's Table 5 counting "
                    "(each deviation from exact is listed with its size).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 @ALLOW_PICKLE
 def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attention_routing, router_kind,
-                     router_hidden, convention, as_json, allow_pickle):
+                     router_hidden, trainable, convention, as_json, allow_pickle):
     """Total and active parameter counts by group, from shapes alone.
 
     CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
@@ -223,10 +238,16 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
         raise click.UsageError("--recipe needs --experts N")
     if (router_kind or router_hidden) and not recipe_name:
         raise click.UsageError("--router and --router-hidden need --recipe (a checkpoint's routers are its own)")
+    if trainable is not None:
+        patterns = split_patterns(trainable)
+        if not patterns:
+            raise click.BadParameter("no patterns: give at least one (e.g. '*')", param_hint="--trainable")
+    else:
+        patterns = preset_trainable(preset_name) if preset_name else ["*"]
 
     if ckpt:
         with _open(ckpt, allow_pickle) as reader:
-            a = audit_checkpoint(reader, convention)
+            a = audit_checkpoint(reader, convention, trainable=patterns)
         _refuse_mismatches(ckpt, a)
         base, source = reader.config, ckpt
     else:
@@ -240,7 +261,7 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
     if not ckpt or cfg is not base:
         # a preset, a mixture that does not exist yet, or a re-routed checkpoint: its layout was
         # checked above, so the config's shapes are the checkpoint's shapes
-        a = audit(cfg, convention)
+        a = audit(cfg, convention, trainable=patterns)
     if as_json:
         click.echo(json.dumps(dict(source=source, kind=describe_kind(cfg), **a.to_dict()), indent=2))
     else:

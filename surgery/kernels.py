@@ -56,6 +56,12 @@ def _normal(t: TensorOp, read: Read) -> torch.Tensor:  # generator seeded per te
     return (torch.randn(t.shape, generator=gen, dtype=torch.float32) * t.std).to(t.dtype)
 
 
+def _unit_rows(t: TensorOp, read: Read) -> torch.Tensor:  # normal rows scaled to unit norm (key-store keys)
+    gen = torch.Generator().manual_seed(t.rng_seed)
+    rows = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+    return torch.nn.functional.normalize(rows, dim=-1).to(t.dtype)
+
+
 def _zeros(t: TensorOp, read: Read) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype)
 
@@ -65,7 +71,8 @@ def _full(t: TensorOp, read: Read) -> torch.Tensor:
 
 
 OP_TABLE: dict[str, Callable[[TensorOp, Read], torch.Tensor]] = {
-    "stack": _stack, "mean": _mean, "copy": _copy, "normal": _normal, "zeros": _zeros, "full": _full}
+    "stack": _stack, "mean": _mean, "copy": _copy, "normal": _normal, "unit_rows": _unit_rows, "zeros": _zeros,
+    "full": _full}
 
 
 def run_op(t: TensorOp, read: Read, calibrated: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

@@ -114,6 +114,8 @@ class TensorOp:
             rec["weights"] = list(self.weights)
         if self.op == "normal":
             rec["std"], rec["seed"] = self.std, self.rng_seed
+        if self.op == "unit_rows":
+            rec["seed"] = self.rng_seed
         if self.op == "full":
             rec["value"] = self.value
         return rec
@@ -290,6 +292,10 @@ def _router_op(plan: Plan, name: str, spec: RouterTensor) -> TensorOp:
         return TensorOp(name, "zeros", spec.shape, dtype)
     if init == "log_temperature":
         return TensorOp(name, "full", spec.shape, dtype, value=math.log(plan.config.router_temperature))
+    if init == "unit_rows":  # random unit directions (a key store's keys)
+        return TensorOp(name, "unit_rows", spec.shape, dtype, rng_seed=router_rng_seed(plan.options.router_seed, name))
+    if init == "fair_share":  # 1/E everywhere (a key store's usage EMA)
+        return TensorOp(name, "full", spec.shape, dtype, value=1.0 / spec.shape[-1])
     raise AssertionError(f"{name}: router init {init!r} has no plan op")
 
 

@@ -51,6 +51,10 @@ VARIANTS = {
     "router_expert_embedding": dict(block="parallel_two_norms", norm="layernorm", activation="swiglu",
                                     attn_experts=2, kv_mode="shared", ffn_experts=3, ffn_top_k=2,
                                     router="expert_embedding", attn_router="attention"),
+    # SoME: key-store router (query network, cosine over unit keys / temperature), no final norm
+    "key_store": dict(block="sequential", norm="layernorm", norm_bias=True, activation="gelu", qkv_bias=True,
+                      o_bias=True, ffn_bias=True, lm_head_bias=True, final_norm=False, ffn_experts=6, ffn_top_k=3,
+                      gate_norm="topk_softmax", router="key_store", router_temperature=0.1),
 }
 
 

@@ -46,7 +46,8 @@ def assert_one_line_error(result, *needles: str) -> None:
 def test_registry_config_and_remote_code_list_the_same_kinds():
     assert set(ROUTERS) == set(ROUTER_KINDS)
     assert set(SUPPORTED["router"]) == set(ROUTERS)
-    assert set(SUPPORTED["attn_router"]) == {None, *ROUTERS}
+    attention_kinds = {k for k in ROUTERS if ROUTER_KINDS[k].routes_attention}
+    assert set(SUPPORTED["attn_router"]) == {None, *attention_kinds} and "key_store" not in attention_kinds
 
 
 def test_old_config_with_router_linear_loads_and_linear_configs_keep_their_bytes():
@@ -65,11 +66,13 @@ def test_old_config_with_router_linear_loads_and_linear_configs_keep_their_bytes
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_router_tensors_give_names_shapes_and_fresh_init(kind):
-    cfg = tiny_config(ffn_experts=3, attn_experts=2, router=kind, router_temperature=0.3)
+    attn_kind = kind if ROUTER_KINDS[kind].routes_attention else "linear"  # key_store: FFN routers only
+    cfg = tiny_config(ffn_experts=3, attn_experts=2, router=kind, router_temperature=0.3,
+                      attn_router=None if attn_kind == kind else attn_kind)
     model = Model(cfg)
     sd = model.state_dict()
-    for group, E in (("ffn", 3), ("attn", 2)):
-        specs = ROUTER_KINDS[kind].tensors(cfg, E)
+    for group, E, group_kind in (("ffn", 3, kind), ("attn", 2, attn_kind)):
+        specs = ROUTER_KINDS[group_kind].tensors(cfg, E)
         names = [f"layers.1.{group}_router.{t.name}" for t in specs]
         assert [n for n in sd if n.startswith(f"layers.1.{group}_router.")] == names
         for t, n in zip(specs, names):
@@ -199,11 +202,12 @@ def test_merge_canonical_runtime_and_hf_export_agree(family, kind, tmp_path, hf_
 
     root, (seed, *experts) = family
     out = tmp_path / "mix.safetensors"
-    res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", kind, "--attention-routing",
-              "top2", "--ffn-top-k", "2", "--dtype", "float32", "--out", str(out), "--quiet")
+    attn_kind = kind if ROUTER_KINDS[kind].routes_attention else "linear"  # key_store: FFN routers only
+    res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", kind, "--attn-router", attn_kind,
+              "--attention-routing", "top2", "--ffn-top-k", "2", "--dtype", "float32", "--out", str(out), "--quiet")
     assert res.exit_code == 0, res.output
     model = load_model(out)
-    assert (model.config.ffn_router_kind, model.config.attn_router_kind) == (kind, kind)
+    assert (model.config.ffn_router_kind, model.config.attn_router_kind) == (kind, attn_kind)
     with CheckpointReader(out) as reader:
         provenance = json.loads(reader.metadata["bam_provenance"]) if "bam_provenance" in reader.metadata else None
         hf_dir = export_hf_bam(reader, tmp_path / "hf")
@@ -219,13 +223,18 @@ def test_count_params_shows_each_kind(family, tmp_path):
     root, (seed, *experts) = family
     counts = {}
     for kind in KINDS:
-        res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", kind, "--dry-run")
+        attn_kind = kind if ROUTER_KINDS[kind].routes_attention else "linear"
+        res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", kind, "--attn-router", attn_kind,
+                  "--dry-run")
         assert res.exit_code == 0, res.output
         routers_row = [line for line in res.output.splitlines() if line.startswith("routers ")]
         counts[kind] = int(routers_row[-1].split()[2].replace(",", ""))
     D, E, L, Dh = 32, 3, 2, 8
     assert counts == {"linear": 2 * L * E * D, "mlp": 2 * L * (2 * D * D + 2 * D + E * 2 * D),
-                      "attention": 2 * L * (2 * Dh * D + E * D), "expert_embedding": 2 * L * (E * D + 1)}
+                      "attention": 2 * L * (2 * Dh * D + E * D), "expert_embedding": 2 * L * (E * D + 1),
+                      # key store: query network D -> 2D -> D (FFN routers; keys and usage are buffers, not
+                      # counted here), linear attention routers
+                      "key_store": L * (2 * D * D + 2 * D + D * 2 * D + D) + L * E * D}
 
 
 # ---- bad input ---------------------------------------------------------------------------------

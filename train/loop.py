@@ -8,7 +8,9 @@ One optimizer step: the learning rate of update n (optim.lr_at); the step's G gl
 (packing.MixtureSampler); on each process its micro-batches, each a forward pass with targets and
 loss = NLL + alpha * L_LB + beta * L_z (the model's terms, summed over routers), backward of
 loss / accumulation, gradients synchronized on the last micro-batch only; the global gradient norm
-clipped; AdamW. Every step writes a metrics line; evaluation and checkpoints at their intervals
+clipped; AdamW; then model.after_step(): routers whose state moves by rules (key stores) update it from
+the step's routing, summed over every micro-batch and process (runtime/key_store.py). Every step writes a
+metrics line; evaluation and checkpoints at their intervals
 and at the end.
 """
 from __future__ import annotations

@@ -397,7 +397,8 @@ def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool
     return tuple(out)
 
 
-_ROPE_ONLY = dict(position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0)
+# every dense architecture here ends with a norm before its head (final_norm: fixed True)
+_ROPE_ONLY = dict(position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0, final_norm=True)
 _LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
 
 LLAMA = ConfigSpec(
@@ -446,7 +447,7 @@ GPT2 = ConfigSpec(
             Require("scale_attn_by_inverse_layer_idx", False), Require("add_cross_attention", False)),
     fixed=dict(norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0, rotary_fraction=1.0,
                rope_interleaved=False, block="sequential", qkv_bias=True, o_bias=True, ffn_bias=True,
-               lm_head_bias=False, logit_scale=1.0),
+               lm_head_bias=False, logit_scale=1.0, final_norm=True),
 )
 
 COHERE = ConfigSpec(
@@ -457,7 +458,7 @@ COHERE = ConfigSpec(
         Require("use_qk_norm", False, "per-head QK layernorm is not modelled")),
     # one bias-free layernorm shared by attention and FFN; RoPE on interleaved pairs
     fixed=dict(position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
-               block="parallel", ffn_bias=False, lm_head_bias=False),
+               block="parallel", ffn_bias=False, lm_head_bias=False, final_norm=True),
 )
 
 PHI = ConfigSpec(
@@ -466,5 +467,5 @@ PHI = ConfigSpec(
         Rope(default_theta=10000.0, default_fraction=0.5), Same("tie_word_embeddings", "tie_embeddings", False),
         Require("qk_layernorm", False, "per-head QK layernorm is not modelled")),
     fixed=dict(position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
-               qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0),
+               qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0, final_norm=True),
 )

@@ -64,6 +64,7 @@ def mixtral_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     need(not biases, "bias-free projections", f"{', '.join(biases)} biases")
     need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
     need(cfg.ffn_router_kind == "linear", "linear routers", f"router {cfg.ffn_router_kind}")
+    need(cfg.final_norm, "a final norm", "no final norm")
     # Mixtral renormalizes the top-k probabilities to sum to 1. Plain softmax gates agree only
     # when every expert is selected (then the top-k probabilities already sum to 1).
     if cfg.ffn_experts >= 2 and cfg.gate_norm != "topk_softmax" and cfg.ffn_top_k != cfg.ffn_experts:

@@ -19,7 +19,7 @@ SUPPORTED = {
     "block": ("sequential", "parallel", "parallel_two_norms"),
     "gate_norm": ("softmax", "topk_softmax"),
     "kv_mode": ("expert", "shared"),
-    "router": ("linear", "mlp", "attention", "expert_embedding"),
+    "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
     "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
 }
 
@@ -64,6 +64,7 @@ class BamConfig(PretrainedConfig):
         block: str = "sequential",
         tie_embeddings: bool = False,
         logit_scale: float = 1.0,
+        final_norm: bool = True,
         # ---- mixture ----
         ffn_experts: int = 0,
         ffn_top_k: int = 1,
@@ -75,6 +76,11 @@ class BamConfig(PretrainedConfig):
         attn_router: str | None = None,
         router_hidden: int | None = None,
         router_temperature: float = 0.1,
+        key_store_alpha: float = 0.01,
+        key_store_beta: float = 0.005,
+        key_store_delta: float = 0.001,
+        key_store_theta_percentile: float = 0.05,
+        key_store_ema_decay: float = 0.99,
         lb_coef: float = 0.01,
         z_coef: float = 0.001,
         name: str = "",
@@ -90,11 +96,15 @@ class BamConfig(PretrainedConfig):
         self.qkv_bias, self.o_bias, self.ffn_bias, self.lm_head_bias = qkv_bias, o_bias, ffn_bias, lm_head_bias
         self.position, self.rope_theta, self.rotary_fraction = position, rope_theta, rotary_fraction
         self.rope_interleaved, self.max_positions, self.block = rope_interleaved, max_positions, block
-        self.logit_scale = logit_scale
+        self.logit_scale, self.final_norm = logit_scale, final_norm
         self.ffn_experts, self.ffn_top_k, self.gate_norm = ffn_experts, ffn_top_k, gate_norm
         self.attn_experts, self.attn_top_k, self.kv_mode = attn_experts, attn_top_k, kv_mode
         self.router, self.lb_coef, self.z_coef, self.name = router, lb_coef, z_coef, name
         self.attn_router, self.router_hidden, self.router_temperature = attn_router, router_hidden, router_temperature
+        # key_store: the update rules' knobs only matter to training; kept so that a config.json read back gives
+        # the same model config
+        self.key_store_alpha, self.key_store_beta, self.key_store_delta = key_store_alpha, key_store_beta, key_store_delta
+        self.key_store_theta_percentile, self.key_store_ema_decay = key_store_theta_percentile, key_store_ema_decay
         self.use_cache = use_cache
         for fld, allowed in SUPPORTED.items():
             if getattr(self, fld) not in allowed:
