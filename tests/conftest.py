@@ -283,6 +283,25 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def run_cli(*args, code: int = 0):
+    """Run the CLI in-process (arguments str()-ed); assert its exit status."""
+    from click.testing import CliRunner
+
+    from bam_surgery.surgery.cli import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
+    return result
+
+
+def cli_error_line(*args) -> str:
+    """The command fails with exactly one line on stderr, `bam-surgery: error: ...`, status 2."""
+    result = run_cli(*args, code=2)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-matrix tests: several times faster on a busy 2-core

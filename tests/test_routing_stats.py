@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import dense_family
+from conftest import cli_error_line, dense_family, run_cli
 
 from bam_surgery.runtime import Model, preset, save_model
 from bam_surgery.runtime.blocks import Routing
 from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.surgery.cli import cli
 from bam_surgery.train.data import DOC_SEPARATOR
 from bam_surgery.train.metrics import entropy_bits, experts_used, gini, top1_expert
 from bam_surgery.train.routing_report import routing_stats, top1_changes
@@ -47,17 +45,7 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tokens")
 
 
-def run(*args, code: int = 0):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
-    return result
-
-
-def error_line(*args) -> str:
-    result = run(*args, code=2)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
-    return lines[0]
+run, error_line = run_cli, cli_error_line
 
 
 # ---- the definitions -------------------------------------------------------------------------------

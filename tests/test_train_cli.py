@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+
+from conftest import cli_error_line, run_cli
 
 from bam_surgery.runtime import Model, preset, save_model
-from bam_surgery.surgery.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "domains"
@@ -33,18 +33,7 @@ def mix(tmp_path) -> Path:
     return save_model(model, tmp_path / "mix.safetensors")
 
 
-def run(*args, code: int = 0):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
-    return result
-
-
-def error_line(*args) -> str:
-    """The command fails with exactly one line on stderr, `bam-surgery: error: ...`, status 2."""
-    result = run(*args, code=2)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
-    return lines[0]
+run, error_line = run_cli, cli_error_line
 
 
 def train_args(init: Path, out: Path, cache: Path, data: str | None = None, *extra) -> list:
