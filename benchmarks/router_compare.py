@@ -213,10 +213,53 @@ def markdown(results: dict[str, dict], steps: int, eval_tokens: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mean_sd(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return f"{xs[0]:.3f}"
+    m = _mean(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return f"{m:.3f} ± {sd:.3f}"
+
+
+def combine(work_dirs: list[Path]) -> str:
+    """Runs of several seeds (one WORK dir each): mean ± sample sd over seeds, then the paired differences
+    of every variant's average perplexity against the first variant (the same seed's run)."""
+    summaries = []
+    for w in work_dirs:
+        meta = json.loads((w / "results.json").read_text())["meta"]
+        summaries.append((meta["seed"], meta["router_seed"], meta["summary"]))
+    names = [n for n in summaries[0][2] if all(n in s for _, _, s in summaries)]
+    seeds = ", ".join(f"{s}/{r}" for s, r, _ in summaries)
+    lines = [f"Over {len(summaries)} runs (train --seed / merge --router-seed: {seeds}): mean ± sample sd.", "",
+             "| router | " + " | ".join(EVAL_ORDER) + " | avg | FFN entropy | FFN Gini | FFN changed vs mid "
+             "| attn entropy | avg ppl per run |", "|---|" + "---|" * (len(EVAL_ORDER) + 6)]
+
+    def ffn(s: dict, group: str, key: str) -> float:
+        return _mean([s[group][d][key] for d in EVAL_ORDER])
+
+    for n in names:
+        per = [s[n] for _, _, s in summaries]
+        cells = [_mean_sd([p["ppl"][d] for p in per]) for d in (*EVAL_ORDER, "avg")]
+        cells += [_mean_sd([ffn(p, "ffn", "entropy") for p in per]), _mean_sd([ffn(p, "ffn", "gini") for p in per]),
+                  _mean_sd([ffn(p, "ffn", "changed_vs_mid") for p in per]),
+                  _mean_sd([ffn(p, "attn", "entropy") for p in per]),
+                  " / ".join(f"{p['ppl']['avg']:.3f}" for p in per)]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    base = names[0]
+    lines += ["", f"Paired differences of the average perplexity, variant minus {base} (same seed; < 0: better "
+              f"than {base}):", "", "| router | per run | mean |", "|---|---|---|"]
+    for n in names[1:]:
+        diffs = [s[n]["ppl"]["avg"] - s[base]["ppl"]["avg"] for _, _, s in summaries]
+        lines.append(f"| {n} | " + " / ".join(f"{d:+.3f}" for d in diffs) + f" | {_mean(diffs):+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=Path, required=True,
+    p.add_argument("--combine", type=Path, nargs="+", metavar="WORK",
+                   help="only summarize finished runs of several seeds (their --work-dir folders) and exit")
+    p.add_argument("--models", type=Path,
                    help="folder holding the dense inputs seed, code, law, math (canonical checkpoints)")
     p.add_argument("--work-dir", type=Path, default=Path("bench-router-compare"),
                    help="merges, runs, logs, results.json and results.md")
@@ -228,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens per domain evaluated")
     p.add_argument("--jobs", type=int, default=1, help="variants run at the same time")
     a = p.parse_args(argv)
+    if a.combine:
+        print(combine(a.combine), end="")
+        return
+    if a.models is None:
+        p.error("--models is required (unless --combine)")
     names = [v for v in a.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
