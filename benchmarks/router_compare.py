@@ -193,7 +193,7 @@ def markdown(results: dict[str, dict], steps: int, eval_tokens: int) -> str:
                   "Entropy of the usage in bits (max log2 4 = 2), Gini of the usage, token entropy (bits), "
                   "top-1 changed vs the step-" f"{steps // 2} checkpoint and vs the untrained merge.", "",
                   "| router | usage entropy | Gini | token entropy | changed vs mid | changed vs merge | "
-                  "usage per domain (seed, code, law, math) |",
+                  "usage per domain (experts general = seed, code, law, math) |",
                   "|---|---|---|---|---|---|---|"]
         for name, v in s.items():
             g = v[group]
@@ -204,6 +204,19 @@ def markdown(results: dict[str, dict], steps: int, eval_tokens: int) -> str:
             ci = _mean([g[d]["changed_vs_merge"] for d in EVAL_ORDER])
             usage = "; ".join(f"{d}: " + " ".join(f"{u:.2f}" for u in g[d]["share"]) for d in EVAL_ORDER)
             lines.append(f"| {name} | {ent:.3f} | {gini:.3f} | {tok:.3f} | {cm:.3f} | {ci:.3f} | {usage} |")
+    layers = sorted({int(k.split(".")[1]) for res in results.values()
+                     for k in res["stats-vs-mid"]["domains"]["general"]["routers"]})
+    lines += ["", "FFN routers per layer (means over the 4 domains): Gini / top-1 changed vs the step-"
+              f"{steps // 2} checkpoint / largest expert share.", "",
+              "| router | " + " | ".join(f"layer {i}" for i in layers) + " |", "|---|" + "---|" * len(layers)]
+    for name, res in results.items():
+        doms = res["stats-vs-mid"]["domains"]
+        cells = []
+        for i in layers:
+            st = [doms[d]["routers"][f"layers.{i}.ffn_router"] for d in EVAL_ORDER]
+            cells.append(f"{_mean([x['gini'] for x in st]):.2f} / {_mean([x['changed'] for x in st]):.2f} / "
+                         f"{_mean([max(x['usage']) for x in st]):.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| router | final train loss | mean s/step | train wall s |", "|---|---|---|---|"]
     for name, res in results.items():
         t = res["train"]
