@@ -150,6 +150,9 @@ def run_variant(r: Runner, name: str, models: Path, steps: int, seed: int, route
         "last_nll": train_rows[-1].get("nll") if train_rows else None,
         "mean_step_s": sum(m["step_s"] for m in train_rows) / max(1, len(train_rows)),
     }
+    previous = vdir / "result.json"  # a rerun keeps the wall times of the steps it skipped
+    if previous.exists():
+        walls = {**json.loads(previous.read_text()).get("wall_s", {}), **walls}
     result["wall_s"] = walls
     (vdir / "result.json").write_text(json.dumps(result, indent=1))
     return result
