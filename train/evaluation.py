@@ -154,7 +154,7 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
     resolve its tokenizer (tokenize.resolve_tokenizer's rules) and load its weights as fp32.
     check_config(spec, config), if given, may refuse the model before any weight is read."""
     from bam_surgery.converters import open_checkpoint
-    from bam_surgery.runtime import Model
+    from bam_surgery.runtime import model_from_reader
 
     from .checkpoints import resolve_checkpoint
     from .provenance import expert_names, read_provenance
@@ -167,16 +167,12 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
         if check_config is not None:
             check_config(spec, cfg)
         tok = resolve_tokenizer(tokenizer, reader, cfg.vocab_size, eos_id) if with_tokenizer else None
-        state = {n: reader.get(n) for n in reader.names()}
-        names = expert_names(read_provenance(getattr(reader, "metadata", None)), cfg)
+        names = expert_names(read_provenance(reader.metadata), cfg)
+        # the layout is checked first, so a checkpoint that contradicts its config fails with one line
+        model = model_from_reader(reader, device, torch.float32)
     finally:
-        close = getattr(reader, "close", None)
-        if callable(close):
-            close()
-    with torch.device("meta"):
-        model = Model(cfg)
-    model.load_state_dict(state, assign=True)
-    return LoadedModel(spec, cfg, model.float().to(device), names, tok)
+        reader.close()
+    return LoadedModel(spec, cfg, model, names, tok)
 
 
 def check_seq_len(seq_len: int | None, cfg) -> int:
