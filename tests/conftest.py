@@ -302,6 +302,25 @@ def cli_error_line(*args) -> str:
     return lines[0]
 
 
+def train_interrupted_after(monkeypatch, step: int, cfg) -> None:
+    """Run train(cfg) as a Ctrl-C right after the metrics line of `step` would stop it: the run must end
+    with KeyboardInterrupt, its checkpoints as the interruption left them."""
+    from bam_surgery.train import metrics as metrics_module
+    from bam_surgery.train import train
+
+    write = metrics_module.MetricsWriter.write
+
+    def write_then_interrupt(self, rec):
+        write(self, rec)
+        if rec.get("step") == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(metrics_module.MetricsWriter, "write", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(metrics_module.MetricsWriter, "write", write)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-matrix tests: several times faster on a busy 2-core

@@ -12,6 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import train_interrupted_after
+
 from bam_surgery.runtime import Model, load_checkpoint, load_model, preset
 from bam_surgery.runtime.key_store import (KeyStoreCollector, attraction, dispersion, inactive_experts, move_keys,
                                            peer_pull, reseed, step_statistics, update_router, usage_ema, worst_served)
@@ -20,7 +22,6 @@ from bam_surgery.runtime.routers import KeyStoreRouter
 from bam_surgery.surgery.audit import audit
 from bam_surgery.surgery.cli import cli
 from bam_surgery.train import TrainConfig, load_run_config, train
-from bam_surgery.train import metrics as metrics_module
 from bam_surgery.train.checkpoints import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,17 +286,7 @@ def test_training_moves_keys_once_per_step_and_resumes_exactly(tmp_path, monkeyp
     # frozen experts: bit-identical to the init
     assert torch.equal(end["layers.1.ffn_experts.up.weight"], init_model.state_dict()["layers.1.ffn_experts.up.weight"])
 
-    write = metrics_module.MetricsWriter.write
-
-    def crash_after_step_3(self, rec):
-        write(self, rec)
-        if rec.get("step") == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(metrics_module.MetricsWriter, "write", crash_after_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(_train_cfg(tmp_path, "cut"))
-    monkeypatch.setattr(metrics_module.MetricsWriter, "write", write)
+    train_interrupted_after(monkeypatch, 3, _train_cfg(tmp_path, "cut"))
     assert [p.name for _, p in list_checkpoints(tmp_path / "cut")] == ["step-00000002"]
     resumed = train(load_run_config(tmp_path / "cut"), resume=True)
     _, again = load_checkpoint(resumed.checkpoint)

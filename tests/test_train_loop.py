@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import train_interrupted_after
+
 from bam_surgery.runtime import CheckpointReader, Model, load_checkpoint, load_model, preset, save_model
 from bam_surgery.train import TrainConfig, load_run_config, train
-from bam_surgery.train import metrics as metrics_module
 from bam_surgery.train.checkpoints import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,17 +74,7 @@ def test_loss_falls_on_the_repository_corpus(tmp_path):
 def test_interrupted_and_resumed_run_is_identical(tmp_path, mixture, monkeypatch):
     kw = dict(init=str(mixture), micro_batch=2, batch_tokens=4 * 32, steps=7, save_every=3, keep_last=2)
     full = train(_cfg(tmp_path, "full", **kw))
-    write = metrics_module.MetricsWriter.write
-
-    def crash_after_step_5(self, rec):
-        write(self, rec)
-        if rec.get("step") == 5:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(metrics_module.MetricsWriter, "write", crash_after_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tmp_path, "cut", **kw))
-    monkeypatch.setattr(metrics_module.MetricsWriter, "write", write)
+    train_interrupted_after(monkeypatch, 5, _cfg(tmp_path, "cut", **kw))
     cut = tmp_path / "cut"
     assert [p.name for _, p in list_checkpoints(cut)] == ["step-00000003"]
     assert len(_losses(cut)) == 5
