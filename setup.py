@@ -29,5 +29,5 @@ setup(
                       "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib",
                       "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
     extras_require={"test": ["transformers==5.23.0", "pytest>=8"]},
-    entry_points={"console_scripts": ["bam-surgery = bam_surgery.surgery.cli:main"]},
+    entry_points={"console_scripts": ["bam-surgery = bam_surgery.surgery.launch:main"]},
 )

@@ -11,7 +11,7 @@ TinyLlama-1.1B's shape; 0.5b is the same tensors with fewer layers, so a merge e
 is bounded by one tensor uses the same peak memory at both sizes.
 
 Measured steps, each in a child process, one at a time:
-    merge   python -m surgery.cli merge --recipe R --seed seed --experts a,b,c --out OUT.safetensors
+    merge   python -m bam_surgery merge --recipe R --seed seed --experts a,b,c --out OUT.safetensors
     floor   python -m benchmarks.floor: read every input byte, write as many bytes as the merge's
             output, fsync (no merge can beat a plain copy on the same disk)
     (part B, unless --skip-mergekit)
@@ -160,12 +160,12 @@ def generate_hf(dense: list[Path], directory: Path) -> list[Path]:
 
 # ---- the commands -------------------------------------------------------------------------------
 def merge_help() -> str:
-    return subprocess.run([sys.executable, "-m", "bam_surgery.surgery.cli", "merge", "--help"], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "bam_surgery", "merge", "--help"], cwd=REPO,
                           capture_output=True, text=True).stdout
 
 
 def merge_cmd(recipe: str, inputs: list[Path], out: Path, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "bam_surgery.surgery.cli", "merge", "--recipe", recipe, "--seed", str(inputs[0]),
+    return [sys.executable, "-m", "bam_surgery", "merge", "--recipe", recipe, "--seed", str(inputs[0]),
             "--experts", ",".join(str(p) for p in inputs[1:]), "--out", str(out), "--force", *extra]
 
 

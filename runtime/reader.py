@@ -8,6 +8,10 @@ one reads headers only; `get(name)` reads that one tensor. Required of every rea
 
 Optional parts have explicit defaults here, so callers never probe for them:
 
+    read_into(n, out) tensor n written into `out` (its shape and dtype; a slot of a stacked
+                    output, a pooled buffer): a safetensors-backed reader reads the file's bytes
+                    straight into it, the default copies get(n)
+
     path            where it was opened from (None: in memory, or a merge plan)
     metadata        string map stored with the checkpoint (provenance, source format)
     file_of(n)      the file holding tensor n (None: not in a file, or unknown)
@@ -63,6 +67,9 @@ class Reader(ABC):
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        out.copy_(self.get(name))
 
     def file_of(self, name: str) -> Path | None:
         return None
@@ -158,6 +165,12 @@ class SafetensorsReader(Reader):
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
         file, key = self._where[name]
         return self._handles[file].get(key)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing")
+        file, key = self._where[name]
+        self._handles[file].read_into(key, out)
 
     def close(self) -> None:
         self._handles.clear()

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -24,6 +25,8 @@ from .errors import CheckpointError, printable
 from .jsonfile import parse_json
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]  # (name, shape, dtype) of a tensor to write
+WRITEBACK_BYTES = 64 << 20  # a writer starts writeback of its file every 64 MiB (SafetensorsStreamWriter)
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if sys.platform.startswith("linux") else None
 
 
 class SafetensorsStreamWriter:
@@ -56,6 +59,7 @@ class SafetensorsStreamWriter:
         self._f.write(raw)
         self._next = 0
         self.total_bytes = offset
+        self._written = self._flushed = 8 + len(raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         exp_name, shape, dtype = self._order[self._next]
@@ -66,8 +70,25 @@ class SafetensorsStreamWriter:
                                   f"declared {shape} {dtype}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self._f.write(memoryview(data))
+        self._written += data.nbytes
+        if self._written - self._flushed >= WRITEBACK_BYTES:
+            self._start_writeback()
         self._next += 1
         return self._sizes[name]
+
+    def _start_writeback(self) -> None:
+        """Have the kernel start writing what was written so far to disk, now, without waiting for
+        it: dirty pages otherwise sit in memory until the kernel's thresholds (gigabytes, or 5-30
+        s), and the final fsync then writes them all while the disk was idle before. Linux's
+        POSIX_FADV_DONTNEED starts asynchronous writeback of the range (and drops what is clean)."""
+        if _FADV_DONTNEED is None:
+            return
+        self._f.flush()
+        try:
+            os.posix_fadvise(self._f.fileno(), self._flushed, self._written - self._flushed, _FADV_DONTNEED)
+        except OSError:
+            pass
+        self._flushed = self._written
 
     def abort(self) -> None:
         """Close the file without completing it (the caller's atomic_path discards it)."""
@@ -103,10 +124,20 @@ def read_tensor(file: Path, data_start: int, begin: int, end: int, shape: tuple[
     identity: the file as it was opened; a file replaced or rewritten since is refused (checked on
     the open descriptor after the read, so the bytes returned are from the file that was checked).
     """
+    out = torch.empty(shape, dtype=dtype)  # uninitialized: the read fills every byte
+    read_tensor_into(file, data_start, begin, end, out, identity)
+    return out
+
+
+def read_tensor_into(file: Path, data_start: int, begin: int, end: int, out: torch.Tensor,
+                     identity: "FileIdentity | None" = None) -> None:
+    """Read the byte range [begin, end) into `out`, a contiguous CPU tensor of exactly that many
+    bytes (a slot of a stacked output, a pooled buffer): no intermediate copy. Checks as read_tensor."""
+    if not (out.is_contiguous() and out.device.type == "cpu" and out.numel() * out.element_size() == end - begin):
+        raise ValueError(f"{file}: read_tensor_into needs a contiguous CPU tensor of {end - begin} bytes")
     if end == begin:
-        return torch.empty(shape, dtype=dtype)
-    buf = torch.empty(end - begin, dtype=torch.uint8)  # uninitialized: readinto fills every byte
-    view = memoryview(buf.numpy())
+        return
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
     with open(file, "rb", buffering=0) as f:
         f.seek(data_start + begin)
         got = 0
@@ -117,7 +148,6 @@ def read_tensor(file: Path, data_start: int, begin: int, end: int, shape: tuple[
             got += n
         if identity is not None:
             identity.check(os.fstat(f.fileno()), file)
-    return buf.view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -270,6 +300,14 @@ class SafetensorsFile:
         begin, end = self.entries[key]["data_offsets"]
         shape, dtype = self.meta[key]
         return read_tensor(self.file, self.data_start, begin, end, shape, dtype, self.identity)
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Tensor `key` read straight into `out` (contiguous, its shape and dtype)."""
+        begin, end = self.entries[key]["data_offsets"]
+        shape, dtype = self.meta[key]
+        if tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(f"{self.file}: tensor {key} is {shape} {dtype}, read into {tuple(out.shape)} {out.dtype}")
+        read_tensor_into(self.file, self.data_start, begin, end, out, self.identity)
 
 
 def patch_header(path: Path, replace: Mapping[str, str]) -> None:

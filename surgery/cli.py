@@ -390,7 +390,7 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (setup.py: bam-surgery = surgery.cli:main). The Group holds the
+    """The CLI (the console script enters through surgery/launch.py, which calls this). The Group holds the
     error contract; this guard only catches a Ctrl-C that lands outside a command (while starting)."""
     signal.signal(signal.SIGTERM, _terminate)
     try:

@@ -1,7 +1,9 @@
 """Execute a plan, streamed: one output tensor at a time, written as it is made.
 
 Memory: one output tensor plus the input tensors of its op (surgery/kernels.py), whatever the model
-size, plus the read-ahead of the next two outputs (runtime/read_ahead.py).
+size, plus the read-ahead of the next two outputs (runtime/read_ahead.py). That memory is pooled
+(runtime/buffers.py): inputs are read straight into the slots of stacked outputs, and each buffer
+carries tensor after tensor instead of being faulted in anew for each.
 
 Output: OUT ending in .safetensors is one file; anything else a directory of shards plus
 model.safetensors.index.json and config.json. Everything is written under a temporary sibling
@@ -19,9 +21,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import torch
 
 from bam_surgery.runtime.atomic import atomic_path
+from bam_surgery.runtime.buffers import BufferPool
 from bam_surgery.runtime.checkpoint import SHARD_METADATA, write_dir_config
 from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.safetensors_file import patch_header
@@ -48,6 +53,15 @@ def _progress(total: int, enabled: bool):
                 disable=not enabled, dynamic_ncols=True, leave=False)
 
 
+def _released_once_written(tensors: Iterator[tuple[str, torch.Tensor]], pool: BufferPool):
+    """Each tensor's memory goes back to the pool when the writer asks for the next one: the
+    writers (runtime/shards.py) write a tensor and drop it before they take the next."""
+    for name, tensor in tensors:
+        yield name, tensor
+        pool.release(tensor)
+        del tensor
+
+
 def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, FileDigest]:
     """The inputs' digests, once every input file is checked to be the file the merge opened: an
     input modified in place while the merge read it (even to the same size) fails the merge
@@ -70,13 +84,14 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     check_output_path(out, force, plan_inputs(plan))
     if check_branch:
         check_branches(plan, warn)
-    reader = PlanReader(plan, warn=warn, hash_inputs=False)
+    pool = BufferPool()
+    reader = PlanReader(plan, warn=warn, hash_inputs=False, pool=pool)
     hasher = InputHasher(plan_input_files(plan))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     try:
         with atomic_path(out, is_dir=not single_file, replace=force, on_stale=warn) as tmp, \
                 _progress(plan.total_bytes, progress) as bar:
-            tensors = iter_tensors(reader, [t.name for t in plan.tensors])
+            tensors = _released_once_written(iter_tensors(reader, [t.name for t in plan.tensors]), pool)
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731
             if single_file:  # header first, with placeholders for the digests
                 pending = provenance(plan, hasher.pending())

@@ -1,7 +1,11 @@
 """The op kernels of a merge plan: one function per op, computing one output tensor.
 
-`read(source)` returns one input tensor; each is dropped after its use, so a kernel holds its
-output plus one input (a mean: a float32 accumulator and one input). Ops (surgery/plan.py):
+Kernels get their inputs through `Sources` (surgery/plan_reader.py), which reads, checks, and owns
+the memory: `read(source)` gives one input tensor, `read_into(source, out)` reads one straight into
+a slot of the output (no intermediate buffer), `empty(shape, dtype)` gives output or scratch
+memory and `release(t)` takes back what a kernel is done with (both pooled in a streamed merge:
+runtime/buffers.py). A kernel holds its output plus one input (a mean: a float32 accumulator and
+one input). Ops (surgery/plan.py):
 
     stack   out[e] = source_e                      [E, *dense_shape]
     mean    out = sum_i w_i * source_i             accumulated in float32, then cast
@@ -13,75 +17,120 @@ output plus one input (a mean: a float32 accumulator and one input). Ops (surger
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .plan import Source, TensorOp
 
-Read = Callable[[Source], torch.Tensor]
+
+class Sources(Protocol):
+    def read(self, source: Source) -> torch.Tensor: ...
+
+    def read_into(self, source: Source, out: torch.Tensor) -> None: ...
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def release(self, tensor: torch.Tensor) -> None: ...
+
+    def dtype(self, source: Source) -> torch.dtype: ...
 
 
-def _stack(t: TensorOp, read: Read) -> torch.Tensor:  # out [E, *shape]: slot e from source e
-    out = torch.empty(t.shape, dtype=t.dtype)
-    last_use = {s: e for e, s in enumerate(t.sources)}
-    held: dict[Source, torch.Tensor] = {}  # a source used by several slots (the seed's FFN copies)
+def _stack(t: TensorOp, io: Sources) -> torch.Tensor:  # out [E, *shape]: slot e from source e
+    out = io.empty(t.shape, t.dtype)
+    first_slot: dict[Source, int] = {}  # a source used by several slots (the seed's FFN copies) is read once
     for e, s in enumerate(t.sources):
-        x = held.pop(s) if s in held else read(s)
-        out[e].copy_(x)
-        if last_use[s] > e:
-            held[s] = x
-        del x
+        if s in first_slot:
+            out[e].copy_(out[first_slot[s]])
+        elif io.dtype(s) == t.dtype:
+            io.read_into(s, out[e])
+            first_slot[s] = e
+        else:
+            x = io.read(s)
+            out[e].copy_(x)
+            io.release(x)
+            first_slot[s] = e
     return out
 
 
-def _mean(t: TensorOp, read: Read) -> torch.Tensor:  # sum_i w_i x_i, accumulated in float32
-    acc = None
-    for w, s in zip(t.weights, t.sources):
-        x = read(s)
-        if acc is None:
-            acc = x.to(torch.float32) * w  # a new tensor: the reader's is never modified
+_CHUNK = 1 << 18  # elements a mean converts to float32 at a time (1 MiB, stays in cache)
+
+
+def _add_scaled(acc: torch.Tensor, x: torch.Tensor, w: float) -> None:
+    """acc += w * x with x promoted to float32 first, exactly as acc.add_(x, alpha=w) does. On the
+    CPU that would allocate a float32 copy of all of x; here a chunk at a time goes through one
+    small scratch buffer."""
+    if x.dtype == torch.float32:
+        acc.add_(x, alpha=w)
+        return
+    a, xs = acc.view(-1), x.reshape(-1)
+    scratch = torch.empty(min(_CHUNK, a.numel()), dtype=torch.float32)
+    for i in range(0, a.numel(), _CHUNK):
+        part = scratch[:min(_CHUNK, a.numel() - i)]
+        part.copy_(xs[i:i + _CHUNK])
+        a[i:i + _CHUNK].add_(part, alpha=w)
+
+
+def _mean(t: TensorOp, io: Sources) -> torch.Tensor:  # sum_i w_i x_i, accumulated in float32
+    acc = io.empty(t.shape, torch.float32)
+    for i, (w, s) in enumerate(zip(t.weights, t.sources)):
+        x = io.read(s)
+        if i == 0:
+            acc.copy_(x).mul_(w)  # x.to(float32) * w, element by element the same
         else:
-            acc.add_(x, alpha=w)  # promotes x to float32 element by element, no temporary copy
-        del x
-    return acc.to(t.dtype)
+            _add_scaled(acc, x, w)
+        io.release(x)
+    if t.dtype == torch.float32:
+        return acc
+    out = io.empty(t.shape, t.dtype)
+    out.copy_(acc)
+    io.release(acc)
+    return out
 
 
-def _copy(t: TensorOp, read: Read) -> torch.Tensor:
-    return read(t.sources[0]).to(t.dtype)
+def _copy(t: TensorOp, io: Sources) -> torch.Tensor:
+    out = io.empty(t.shape, t.dtype)
+    s = t.sources[0]
+    if io.dtype(s) == t.dtype:
+        io.read_into(s, out)
+    else:
+        x = io.read(s)
+        out.copy_(x)
+        io.release(x)
+    return out
 
 
-def _normal(t: TensorOp, read: Read) -> torch.Tensor:  # generator seeded per tensor (plan.router_rng_seed)
+def _normal(t: TensorOp, io: Sources) -> torch.Tensor:  # generator seeded per tensor (plan.router_rng_seed)
     gen = torch.Generator().manual_seed(t.rng_seed)
     return (torch.randn(t.shape, generator=gen, dtype=torch.float32) * t.std).to(t.dtype)
 
 
-def _unit_rows(t: TensorOp, read: Read) -> torch.Tensor:  # normal rows scaled to unit norm (key-store keys)
+def _unit_rows(t: TensorOp, io: Sources) -> torch.Tensor:  # normal rows scaled to unit norm (key-store keys)
     gen = torch.Generator().manual_seed(t.rng_seed)
     rows = torch.randn(t.shape, generator=gen, dtype=torch.float32)
     return torch.nn.functional.normalize(rows, dim=-1).to(t.dtype)
 
 
-def _zeros(t: TensorOp, read: Read) -> torch.Tensor:
+def _zeros(t: TensorOp, io: Sources) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype)
 
 
-def _full(t: TensorOp, read: Read) -> torch.Tensor:
+def _full(t: TensorOp, io: Sources) -> torch.Tensor:
     return torch.full(t.shape, t.value, dtype=torch.float32).to(t.dtype)
 
 
-OP_TABLE: dict[str, Callable[[TensorOp, Read], torch.Tensor]] = {
+OP_TABLE: dict[str, Callable[[TensorOp, Sources], torch.Tensor]] = {
     "stack": _stack, "mean": _mean, "copy": _copy, "normal": _normal, "unit_rows": _unit_rows, "zeros": _zeros,
     "full": _full}
 
 
-def run_op(t: TensorOp, read: Read, calibrated: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def run_op(t: TensorOp, io: Sources, calibrated: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Compute one output tensor (`calibrated`: the plan's precomputed tensors, for op calibrated)."""
     if t.op == "calibrated":
         return (calibrated or {})[t.name].to(t.dtype)
     if t.op not in OP_TABLE:
         raise ValueError(f"{t.name}: unknown op {t.op!r}; the ops are {', '.join(OP_TABLE)}")
-    out = OP_TABLE[t.op](t, read)
+    out = OP_TABLE[t.op](t, io)
     if tuple(out.shape) != t.shape or out.dtype != t.dtype:
         raise AssertionError(f"{t.name}: op {t.op} made {tuple(out.shape)} {out.dtype}, planned {t.shape} {t.dtype}")
     return out

@@ -104,3 +104,87 @@ def test_inspect_reads_older_sha256_provenance():
         "sha256:" + "ab" * 32, "sha256 of the file's bytes (older bam-surgery)")
     assert input_digest({"digest": "blake3:" + "cd" * 32, "files": [{"how": "bytes"}, {"how": "bytes"}]})[1] == \
         "BLAKE3 of the manifest of 2 files (BLAKE3 of the file's bytes)"
+
+
+# ---- hashing started at launch (surgery/launch.py, surgery/digests.py) -------------------------------
+@pytest.fixture
+def early():
+    from bam_surgery.surgery import digests
+    yield digests
+    digests.stop_early()
+    digests._early = None
+
+
+def test_launch_finds_the_weight_files_a_merge_command_names(tmp_path):
+    from bam_surgery.surgery.launch import merge_input_files
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(b"x")
+    b.write_bytes(b"y")
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (shards / n).write_bytes(b"z")
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors", "z": "../a.safetensors"}}))
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "model.safetensors").write_bytes(b"w")
+    found = merge_input_files(["--seed", f"seed={a}", f"--experts=code={b},{shards}", "--experts", str(single),
+                               "--experts", "org/model-on-the-hub", "--out", str(tmp_path / "o.safetensors")])
+    assert found == [a, b, shards / "model-00001-of-00002.safetensors", shards / "model-00002-of-00002.safetensors",
+                     single / "model.safetensors"]  # the index's "../a.safetensors" is not followed
+    assert merge_input_files(["--seed", str(a), "--experts", str(b), "--dry-run"]) == []
+
+
+def test_digests_started_at_launch_are_taken_over_by_the_merge(tmp_path, inputs, monkeypatch, early):
+    early.start_early(inputs)
+    hashed = []
+    real = hashing.InputHasher._hash
+    monkeypatch.setattr(hashing.InputHasher, "_hash", lambda self, p: hashed.append(p) or real(self, p))
+    merge("--seed", inputs[0], "--experts", f"{inputs[1]},{inputs[2]}", "--out", tmp_path / "a.safetensors")
+    files = [f for i in provenance(tmp_path / "a.safetensors")["inputs"] for f in i["files"]]
+    assert [f["digest"] for f in files] == [f"blake3:{blake3.blake3(p.read_bytes()).hexdigest()}" for p in inputs]
+    assert hashed == []  # every digest came from the hashing started at launch
+
+
+def test_a_file_rewritten_after_launch_is_hashed_again_by_the_merge(tmp_path, inputs, monkeypatch, early):
+    started = early.start_early(inputs)
+    for fut in started._futures:
+        fut.result()  # hashed early, then rewritten (same size)
+    data = bytearray(inputs[2].read_bytes())
+    data[-1] ^= 1
+    inputs[2].write_bytes(bytes(data))
+    hashed = []
+    real = hashing.InputHasher._hash
+    monkeypatch.setattr(hashing.InputHasher, "_hash", lambda self, p: hashed.append(p) or real(self, p))
+    merge("--seed", inputs[0], "--experts", f"{inputs[1]},{inputs[2]}", "--out", tmp_path / "a.safetensors",
+          "--allow-nonfinite")
+    assert hashed == [inputs[2].resolve()]
+    digest = provenance(tmp_path / "a.safetensors")["inputs"][2]["files"][0]["digest"]
+    assert digest == f"blake3:{blake3.blake3(bytes(data)).hexdigest()}"
+
+
+def test_the_command_hashes_at_launch_and_fails_fast_with_one_line(tmp_path, inputs):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = tmp_path / "mix.safetensors"
+    cmd = [sys.executable, "-m", "bam_surgery", "merge", "--quiet", "--seed", str(inputs[0]), "--experts",
+           f"{inputs[1]},{inputs[2]}", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env)
+    files = [f for i in provenance(out)["inputs"] for f in i["files"]]
+    assert [f["digest"] for f in files] == [f"blake3:{blake3.blake3(p.read_bytes()).hexdigest()}" for p in inputs]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True)  # OUT exists, no --force
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and again.stderr.startswith("bam-surgery: error: ")
+
+
+def test_the_launch_path_imports_no_torch():
+    """Hashing can only start before torch is imported if the launch path does not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, bam_surgery.surgery.launch, bam_surgery.surgery.digests; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,4 @@
+"""python -m bam_surgery ...: the same as the bam-surgery command."""
+from bam_surgery.surgery.launch import main
+
+main()

@@ -1,0 +1,88 @@
+"""The console-script entry point: starts what can start before torch is imported, then the CLI.
+
+    bam-surgery ...            (setup.py console script)
+    python -m bam_surgery ...  (bam_surgery/__main__.py)
+
+Importing the CLI imports torch, which takes 2-4 s (more on a cold page cache, where its 450 MB of
+libraries are read from disk). A merge has to hash every input file for its provenance anyway
+(surgery/hashing.py), so `merge` starts hashing the files it was given during that import
+(surgery/digests.py: standard library and blake3 only); the merge takes those digests over, and
+its own reads then find the inputs in the page cache. Only plain local paths are hashed early: a
+.safetensors file, or a folder's weight files (those its model.safetensors.index.json names, or
+model.safetensors); anything else (a hub id, a run folder, a pickle) is hashed by the merge as
+before. Nothing starts for --dry-run (which reads no tensor data) or --help.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+_INDEX = "model.safetensors.index.json"
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def _option_values(args: list[str], option: str) -> list[str]:
+    """Values of `--option V` and `--option=V` in a click command line."""
+    out = []
+    for i, a in enumerate(args):
+        if a == option and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith(option + "="):
+            out.append(a[len(option) + 1:])
+    return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """A plain local checkpoint's weight files; [] when it is not one (the merge decides, later)."""
+    if path.is_file():
+        return [path] if path.suffix == ".safetensors" else []
+    if not path.is_dir():
+        return []
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            if index.stat().st_size > _MAX_INDEX_BYTES:
+                return []
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        except (OSError, ValueError, TypeError, AttributeError):
+            return []
+        return [path / n for n in names if isinstance(n, str) and n == os.path.basename(n) and n.endswith(".safetensors")
+                and (path / n).is_file()]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def merge_input_files(args: list[str]) -> list[Path]:
+    """The weight files a `merge` command line names as --seed and --experts ([NAME=]PATH, comma
+    lists), guessed without the CLI's parser: a wrong guess costs only a read."""
+    if "--dry-run" in args or "--help" in args:
+        return []
+    specs: list[str] = []
+    for value in _option_values(args, "--seed") + _option_values(args, "--experts"):
+        for part in [value, *value.split(",")]:
+            specs += [part, part.split("=", 1)[1]] if "=" in part else [part]
+    files: list[Path] = []
+    for spec in dict.fromkeys(s.strip() for s in specs if s.strip()):
+        try:
+            files += _weight_files(Path(spec))
+        except OSError:
+            continue
+    return files
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["merge"]:
+        files = merge_input_files(args[1:])
+        if files:
+            from .digests import start_early
+            start_early(files)
+    from .cli import main as cli_main
+    cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()
