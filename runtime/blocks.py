@@ -254,7 +254,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
 
     K and V are never copied per query head: the Hq/Hkv query heads that share a kv head are folded into the
     query length (plain attention with a mask, any backend, exportable); unmasked causal attention on CUDA
-    uses SDPA's own GQA instead (flash attention, which an explicit mask would rule out)."""
+    uses SDPA's own GQA instead (flash attention, which an explicit mask would rule out), and elsewhere one
+    causal attention per group of query heads that share a kv head."""
     B, Hq, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
@@ -265,8 +266,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     if mask is None:
         if _SDPA_GQA and q.device.type == "cuda":  # flash attention reads the shared heads itself
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        # elsewhere enable_gqa copies K/V per query head (the math path); fold with an explicit causal mask
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()[None, None]
+        # elsewhere enable_gqa copies K/V per query head (the math path), and folding needs an explicit
+        # mask (no causal block skipping): one causal attention per group of query heads sharing a kv head
+        groups = q.view(B, Hkv, rep, T, Dh)
+        out = torch.stack([F.scaled_dot_product_attention(groups[:, :, r], k, v, is_causal=True, scale=scale)
+                           for r in range(rep)], dim=2)
+        return out.view(B, Hq, T, Dh)
     folded = q.reshape(B, Hkv, rep * T, Dh)  # row r*T + t: query head g*rep + r at token t
     mask = mask[:, :, None].expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)
@@ -360,9 +365,11 @@ class ForwardPass:
     expert_kernel: Optional[str] = None  # None: expert_kernel() decides
     routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order
     masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
+    # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
+    prefill_from_zero: bool = False
 
     def mask(self, n_keys: int) -> Optional[Tensor]:
-        if self.cache is None and self.attention_mask is None:
+        if (self.cache is None or self.prefill_from_zero) and self.attention_mask is None:
             return None  # plain causal attention over the T new tokens
         if n_keys not in self.masks:
             self.masks[n_keys] = attention_mask_for(self.attention_mask, self.input_pos, n_keys)
@@ -545,6 +552,8 @@ class Block(nn.Module):
                 q = q.view(B, T, E, G, rep, Dh).transpose(2, 3).reshape(B, T, E * H, Dh)
         q, k = self._rope(q, step).transpose(1, 2), self._rope(k, step).transpose(1, 2)  # [B, heads, T, Dh]
         k, v = self._cache(k, v.transpose(1, 2), step)
+        if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
+            k, v = k[:, :, :T], v[:, :, :T]
         y = attend(q, k, v, step.mask(k.shape[2]))  # [B, E*H, T, Dh]
         if not E:
             return self.attn.o(y.transpose(1, 2).reshape(B, T, H * Dh))
@@ -678,7 +687,8 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
-                    expert_kernel=self.expert_kernel)
+                    expert_kernel=self.expert_kernel,
+                    prefill_from_zero=self._prefill_from_zero(cache, attention_mask, input_pos))
         for block in self.layers:
             if all_hidden is not None:
                 all_hidden.append(x)
@@ -686,6 +696,17 @@ class Transformer(nn.Module):
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def _prefill_from_zero(self, cache, attention_mask: Optional[Tensor], input_pos: Tensor) -> bool:
+        """A fused, eager prefill of T > 1 tokens into a cache at slots 0..T-1 with no padding: the blocks then
+        attend causally over the first T slots instead of masking every slot of the cache (one look at
+        input_pos; never while compiling or tracing, where shapes must not depend on values)."""
+        T = input_pos.shape[0]
+        if cache is None or attention_mask is not None or T < 2 or self.impl != "fused":
+            return False
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            return False
+        return bool(torch.equal(input_pos.cpu(), torch.arange(T)))
 
     def routers(self) -> dict[str, Router]:
         """Every router by name (layers.{i}.attn_router, layers.{i}.ffn_router), in execution order."""
