@@ -24,13 +24,12 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import astuple
 from pathlib import Path
 
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
-from .digests import (ALGORITHM, DigestCache, FileChanged, FileDigest, FileKey, cache_file, claim_early, hash_file,
-                      hash_workers, hf_blob_digest, stop_early)
+from .digests import (ALGORITHM, DigestCache, FileChanged, FileDigest, FileKey, cache_file, claim_early, file_key,
+                      hash_file, hash_workers, hf_blob_digest, stop_early)
 from .errors import InputError
 
 __all__ = ["ALGORITHM", "DigestCache", "FileDigest", "InputHasher", "cache_file", "hf_blob_digest"]
@@ -50,7 +49,7 @@ class InputHasher:
         self._key: dict[Path, FileKey] = {}
         for f in self.files:
             try:
-                self._key[f] = astuple(FileIdentity.of(os.stat(f)))
+                self._key[f] = file_key(os.stat(f))  # the key the early hashing took, by the same function
             except OSError as e:
                 raise InputError(f"{f}: could not be read for hashing ({e.strerror})") from e
             known = hf_blob_digest(f) or self._cache.get(f, self._key[f])
@@ -70,24 +69,23 @@ class InputHasher:
         return {f: out[f] for f in self.files}
 
     def _digest(self, path: Path, early: Future | None) -> FileDigest:
+        digest = None
         if early is not None:
             try:
                 digest = early.result()
             except Exception:  # changed since launch, or stopped: hash it here
                 pass
-            else:
-                self._cache.put(path, self._key[path], digest)
-                return digest
-        return self._hash(path)
+        if digest is None:
+            digest = self._hash(path)
+        self._cache.put(path, self._key[path], digest)
+        return digest
 
     def _hash(self, path: Path) -> FileDigest:
         try:
-            digest = hash_file(path, self._key[path], self._cancel_event)
+            return hash_file(path, self._key[path], self._cancel_event)
         except FileChanged as e:  # the bytes hashed must be the file the merge opened
             FileIdentity(*self._key[path]).check_path(path)  # says replaced or modified, and how
             raise InputError(str(e)) from e
-        self._cache.put(path, self._key[path], digest)
-        return digest
 
     def result(self) -> dict[Path, FileDigest]:
         try:
