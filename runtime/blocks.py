@@ -261,6 +261,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     rep = Hq // Hkv
     q = q.to(k.dtype)  # a cache may hold another dtype than autocast's; cast the few queries, not the cache
     scale = 1.0 / math.sqrt(Dh)
+    if torch.onnx.is_in_onnx_export():
+        return _attend_graph(q, k, v, mask, scale)
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
@@ -275,6 +277,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     folded = q.reshape(B, Hkv, rep * T, Dh)  # row r*T + t: query head g*rep + r at token t
     mask = mask[:, :, None].expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)
+
+
+def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+    """attend() written out for a graph exporter: the exporters' own SDPA decomposition turns a boolean mask
+    into a float one in every layer and, after the softmax, replaces NaN rows (a row that may see no key) with
+    zeros: two more passes over every [T, S] score matrix. attention_mask_for never leaves a row without a key,
+    so here the mask is one additive bias and there is no NaN pass. The query heads that share a kv head are
+    folded into the query length (one [rep*T, Dh] @ [Dh, S] product per kv head: no K/V copies), and the bias
+    broadcasts over them as [rep, T, S] (no mask copied per query head)."""
+    B, Hq, T, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    scores = torch.matmul(q.reshape(B, Hkv, rep * T, Dh) * scale, k.transpose(-1, -2))  # [B, Hkv, rep*T, S]
+    if mask is None:
+        mask = attention_mask_for(None, torch.arange(T, device=q.device) + (S - T), S)  # causal, the last T slots
+    bias = torch.where(mask, torch.zeros((), dtype=scores.dtype), torch.full((), float("-inf"), dtype=scores.dtype))
+    weights = torch.softmax(scores.view(B, Hkv, rep, T, S) + bias[:, :, None], dim=-1)
+    return torch.matmul(weights.view(B, Hkv, rep * T, S), v).reshape(B, Hq, T, Dh)
 
 
 # ---- FFN experts: grouped matmuls over assignments sorted by expert -----------------------

@@ -226,3 +226,36 @@ def test_torch_compile_fused_training_step():
     assert max_diff(out.logits, eager.logits) < 1e-2
     for name, p in model.named_parameters():
         assert max_diff(p.grad, eager_grads[name]) < 1e-2, name
+
+
+def _attention_float64(q, k, v, mask):
+    """Plain attention in float64 with K/V repeated per query head: the independent reference for attend()."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).float()
+
+
+@pytest.mark.parametrize("rep", [1, 4])
+@pytest.mark.parametrize("shape", ["causal", "cache", "padded"])
+def test_attend_and_its_graph_form_equal_plain_attention(rep, shape):
+    """attend() on every path (SDPA; per-group causal; folded under a mask) and _attend_graph(), the form the
+    ONNX export traces (one additive bias, query heads folded over their kv head, no NaN pass), against float64
+    attention with K/V copied per head."""
+    from bam_surgery.runtime.blocks import _attend_graph, attend, attention_mask_for
+
+    g = torch.Generator().manual_seed(rep)
+    B, Hkv, Dh = 2, 2, 8
+    T, S = (5, 5) if shape == "causal" else (3, 7)
+    q = torch.randn(B, Hkv * rep, T, Dh, generator=g)
+    k, v = torch.randn(B, Hkv, S, Dh, generator=g), torch.randn(B, Hkv, S, Dh, generator=g)
+    padding = None
+    if shape == "padded":
+        padding = torch.ones(B, S, dtype=torch.long)
+        padding[0, :2] = 0  # left padding in row 0
+    mask = None if shape == "causal" else attention_mask_for(padding, torch.arange(T) + (S - T), S)
+    want = _attention_float64(q, k, v, mask)
+    assert max_diff(attend(q, k, v, mask), want) < 1e-5
+    assert max_diff(_attend_graph(q, k, v, mask, Dh ** -0.5), want) < 1e-5
