@@ -61,7 +61,11 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 IMPLS = ("fused", "reference", "export")
 # scaled_dot_product_attention(enable_gqa=...) appeared in torch 2.5; older versions copy K/V heads instead.
-_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_SDPA_GQA = _TORCH >= (2, 5)
+# the CPU flash kernel reads shared kv heads itself at the version tested (a profile shows no K/V copies; older
+# versions took the math path, which copies them): device types whose causal GQA goes straight to SDPA
+_SDPA_GQA_DEVICES = ("cuda", "cpu") if _TORCH >= (2, 13) else ("cuda",)
 
 
 # ---- routing --------------------------------------------------------------------------------
@@ -253,9 +257,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     j // (Hq / Hkv). mask: bool [B or 1, 1, T, S], or None for plain causal attention (T == S).
 
     K and V are never copied per query head: the Hq/Hkv query heads that share a kv head are folded into the
-    query length (plain attention with a mask, any backend, exportable); unmasked causal attention on CUDA
-    uses SDPA's own GQA instead (flash attention, which an explicit mask would rule out), and elsewhere one
-    causal attention per group of query heads that share a kv head."""
+    query length (plain attention with a mask, any backend); unmasked causal attention uses SDPA's own GQA
+    instead where its flash kernel reads the shared heads itself (CUDA; the CPU at torch >= 2.13), which
+    an explicit mask would rule out, and elsewhere one causal attention per group of query heads that share
+    a kv head. Graph export traces _attend_graph instead."""
     B, Hq, T, Dh = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
@@ -266,7 +271,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
-        if _SDPA_GQA and q.device.type == "cuda":  # flash attention reads the shared heads itself
+        if _SDPA_GQA and q.device.type in _SDPA_GQA_DEVICES:  # flash attention reads the shared heads itself
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         # elsewhere enable_gqa copies K/V per query head (the math path), and folding needs an explicit
         # mask (no causal block skipping): one causal attention per group of query heads sharing a kv head

@@ -240,11 +240,15 @@ def _attention_float64(q, k, v, mask):
 
 @pytest.mark.parametrize("rep", [1, 4])
 @pytest.mark.parametrize("shape", ["causal", "cache", "padded"])
-def test_attend_and_its_graph_form_equal_plain_attention(rep, shape):
-    """attend() on every path (SDPA; per-group causal; folded under a mask) and _attend_graph(), the form the
-    ONNX export traces (one additive bias, query heads folded over their kv head, no NaN pass), against float64
-    attention with K/V copied per head."""
+@pytest.mark.parametrize("sdpa_gqa", [True, False], ids=["sdpa-gqa", "per-group"])
+def test_attend_and_its_graph_form_equal_plain_attention(rep, shape, sdpa_gqa, monkeypatch):
+    """attend() on every path (SDPA; SDPA's own GQA, or one causal SDPA per query group where it would copy
+    K/V; folded under a mask) and _attend_graph(), the form the ONNX export traces (one additive bias, query
+    heads folded over their kv head, no NaN pass), against float64 attention with K/V copied per head."""
+    from bam_surgery.runtime import blocks
     from bam_surgery.runtime.blocks import _attend_graph, attend, attention_mask_for
+
+    monkeypatch.setattr(blocks, "_SDPA_GQA_DEVICES", ("cuda", "cpu") if sdpa_gqa else ("cuda",))
 
     g = torch.Generator().manual_seed(rep)
     B, Hkv, Dh = 2, 2, 8
