@@ -311,8 +311,10 @@ def child_main(args) -> None:
 
 def run_all(args) -> list[Result]:
     """Every case in its own child process, round after round; per case and metric the best round counts
-    (on a shared machine the best round is the one least disturbed by other work)."""
-    best: dict[str, Result] = {}
+    (--pick best: on a shared machine the best round is the one least disturbed by other work), or the median
+    round (--pick median: where each process's speed varies by itself, a lucky process does not set the
+    figure that others are compared to)."""
+    rounds: dict[str, list[Result]] = {}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     for round_index in range(args.rounds):
         for case in CASES:
@@ -331,18 +333,26 @@ def run_all(args) -> list[Result]:
             result.load_before, result.seconds = load, time.perf_counter() - start
             print(f"round {round_index + 1}, {case.name}: {result.seconds:.0f} s, load {load:.1f}"
                   + (f" FAILED {result.error}" if result.error else ""), file=sys.stderr)
-            best[case.name] = result if case.name not in best else _better(best[case.name], result)
-    return list(best.values())
+            rounds.setdefault(case.name, []).append(result)
+    return [combine(results, args.pick) for results in rounds.values()]
 
 
-def _better(a: Result, b: Result) -> Result:
-    """Per metric the faster of two rounds; load: the highest seen."""
-    if a.error or b.error:
-        return b if a.error else a
+METRICS = ("prefill_tps", "decode1_tps", "decode4_tps", "train_tps")
+
+
+def combine(results: list[Result], pick: str = "best") -> Result:
+    """One case's rounds -> one row: per metric the fastest round (pick "best") or the median round ("median");
+    load: the highest seen; the rounds' own figures kept in .times["rounds"]."""
+    ok = [r for r in results if not r.error]
+    if not ok:
+        return results[-1]
+    a = ok[0]
     out = Result(a.case, threads=a.threads, kv_bytes_per_token=a.kv_bytes_per_token, flops_per_token=a.flops_per_token)
-    for metric in ("prefill_tps", "decode1_tps", "decode4_tps", "train_tps"):
-        setattr(out, metric, max(getattr(a, metric), getattr(b, metric)))
-    out.load_before, out.seconds = max(a.load_before, b.load_before), a.seconds + b.seconds
+    for metric in METRICS:
+        values = [getattr(r, metric) for r in ok]
+        setattr(out, metric, max(values) if pick == "best" else statistics.median(values))
+    out.load_before, out.seconds = max(r.load_before for r in ok), sum(r.seconds for r in ok)
+    out.times = {"pick": pick, "rounds": [{m: getattr(r, m) for m in METRICS} for r in ok]}
     return out
 
 
@@ -435,6 +445,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads per case")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every case this many times, round after round; report each metric's best round")
+    parser.add_argument("--pick", choices=("best", "median"), default="best",
+                        help="with --rounds: report each metric's best round or its median round")
     parser.add_argument("--cases", nargs="*", help="run only these case names")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: the process's CPU time, which time spent descheduled by "
@@ -447,7 +459,8 @@ def main() -> None:
     if args.child:
         return child_main(args)
     results = run_all(args)
-    setting = f"{args.threads} thread(s), {args.clock} clock, {args.rounds} round(s) of --repeat {args.repeat}"
+    setting = (f"{args.threads} thread(s), {args.clock} clock, {args.rounds} round(s) of --repeat {args.repeat}"
+               + (f", {args.pick} round per metric" if args.rounds > 1 else ""))
     text = f"{machine()}\n{setting}\n\n{table(results)}\n\n{targets(results)}\n"
     print(text)
     if args.out:
