@@ -60,12 +60,11 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
 }
 IMPLS = ("fused", "reference", "export")
-# scaled_dot_product_attention(enable_gqa=...) appeared in torch 2.5; older versions copy K/V heads instead.
+# Device types whose causal GQA goes straight to scaled_dot_product_attention(enable_gqa=True), whose flash
+# kernel reads the shared kv heads itself: CUDA since torch 2.5 (where enable_gqa appeared), the CPU at the
+# version tested, 2.13 (a profile shows no K/V copies; older versions took the math path, which copies them).
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-_SDPA_GQA = _TORCH >= (2, 5)
-# the CPU flash kernel reads shared kv heads itself at the version tested (a profile shows no K/V copies; older
-# versions took the math path, which copies them): device types whose causal GQA goes straight to SDPA
-_SDPA_GQA_DEVICES = ("cuda", "cpu") if _TORCH >= (2, 13) else ("cuda",)
+_SDPA_GQA_DEVICES = ("cuda", "cpu") if _TORCH >= (2, 13) else ("cuda",) if _TORCH >= (2, 5) else ()
 
 
 # ---- routing --------------------------------------------------------------------------------
@@ -271,7 +270,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
-        if _SDPA_GQA and q.device.type in _SDPA_GQA_DEVICES:  # flash attention reads the shared heads itself
+        if q.device.type in _SDPA_GQA_DEVICES:  # flash attention reads the shared heads itself
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         # elsewhere enable_gqa copies K/V per query head (the math path), and folding needs an explicit
         # mask (no causal block skipping): one causal attention per group of query heads sharing a kv head
