@@ -30,12 +30,15 @@ FP16_TOLERANCE = 2e-2
 class OrtDecoder:
     """An onnxruntime CPU session over an exported graph (see onnx_graph for its inputs and outputs)."""
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, profile_prefix: str | None = None):
+        """profile_prefix: turn on onnxruntime's profiler, writing to that path prefix (session.end_profiling())."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        if profile_prefix:
+            options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         self.session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
         past = [i for i in self.session.get_inputs() if i.name.startswith(PAST_PREFIX)]
         self.past_names = [i.name for i in past]
