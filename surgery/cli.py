@@ -84,6 +84,9 @@ class Group(click.Group):
         except (Interrupted, click.Abort, KeyboardInterrupt):
             Interrupted().show()
             sys.exit(EXIT_INTERRUPTED)
+        except click.exceptions.NoArgsIsHelpError as e:  # a bare `bam-surgery`: the help, as it is, and status 2
+            click.echo(e.ctx.get_help())
+            sys.exit(EXIT_USER_ERROR)
         except click.UsageError as e:  # click's three-line usage message, as one line
             command = " ".join(["bam-surgery", *e.ctx.command_path.split()[1:]]) if e.ctx is not None else ""
             where = f" (see '{command} --help')" if command else ""

@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import random_state, tiny_config
+from conftest import random_state, run_cli, tiny_config
 from test_byte_identity import LLAMA_HF, llama_state, write_llama_dir
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, save_checkpoint
 from bam_surgery.surgery.cli import cli
@@ -401,6 +401,19 @@ def test_pickles_need_allow_pickle_and_code_in_them_is_refused_plainly(tmp_path,
 def test_usage_errors_are_one_line(args, needle):
     line = one_line(run(*args), needle)
     assert "--help" in line
+
+
+def test_bare_command_prints_the_help():
+    """No command at all asks for the help: click's help text, line by line on stdout (not one escaped error
+    line), and status 2 as for any usage without a command."""
+    from bam_surgery.surgery.cli import cli
+
+    result = run_cli(code=2)  # CliRunner names the program "cli"
+    lines = result.stdout.splitlines()
+    assert lines[0] == "Usage: cli [OPTIONS] COMMAND [ARGS]..." and "Commands:" in lines
+    listed = {line.split()[0] for line in lines[lines.index("Commands:") + 1:] if line.strip()}
+    assert listed == set(cli.commands)
+    assert "\\n" not in result.stdout and "error" not in result.stdout and not result.stderr
 
 
 def test_ctrl_c_says_nothing_was_written(tmp_path, monkeypatch):
