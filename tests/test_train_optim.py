@@ -72,6 +72,19 @@ def test_trainable_patterns():
         apply_trainable(model, ["routers", "!routers"])
 
 
+def test_a_preset_trains_with_its_own_patterns_unless_told_otherwise():
+    """train --preset some-64 freezes its experts as the preset says (count-params counts the same), unless
+    --trainable is given; presets without patterns train every parameter."""
+    from bam_surgery.runtime.config import preset_trainable
+
+    base = {"data": "x=y", "out": "x"}
+    assert preset_trainable("some-64") != ["*"]
+    assert TrainConfig.from_dict({**base, "preset": "some-64"}).trainable == preset_trainable("some-64")
+    assert TrainConfig.from_dict({**base, "preset": "some-64", "trainable": "*"}).trainable == ["*"]
+    assert TrainConfig.from_dict({**base, "preset": "tiny"}).trainable == ["*"]
+    assert TrainConfig.from_dict({**base, "init": "mix.safetensors"}).trainable == ["*"]
+
+
 def test_yaml_config_and_errors(tmp_path):
     (tmp_path / "t.yaml").write_text("steps: 50\nlr: 3e-4\ntrainable: routers, norms\nwarmup_steps: 5\n")
     cfg = TrainConfig.from_yaml(tmp_path / "t.yaml", overrides={"steps": 60})

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from bam_surgery.runtime.config import PRESETS, preset_trainable
+
 from .errors import TrainError
 
 SCHEDULES = ("cosine", "constant")
@@ -93,7 +95,9 @@ class TrainConfig:
                                       "merges).")
     trainable: list[str] = knob_list(["*"], "Which parameters train: patterns over canonical names (fnmatch) or "
                                             "group names (routers, ffn_experts, attention_experts, attention, ffn, "
-                                            "embeddings, norms), applied in order; a leading ! freezes.")
+                                            "embeddings, norms), applied in order; a leading ! freezes. Default: every "
+                                            "parameter, or with --preset the preset's own patterns (some-64 ... "
+                                            "freeze their experts).")
     # ---- hardware ------------------------------------------------------------------------
     precision: str = knob("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; fp32; bf16 (autocast, fp32 weights "
                                   "and optimizer).", choices=PRECISIONS)
@@ -182,6 +186,8 @@ class TrainConfig:
         d = dict(d)
         if isinstance(d.get("trainable"), str):
             d["trainable"] = split_patterns(d["trainable"])
+        elif d.get("trainable") is None and d.get("preset") in PRESETS:  # not given: the preset's own patterns
+            d["trainable"] = preset_trainable(d["preset"])  # (the SoME presets freeze their experts)
         for f in dataclasses.fields(cls):
             v = d.get(f.name)
             if str(f.type).startswith("float") and not isinstance(v, bool):
