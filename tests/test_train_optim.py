@@ -83,6 +83,8 @@ def test_a_preset_trains_with_its_own_patterns_unless_told_otherwise():
     assert TrainConfig.from_dict({**base, "preset": "some-64", "trainable": "*"}).trainable == ["*"]
     assert TrainConfig.from_dict({**base, "preset": "tiny"}).trainable == ["*"]
     assert TrainConfig.from_dict({**base, "init": "mix.safetensors"}).trainable == ["*"]
+    with pytest.raises(TrainError, match="preset: expected str"):  # a YAML list is refused, not hashed
+        TrainConfig.from_dict({**base, "preset": ["some-64"]})
 
 
 def test_yaml_config_and_errors(tmp_path):

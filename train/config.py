@@ -186,8 +186,9 @@ class TrainConfig:
         d = dict(d)
         if isinstance(d.get("trainable"), str):
             d["trainable"] = split_patterns(d["trainable"])
-        elif d.get("trainable") is None and d.get("preset") in PRESETS:  # not given: the preset's own patterns
-            d["trainable"] = preset_trainable(d["preset"])  # (the SoME presets freeze their experts)
+        elif d.get("trainable") is None and isinstance(d.get("preset"), str) and d["preset"] in PRESETS:
+            # not given: the preset's own patterns (the SoME presets freeze their experts)
+            d["trainable"] = preset_trainable(d["preset"])
         for f in dataclasses.fields(cls):
             v = d.get(f.name)
             if str(f.type).startswith("float") and not isinstance(v, bool):
