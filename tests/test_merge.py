@@ -429,6 +429,13 @@ main(sys.argv[1:])
 """
 
 
+def _foreground_signals() -> None:
+    """In the child before exec: Ctrl-C as in a terminal. A shell that starts the test run in the background
+    (`cmd &` without job control) leaves SIGINT ignored, the child inherits that, and Python then installs no
+    KeyboardInterrupt handler: the merge would not see the SIGINT this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
     cfg = CONFIGS["parallel"]
@@ -436,7 +443,8 @@ def test_interrupted_merge_leaves_nothing_at_out(tmp_path, sig):
     out = tmp_path / "out" / "mix.safetensors"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_MERGE, "merge", "--quiet", "--seed", str(paths[0]),
                              "--experts", f"{paths[1]},{paths[2]}", "--out", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_foreground_signals)
     try:
         first = proc.stdout.readline()
         assert first.startswith("wrote "), proc.stderr.read()
