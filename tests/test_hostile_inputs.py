@@ -406,8 +406,6 @@ def test_usage_errors_are_one_line(args, needle):
 def test_bare_command_prints_the_help():
     """No command at all asks for the help: click's help text, line by line on stdout (not one escaped error
     line), and status 2 as for any usage without a command."""
-    from bam_surgery.surgery.cli import cli
-
     result = run_cli(code=2)  # CliRunner names the program "cli"
     lines = result.stdout.splitlines()
     assert lines[0] == "Usage: cli [OPTIONS] COMMAND [ARGS]..." and "Commands:" in lines
