@@ -23,8 +23,10 @@ LAYER_DIRS = ORDER + ("recipes",)
 # each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it;
 # runtime/routers.py as routers.py next to it, which blocks_bam.py imports)
 STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py"),
+              Path("converters/hf_bam/schema_bam.py"),
               Path("runtime/blocks.py"), Path("runtime/routers.py")}
-SHIPPED_AS = {Path("converters/hf_bam/blocks_bam.py"): Path("runtime/blocks.py")}
+SHIPPED_AS = {Path("converters/hf_bam/blocks_bam.py"): Path("runtime/blocks.py"),
+              Path("converters/hf_bam/routers.py"): Path("runtime/routers.py")}
 
 def _modules(layer: str, root: Path = ROOT) -> list[Path]:
     d = root / layer

@@ -5,7 +5,8 @@
 
 The directory holds:
     config.json                      every ModelConfig field (same names) + architectures, auto_map, model_type, torch_dtype
-    configuration_bam.py, modeling_bam.py       the remote code, copied from this package
+    configuration_bam.py, modeling_bam.py, schema_bam.py    the remote code, copied from this package
+                                     (schema_bam.py: fields, supported values, the transformers range)
     blocks_bam.py                    the model math modeling_bam.py imports: runtime/blocks.py, byte for byte
     routers.py                       the router kinds blocks_bam.py imports: runtime/routers.py, byte for byte
     generation_config.json
@@ -19,7 +20,6 @@ as identity rows by the HF directory writer (converters/hf/writer.py) that every
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 from pathlib import Path
@@ -35,13 +35,14 @@ from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from ..export import CapabilityError
+from . import schema_bam
 from ..hf.architectures import BoundRule
 from ..hf.files import CONFIG_FILE, GENERATION_CONFIG
 from ..hf.ops import IDENTITY
 from ..hf.writer import check_copies, plan_weights, stream_weights, write_hf_directory
 
 CODE_DIR = Path(__file__).parent
-CODE_FILES = ("configuration_bam.py", "modeling_bam.py")
+CODE_FILES = ("configuration_bam.py", "modeling_bam.py", "schema_bam.py")
 # every file of remote code in an export -> where it comes from (one copy of the model math: the runtime's)
 SHIPPED_FILES = {**{name: CODE_DIR / name for name in CODE_FILES},
                  "blocks_bam.py": Path(runtime_blocks.__file__), "routers.py": Path(runtime_routers.__file__)}
@@ -71,36 +72,32 @@ def weight_rows(cfg: ModelConfig) -> list[BoundRule]:
 
 
 # ---- capability check -----------------------------------------------------------------------
-def _remote_config():  # imports transformers (a second at startup): only when a BAM export is made or read
-    from . import configuration_bam
-    return configuration_bam
-
-
 def check_hf_bam(cfg: ModelConfig) -> None:
     """Raise a one-line CapabilityError if modeling_bam.py cannot run this config; runs before any I/O."""
-    BamConfig, SUPPORTED = _remote_config().BamConfig, _remote_config().SUPPORTED
-    known = set(inspect.signature(BamConfig.__init__).parameters)
     for f in dataclasses.fields(cfg):
-        if f.name not in known:
+        if f.name not in schema_bam.FIELDS:
             raise CapabilityError(f"cannot export to the HF BAM format: config field {f.name!r} is unknown to "
                                   "configuration_bam.py / modeling_bam.py")
-    for fld, allowed in SUPPORTED.items():
+    for fld, allowed in schema_bam.SUPPORTED.items():
         value = getattr(cfg, fld)
         if value not in allowed:
             raise CapabilityError(f"cannot export to the HF BAM format: {fld}={value!r} is not implemented by "
-                                  f"modeling_bam.py (supported: {', '.join(allowed)})")
+                                  f"modeling_bam.py (supported: {', '.join(map(str, allowed))})")
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: torch.dtype,
                    generation: Mapping[str, object] | None = None) -> dict[str, object]:
     """config.json: the ModelConfig fields under their own names, plus what transformers needs to load it."""
     tokens = {k: v for k, v in (generation or {}).items() if k.endswith("_token_id")}
-    BamConfig = _remote_config().BamConfig
     return {
         "architectures": [ARCHITECTURE],
         "auto_map": dict(AUTO_MAP),
-        "model_type": BamConfig.model_type,
+        "model_type": schema_bam.MODEL_TYPE,
         "torch_dtype": dtype_name(torch_dtype),
+        # the oldest transformers the remote code runs under; configuration_bam.py refuses older ones at load
+        # time and the range is in bam_transformers (the model card says it too)
+        "transformers_version": schema_bam.TRANSFORMERS_MIN,
+        "bam_transformers": {"requires": schema_bam.TRANSFORMERS_RANGE, "tested": list(schema_bam.TRANSFORMERS_TESTED)},
         "use_cache": True,
         **tokens,
         **cfg.to_dict(),
@@ -109,9 +106,8 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: torch.dtype,
 
 def config_from_hf_dict(body: Mapping[str, object]) -> ModelConfig:
     """Inverse of hf_config_dict: the ModelConfig of an exported directory's config.json."""
-    BamConfig = _remote_config().BamConfig
-    if body.get("model_type") != BamConfig.model_type:
-        raise ValueError(f"config.json has model_type {body.get('model_type')!r}, not {BamConfig.model_type!r}")
+    if body.get("model_type") != schema_bam.MODEL_TYPE:
+        raise ValueError(f"config.json has model_type {body.get('model_type')!r}, not {schema_bam.MODEL_TYPE!r}")
     return ModelConfig.from_dict({f.name: body[f.name] for f in dataclasses.fields(ModelConfig) if f.name in body})
 
 

@@ -37,6 +37,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .blocks_bam import ACTIVATIONS, Norm, StackedLinear, Transformer  # noqa: F401  (ACTIVATIONS: what is supported)
 from .configuration_bam import BamConfig
+from .routers import Router  # noqa: F401  (blocks_bam.py's import; named here so that every transformers'
+#                                            remote-code loader copies routers.py too, 4.x's included)
+from .schema_bam import MODEL_TYPE  # noqa: F401  (configuration_bam.py's import, named here for the same reason)
+
+# keyword arguments forward() takes besides its named ones (see its docstring); anything else is a TypeError
+EXTRA_KWARGS = frozenset({"cache_position", "num_items_in_batch", "output_attentions"})
+# the output's cache field: `cache` from transformers 5.24 on, `past_key_values` before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class TransformersCache:
@@ -126,16 +134,43 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | Tensor = 0,
+        cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         """Logits [B, T, V]; loss = mean next-token NLL when labels [B, T] are given (labels are shifted here,
-        as usual in transformers; -100 is ignored). Router auxiliary losses are not added."""
+        as usual in transformers; -100 is ignored; summed over num_items_in_batch instead when given). Router
+        auxiliary losses are not added.
+
+        The KV cache comes as `cache` (transformers >= 5.24) or `past_key_values` (earlier), either name at any
+        version, and goes back under both (the output's field has the version's name, the other reads through).
+        Other keyword arguments transformers passes: `cache_position` (4.x generate; positions come from the
+        cache itself, so it must agree with the cache's length), `num_items_in_batch` (Trainer) and
+        `output_attentions` (False only: attention weights are never materialized). Anything else is a
+        TypeError: an argument this model would not honour is never dropped silently.
+        """
+        unknown = sorted(set(kwargs) - EXTRA_KWARGS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) {', '.join(unknown)}"
+                            f" (accepted besides the named ones: {', '.join(sorted(EXTRA_KWARGS))})")
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions=True is not supported: attention runs fused (scaled_dot_product_"
+                             "attention) and its weights are never materialized")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the KV cache as one of cache and past_key_values, not both")
+        cache = cache if cache is not None else past_key_values
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        x, hidden = self.model(input_ids, inputs_embeds, attention_mask, position_ids, past_key_values,
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        cache_position = kwargs.get("cache_position")
+        if cache_position is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            new = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+            if cache_position.numel() != new or (new and int(cache_position.reshape(-1)[0]) != past):
+                raise ValueError(f"cache_position {cache_position.tolist()} does not continue the cache: it holds "
+                                 f"{past} tokens and {new} new ones are given")
+        x, hidden = self.model(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states))
         if isinstance(logits_to_keep, int):
@@ -148,9 +183,12 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             shifted = logits[:, :-1].float()
-            loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]),
-                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
-                                     hidden_states=hidden)
+            items = kwargs.get("num_items_in_batch")
+            loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1).to(logits.device),
+                                   ignore_index=-100, reduction="mean" if items is None else "sum")
+            if items is not None:
+                loss = loss / torch.as_tensor(items, device=loss.device)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden,
+                                     **{CACHE_FIELD: cache if use_cache else None})
         use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         return out if use_dict else out.to_tuple()

@@ -1,0 +1,76 @@
+"""What the HF BAM remote code accepts, in plain Python: the config fields with their defaults, the values
+modeling_bam.py implements, the model type, and the transformers versions it runs under.
+
+Remote code: shipped into every export next to configuration_bam.py (which builds BamConfig from this table)
+and modeling_bam.py. It imports nothing, so the exporter reads it without transformers installed: writing an
+export never needs transformers, only loading one does.
+"""
+
+MODEL_TYPE = "bam_mixture"
+
+# transformers versions the remote code is written for and tested with (make test-compat runs the export checks
+# at both ends and at the version the main test environment pins). Below MIN, configuration_bam.py refuses to
+# load in one line; from BELOW on, it warns once: not tested there.
+TRANSFORMERS_MIN = "4.57.6"
+TRANSFORMERS_BELOW = "6"
+TRANSFORMERS_TESTED = ("4.57.6", "5.23.0", "5.24.0")
+TRANSFORMERS_RANGE = f">={TRANSFORMERS_MIN},<{TRANSFORMERS_BELOW}"
+
+# Every field of bam-surgery's ModelConfig, same names, with BamConfig's defaults (bam-surgery's "tiny"
+# preset; an export always sets all of them). None for n_kv_heads / head_dim means n_heads / d_model // n_heads.
+FIELDS = {
+    # ---- dense architecture ----
+    "vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 128,
+    "n_kv_heads": None, "head_dim": None,
+    "activation": "swiglu", "norm": "rmsnorm", "norm_bias": False, "norm_eps": 1e-5,
+    "qkv_bias": False, "o_bias": False, "ffn_bias": False, "lm_head_bias": False,
+    "position": "rope", "rope_theta": 10000.0, "rotary_fraction": 1.0, "rope_interleaved": False,
+    "max_positions": 2048, "block": "sequential", "tie_embeddings": False, "logit_scale": 1.0, "final_norm": True,
+    # ---- mixture ----
+    "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax",
+    "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",
+    "router": "linear", "attn_router": None, "router_hidden": None, "router_temperature": 0.1,
+    # key_store: the update rules' knobs matter only to training; kept so a config.json read back gives the
+    # same model config
+    "key_store_alpha": 0.01, "key_store_beta": 0.005, "key_store_delta": 0.001,
+    "key_store_theta_percentile": 0.05, "key_store_ema_decay": 0.99,
+    "lb_coef": 0.01, "z_coef": 0.001, "name": "",
+}
+
+# What modeling_bam.py implements, per config field. The exporter refuses configs outside this table
+# (converters/hf_bam/export.py:check_hf_bam), and so does BamConfig when a config.json is edited by hand.
+SUPPORTED = {
+    "activation": ("swiglu", "gelu", "gelu_tanh", "relu", "silu"),
+    "norm": ("layernorm", "rmsnorm"),
+    "position": ("rope", "learned", "none"),
+    "block": ("sequential", "parallel", "parallel_two_norms"),
+    "gate_norm": ("softmax", "topk_softmax"),
+    "kv_mode": ("expert", "shared"),
+    "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
+    "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
+}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'5.24.0' -> (5, 24, 0); '4.57.0.dev0' or '5.0.0rc1' -> their numeric release part (4, 57, 0), (5, 0, 0)."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        out.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(out)
+
+
+def transformers_problem(installed: str) -> str | None:
+    """One line when the installed transformers is older than the remote code needs, else None."""
+    if version_tuple(installed) < version_tuple(TRANSFORMERS_MIN):
+        return (f"this model's remote code needs transformers {TRANSFORMERS_RANGE} (tested: "
+                f"{', '.join(TRANSFORMERS_TESTED)}); installed: {installed}. pip install -U 'transformers{TRANSFORMERS_RANGE}'")
+    return None
