@@ -425,16 +425,9 @@ def _flops_per_token(spec: PipelineSpec, unit: str) -> float:
 
 
 def _trainer_elapsed(ckpt: Path | None) -> float | None:
-    """Seconds of training steps over every attempt (the trainer state's elapsed_s)."""
-    from bam_surgery.runtime.checkpoint import CheckpointError
-    from bam_surgery.runtime.safetensors_file import SafetensorsFile
-    from bam_surgery.train.checkpoints import TRAINER_FILE, TRAINER_KEY
+    """Seconds of training steps over every attempt (the checkpoint's timing.json)."""
+    from bam_surgery.train.checkpoints import checkpoint_elapsed
 
-    if ckpt is None or not (Path(ckpt) / TRAINER_FILE).is_file():
-        return None
-    try:
-        meta = json.loads(SafetensorsFile(Path(ckpt) / TRAINER_FILE).metadata.get(TRAINER_KEY, "{}"))
-    except (OSError, ValueError, CheckpointError):
-        return None
-    return round(float(meta.get("elapsed_s", 0.0)), 3)
+    elapsed = checkpoint_elapsed(Path(ckpt)) if ckpt is not None else None
+    return None if elapsed is None else round(elapsed, 3)
 

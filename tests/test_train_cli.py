@@ -133,3 +133,24 @@ def test_other_bad_inputs(tmp_path, mix, cache):
     assert "warmup: unknown training knob" in error_line("train", "--config", tmp_path / "t.yaml")
     assert "no training metrics" in error_line("plot", tmp_path)
     assert not (tmp_path / "r").exists()
+
+
+def test_identical_runs_write_identical_checkpoints(tmp_path, mix, cache, monkeypatch):
+    """Two runs of one config write the same bytes: the torch RNG state in trainer.safetensors is seeded
+    from the config (it was whatever the process's generator held) and the elapsed seconds live in
+    timing.json, the one file that may differ. Each run goes in its own folder with the same relative
+    --out, since the provenance records --out."""
+    folders = []
+    for draws in (1, 5):
+        (tmp_path / str(draws)).mkdir()
+        monkeypatch.chdir(tmp_path / str(draws))
+        torch.rand(draws)  # the process's generator is somewhere else before each run
+        before = torch.get_rng_state()
+        run(*train_args(mix, "run", cache))
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is left as it was
+        folders.append(tmp_path / str(draws) / "run" / "checkpoints" / "step-00000002")
+    first, second = (_digest(f) for f in folders)
+    assert "trainer.safetensors" in first and "model-00001-of-00001.safetensors" in first
+    assert sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name)) in (
+        [], ["timing.json"])
+

@@ -9,7 +9,9 @@
         step-00000200/            a canonical checkpoint directory (loads with load_model / open_checkpoint)
           config.json  model.safetensors.index.json  model-00001-of-00001.safetensors
           trainer.safetensors     optimizer moments and step per parameter, RNG; metadata "bam_trainer":
-                                  step, tokens, data position, elapsed time (JSON)
+                                  step, tokens, data position (JSON); the same bytes for the same run
+          timing.json             {"elapsed_s": seconds of training steps so far}: the one file that differs
+                                  between two runs of the same config
           tokenizer.json ...      the tokenizer the run used (absent for the byte-level one)
           README.md               model card: experts, training summary, last evaluation
         latest                    the newest checkpoint's folder name (for people and scripts)
@@ -43,6 +45,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_FILE = "trainer.safetensors"
 TRAINER_KEY = "bam_trainer"
+TIMING_FILE = "timing.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -89,8 +92,10 @@ def _write_trainer_state(path: Path, tensors: dict[str, torch.Tensor], meta: dic
 
 def save_run_checkpoint(run: Path, step: int, model_state: dict[str, torch.Tensor], model_config,
                         metadata: dict[str, str], trainer_tensors: dict[str, torch.Tensor],
-                        trainer_meta: dict[str, Any], extra_files: list[Path], card: str) -> Path:
-    """Write RUN/checkpoints/step-N atomically and point `latest` at it."""
+                        trainer_meta: dict[str, Any], extra_files: list[Path], card: str,
+                        elapsed_s: float = 0.0) -> Path:
+    """Write RUN/checkpoints/step-N atomically and point `latest` at it. The wall-clock time goes to
+    timing.json, apart from the trainer state, so that the state is reproducible byte for byte."""
     root = Path(run) / CHECKPOINTS
     target = root / step_dir_name(step)
     if target.exists():
@@ -98,6 +103,7 @@ def save_run_checkpoint(run: Path, step: int, model_state: dict[str, torch.Tenso
     with atomic_path(target, is_dir=True) as tmp:
         write_canonical(model_state, model_config, tmp, metadata)
         _write_trainer_state(tmp / TRAINER_FILE, trainer_tensors, trainer_meta)
+        (tmp / TIMING_FILE).write_text(json.dumps({"elapsed_s": elapsed_s}) + "\n", encoding="utf-8")
         for f in extra_files:
             shutil.copyfile(f, tmp / f.name)
         (tmp / "README.md").write_text(card, encoding="utf-8")
@@ -140,9 +146,27 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], Any, dict[
         trainer = SafetensorsFile(path / TRAINER_FILE)
         meta = json.loads(trainer.metadata[TRAINER_KEY])
         tensors = {k: trainer.get(k) for k in trainer.keys()}
+        elapsed = checkpoint_elapsed(path)
+        if elapsed is not None:
+            meta["elapsed_s"] = elapsed
     except (CheckpointError, ConfigError) as e:
         raise TrainError(f"cannot resume from {path}: {e}") from None
     except (KeyError, json.JSONDecodeError, OSError) as e:
         raise TrainError(f"cannot resume from {path}: {path / TRAINER_FILE} is unreadable "
                          f"({type(e).__name__}: {e})") from None
     return state, cfg, metadata, tensors, meta
+
+
+def checkpoint_elapsed(path: Path) -> float | None:
+    """Seconds of training steps up to a checkpoint, over every attempt (its timing.json; checkpoints
+    written before that file existed keep it in the trainer state's metadata); None if unknown."""
+    path = Path(path)
+    try:
+        if (path / TIMING_FILE).is_file():
+            return float(json.loads((path / TIMING_FILE).read_text(encoding="utf-8"))["elapsed_s"])
+        if (path / TRAINER_FILE).is_file():
+            meta = json.loads(SafetensorsFile(path / TRAINER_FILE).metadata.get(TRAINER_KEY, "{}"))
+            return float(meta.get("elapsed_s", 0.0))
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        pass
+    return None

@@ -12,6 +12,10 @@ clipped; AdamW; then model.after_step(): routers whose state moves by rules (key
 the step's routing, summed over every micro-batch and process (runtime/key_store.py). Every step writes a
 metrics line; evaluation and checkpoints at their intervals
 and at the end.
+
+torch's global generator is forked for the run (the caller's state comes back afterwards) and seeded from
+cfg.seed, so a run's draws from it, and the state each checkpoint saves, depend on its config alone; resume
+restores the saved state.
 """
 from __future__ import annotations
 
@@ -65,9 +69,19 @@ def train(cfg: TrainConfig, resume: bool = False, log: Log | None = None) -> Tra
     log = log or _stderr
     d = dist_.setup(cfg.device, cfg.strategy)
     try:
-        return _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
+        with _forked_rng(d.device):
+            return _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
     finally:
         dist_.teardown(d)
+
+
+def _forked_rng(device: torch.device):
+    """The run seeds torch's global generator (CPU, and its own CUDA device); the caller's states are
+    restored when it ends."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.random.fork_rng(devices=[index], device_type="cuda")
+    return torch.random.fork_rng(devices=[])
 
 
 def load_run_config(run: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
@@ -109,6 +123,7 @@ class _Run:
     def run(self) -> TrainResult:
         cfg = self.cfg
         cfg.validate()
+        torch.manual_seed(cfg.seed)  # inside train's fork; a resumed run sets the saved state later
         if self.resume:
             self._check_resume_config()
             self._load_resume_point()
@@ -441,13 +456,12 @@ class _Run:
             tensors = {f"optim.{name}.{slot}": t for name, st in optim_state.items() for slot, t in st.items()}
             tensors["rng.torch"] = torch.get_rng_state()
             meta = {"step": step, "tokens": self.tokens_seen, "sampler": self.sampler.state(),
-                    "optimizer_params": self.opt_names, "elapsed_s": self.elapsed, "world_size": d.world,
-                    "strategy": d.strategy}
+                    "optimizer_params": self.opt_names, "world_size": d.world, "strategy": d.strategy}
             rel = f"{self.dir}/checkpoints/{step_dir_name(step)}"
             card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
                               self.experts, rel)
             path = save_run_checkpoint(self.dir, step, model_state, self.model_config, metadata, tensors, meta,
-                                       list(self.tok.files), card)
+                                       list(self.tok.files), card, elapsed_s=self.elapsed)
             prune_checkpoints(self.dir, self.cfg.keep_last, protect={self.cfg.steps})
         dist_.barrier(d)
         return path
