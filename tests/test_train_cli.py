@@ -3,7 +3,10 @@ one line `bam-surgery: error: ...`, exit 2, and no checkpoint overwritten or los
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,33 @@ def test_identical_runs_write_identical_checkpoints(tmp_path, mix, cache, monkey
     assert sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name)) in (
         [], ["timing.json"])
 
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_eval_shows_progress_on_a_terminal_only(tmp_path, mix, cache, monkeypatch):
+    """eval draws a bar on stderr when it is a terminal (it ran silent), and prints nothing extra when not."""
+    args = ["eval", mix, "--data", f"code={CORPUS}/code,law={CORPUS}/law", "--max-tokens", 160, "--seq-len", 16,
+            "--batch-size", 2, "--token-cache", cache]
+    piped = run(*args)
+    assert piped.stderr == "" and "perplexity" in piped.stdout  # nothing extra when stderr is not a terminal
+    import tqdm
+
+    from bam_surgery.surgery.cli import cli
+
+    class EveryBatch(tqdm.tqdm):  # redraw at every update, not every 0.1 s: the test reads each drawing
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 0, "miniters": 1})
+
+    monkeypatch.setattr(tqdm, "tqdm", EveryBatch)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    cli.main([str(a) for a in args], standalone_mode=False)
+    assert sys.stdout.getvalue() == piped.stdout
+    shown = sys.stderr.getvalue()
+    # 160 tokens per domain: 10 windows of 16, 5 batches of 2; the bar counts all 10 and is removed at the end
+    assert "| 5/10 [" in shown and "| 10/10 [" in shown and "batch/s" in shown, shown
+    assert re.search(r"eval code: .*\| 1/10 \[", shown) and re.search(r"eval law: .*\| 6/10 \[", shown), shown
+    assert re.search(r"\r +\r$", shown), shown  # cleared: the report follows on a clean terminal

@@ -2,7 +2,10 @@
 corpus, exact resume, frozen parameters, checkpoints and their provenance chain."""
 from __future__ import annotations
 
+import io
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +153,33 @@ def test_every_router_kind_trains_and_gets_after_step(tmp_path, monkeypatch):
     assert all(not torch.equal(before[n], after[n]) for n in routers)
     assert all(torch.equal(before[n], after[n]) for n in before if n not in routers)
     assert sorted(calls) == sorted(["mlp", "expert_embedding"] * cfg.n_layers * 3)
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: the progress bar draws into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_shows_each_steps_loss_and_eval_lines_print_above_it(tmp_path, monkeypatch):
+    """On a terminal, the bar drawn at step n shows step n's loss (it showed step n-1's), and an eval line
+    is printed on a line of its own, the bar cleared first (it was written onto the bar)."""
+    import tqdm
+
+    class EveryStep(tqdm.tqdm):  # redraw at every update, not every 0.1 s: the test reads each drawing
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 0, "miniters": 1})
+
+    monkeypatch.setattr(tqdm, "tqdm", EveryStep)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    res = train(_cfg(tmp_path, preset="tiny", steps=3, save_every=0, eval_every=2, eval_tokens=64, progress=True))
+    shown = sys.stderr.getvalue()
+    losses = _losses(res.run)
+    drawn = re.findall(r"(\d+)/3 \[([^\]]*)\]", shown)
+    assert {int(n) for n, _ in drawn} == {0, 1, 2, 3}
+    for n, status in drawn:
+        if int(n):
+            assert f"loss={losses[int(n) - 1]:.4f}," in status, (n, status)
+    evals = [line for line in shown.split("\n") if "eval step" in line]
+    assert len(evals) == 2 and all(line.rsplit("\r", 1)[-1].startswith("eval step") for line in evals), evals

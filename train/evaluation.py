@@ -11,6 +11,7 @@ perplexity = exp(loss). Routing statistics (metrics.py) are over the same tokens
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -64,25 +65,32 @@ def autocast(device: torch.device, precision: str):
 def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: int, batch_size: int = 8,
                      max_tokens: int = 0, device: torch.device | None = None, precision: str = "auto",
                      routing=None, expert_names: dict[str, list[str]] | None = None,
-                     d: Dist | None = None, on_routing=None) -> dict[str, DomainResult]:
+                     d: Dist | None = None, on_routing=None, progress: bool = False) -> dict[str, DomainResult]:
     """Evaluate a model on tokenized streams {domain: 1-D token array}.
 
     on_routing(domain, out.routing), if given, sees every counted forward pass in order (routing_report
-    records the top-1 choices with it).
+    records the top-1 choices with it). progress: a bar on stderr over the forward passes of every
+    domain (the main process's), removed when done.
 
     Under torchrun every process runs the same number of forward passes (FSDP needs it): batch i
     goes to process i mod world, a process with nothing left in the last round runs a batch whose
     result it discards, and the sums are added over processes."""
+    from tqdm import tqdm
+
     d = d or Dist(device=device or next(model.parameters()).device)
     device = device or d.device
     was_training = model.training
     model.eval()
     results = {}
+    plan = {name: group_windows(eval_windows(tokens, seq_len, max_tokens), batch_size)
+            for name, tokens in streams.items()}
+    bar = tqdm(total=sum(math.ceil(len(b) / d.world) for b in plan.values()), desc="eval", unit="batch",
+               leave=False, dynamic_ncols=True, file=sys.stderr, disable=not (progress and d.is_main))
     try:
         for name, tokens in streams.items():
-            windows = eval_windows(tokens, seq_len, max_tokens)
-            batches = group_windows(windows, batch_size)
+            batches = plan[name]
             rounds = math.ceil(len(batches) / d.world) if batches else 0
+            bar.set_description(f"eval {name}", refresh=False)
             nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no sync per batch
             count = torch.zeros((), dtype=torch.float64, device=device)
             acc = RoutingAccumulator()
@@ -102,6 +110,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                     if on_routing is not None:
                         on_routing(name, out.routing)
                 acc.add(out.routing, count=real)
+                bar.update(1)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
             n = int(sums[1])
@@ -110,6 +119,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
             results[name] = DomainResult(name, n, loss, math.exp(loss) if n else float("nan"), per_router,
                                          summarize_routing(per_router))
     finally:
+        bar.close()
         model.train(was_training)
     return results
 
@@ -196,9 +206,10 @@ def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
 def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,
              seq_len: int | None = None, batch_size: int = 8, max_tokens: int = 0, text_field: str = "text",
              token_cache: str | Path | None = None, device: str = "auto", precision: str = "auto",
-             split: str = "val", routing=None) -> EvalReport:
+             split: str = "val", routing=None, progress: bool = False) -> EvalReport:
     """Evaluate a checkpoint (anything open_checkpoint accepts, or a run folder: its latest
-    checkpoint) on the held-out split of each domain of `data` (a domain SPEC)."""
+    checkpoint) on the held-out split of each domain of `data` (a domain SPEC). progress: a bar on
+    stderr while the windows run (the CLI shows it when stderr is a terminal)."""
     from .distributed import pick_device
 
     parse_data_spec(data)  # a bad SPEC is reported before the weights are read
@@ -207,5 +218,5 @@ def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id
     T = check_seq_len(seq_len, loaded.config)
     streams = load_streams(data, loaded.tokenizer, split, text_field, token_cache)
     results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision, routing,
-                               loaded.expert_names)
+                               loaded.expert_names, progress=progress)
     return EvalReport(loaded.spec, loaded.tokenizer.name, T, results, loaded.expert_names)

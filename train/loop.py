@@ -352,6 +352,9 @@ class _Run:
         metrics = MetricsWriter(self.dir / "metrics.jsonl", enabled=d.is_main)
         bar = tqdm(total=cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and d.is_main and sys.stderr.isatty()))
+        out = self._out
+        if not bar.disable:
+            self._out = _above_bar(tqdm, out)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
@@ -375,8 +378,8 @@ class _Run:
                                            for name, a in racc.assignments().items()})
                 metrics.write(rec)
                 last_loss = rec["loss"]
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)  # shown by update
                 bar.update(1)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
                 if self.eval_streams and ((cfg.eval_every > 0 and n % cfg.eval_every == 0) or n == cfg.steps):
                     last_eval = self._evaluate(n)
                     metrics.write(last_eval)
@@ -386,6 +389,7 @@ class _Run:
                         final = path
         finally:
             bar.close()
+            self._out = out
             metrics.close()
         if d.is_main and cfg.plot:
             from .plot import plot_run
@@ -465,6 +469,15 @@ class _Run:
             prune_checkpoints(self.dir, self.cfg.keep_last, protect={self.cfg.steps})
         dist_.barrier(d)
         return path
+
+
+def _above_bar(tqdm, log: Log) -> Log:
+    """log, for lines printed while the progress bar is drawn: the bar is cleared, the line printed, the
+    bar drawn again below it (tqdm.write's way), so no line lands on the bar."""
+    def write(msg: str) -> None:
+        with tqdm.external_write_mode(file=sys.stderr):
+            log(msg)
+    return write
 
 
 def _sha256(path: Path) -> str:
