@@ -329,7 +329,8 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @MAX_SHARD_SIZE
 @OUT_FORCE
 @ALLOW_PICKLE
-def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
+def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
     from bam_surgery.converters.export import ExportOptions, check_export, export
 
@@ -349,7 +350,8 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle)
                                 generation=generation_config(reader), max_shard_bytes=shard_bytes,
                                 architecture=arch, metadata={"bam_source": str(source)}, replace=force)
         export(reader, out_path, fmt, options)
-        click.echo(f"wrote {out_path} ({fmt})", err=True)
+        if not quiet:
+            click.echo(f"wrote {out_path} ({fmt})", err=True)
 
 
 def _audit_text(plan) -> str:

@@ -367,6 +367,16 @@ def test_convert_hf_bam_export_back_to_canonical_equals_merge(family, tmp_path):
     assert_same_checkpoint(canonical, back)
 
 
+def test_convert_quiet_prints_nothing(family, tmp_path):
+    dirs, _ = family
+    loud = run_cli("convert", dirs["seed"], "--out", tmp_path / "loud.safetensors")
+    assert loud.stderr == f"wrote {tmp_path / 'loud.safetensors'} (canonical)\n"
+    for flag, fmt in (("-q", "canonical"), ("--quiet", "hf")):
+        out = tmp_path / f"quiet-{fmt}"
+        result = run_cli("convert", dirs["seed"], "--out", out, "--format", fmt, flag)
+        assert (result.stdout, result.stderr) == ("", "") and (out / "config.json").is_file()
+
+
 def test_convert_refuses_existing_out_without_force(family, tmp_path):
     dirs, _ = family
     out = tmp_path / "seed.safetensors"
