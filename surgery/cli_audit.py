@@ -3,6 +3,7 @@ surgery.inspect. Both read checkpoint headers only (through converters.open_chec
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Sequence
 
 import click
@@ -195,10 +196,15 @@ def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: s
         raise click.UsageError(one_line(e)) from e
 
 
+def natural_order(names) -> list[str]:
+    """Names sorted with their numbers compared as numbers (some-64 before some-128)."""
+    return sorted(names, key=lambda n: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", n)])
+
+
 # ---- commands -------------------------------------------------------------------------------
 @click.command("count-params")
 @click.argument("ckpt", required=False)
-@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+@click.option("--preset", "preset_name", type=click.Choice(natural_order(PRESETS)),
               help="Count a built-in architecture (e.g. paper-small, Table 4) instead of a checkpoint.")
 @click.option("--recipe", "recipe_name", metavar="NAME",
               help="Count the mixture this recipe (name or YAML path) builds from the dense model.")

@@ -345,6 +345,13 @@ def test_count_params_errors(args, message):
     assert res.stderr.startswith("bam-surgery: error: ") and res.stderr.count("\n") == 1, res.stderr
 
 
+def test_count_params_lists_presets_in_natural_order():
+    order = "paper-large|paper-small|some-64|some-128|some-256|some-512|tiny"
+    assert f"--preset [{order}]" in invoke(count_params_cmd, ["--help"]).stdout
+    res = invoke(count_params_cmd, ["--preset", "some-32"])
+    assert res.exit_code == 2 and "'some-32' is not one of " + ", ".join(f"'{p}'" for p in order.split("|")) in res.stderr
+
+
 def test_count_params_refuses_mismatched_checkpoint(broken_ckpt):
     res = invoke(count_params_cmd, [broken_ckpt])
     assert res.exit_code == 2
