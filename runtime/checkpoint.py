@@ -54,6 +54,8 @@ class CheckpointReader(SafetensorsReader):
                     raise CheckpointError(f"{self.path}: no config.json")
                 body = read_json(cfg_file, expect=dict)
                 if CONFIG_KEY not in body:
+                    if "model_type" in body:
+                        raise _foreign_folder(self.path, body["model_type"])
                     raise CheckpointError(f"{cfg_file}: not a bam-surgery canonical config (no {CONFIG_KEY!r})")
                 self.config = ModelConfig.from_dict(body[CONFIG_KEY])
                 index = self.path / INDEX_NAME
@@ -68,12 +70,34 @@ class CheckpointReader(SafetensorsReader):
                 h = self._add(self.path)
                 self.metadata = dict(h.metadata)
                 if CONFIG_KEY not in self.metadata:
+                    model_type = _hf_model_type(self.path.parent)
+                    if model_type is not None:  # a weight file of an HF folder
+                        raise _foreign_folder(self.path.parent, model_type)
                     raise CheckpointError(f"{self.path}: safetensors metadata has no {CONFIG_KEY!r}; "
                                           "not a bam-surgery canonical checkpoint")
                 self.config = ModelConfig.from_json(self.metadata[CONFIG_KEY])
         except ConfigError as e:  # an invalid stored config: keep the type, name the file
             where = self.path / "config.json" if self.path.is_dir() else self.path
             raise ConfigError(f"{where}: {e}") from None
+
+
+def _hf_model_type(folder: Path) -> object | None:
+    """The model_type of an HF folder's config.json (None: no such file, or not an HF config)."""
+    try:
+        body = read_json(folder / "config.json", expect=dict)
+    except (OSError, CheckpointError):
+        return None
+    return body.get("model_type") if CONFIG_KEY not in body else None
+
+
+def _foreign_folder(folder: Path, model_type: object) -> CheckpointError:
+    """An HF folder (an HF model, or our Mixtral / HF BAM export) handed to the canonical reader: one line
+    naming the calls that read it (runtime imports nothing from converters, so they are only named)."""
+    return CheckpointError(
+        f"{folder}: a Hugging Face model folder (model_type {model_type!r}), not a bam-surgery "
+        "canonical checkpoint (load_model and CheckpointReader read only those); open it with "
+        f"bam_surgery.converters.open_checkpoint({str(folder)!r}) and build the model with "
+        "bam_surgery.runtime.model_from_reader(reader)")
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

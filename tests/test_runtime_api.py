@@ -2,11 +2,13 @@
 preset overrides, and the targets convention of Model.forward."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bam_surgery.runtime import CheckpointError, Model, load_model, preset, save_model
+from bam_surgery.runtime import CheckpointError, Model, ModelConfig, load_model, preset, save_model
 
 
 @pytest.mark.parametrize("key", ["bam_config", "format", "total_size"])
@@ -45,3 +47,31 @@ def test_targets_are_the_tokens_each_position_predicts():
     masked[:, :4] = -100
     got = model(tokens[:, :-1], targets=masked).nll
     assert torch.allclose(got, F.cross_entropy(out.logits[:, 4:].reshape(-1, 256), tokens[:, 5:].reshape(-1)))
+
+
+@pytest.mark.parametrize("fmt, model_type", [("hf", "llama"), ("mixtral", "mixtral"), ("hf", "bam_mixture")])
+def test_load_model_of_an_hf_folder_names_the_call_that_opens_it(tmp_path, fmt, model_type):
+    """An HF folder, or our Mixtral / HF BAM export, is not canonical: load_model (folder or weight file)
+    says, in one line, which call reads it; that call does."""
+    from conftest import run_cli
+
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.runtime import model_from_reader
+
+    llama = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, activation="swiglu",
+                 norm="rmsnorm", position="rope", block="sequential", max_positions=16, tie_embeddings=False)
+    experts = {} if model_type == "llama" else dict(ffn_experts=2, ffn_top_k=1, gate_norm="topk_softmax")
+    ckpt = save_model(Model(ModelConfig(**llama, **experts)), tmp_path / "m.safetensors")
+    folder = tmp_path / model_type
+    run_cli("convert", ckpt, "--format", fmt, "--architecture", "llama", "--out", folder)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == model_type
+    for path in (folder, sorted(folder.glob("*.safetensors"))[0]):  # the folder, or one of its weight files
+        with pytest.raises(CheckpointError) as e:
+            load_model(path)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"{folder}: a Hugging Face model folder "
+                                                          f"(model_type '{model_type}'), not a bam-surgery")
+        assert f"bam_surgery.converters.open_checkpoint('{folder}')" in message
+        assert "bam_surgery.runtime.model_from_reader(reader)" in message
+    with open_checkpoint(folder) as reader:
+        assert model_from_reader(reader).config.ffn_experts == experts.get("ffn_experts", 0)
