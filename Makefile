@@ -1,6 +1,10 @@
 # Entry points for a fresh machine; each does all of its own set-up in .venv.
 #   make demo       install the runtime and run the embedded demo (no downloads of data or weights)
 #   make test       install the test environment and run the test suite
+#   make test-compat  the exports in the clients users run: one venv per end of the transformers range the
+#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM and
+#                   Mixtral export checks in each, lm-evaluation-harness with the newest, and the wheel installed
+#                   into a fresh venv
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 PYTHON ?= python3
@@ -10,7 +14,14 @@ PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
 REPRODUCE := reproduce-out
 
-.PHONY: demo test reproduce install install-test clean
+# The transformers versions the compat stage checks: the ends of the range converters/hf_bam/schema_bam.py declares
+# (the main test environment pins a third, requirements-test.txt); lm-eval runs with the newest.
+COMPAT_OLDEST := 4.57.6
+COMPAT_NEWEST := 5.24.0
+COMPAT_VENVS  := .venv-compat
+COMPAT_TESTS  := tests/test_hf_bam_export.py tests/test_mixtral_export.py tests/test_export_clients.py
+
+.PHONY: demo test test-compat reproduce install install-test clean
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +33,17 @@ $(VENV)/.test-installed: $(VENV)/.runtime-installed requirements-test.txt
 	$(PIP) -r requirements-test.txt
 	touch $@
 
+# one venv per transformers version: the compat pins, that transformers (its huggingface_hub and tokenizers follow
+# it), lm-eval for the newest, and this package without its dependencies
+$(COMPAT_VENVS)/transformers-%/.installed: requirements-compat.txt requirements-compat-lm-eval.txt setup.py
+	rm -rf $(COMPAT_VENVS)/transformers-$*
+	$(PYTHON) -m venv $(COMPAT_VENVS)/transformers-$*
+	$(COMPAT_VENVS)/transformers-$*/bin/python -m pip install --disable-pip-version-check -q -r requirements-compat.txt \
+		transformers==$* $(if $(filter $*,$(COMPAT_NEWEST)),-r requirements-compat-lm-eval.txt)
+	$(COMPAT_VENVS)/transformers-$*/bin/python -m pip install --disable-pip-version-check -q --no-deps \
+		--no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
@@ -29,11 +51,19 @@ demo: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery.surgery.demo --out demo-out
 
 test: $(VENV)/.test-installed
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --ignore=tests/compat
+
+test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
+		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed
+	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
+		$(COMPAT_TESTS)
+	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
+		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
+	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery.surgery.cli pipeline tiny --out $(REPRODUCE) \
 		$(if $(wildcard $(REPRODUCE)/pipeline.resolved.yaml),--resume)
 
 clean:
-	rm -rf $(VENV) demo-out $(REPRODUCE) *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from bam_surgery.converters.hf.files import GENERATION_CONFIG
+from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
@@ -28,6 +29,12 @@ LOAD_SNIPPETS = {
                    "# lm-eval: lm_eval --model hf --model_args pretrained={out},trust_remote_code=True ..."),
     "hf-dense": ("from transformers import AutoModelForCausalLM\n"
                  "model = AutoModelForCausalLM.from_pretrained(\"{out}\")"),
+}
+_TESTED = ", ".join(schema_bam.TRANSFORMERS_TESTED)
+REQUIRES = {
+    "mixtral": f"transformers' own MixtralForCausalLM; checked with transformers {_TESTED}.",
+    "hf-mixture": (f"transformers {schema_bam.TRANSFORMERS_RANGE} (checked with {_TESTED}); the remote code refuses "
+                   "an older one at load time, in one line. It imports only torch and transformers."),
 }
 
 
@@ -132,4 +139,4 @@ paper): total {paper.total:,}, active {paper.active:,}.
 ```python
 {LOAD_SNIPPETS[key].format(out=out)}
 ```
-"""
+{"" if key not in REQUIRES else chr(10) + "Requires " + REQUIRES[key] + chr(10)}"""

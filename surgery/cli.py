@@ -19,7 +19,7 @@ import click
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS
 
 from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
-from .errors import USER_ERRORS, BamSurgeryError, one_line, os_error_message
+from .errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
 from .open_input import open_input
 
 EXIT_USER_ERROR = 2
@@ -56,6 +56,8 @@ class Group(click.Group):
     * the project's user errors (BamSurgeryError, CheckpointError, ConfigError) and click's own
       usage errors (a bad option value, a missing argument): one line `bam-surgery: error: ...`,
       exit status 2;
+    * a third-party package the command imports and the environment lacks: one line naming what to
+      install, exit status 2;
     * an OSError nobody caught (disk full, read-only file system, a parent that is a file): one
       line naming the path, exit status 2;
     * Ctrl-C: `bam-surgery: interrupted; nothing was written`, exit status 130 (outputs are
@@ -71,6 +73,11 @@ class Group(click.Group):
             raise UserError(one_line(e)) from None
         except KeyboardInterrupt:
             raise Interrupted() from None
+        except ModuleNotFoundError as e:
+            message = missing_package_message(e)
+            if message is None:
+                raise
+            raise UserError(message) from None
         except OSError as e:
             if e.errno == errno.EPIPE:
                 raise

@@ -14,7 +14,7 @@ from bam_surgery.runtime.errors import CheckpointError, OutputError, printable
 from bam_surgery.train.errors import TrainError
 
 __all__ = ["BamSurgeryError", "CheckpointError", "ConfigError", "InputError", "OutputError", "RecipeError",
-           "USER_ERRORS", "one_line", "os_error_message"]
+           "USER_ERRORS", "missing_package_message", "one_line", "os_error_message"]
 
 
 class BamSurgeryError(Exception):
@@ -40,6 +40,22 @@ def one_line(err: BaseException | str) -> str:
     second output line."""
     text = str(err).strip()
     return printable(text) or type(err).__name__
+
+
+# import name -> the distribution pip installs it from, where they differ
+_DISTRIBUTIONS = {"yaml": "PyYAML", "lm_eval": "lm_eval", "onnxruntime_genai": "onnxruntime-genai",
+                  "llama_cpp": "llama-cpp-python", "sklearn": "scikit-learn"}
+
+
+def missing_package_message(e: ModuleNotFoundError) -> str | None:
+    """A third-party package a command needs and this environment lacks, as one line saying what to install;
+    None when the missing module is part of bam-surgery itself (a broken install, a bug: keep its traceback)."""
+    name = (e.name or "").split(".")[0]
+    if not name or name == "bam_surgery":
+        return None
+    dist = _DISTRIBUTIONS.get(name, name.replace("_", "-"))
+    return (f"this command needs the Python package {dist!r}, which is not installed here "
+            f"(pip install {dist}; requirements.txt pins the tested version)")
 
 
 def os_error_message(e: OSError) -> str:
