@@ -348,10 +348,18 @@ def hf_modules(tmp_path_factory):
     """Keep transformers' copies of remote code in a temporary directory, not in the user's HF cache."""
     import transformers.dynamic_module_utils as dmu
 
+    def forget_loaded_remote_code() -> None:
+        # transformers imports remote code as the package `transformers_modules` from HF_MODULES_CACHE; one that
+        # an earlier test module imported from its own cache would shadow this module's copies
+        for name in [n for n in sys.modules if n == "transformers_modules" or n.startswith("transformers_modules.")]:
+            del sys.modules[name]
+
     cache = str(tmp_path_factory.mktemp("hf_modules"))
+    forget_loaded_remote_code()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dmu, "HF_MODULES_CACHE", cache)
         mp.setenv("HF_MODULES_CACHE", cache)
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setattr(sys, "path", list(sys.path))
         yield cache
+    forget_loaded_remote_code()
