@@ -4,21 +4,21 @@ HF directory or hub id, our Mixtral and HF BAM exports), through runtime.generat
     bam-surgery generate mix.safetensors --prompt "def fib(n):" --max-new-tokens 40
     bam-surgery generate mix/ --tokens 1,2,3 --temperature 0.8 --top-p 0.95 --seed 1
 
-Prints the continuation on stdout (text when a tokenizer is known, else comma-separated token ids) and one
-summary line on stderr. Every bad input (option value, device, checkpoint, tokenizer) is one
-`bam-surgery: error:` line with exit status 2.
+The tokenizer is found as train, eval and merge find theirs (train.tokenize.resolve_tokenizer): --tokenizer
+(a tokenizer.json, a folder holding one, or `bytes`), else the checkpoint's own, else the byte-level tokenizer
+for vocabularies of at most 512. Prints the continuation on stdout (text, decoded with that tokenizer; token
+ids, comma-separated, when --tokens is given and no tokenizer applies) and one summary line on stderr. Every
+bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: error:` line with exit status 2.
 """
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import click
 
 from .errors import BamSurgeryError
 
 DTYPES = ("float32", "bfloat16", "float16")
-TOKENIZER_FILE = "tokenizer.json"
 
 
 @click.command("generate")
@@ -26,15 +26,16 @@ TOKENIZER_FILE = "tokenizer.json"
 @click.option("--prompt", metavar="TEXT", help="Text to continue; encoded with the tokenizer (see --tokenizer).")
 @click.option("--tokens", metavar="ID,ID,...",
               help="Token ids to continue instead of --prompt, comma-separated, e.g. 1,2,3.")
-@click.option("--tokenizer", metavar="PATH",
-              help="An HF tokenizer.json, or a directory holding one. Default: the tokenizer.json next to the "
-                   "checkpoint (its directory, or the HF input's).")
+@click.option("--tokenizer", metavar="PATH|bytes",
+              help="Tokenizer of --prompt and of the printed text: a tokenizer.json, a folder holding one, or bytes "
+                   "(default: the checkpoint's own; bytes for vocabularies of at most 512).")
 @click.option("--max-new-tokens", default="32", show_default=True, metavar="N",
               help="Most tokens to generate; fewer if the checkpoint's eos token comes first.")
 @click.option("--temperature", default="0", show_default=True, metavar="T",
               help="0 decodes greedily; above 0 samples from softmax(logits / T).")
 @click.option("--top-p", default="1", show_default=True, metavar="P",
-              help="Nucleus sampling: sample among the most likely tokens whose probability reaches P (0 < P <= 1).")
+              help="Nucleus sampling: sample among the most likely tokens whose probability reaches P (0 < P <= 1); "
+                   "unused at --temperature 0 (a note says so).")
 @click.option("--seed", default=None, metavar="N", help="Seed of the sampler (same seed, same text). Default: random.")
 @click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda",
               help="Where the model runs: cpu, cuda or cuda:N.")
@@ -60,17 +61,17 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     if (prompt is None) == (tokens is None):
         raise BamSurgeryError("give the input as exactly one of --prompt TEXT and --tokens ID,ID,...")
     ids = _token_ids(tokens) if tokens is not None else None
+    if nucleus < 1 and temp == 0:
+        click.echo(f"bam-surgery: note: --top-p {top_p} is unused under greedy decoding (--temperature 0); give "
+                   "--temperature above 0 to sample", err=True)
 
     reader = open_input(checkpoint)
     try:
         cfg = reader.config
-        tok_path = _tokenizer_path(tokenizer, reader, checkpoint)
-        tok = _load_tokenizer(tok_path) if tok_path is not None else None
+        eos = generation_config(reader).get("eos_token_id")
+        tok = _tokenizer(tokenizer, reader, cfg.vocab_size, eos, needed=ids is None)
         if ids is None:
-            if tok is None:
-                raise BamSurgeryError(f"{checkpoint}: no tokenizer known for this checkpoint; pass --tokenizer (a "
-                                      f"{TOKENIZER_FILE} or a directory holding one), or token ids with --tokens")
-            ids = tok.encode(prompt).ids
+            ids = _encode(tok, prompt)
             if not ids:
                 raise BamSurgeryError("--prompt: the text encodes to no tokens")
         bad = [i for i in ids if i >= cfg.vocab_size]
@@ -82,7 +83,6 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         weight_dtype = getattr(torch, dtype) if dtype else (
             torch.float32 if run_device.type == "cpu" else reader.dtype("embed.weight"))
         model = model_from_reader(reader, run_device, weight_dtype)
-        eos = generation_config(reader).get("eos_token_id")
     finally:
         close = getattr(reader, "close", None)
         if close:
@@ -93,7 +93,7 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
                    eos_token_id=eos)[0].tolist()
     seconds = time.perf_counter() - start
     if tok is not None:
-        click.echo(tok.decode(new, skip_special_tokens=True))
+        click.echo(tok.decode(new))
     else:
         click.echo(",".join(str(i) for i in new))
     click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens in {seconds:.2f} s "
@@ -136,30 +136,30 @@ def _device(text: str):
     return device
 
 
-def _tokenizer_path(explicit: str | None, reader, checkpoint: str) -> Path | None:
-    """--tokenizer (file or directory), else the HF input's tokenizer.json, else one next to the checkpoint."""
-    if explicit is not None:
-        path = Path(explicit)
-        if path.is_dir():
-            path = path / TOKENIZER_FILE
-            if not path.is_file():
-                raise BamSurgeryError(f"--tokenizer: {explicit} holds no {TOKENIZER_FILE}")
-        elif not path.is_file():
-            raise BamSurgeryError(f"--tokenizer: {explicit}: no such file or directory")
-        return path
-    files = getattr(reader, "tokenizer_files", None)
-    for f in files() if callable(files) else []:
-        if Path(f).name == TOKENIZER_FILE:
-            return Path(f)
-    source = Path(getattr(reader, "path", checkpoint))
-    candidate = (source if source.is_dir() else source.parent) / TOKENIZER_FILE
-    return candidate if candidate.is_file() else None
+def _tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
+    """The tokenizer by train.tokenize.resolve_tokenizer's rules (--tokenizer PATH|bytes, the checkpoint's own,
+    bytes for vocabularies of at most 512); None when only token ids are given (--tokens) and no tokenizer
+    was asked for or carried and the byte fallback does not apply: the output is then printed as ids."""
+    from bam_surgery.train.errors import TrainError
+    from bam_surgery.train.tokenize import checkpoint_tokenizer, resolve_tokenizer
 
-
-def _load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
+    # generate stops at the generation config's eos; the tokenizer's own end-of-text id (its document separator
+    # in training) is not used here, so a tokenizer that has none is not refused for it
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exception subclasses for bad JSON and unknown models
-        raise BamSurgeryError(f"{path}: cannot read the tokenizer ({' '.join(str(e).split())[:200]})") from None
+        return resolve_tokenizer(option, reader, vocab_size, eos_id=eos if isinstance(eos, int) else 0)
+    except TrainError:
+        if needed or option is not None or checkpoint_tokenizer(reader) is not None:
+            raise
+        return None
+
+
+def _encode(tok, prompt: str) -> list[int]:
+    """The prompt's ids. An HF tokenizer adds its special tokens (a BOS), as transformers' generate expects;
+    training encodes documents without them (train.tokenize.HFTokenizer.encode_batch)."""
+    from bam_surgery.train.tokenize import HFTokenizer
+
+    if isinstance(tok, HFTokenizer):
+        return tok.tok.encode(prompt).ids
+    return [int(i) for i in tok.encode_batch([prompt])[0]]

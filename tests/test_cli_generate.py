@@ -1,7 +1,9 @@
 """`bam-surgery generate` end to end: canonical file and directory, HF BAM export, HF Llama directory; the
-tokenizer found next to the checkpoint, in the HF input or given with --tokenizer; greedy output equal to
-runtime.generate; seeded sampling; eos from the checkpoint's generation config; and every bad input refused
-with one `bam-surgery: error:` line and exit status 2. Offline, tiny models."""
+tokenizer carried by the checkpoint (its folder, the HF input), given with --tokenizer, or the byte tokenizer
+(`--tokenizer bytes`, and the default for small vocabularies, as in the other commands); greedy output equal
+to runtime.generate; seeded sampling; the note on --top-p under greedy decoding; eos from the checkpoint's
+generation config; and every bad input refused with one `bam-surgery: error:` line and exit status 2.
+Offline, tiny models."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +18,7 @@ from bam_surgery.converters.hf_bam import export_hf_bam
 from bam_surgery.runtime import Model, generate, save_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
 from bam_surgery.surgery.cli import cli
+from bam_surgery.train.tokenize import ByteTokenizer
 
 V = 64
 SPECIALS = ["<unk>", "<pad>", "</s>"]  # ids 0, 1, 2; words w3 .. w63
@@ -106,6 +109,45 @@ def test_seeded_sampling_is_repeatable(checkpoints):
     assert a.strip() == words(greedy(model, [5, 9], 8, temperature=1.0, top_p=0.9, seed=3))
 
 
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    """A tiny model with a byte-sized vocabulary (256, like the demo's), saved as a lone file: no tokenizer."""
+    cfg = tiny_config(vocab_size=256, ffn_experts=2, max_positions=64)
+    model = Model(cfg)
+    model.load_state_dict(random_state(cfg, 5))
+    model.eval()
+    return save_model(model, tmp_path_factory.mktemp("bytes") / "mix.safetensors"), model
+
+
+@pytest.mark.parametrize("spelling", [None, "bytes"])
+def test_byte_tokenizer_by_default_and_by_name(byte_model, spelling):
+    """As in train, eval and merge: `--tokenizer bytes`, and the default for vocabularies of at most 512."""
+    path, model = byte_model
+    chosen = () if spelling is None else ("--tokenizer", spelling)
+    result = run(path, "--prompt", "def fib(n):", "--max-new-tokens", 12, *chosen)
+    new = greedy(model, list(b"def fib(n):"), 12)
+    assert result.stdout == ByteTokenizer().decode(new) + "\n"
+    assert result.stderr.startswith("12 new tokens after 11 prompt tokens")
+
+
+def test_byte_tokenizer_decodes_token_ids(byte_model):
+    path, model = byte_model
+    result = run(path, "--tokens", "100,101", "--max-new-tokens", 5)
+    assert result.stdout == ByteTokenizer().decode(greedy(model, [100, 101], 5)) + "\n"
+
+
+def test_top_p_under_greedy_decoding_gets_a_note(checkpoints):
+    root, model = checkpoints
+    result = run(root / "canonical", "--tokens", "5,9", "--max-new-tokens", 4, "--top-p", "0.9")
+    assert result.stdout.strip() == words(greedy(model, [5, 9], 4))
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == ("bam-surgery: note: --top-p 0.9 is unused under greedy decoding "
+                                            "(--temperature 0); give --temperature above 0 to sample")
+    sampled = run(root / "canonical", "--tokens", "5,9", "--max-new-tokens", 4, "--top-p", "0.9",
+                  "--temperature", "1", "--seed", "1")
+    assert "note:" not in sampled.stderr
+
+
 def test_bf16_run(checkpoints):
     root, _ = checkpoints
     result = run(root / "canonical", "--tokens", "5,9", "--max-new-tokens", 3, "--dtype", "bfloat16")
@@ -151,9 +193,11 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
         ((ckpt, "--tokens", "1", "--top-p", "0"), "--top-p: '0' is not a number in (0, 1]"),
         ((ckpt,), "exactly one of --prompt TEXT and --tokens"),
         ((ckpt, "--prompt", "w5", "--tokens", "5"), "exactly one of --prompt TEXT and --tokens"),
-        ((root / "lone" / "mix.safetensors", "--prompt", "w5"), "no tokenizer known for this checkpoint"),
-        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "nope.json"), "--tokenizer:"),
-        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "broken"), "cannot read the tokenizer"),
+        # no tokenizer carried, and the byte fallback does not fit a vocabulary of 64
+        ((root / "lone" / "mix.safetensors", "--prompt", "w5"), "tokenizer bytes has 256 tokens"),
+        ((ckpt, "--prompt", "w5", "--tokenizer", "bytes"), "tokenizer bytes has 256 tokens"),
+        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "nope.json"), "--tokenizer"),
+        ((ckpt, "--prompt", "w5", "--tokenizer", tmp_path / "broken"), "not a readable tokenizer.json"),
         ((tmp_path / "notes.txt", "--tokens", "1"), "not a checkpoint"),
         ((tmp_path / "plain.safetensors", "--tokens", "1"), "not a bam-surgery canonical checkpoint"),
         ((tmp_path / "missing", "--tokens", "1"), "missing"),
