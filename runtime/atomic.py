@@ -10,21 +10,53 @@ same OUT finds it:
 
     out/.mix.bam-surgery.partial/        mode 0700, removed at the end
         lock                             flock()ed by the writing process, holding its pid
-        mix                              the output being written (file or folder)
-        replaced                         with replace=True: the previous output, moved aside
+        mix                              the new output (file or folder): being written, or complete
+                                         and not yet renamed onto OUT
+        replaced                         with replace=True: the previous OUT, moved aside
+        discarded                        the previous OUT once the new one is in place: being removed
+
+The commit protocol. Each state is a set of names on disk, so a run killed in any state leaves
+a work folder from which the next run on the same OUT (its lock is free then) tells the state
+and settles it (`_settle`, one rule for the writing run's own clean-up and for the next run):
+nothing at OUT is ever removed, `replaced` is only put back or, once the new output is at OUT,
+discarded, and what is removed outright (`mix`, `discarded`) never was at OUT after the run
+started. No state holds neither the old nor the new output. Step names (in brackets) are where
+`step_hook` is called, so that tests can interrupt or kill the commit at each of them.
+
+  S1 writing  [ready]    work/{lock, mix}; OUT: the old output, or nothing.
+                         Interrupt or kill -9: `mix` is removed (by this run, or by the next);
+                         OUT untouched. "nothing was written" is true.
+  S2 aside    [aside,    replace=True and something is at OUT: OUT renamed to work/replaced
+               checked]  (one rename, so what is checked is exactly what would be discarded), then
+                         checked with runtime.outputs.not_own_output. work/{lock, mix, replaced};
+                         OUT: nothing. Interrupt or kill -9: `replaced` is renamed back onto OUT
+                         (no-replace), then `mix` is removed; the old output is back, untouched.
+                         Something at OUT by then (a user's): both are kept, the run fails in one
+                         line naming work/replaced. Not our own output: put back at once, the run
+                         fails.
+  S3 landed   [landed]   `mix` renamed onto OUT (no-replace). work/{lock, replaced} (or
+                         work/{lock} when OUT was empty); OUT: the new output, complete.
+                         `replaced` without `mix` means the new output landed: `replaced` (checked
+                         in S2, and again here) is renamed to `discarded`. An interrupt from here on
+                         raises InterruptedAfterWrite ("... was written"), never "nothing was
+                         written". Where renameat2 is missing a file lands by os.link then unlink
+                         [linked]: `mix` and OUT the same file means landed too.
+  S4 discard  [discarding] work/{lock, discarded}: `discarded` is removed (by this run, or by the
+                         next: it is the previous output, which --force asked to replace).
+  S5 unlock   [removed,  work/{lock}, then nothing: the lock file is unlinked, the folder removed
+               unlocked] (the next run finds a lock file alone, or no folder: nothing to settle).
 
 Guarantees:
-* A failed or interrupted run (an exception, Ctrl-C, SIGTERM) leaves nothing at OUT, an existing
-  OUT untouched, no work folder and no parent folders it created.
+* A failed or interrupted run (an exception, Ctrl-C, SIGTERM) leaves OUT as it was (S1, S2) or
+  holding the new output (S3 on), no work folder and no parent folders it created.
 * kill -9 leaves the work folder; its lock dies with the process, so the next run on the same OUT
-  removes it (and says so through `on_stale`). A work folder whose lock is held belongs to a run
-  that is alive: the second run fails in one line and removes nothing. Two runs on one OUT: one
-  wins, the other fails, nothing is lost.
+  settles it as above (and says so through `on_stale`). A work folder whose lock is held belongs
+  to a run that is alive: the second run fails in one line and removes nothing. A work folder
+  holding a name the protocol does not use is not ours: the run fails and removes nothing. Two runs
+  on one OUT: one wins, the other fails, nothing is lost.
 * The final rename never replaces what appeared at OUT while the run wrote (another program, a
-  user): with replace=False it is an OutputError; with replace=True, what is at OUT is first moved
-  into the work folder (one atomic rename, so what is checked is exactly what would be deleted),
-  checked with runtime.outputs.not_own_output, and put back untouched unless it is this tool's own
-  output.
+  user): with replace=False it is an OutputError; with replace=True it is moved aside, checked,
+  and put back untouched unless it is this tool's own output (S2).
 * Renames that must not replace use renameat2(RENAME_NOREPLACE) on Linux (ctypes; glibc >= 2.28),
   the one call that refuses atomically for files and folders alike. Where it is missing (other
   systems, file systems without it) a file is placed with os.link (fails if the name exists, also
@@ -50,7 +82,28 @@ from .outputs import not_own_output, write_marker
 PARTIAL_SUFFIX = ".bam-surgery.partial"
 LOCK = "lock"
 REPLACED = "replaced"
+DISCARDED = "discarded"
 _EXISTS = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
+
+# The named steps of the commit, in order (see the states above); "linked" only where renameat2 is missing.
+COMMIT_STEPS = ("ready", "aside", "checked", "linked", "landed", "discarding", "removed", "unlocked")
+# Called with each step's name as the commit reaches it; tests set it to interrupt (raise) or kill there.
+step_hook: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if step_hook is not None:
+        step_hook(name)
+
+
+class InterruptedAfterWrite(KeyboardInterrupt):
+    """Ctrl-C after the new output was in place (S3 on): OUT holds it, complete; only the clean-up of
+    the work folder was cut short (the next run on the same OUT finishes it)."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.message = f"interrupted after {target} was written (it is complete)"
+        super().__init__(self.message)
 
 
 def work_folder(target: Path) -> Path:
@@ -82,31 +135,41 @@ def atomic_path(target: str | os.PathLike, is_dir: bool = False, *, replace: boo
     _check_existing(target, replace)
     created = _make_parents(target)
     work = work_folder(target)
+    item = work / target.name
     lock_fd = None
-    ok = False
+    ok = committing = landed = False
     try:
-        lock_fd = _acquire(work, target, on_stale)
-        item = work / target.name
         try:
-            yield item
-            if is_dir and item.is_dir():
-                write_marker(item)
-            _commit(item, target, work, replace)
-        except OSError as e:
-            err = _as_output_error(e, target, work)
-            if err is e:
-                raise
-            raise err from e
-        ok = True
-    finally:
-        if lock_fd is not None:
-            _release(work, lock_fd)
-        if not ok:
-            for d in created:  # deepest first; only folders this run created, and only if empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            lock_fd, restored = _acquire(work, target, on_stale)
+            if restored:  # the previous output is back at OUT: as if it had been there from the start
+                _check_existing(target, replace)
+            try:
+                yield item
+                if is_dir and item.is_dir():
+                    write_marker(item)
+                committing = os.path.lexists(item)
+                _commit(item, target, work, replace)
+            except OSError as e:
+                err = _as_output_error(e, target, work)
+                if err is e:
+                    raise
+                raise err from e
+            ok = True
+        finally:
+            if committing:  # before the clean-up removes `item`: did the new output reach OUT?
+                landed = _landed(item, target)
+            if lock_fd is not None:
+                _release(work, target, lock_fd)
+            if not ok and not landed:
+                for d in created:  # deepest first; only folders this run created, and only if empty
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        break
+    except KeyboardInterrupt as e:
+        if landed and not isinstance(e, InterruptedAfterWrite):
+            raise InterruptedAfterWrite(target) from None
+        raise
 
 
 @contextmanager
@@ -154,8 +217,9 @@ def _make_parents(target: Path) -> list[Path]:
     return created
 
 
-def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -> int:
-    """Create (or take over from a killed run) the target's work folder and lock it."""
+def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -> tuple[int, bool]:
+    """Create (or take over from a killed run) the target's work folder and lock it; returns the lock's
+    descriptor and whether a killed run's previous output was put back at the target."""
     fresh = True
     try:
         os.mkdir(work, 0o700)
@@ -176,32 +240,88 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
         os.close(fd)
         raise OutputError(f"{target}: another bam-surgery run (pid {pid}) is writing it right now; wait for it "
                           "to finish or write elsewhere") from None
+    restored = False
     if not fresh:  # a killed run's leftovers: ours only if it holds nothing but what we put there
-        leftovers = [n for n in os.listdir(work) if n != LOCK]
-        foreign = [n for n in leftovers if n not in (target.name, REPLACED)]
-        if foreign:
+        try:
+            leftovers = [n for n in os.listdir(work) if n != LOCK]
+            foreign = [n for n in leftovers if n not in (target.name, REPLACED, DISCARDED)]
+            if foreign:
+                raise OutputError(f"{target}: {work} holds {foreign[0]}, which bam-surgery did not put there; "
+                                  "remove that folder yourself")
+            restored = _settle(work, target)
+        except BaseException:
             os.close(fd)
-            raise OutputError(f"{target}: {work} holds {foreign[0]}, which bam-surgery did not put there; "
-                              "remove that folder yourself")
-        for name in leftovers:
-            _remove(work / name)
-        if leftovers and on_stale is not None:
+            raise
+        if on_stale is not None and restored:
+            on_stale(f"put the previous {target} back from {work}, where an interrupted run had moved it aside")
+        elif on_stale is not None and leftovers:
             on_stale(f"removed {work}, left by an interrupted run on the same output")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return fd, restored
 
 
-def _release(work: Path, lock_fd: int) -> None:
-    """Remove the work folder (still holding the lock, so no other run takes it meanwhile)."""
+def _settle(work: Path, target: Path) -> bool:
+    """Bring a work folder in any state of the commit protocol back to S5 less the lock: put a displaced
+    previous output back at the target if the new one never landed, else discard it; remove what never
+    was at the target. Returns whether the previous output was put back. Used by the writing run's own
+    clean-up and by the next run on a killed run's folder alike. Raises OutputError, keeping everything,
+    where the previous output can be neither put back nor proven replaced."""
+    item, aside, discarded = work / target.name, work / REPLACED, work / DISCARDED
+    restored = False
+    if os.path.lexists(aside):
+        if os.path.lexists(item) and not _landed(item, target):  # S2: the new output never reached OUT
+            try:
+                if _same(aside, target):  # put back by os.link, killed before the unlink
+                    os.unlink(aside)
+                else:
+                    rename_noreplace(aside, target)
+            except OSError as e:
+                if e.errno not in _EXISTS:
+                    raise
+                raise OutputError(f"{target}: its previous content is kept at {aside} (moved aside by a run "
+                                  f"interrupted before its new output was in place) and {target} exists again; "
+                                  "move one of them yourself") from None
+            restored = True
+        else:  # S3: the new output is at OUT, and `replaced` was found ours before it went there
+            reason = not_own_output(aside)
+            if reason:
+                raise OutputError(f"{target}: {aside} {reason}; kept, remove it yourself")
+            os.rename(aside, discarded)
+            _step("discarding")
+    if os.path.lexists(discarded):
+        _remove(discarded)
+    if os.path.lexists(item):  # never at OUT: a partial or unlanded new output, or a second link to OUT's
+        _remove(item)
+    _step("removed")
+    return restored
+
+
+def _landed(item: Path, target: Path) -> bool:
+    """Whether the new output (work/NAME when committing began) is at the target: renamed there, or linked
+    there and not yet unlinked from the work folder (the no-renameat2 path for files)."""
+    return not os.path.lexists(item) or _same(item, target)
+
+
+def _same(a: Path, b: Path) -> bool:
     try:
-        for name in os.listdir(work):
-            if name != LOCK:
-                _remove(work / name)
-        os.unlink(work / LOCK)
-        os.rmdir(work)
-    except OSError:
-        pass  # another run took the folder over after the unlink: it is its own now
+        sa, sb = os.lstat(a), os.lstat(b)
+    except FileNotFoundError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _release(work: Path, target: Path, lock_fd: int) -> None:
+    """Settle the work folder and remove it (still holding the lock, so no other run takes it meanwhile).
+    If the previous output can be neither put back nor discarded, the folder stays, with an OutputError."""
+    try:
+        _settle(work, target)
+        try:
+            os.unlink(work / LOCK)
+            _step("unlocked")
+            os.rmdir(work)
+        except OSError:
+            pass  # another run took the folder over after the unlink: it is its own now
     finally:
         os.close(lock_fd)
 
@@ -220,8 +340,10 @@ def _remove(p: Path) -> None:
 def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
     if not os.path.lexists(item):
         raise OutputError(f"{target}: nothing was written")
+    _step("ready")
     try:
         rename_noreplace(item, target)
+        _step("landed")
         return
     except OSError as e:
         if e.errno not in _EXISTS:
@@ -231,10 +353,13 @@ def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
                           "output was discarded (pass --force to replace an output of bam-surgery)")
     aside = work / REPLACED
     os.rename(target, aside)  # now only this run sees it: what is checked is what would be deleted
+    _step("aside")
     reason = not_own_output(aside)
     if reason is None:
+        _step("checked")
         try:
             rename_noreplace(item, target)
+            _step("landed")
             return
         except OSError as e:
             if e.errno not in _EXISTS:
@@ -296,4 +421,5 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         os.rename(src, dst)  # POSIX refuses a file or a non-empty folder at dst
         return
     os.link(src, dst, follow_symlinks=False)  # EEXIST if dst appeared since the check above
+    _step("linked")
     os.unlink(src)

@@ -41,13 +41,16 @@ class UserError(click.ClickException):
 
 
 class Interrupted(click.ClickException):
+    """Ctrl-C: INTERRUPTED, or what the interrupt itself says (runtime.atomic.InterruptedAfterWrite: an
+    output was already in place, so "nothing was written" would be false)."""
+
     exit_code = EXIT_INTERRUPTED
 
-    def __init__(self) -> None:
-        super().__init__(INTERRUPTED)
+    def __init__(self, interrupt: BaseException | None = None) -> None:
+        super().__init__(getattr(interrupt, "message", None) or INTERRUPTED)
 
     def show(self, file=None) -> None:
-        click.echo(f"bam-surgery: {INTERRUPTED}", err=True)
+        click.echo(f"bam-surgery: {self.message}", err=True)
 
 
 class Group(click.Group):
@@ -71,8 +74,8 @@ class Group(click.Group):
             return super().invoke(ctx)
         except USER_ERRORS as e:
             raise UserError(one_line(e)) from None
-        except KeyboardInterrupt:
-            raise Interrupted() from None
+        except KeyboardInterrupt as e:
+            raise Interrupted(e) from None
         except ModuleNotFoundError as e:
             message = missing_package_message(e)
             if message is None:
@@ -88,8 +91,8 @@ class Group(click.Group):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except (Interrupted, click.Abort, KeyboardInterrupt):
-            Interrupted().show()
+        except (Interrupted, click.Abort, KeyboardInterrupt) as e:
+            (e if isinstance(e, Interrupted) else Interrupted(e)).show()
             sys.exit(EXIT_INTERRUPTED)
         except click.exceptions.NoArgsIsHelpError as e:  # a bare `bam-surgery`: the help, as it is, and status 2
             click.echo(e.ctx.get_help())
@@ -407,8 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(args=argv, prog_name="bam-surgery")
-    except KeyboardInterrupt:
-        click.echo(f"bam-surgery: {INTERRUPTED}", err=True)
+    except KeyboardInterrupt as e:
+        Interrupted(e).show()
         sys.exit(EXIT_INTERRUPTED)
 
 
