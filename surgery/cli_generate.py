@@ -12,6 +12,8 @@ bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: err
 """
 from __future__ import annotations
 
+import re
+import sys
 import time
 
 import click
@@ -19,6 +21,9 @@ import click
 from .errors import BamSurgeryError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# control characters but newline and tab: an untrained model's bytes could move the cursor, clear the screen or
+# retitle the terminal; on a terminal they are shown escaped (\x1b), into a pipe or file they go as they are
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 @click.command("generate")
@@ -93,7 +98,7 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
                    eos_token_id=eos)[0].tolist()
     seconds = time.perf_counter() - start
     if tok is not None:
-        click.echo(tok.decode(new))
+        click.echo(_for_terminal(tok.decode(new)) if sys.stdout.isatty() else tok.decode(new))
     else:
         click.echo(",".join(str(i) for i in new))
     click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens in {seconds:.2f} s "
@@ -163,3 +168,7 @@ def _encode(tok, prompt: str) -> list[int]:
     if isinstance(tok, HFTokenizer):
         return tok.tok.encode(prompt).ids
     return [int(i) for i in tok.encode_batch([prompt])[0]]
+
+
+def _for_terminal(text: str) -> str:
+    return _TERMINAL_UNSAFE.sub(lambda m: repr(m.group())[1:-1], text)

@@ -212,3 +212,11 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
 def test_listed_in_the_command_line_help():
     result = CliRunner().invoke(cli, ["--help"])
     assert "generate" in result.output
+
+
+def test_generated_text_is_escaped_on_a_terminal_only():
+    from bam_surgery.surgery.cli_generate import _for_terminal
+
+    raw = "def f():\n\treturn 1\x1b[2J\x07\r"  # clear-screen, bell and carriage return from an untrained model
+    assert _for_terminal(raw) == "def f():\n\treturn 1\\x1b[2J\\x07\\r"
+    assert _for_terminal("plain text, ünïcode") == "plain text, ünïcode"
