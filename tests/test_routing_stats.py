@@ -225,3 +225,18 @@ def test_python_api_names():
     import bam_surgery.train as train_api
 
     assert train_api.routing_stats is routing_stats and callable(train_api.plot_routing)
+
+
+def test_plot_dir_rule_is_the_one_of_plot(tmp_path):
+    """routing-stats --plot and plot --out share train.plot.plot_files: a symbolic link under a PNG's name is
+    refused as a user's file is, in a DIR that is itself a link too."""
+    from bam_surgery.train.errors import TrainError
+    from bam_surgery.train.plot import routing_plot_files
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "dir")
+    (tmp_path / "dir" / "routing-usage-histogram.png").symlink_to(tmp_path / "elsewhere.png")
+    for out in (tmp_path / "dir", tmp_path / "link"):
+        with pytest.raises(TrainError, match="routing-usage-histogram.png exists and was not written"):
+            routing_plot_files(out, ["code"])
+    assert set(routing_plot_files(tmp_path / "new", ["code"])) == {("code", "ffn"), ("code", "attn"), None}

@@ -187,3 +187,38 @@ def test_eval_shows_progress_on_a_terminal_only(tmp_path, mix, cache, monkeypatc
     assert "| 5/10 [" in shown and "| 10/10 [" in shown and "batch/s" in shown, shown
     assert re.search(r"eval code: .*\| 1/10 \[", shown) and re.search(r"eval law: .*\| 6/10 \[", shown), shown
     assert re.search(r"\r +\r$", shown), shown  # cleared: the report follows on a clean terminal
+
+
+def test_plot_replaces_only_pngs_it_wrote(tmp_path):
+    """`plot RUN --out DIR` (issue 20, item 3): a user's loss.png in DIR, in a DIR reached through a symbolic
+    link, or a symbolic link named loss.png, is refused before anything is drawn, as routing-stats --plot
+    refuses (one rule: train.plot.plot_files); its own PNGs are replaced."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"kind": "train", "step": s, "loss": 3.0 / s, "nll": 3.0 / s, "lr": 1e-3} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"\x89PNG a user's plot")
+    (mine / "notes.txt").write_text("notes")
+    (tmp_path / "link").symlink_to(mine)
+    for out in (mine, tmp_path / "link"):
+        line = error_line("plot", run_dir, "--out", out)
+        assert f"{out / 'loss.png'} exists and was not written by bam-surgery" in line
+    assert (mine / "loss.png").read_bytes() == b"\x89PNG a user's plot"
+    assert sorted(p.name for p in mine.iterdir()) == ["loss.png", "notes.txt"]  # lr.png not drawn either
+    (run_dir / "loss.png").write_text("the user's own, in the run folder")
+    assert "loss.png exists and was not written by bam-surgery" in error_line("plot", run_dir)
+    (run_dir / "loss.png").unlink()
+    ours = tmp_path / "png"
+    run("plot", run_dir, "--out", ours)
+    (ours / "elsewhere.png").write_bytes((ours / "lr.png").read_bytes())
+    (ours / "lr.png").unlink()
+    (ours / "lr.png").symlink_to(ours / "elsewhere.png")  # a link, even to a PNG of ours, is not replaced
+    assert "lr.png exists and was not written" in error_line("plot", run_dir, "--out", ours)
+    (ours / "lr.png").unlink()
+    before = (ours / "loss.png").stat().st_mtime_ns
+    assert "wrote" in run("plot", run_dir, "--out", ours).stderr  # our own PNGs are replaced
+    assert (ours / "loss.png").stat().st_mtime_ns >= before and (ours / "lr.png").is_file()
+    run("plot", run_dir)  # into the run folder: twice, the second replacing the first
+    run("plot", run_dir)

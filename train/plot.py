@@ -9,10 +9,11 @@ plot_routing, from a routing_report.RoutingReport:
     routing-attn-DOMAIN.png   heatmap, layers x attention experts: mean gate
     routing-usage-histogram.png   how the (layer, expert) usages spread around uniform, per domain
 
-Every PNG carries a `Software: bam-surgery` text chunk; plot_routing replaces only PNGs that carry it.
+Every PNG carries a `Software: bam-surgery` text chunk; both replace only PNGs that carry it (plot_files).
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from .metrics import read_metrics
 
 
 def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Draw the PNGs into `out` (default: the run folder); returns the files written."""
+    """Draw the PNGs into `out` (default: the run folder); returns the files written. A file there under one
+    of these names that this tool did not write is an error (plot_files), raised before anything is drawn."""
     plt = _pyplot()
 
     run = Path(run)
@@ -32,8 +34,9 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     evals = [r for r in records if r.get("kind") == "eval"]
     if not train:
         raise TrainError(f"{run}: no training metrics (metrics.jsonl is missing or empty)")
-    out = Path(out) if out else run
-    out.mkdir(parents=True, exist_ok=True)
+    names = ["loss.png", "lr.png"] + (["eval.png"] if evals else [])
+    files = plot_files(Path(out) if out else run, names, "--out" if out else "plot")  # before drawing anything
+    files[0].parent.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in train]
     written = []
 
@@ -44,13 +47,13 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run.name}: training loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    written.append(save_figure(fig, out / "loss.png"))
+    written.append(save_figure(fig, files[0]))
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot(steps, [r["lr"] for r in train], lw=1)
     ax.set(xlabel="step", ylabel="learning rate", title=f"{run.name}: learning rate")
     ax.grid(alpha=0.3)
-    written.append(save_figure(fig, out / "lr.png"))
+    written.append(save_figure(fig, files[1]))
 
     if evals:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -60,7 +63,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
         ax.set(xlabel="step", ylabel="held-out loss (nats/token)", title=f"{run.name}: evaluation")
         ax.grid(alpha=0.3)
         ax.legend()
-        written.append(save_figure(fig, out / "eval.png"))
+        written.append(save_figure(fig, files[2]))
     return written
 
 
@@ -72,6 +75,23 @@ def _ours(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(4096)
     return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + SOFTWARE.encode() in head
+
+
+def plot_files(out: str | Path, names: list[str], option: str) -> list[Path]:
+    """The paths of `names` in folder `out`, each free for a plot to be written: absent, or a PNG this tool
+    wrote (replaced). The one rule of every command that draws PNGs into a folder the user names (`plot
+    --out`, `routing-stats --plot`); raises TrainError, naming `option`, if `out` is not a folder or one of
+    the paths is anything else: a user's file, a symbolic link, a folder. `out` may itself be a symbolic
+    link to a folder: what is checked is what is there."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"{option} {out}: exists and is not a folder")
+    files = [out / name for name in names]
+    for path in files:
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file() or not _ours(path)):
+            raise TrainError(f"{option}: {path} exists and was not written by bam-surgery; move it or pick "
+                             "another DIR")
+    return files
 
 
 def _pyplot():
@@ -94,19 +114,12 @@ def routing_plot_files(out: str | Path, domains: list[str], kinds: tuple[str, ..
                        ) -> dict[tuple[str, str] | None, Path]:
     """{(domain, kind): heatmap path, None: histogram path} that plot_routing writes into `out`; raises
     TrainError if `out` is not a folder, or one of these files exists and this tool did not write it."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"--plot {out}: exists and is not a folder")
     parts = {d: _file_part(d) for d in domains}
     if len(set(parts.values())) < len(parts):
         raise TrainError("--plot: two domain names give the same file name; rename a domain")
-    files: dict[tuple[str, str] | None, Path] = {(d, k): out / f"routing-{k}-{parts[d]}.png" for d in domains
-                                                 for k in kinds}
-    files[None] = out / "routing-usage-histogram.png"
-    for path in files.values():
-        if path.exists() and (not path.is_file() or not _ours(path)):
-            raise TrainError(f"--plot: {path} exists and was not written by bam-surgery; move it or pick another DIR")
-    return files
+    keys: list[tuple[str, str] | None] = [(d, k) for d in domains for k in kinds] + [None]
+    names = [f"routing-{k[1]}-{parts[k[0]]}.png" if k else "routing-usage-histogram.png" for k in keys]
+    return dict(zip(keys, plot_files(out, names, "--plot")))
 
 
 def plot_routing(report, out: str | Path) -> list[Path]:
