@@ -30,7 +30,9 @@ started. No state holds neither the old nor the new output. Step names (in brack
                checked]  (one rename, so what is checked is exactly what would be discarded), then
                          checked with runtime.outputs.not_own_output. work/{lock, mix, replaced};
                          OUT: nothing. Interrupt or kill -9: `replaced` is renamed back onto OUT
-                         (no-replace), then `mix` is removed; the old output is back, untouched.
+                         (no-replace), then `mix` is removed; the old output is back, untouched
+                         (a next run then checks OUT as if it had found it there: without --force
+                         it stops at "already exists").
                          Something at OUT by then (a user's): both are kept, the run fails in one
                          line naming work/replaced. Not our own output: put back at once, the run
                          fails.
@@ -48,7 +50,8 @@ started. No state holds neither the old nor the new output. Step names (in brack
 
 Guarantees:
 * A failed or interrupted run (an exception, Ctrl-C, SIGTERM) leaves OUT as it was (S1, S2) or
-  holding the new output (S3 on), no work folder and no parent folders it created.
+  holding the new output (S3 on), no work folder and no parent folders it created (a Ctrl-C inside
+  the clean-up itself, S4-S5, leaves the folder as kill -9 would, for the next run to settle).
 * kill -9 leaves the work folder; its lock dies with the process, so the next run on the same OUT
   settles it as above (and says so through `on_stale`). A work folder whose lock is held belongs
   to a run that is alive: the second run fails in one line and removes nothing. A work folder
