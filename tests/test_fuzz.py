@@ -133,6 +133,48 @@ def test_indexes(tmp_path_factory, body):
     clean(load)
 
 
+# ---- metrics.jsonl, as `plot` reads it -------------------------------------------------------------
+numbers = st.one_of(st.floats(), st.integers(min_value=-2**1100, max_value=2**1100))
+train_lines = st.fixed_dictionaries({"kind": st.just("train"), "step": st.one_of(st.integers(0, 10**6), scalars)},
+                                    optional={"loss": st.one_of(numbers, scalars), "nll": numbers, "lr": numbers})
+eval_lines = st.fixed_dictionaries({"kind": st.just("eval"), "step": st.integers(0, 10**6), "domains": st.one_of(
+    st.dictionaries(st.text(max_size=6), st.one_of(st.fixed_dictionaries({"loss": numbers}), json_values),
+                    max_size=3), json_values)})
+metrics_lines = st.lists(st.one_of(train_lines, eval_lines, json_values).map(
+    lambda r: json.dumps(r).encode()), min_size=1, max_size=6).map(lambda ls: b"\n".join(ls) + b"\n")
+
+
+def _read_curves(data: bytes, folder: Path):
+    from bam_surgery.train.metrics import read_curves
+
+    (folder / "metrics.jsonl").write_bytes(data)
+    return read_curves(folder / "metrics.jsonl")
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), metrics_lines,
+                 metrics_lines.map(lambda b: b[:len(b) // 2]),  # a torn last line
+                 st.integers(1, 5000).map(lambda n: b"[" * n + b"]" * n + b"\n" + b'{"a":' * n)))
+def test_metrics_reader(tmp_path_factory, data):
+    clean(lambda: _read_curves(data, tmp_path_factory.mktemp("run")))
+
+
+valid_train = st.fixed_dictionaries({"kind": st.just("train"), "step": st.integers(0, 2**40), "loss": numbers,
+                                     "lr": numbers}, optional={"nll": numbers})
+plotted_lines = st.lists(st.one_of(valid_train, eval_lines).map(lambda r: json.dumps(r).encode()), min_size=1,
+                         max_size=6).map(lambda ls: b"\n".join(ls) + b"\n")
+
+
+@settings(FUZZ, max_examples=40)  # each example draws PNGs
+@given(st.one_of(plotted_lines, metrics_lines))
+def test_plot_on_metrics(tmp_path_factory, data):
+    """What read_curves accepts, plot draws: plots or the one-line error, never a traceback."""
+    from bam_surgery.train.plot import plot_run
+
+    run = tmp_path_factory.mktemp("run")
+    clean(lambda: _read_curves(data, run) and plot_run(run))
+
+
 def test_the_fuzzers_can_fail():
     """The property is not vacuous: a parser that raised anything else would fail it."""
     with pytest.raises(ZeroDivisionError):

@@ -222,3 +222,25 @@ def test_plot_replaces_only_pngs_it_wrote(tmp_path):
     assert (ours / "loss.png").stat().st_mtime_ns >= before and (ours / "lr.png").is_file()
     run("plot", run_dir)  # into the run folder: twice, the second replacing the first
     run("plot", run_dir)
+
+
+@pytest.mark.parametrize("line, says", [
+    ({"kind": "train", "step": 2, "loss": "3.1", "nll": 3.1, "lr": 1e-3}, "line 2: loss is \"3.1\", not a number"),
+    ({"kind": "train", "loss": 3.1, "nll": 3.1, "lr": 1e-3}, "line 2: a train record whose step is missing"),
+    ({"kind": "eval", "step": 1, "domains": 5}, "line 2: an eval record whose domains is 5, not an object"),
+    ("[" * 100_000 + "]" * 100_000, "line 2: not a JSON line (nested too deeply)"),
+    ([1, 2, 3], "line 2: a JSON list, not an object"),
+])
+def test_plot_malformed_metrics_is_one_line(tmp_path, line, says):
+    """`plot` on a malformed metrics.jsonl (issue 20, tracebacks: wrong types, missing step, `"domains": 5`,
+    deep nesting, a list line): one error line naming the line, nothing drawn."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    good = json.dumps({"kind": "train", "step": 1, "loss": 3.0, "nll": 3.0, "lr": 1e-3})
+    bad = line if isinstance(line, str) else json.dumps(line)
+    (run_dir / "metrics.jsonl").write_text(f"{good}\n{bad}\n{good}\n")
+    assert says in error_line("plot", run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    (run_dir / "metrics.jsonl").write_text(f"{good}\n{bad[:len(bad) // 2]}")  # a torn last line is skipped
+    run("plot", run_dir)
+    assert (run_dir / "loss.png").is_file()

@@ -229,6 +229,90 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+# Bounds of what a plot reads: a step count and a value a run can log, and a line no run writes longer.
+MAX_STEP = 10**15
+MAX_VALUE = 1e30
+MAX_LINE = 1 << 20
+
+
+def read_curves(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training and evaluation points of a metrics.jsonl, checked, for `plot`:
+    train: [{"step": int, "loss": float, "nll": float, "lr": float}] (nll defaults to loss);
+    eval:  [{"step": int, "domains": {name: loss}}].
+    A torn last line (a crash while writing it) is skipped; any other line that is not such a record
+    (not JSON, not an object, a step or value of the wrong type, nested past json's recursion limit) is
+    a TrainError naming the line. Values beyond +-MAX_VALUE, NaN and infinities are drawn as gaps."""
+    path = Path(path)
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    if not path.is_file():
+        return train, evals
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = len(lines) - 1  # the text after the last newline: empty, or a torn line
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        where = f"{path} line {i + 1}"
+        try:
+            if len(raw) > MAX_LINE:
+                raise ValueError(f"longer than {MAX_LINE} bytes")
+            rec = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if i == last:
+                continue
+            reason = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:80]
+            raise _bad(where, f"not a JSON line ({reason})") from None
+        if not isinstance(rec, dict):
+            raise _bad(where, f"a JSON {type(rec).__name__}, not an object")
+        kind = rec.get("kind")
+        if kind == "train":
+            loss = _value(rec, "loss", where)
+            nll = _value(rec, "nll", where) if "nll" in rec else loss
+            train.append({"step": _step_of(rec, where), "loss": loss, "nll": nll, "lr": _value(rec, "lr", where)})
+        elif kind == "eval":
+            domains = rec.get("domains")
+            if not isinstance(domains, dict):
+                raise _bad(where, f"an eval record whose domains is {_shown(domains)}, not an object")
+            losses = {}
+            for name, d in domains.items():
+                if not isinstance(d, dict):
+                    raise _bad(where, f"eval domain {_shown(name)} is {_shown(d)}, not an object")
+                losses[name] = _value(d, "loss", where, f"eval domain {_shown(name)}: ")
+            evals.append({"step": _step_of(rec, where), "domains": losses})
+    return train, evals
+
+
+def _bad(where: str, what: str):
+    from .errors import TrainError
+
+    return TrainError(f"{where}: {what}; not a metrics.jsonl bam-surgery train writes")
+
+
+def _shown(v: Any) -> str:
+    text = json.dumps(v)[:40] if not isinstance(v, (dict, list)) else type(v).__name__
+    return text if v is not None else "missing"
+
+
+def _step_of(rec: dict, where: str) -> int:
+    step = rec.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise _bad(where, f"a {rec['kind']} record whose step is {_shown(step)}, not a whole number from 0 to "
+                          f"{MAX_STEP}")
+    return step
+
+
+def _value(rec: dict, key: str, where: str, prefix: str = "") -> float:
+    v = rec.get(key)
+    if type(v) not in (int, float):
+        raise _bad(where, f"{prefix}{key} is {_shown(v)}, not a number")
+    try:
+        v = float(v)
+    except OverflowError:  # an integer past the float range
+        return math.nan
+    return v if abs(v) <= MAX_VALUE else math.nan
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only records up to `last_step` (a resumed run re-logs the steps after its checkpoint)."""
     path = Path(path)

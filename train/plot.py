@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TrainError
-from .metrics import read_metrics
+from .metrics import read_curves
 
 
 def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
@@ -29,9 +29,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     plt = _pyplot()
 
     run = Path(run)
-    records = read_metrics(run / "metrics.jsonl")
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train, evals = read_curves(run / "metrics.jsonl")  # checked: a malformed line is one TrainError
     if not train:
         raise TrainError(f"{run}: no training metrics (metrics.jsonl is missing or empty)")
     names = ["loss.png", "lr.png"] + (["eval.png"] if evals else [])
@@ -44,27 +42,33 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.plot(steps, [r["loss"] for r in train], label="loss", lw=1)
     if any(abs(r["loss"] - r["nll"]) > 1e-9 for r in train):
         ax.plot(steps, [r["nll"] for r in train], label="NLL", lw=1)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run.name}: training loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{_text(run.name)}: training loss")
     ax.grid(alpha=0.3)
     ax.legend()
     written.append(save_figure(fig, files[0]))
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot(steps, [r["lr"] for r in train], lw=1)
-    ax.set(xlabel="step", ylabel="learning rate", title=f"{run.name}: learning rate")
+    ax.set(xlabel="step", ylabel="learning rate", title=f"{_text(run.name)}: learning rate")
     ax.grid(alpha=0.3)
     written.append(save_figure(fig, files[1]))
 
     if evals:
         fig, ax = plt.subplots(figsize=(7, 4))
         for name in evals[-1]["domains"]:
-            pts = [(r["step"], r["domains"][name]["loss"]) for r in evals if name in r["domains"]]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        ax.set(xlabel="step", ylabel="held-out loss (nats/token)", title=f"{run.name}: evaluation")
+            pts = [(r["step"], r["domains"][name]) for r in evals if name in r["domains"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=_text(name))
+        ax.set(xlabel="step", ylabel="held-out loss (nats/token)", title=f"{_text(run.name)}: evaluation")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # matplotlib leaves out labels that start with "_"
+            ax.legend()
         written.append(save_figure(fig, files[2]))
     return written
+
+
+def _text(name: str) -> str:
+    """A name read from a file as matplotlib text: `$` would start math mode (and a parse error)."""
+    return name.replace("$", r"\$")
 
 
 SOFTWARE = "bam-surgery"
