@@ -73,14 +73,23 @@ def merge_input_files(args: list[str]) -> list[Path]:
     return files
 
 
+# What the CLI prints for Ctrl-C (surgery/cli.py INTERRUPTED); spelt here too, since a Ctrl-C can land
+# before that module is imported.
+INTERRUPTED_LINE = "bam-surgery: interrupted; nothing was written"
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["merge"]:
-        files = merge_input_files(args[1:])
-        if files:
-            from .digests import start_early
-            start_early(files)
-    from .cli import main as cli_main
+    try:
+        args = sys.argv[1:] if argv is None else list(argv)
+        if args[:1] == ["merge"]:
+            files = merge_input_files(args[1:])
+            if files:
+                from .digests import start_early
+                start_early(files)
+        from .cli import main as cli_main
+    except KeyboardInterrupt:  # while starting (importing torch takes seconds): nothing has been written
+        print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+        sys.exit(130)
     cli_main(argv)
 
 
