@@ -12,6 +12,7 @@ bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: err
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -21,6 +22,7 @@ import click
 from .errors import BamSurgeryError
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 # control characters but newline and tab: an untrained model's bytes could move the cursor, clear the screen or
 # retitle the terminal; on a terminal they are shown escaped (\x1b), into a pipe or file they go as they are
 _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
@@ -59,7 +61,8 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
     nucleus = _number("--top-p", top_p, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    sampler_seed = None if seed is None else _number("--seed", seed, int, lambda v: v >= 0, "an integer >= 0")
+    sampler_seed = None if seed is None else _number("--seed", seed, int, lambda v: 0 <= v <= MAX_SEED,
+                                                     f"an integer from 0 to {MAX_SEED} (2**64 - 1)")
     run_device = _device(device)
     if dtype is not None and dtype not in DTYPES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -82,12 +85,14 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         bad = [i for i in ids if i >= cfg.vocab_size]
         if bad:
             raise BamSurgeryError(f"token id {bad[0]} is out of range: {checkpoint} has vocab_size {cfg.vocab_size}")
-        if cfg.position == "learned" and len(ids) + n_new > cfg.max_positions:
-            raise BamSurgeryError(f"{len(ids)} prompt tokens + --max-new-tokens {n_new} exceed the model's "
-                                  f"max_positions={cfg.max_positions} (learned positions)")
+        if len(ids) + n_new > cfg.max_positions:  # learned or RoPE: train and eval refuse longer sequences too
+            raise BamSurgeryError(f"{len(ids)} prompt tokens + --max-new-tokens {n_new} = {len(ids) + n_new} exceed "
+                                  f"the model's max_positions={cfg.max_positions}")
         weight_dtype = getattr(torch, dtype) if dtype else (
             torch.float32 if run_device.type == "cpu" else reader.dtype("embed.weight"))
+        _check_cache_fits(cfg, len(ids) + n_new, weight_dtype, run_device)
         model = model_from_reader(reader, run_device, weight_dtype)
+        _check_finite(model, checkpoint)
     finally:
         close = getattr(reader, "close", None)
         if close:
@@ -103,6 +108,42 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         click.echo(",".join(str(i) for i in new))
     click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens in {seconds:.2f} s "
                f"({len(new) / max(seconds, 1e-9):.1f} tokens/s, {run_device.type}, {str(weight_dtype)[6:]})", err=True)
+
+
+def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:
+    """The static KV cache (allocated whole, before the first token) against the memory free where it goes."""
+    from bam_surgery.runtime import ModelKVCache
+
+    need = ModelKVCache.bytes_per_token(cfg, dtype) * tokens
+    free = _free_memory(device)
+    if free is not None and need > free:
+        raise BamSurgeryError(f"the KV cache of {tokens} tokens needs {need:,} bytes "
+                              f"({ModelKVCache.bytes_per_token(cfg, dtype):,} per token), more than the {free:,} "
+                              f"free on {device}; give a smaller --max-new-tokens")
+
+
+def _free_memory(device) -> int | None:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_finite(model, checkpoint: str) -> None:
+    """merge's check (surgery.plan_reader.all_finite) on the weights as they run: NaN or Inf gives no text."""
+    import torch
+
+    from .plan_reader import all_finite
+
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not all_finite(t):
+            bad = int((~torch.isfinite(t)).sum())
+            raise BamSurgeryError(f"{checkpoint}: tensor {name} has {bad} non-finite value(s) (NaN or Inf); "
+                                  "a model with non-finite weights generates nothing meaningful")
 
 
 def _number(option: str, text: str, kind: type, ok, what: str):

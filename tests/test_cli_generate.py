@@ -220,3 +220,33 @@ def test_generated_text_is_escaped_on_a_terminal_only():
     raw = "def f():\n\treturn 1\x1b[2J\x07\r"  # clear-screen, bell and carriage return from an untrained model
     assert _for_terminal(raw) == "def f():\n\treturn 1\\x1b[2J\\x07\\r"
     assert _for_terminal("plain text, ünïcode") == "plain text, ünïcode"
+
+
+def test_refused_up_front_with_the_bound(checkpoints, tmp_path, monkeypatch):
+    """Issue 20, items 7 and 9: NaN weights, a sequence past max_positions of a RoPE model, a KV cache larger
+    than the memory free, a seed torch cannot take: each one error line, refused before generating."""
+    root, model = checkpoints
+    ckpt = root / "canonical"
+    assert model.config.position == "rope" and model.config.max_positions == 64
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["layers.0.attn_norm.weight"][1] = float("nan")
+    broken = Model(model.config)
+    broken.load_state_dict(state)
+    save_model(broken, tmp_path / "nan.safetensors")
+    line = error_line(run(tmp_path / "nan.safetensors", "--tokens", "1,2", ok=False))
+    assert "tensor layers.0.attn_norm.weight has 1 non-finite value(s) (NaN or Inf)" in line
+    ids = ",".join(["5"] * 60)
+    assert "60 prompt tokens + --max-new-tokens 5 = 65 exceed the model's max_positions=64" in \
+        error_line(run(ckpt, "--tokens", ids, "--max-new-tokens", 5, ok=False))
+    assert "--max-new-tokens 1000000000000 = 1000000000001 exceed the model's max_positions=64" in \
+        error_line(run(ckpt, "--tokens", "1", "--max-new-tokens", 10**12, ok=False))
+    assert "--seed: '" + "9" * 30 + "' is not an integer from 0 to 18446744073709551615" in \
+        error_line(run(ckpt, "--tokens", "1", "--temperature", "1", "--seed", "9" * 30, ok=False))
+    run(ckpt, "--tokens", "1", "--temperature", "1", "--seed", 2**64 - 1)
+    import bam_surgery.surgery.cli_generate as cli_generate
+
+    monkeypatch.setattr(cli_generate, "_free_memory", lambda device: 1000)
+    line = error_line(run(ckpt, "--tokens", "1,2", "--max-new-tokens", 8, ok=False))
+    per_token = 2 * model.config.n_layers * 3 * 2 * model.config.head_dim * 4  # K and V, E*G heads, fp32
+    assert f"the KV cache of 10 tokens needs {10 * per_token:,} bytes ({per_token:,} per token), more than the " \
+        "1,000 free on cpu" in line
