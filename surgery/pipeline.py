@@ -31,14 +31,14 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import yaml
+from bam_surgery.converters.yamlfile import read_yaml
+from bam_surgery.runtime.atomic import write_text_atomic
 
 from .pipeline_spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved,
                             first_difference, seed_config, train_config)
@@ -59,10 +59,7 @@ class Unit:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def _link_atomic(link: Path, target: str) -> None:
@@ -71,7 +68,11 @@ def _link_atomic(link: Path, target: str) -> None:
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(target, tmp)
-    os.replace(tmp, link)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink()
+        raise
 
 
 def _quote(args: list[str]) -> str:
@@ -306,10 +307,7 @@ class PipelineRun:
             if not resume:
                 raise PipelineError(f"--out {d}: holds a pipeline run; pass --resume to continue it, or choose a new "
                                     "--out (nothing was changed)")
-            try:
-                old = yaml.safe_load(saved.read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError) as e:
-                raise PipelineError(f"{saved}: cannot read ({' '.join(str(e).split())[:200]})") from None
+            old = read_yaml(saved, error=PipelineError)  # bounded: converters/yamlfile.py
             diff = first_difference(_without_cache(old), _without_cache(self.spec.doc))
             if diff:
                 raise PipelineError(f"--resume: {d} was run with another pipeline: {diff} differs from {saved}; a run "

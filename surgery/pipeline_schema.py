@@ -24,9 +24,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
+from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
+from bam_surgery.runtime.errors import printable
 from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.data import HUB_PREFIX, Domain, has_split
 from bam_surgery.train.errors import TrainError
@@ -77,13 +77,9 @@ def load_pipeline(spec: str, check_data: bool = True, seed: int | None = None) -
     replaces the file's seed (a replication of the same pipeline)."""
     path = pipeline_path(spec)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PipelineError(f"{spec}: cannot read ({e})") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise PipelineError(f"{spec}: not valid YAML ({' '.join(str(e).split())})") from None
+        doc = read_yaml(path, spec, error=PipelineError)  # bounded: converters/yamlfile.py
+    except FileNotFoundError:
+        raise PipelineError(f"pipeline {spec}: file not found") from None
     if seed is not None and isinstance(doc, dict):
         doc["seed"] = seed
     return _Validator(spec, check_data).pipeline(doc)
@@ -100,7 +96,7 @@ class _Validator:
         self.where, self.check_data = where, check_data
 
     def fail(self, field_: str, msg: str) -> None:
-        raise PipelineError(f"{self.where}: {field_}: {msg}")
+        raise PipelineError(f"{self.where}: {printable(field_)[:120]}: {msg}")
 
     def mapping(self, value: Any, field_: str, allowed: tuple[str, ...] | None, required: tuple[str, ...] = ()
                 ) -> dict[str, Any]:
@@ -128,11 +124,11 @@ class _Validator:
             except ValueError:
                 pass
         if not ok:
-            self.fail(field_, f"expected {' or '.join(t.__name__ for t in types)}, got {value!r}")
+            self.fail(field_, f"expected {' or '.join(t.__name__ for t in types)}, got {shown(value)}")
         if isinstance(value, float) and not math.isfinite(value):
-            self.fail(field_, f"must be a finite number, got {value!r}")
+            self.fail(field_, f"must be a finite number, got {shown(value)}")
         if check is not None and not check(value):
-            self.fail(field_, f"must be {need}, got {value!r}")
+            self.fail(field_, f"must be {need}, got {shown(value)}")
         return value
 
     # -- the document ---------------------------------------------------------------------------------
@@ -140,7 +136,7 @@ class _Validator:
         doc = self.mapping(doc, "", TOP_LEVEL, required=("name", "data", "stages"))
         schema = doc.get("schema", SCHEMA_VERSION)
         if schema != SCHEMA_VERSION:
-            self.fail("schema", f"this tool reads schema {SCHEMA_VERSION}, the file says {schema!r}")
+            self.fail("schema", f"this tool reads schema {SCHEMA_VERSION}, the file says {shown(schema)}")
         name = self.typed(doc["name"], "name", (str,), lambda v: bool(_NAME.match(v)),
                           "letters, digits, '-', '_', '.'")
         description = str(doc.get("description") or "").strip()
@@ -203,7 +199,8 @@ class _Validator:
         settings = self.settings(train.get("settings", list(SETTINGS)))
         ref = train.get("compute_reference")
         if ref is not None and ref not in names:
-            self.fail("stages.train.compute_reference", f"{ref!r} is not a mixture of stages.mix ({', '.join(names)})")
+            self.fail("stages.train.compute_reference",
+                      f"{shown(ref)} is not a mixture of stages.mix ({', '.join(names)})")
         ref = ref or (names[0] if "compute-matched" in settings else None)
         tolerance = float(self.typed(train.get("compute_tolerance", 0.01), "stages.train.compute_tolerance",
                                      (float, int), lambda v: 0 <= v < 1, "in [0, 1)"))
@@ -216,10 +213,11 @@ class _Validator:
         routing = self.name_list(rep.get("attention_routing", []), "stages.report.attention_routing", names)
         for r in routing:
             if not next(m for m in mixtures if m.name == r).config.attn_experts:
-                self.fail("stages.report.attention_routing", f"mixture {r!r} has no attention experts to route")
+                self.fail("stages.report.attention_routing", f"mixture {shown(r)} has no attention experts to route")
         baseline = rep.get("baseline", ref or names[0])
         if baseline not in names:
-            self.fail("stages.report.baseline", f"{baseline!r} is not a mixture of stages.mix ({', '.join(names)})")
+            self.fail("stages.report.baseline",
+                      f"{shown(baseline)} is not a mixture of stages.mix ({', '.join(names)})")
         return routing, baseline
 
     def data(self, value: Any) -> dict[str, Any]:
@@ -234,7 +232,7 @@ class _Validator:
             if not isinstance(n, str) or not _NAME.match(n):
                 self.fail(f"data.domains.{n}", "a domain name is letters, digits, '-', '_', '.'")
             if n in RESERVED_MODEL_NAMES:
-                self.fail(f"data.domains.{n}", f"{n!r} is reserved (the seed and the general text); rename it")
+                self.fail(f"data.domains.{n}", f"{shown(n)} is reserved (the seed and the general text); rename it")
             domains[n] = self.source(src, f"data.domains.{n}")
         seq_len = d.get("seq_len")
         if seq_len is not None:
@@ -251,7 +249,7 @@ class _Validator:
     def source(self, value: Any, field_: str) -> str:
         src = self.typed(value, field_, (str,))
         if "," in src or "=" in src:
-            self.fail(field_, f"{src!r}: a data source may not contain ',' or '='")
+            self.fail(field_, f"{shown(src)}: a data source may not contain ',' or '='")
         if src.startswith(HUB_PREFIX):
             return src  # a hub dataset: checked when it is read
         path = Path(src).expanduser().resolve()
@@ -297,7 +295,7 @@ class _Validator:
         if name is None and not model:
             self.fail("stages.seed", "give init (a checkpoint), or preset and/or model (a model to train)")
         if name is not None and name not in PRESETS:
-            self.fail("stages.seed.preset", f"{name!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+            self.fail("stages.seed.preset", f"{shown(name)}: unknown preset; choose one of {', '.join(PRESETS)}")
         try:
             cfg = preset(name, **model) if name else ModelConfig(**model)
         except (ConfigError, TypeError) as e:
@@ -363,7 +361,7 @@ class _Validator:
             name = self.typed(e["name"], f"{where}.name", (str,), lambda v: bool(_NAME.match(v)),
                               "letters, digits, '-', '_', '.'")
             if any(x.name == name for x in out):
-                self.fail(f"{where}.name", f"{name!r} appears twice")
+                self.fail(f"{where}.name", f"{shown(name)} appears twice")
             recipe_spec = self.typed(e["recipe"], f"{where}.recipe", (str,))
             try:
                 recipe = load_recipe(recipe_spec)
@@ -396,7 +394,7 @@ class _Validator:
         self.typed(value, field_, MERGE_OPTIONS[key])
         if key == "weights":
             if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in value):
-                self.fail(field_, f"a list of numbers, got {value!r}")
+                self.fail(field_, f"a list of numbers, got {shown(value)}")
             return [float(w) for w in value]
         if key == "attention_routing" and isinstance(value, int):
             return "soft" if value == 0 else f"top{value}"
@@ -409,7 +407,7 @@ class _Validator:
             self.fail("stages.train.settings", f"a list of {', '.join(SETTINGS)}")
         for v in value:
             if v not in SETTINGS:
-                self.fail("stages.train.settings", f"{v!r} is not one of {', '.join(SETTINGS)}")
+                self.fail("stages.train.settings", f"{shown(v)} is not one of {', '.join(SETTINGS)}")
         return [s for s in SETTINGS if s in value]
 
     def name_list(self, value: Any, field_: str, names: list[str]) -> list[str]:
@@ -417,7 +415,7 @@ class _Validator:
             self.fail(field_, "a list of mixture names")
         for v in value:
             if v not in names:
-                self.fail(field_, f"{v!r} is not a mixture of stages.mix ({', '.join(names)})")
+                self.fail(field_, f"{shown(v)} is not a mixture of stages.mix ({', '.join(names)})")
         return list(value)
 
     def check_runs(self, spec: PipelineSpec) -> None:

@@ -25,14 +25,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from bam_surgery.converters.yamlfile import parse_yaml, read_yaml_text, shown
 from bam_surgery.runtime.config import GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, ModelConfig
+from bam_surgery.runtime.errors import printable
 
 from .errors import RecipeError
 
 SCHEMA_VERSION = 1
-MAX_RECIPE_BYTES = 1 << 20
 
 # Dense tensor kinds: a canonical dense name without its layer prefix and param suffix.
 # Weight and bias of a kind always share the op.
@@ -67,13 +66,13 @@ def parse_attention_routing(value: Any) -> int | None:
     if value is None or value == "soft" or value == 0:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not soft or topK")
+        raise ValueError(f"{shown(value)} is not soft or topK")
     if isinstance(value, int) and value > 0:
         return value
     m = re.fullmatch(r"top-?(\d+)", str(value).strip().lower())
     if m and int(m.group(1)) > 0:
         return int(m.group(1))
-    raise ValueError(f"{value!r} is neither 'soft' nor 'topK' (e.g. top1, top2)")
+    raise ValueError(f"{shown(value)} is neither 'soft' nor 'topK' (e.g. top1, top2)")
 
 
 @dataclass(frozen=True)
@@ -139,14 +138,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec:
         if not path.is_file():
             raise RecipeError(f"recipe {spec}: file not found")
-        if path.stat().st_size > MAX_RECIPE_BYTES:
-            raise RecipeError(f"recipe {spec}: {path.stat().st_size:,} bytes is too large for a recipe "
-                              f"(limit {MAX_RECIPE_BYTES:,})")
-        data = path.read_bytes()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RecipeError(f"recipe {spec}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        text = read_yaml_text(path, f"recipe {spec}", error=RecipeError)
         return parse_recipe(text, str(path))
     shipped = resources.files("bam_surgery.recipes") / f"{spec}.yaml"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec) or not shipped.is_file():
@@ -155,38 +147,14 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     return parse_recipe(shipped.read_text(encoding="utf-8"), f"{spec}.yaml")
 
 
-MAX_NESTING = 64  # a recipe is a few levels deep; YAML flow collections nested far deeper are refused unparsed
-
-
-def _flow_depth(text: str) -> int:
-    """Deepest nesting of [ and { in the text (an upper bound: brackets inside strings count too)."""
-    depth = deepest = 0
-    for c in text:
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth = max(0, depth - 1)
-    return deepest
-
-
 def parse_recipe(text: str, origin: str = "<recipe>") -> Recipe:
-    if _flow_depth(text) > MAX_NESTING:  # PyYAML would take seconds to fail (and libyaml crashes)
-        raise RecipeError(f"recipe {origin}: not valid here: nested too deeply (more than {MAX_NESTING} levels)")
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"recipe {origin}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
-    except RecursionError:
-        raise RecipeError(f"recipe {origin}: not valid here: nested too deeply") from None
-    except ValueError:  # an integer past Python's 4300-digit conversion limit
-        raise RecipeError(f"recipe {origin}: not valid here: a number has too many digits") from None
+    doc = parse_yaml(text, f"recipe {origin}", error=RecipeError)  # bounded: converters/yamlfile.py
     return validate_recipe(doc, origin, text)
 
 
 def validate_recipe(doc: Any, origin: str = "<recipe>", text: str = "") -> Recipe:
     def fail(fld: str, msg: str) -> RecipeError:
-        return RecipeError(f"recipe {origin}: {fld}: {msg}")
+        return RecipeError(f"recipe {origin}: {printable(fld)[:80]}: {msg}")
 
     if not isinstance(doc, dict):
         raise RecipeError(f"recipe {origin}: must be a YAML mapping with keys {', '.join(TOP_LEVEL)}")
@@ -194,7 +162,8 @@ def validate_recipe(doc: Any, origin: str = "<recipe>", text: str = "") -> Recip
         if key not in TOP_LEVEL:
             raise fail(str(key), f"unknown field; the fields are {', '.join(TOP_LEVEL)}")
     if doc.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
-        raise fail("schema", f"version {doc.get('schema')!r} is not supported; this tool reads schema {SCHEMA_VERSION}")
+        raise fail("schema", f"version {shown(doc.get('schema'))} is not supported; this tool reads schema "
+                             f"{SCHEMA_VERSION}")
     name = doc.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise fail("name", "required: a short identifier (letters, digits, '-', '_', '.')")
@@ -227,7 +196,7 @@ def _validate_tensors(section: Any, fail) -> dict[str, str]:
                                           "even if the architecture has no such tensor")
         op = section[kind]
         if op not in OPS:
-            raise fail(f"tensors.{kind}", f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+            raise fail(f"tensors.{kind}", f"unknown op {shown(op)}; choose one of {', '.join(OPS)}")
         if op == "stack" and kind not in ATTENTION_KINDS + FFN_KINDS:
             raise fail(f"tensors.{kind}", "only attention and FFN projections can be stacked into experts; "
                                           "use mean or seed")
@@ -258,10 +227,10 @@ def _validate_experts(section: Any, fail) -> tuple[int, int | None]:
             raise fail(f"experts.{key}", "unknown field; the fields are min, max")
     lo, hi = section.get("min", 1), section.get("max", None)
     if not _is_int(lo) or not 0 <= lo <= MAX_EXPERTS:
-        raise fail("experts.min", f"must be an integer >= 0 and <= {MAX_EXPERTS}, got {_shown(lo)}")
+        raise fail("experts.min", f"must be an integer >= 0 and <= {MAX_EXPERTS}, got {shown(lo)}")
     if hi is not None and (not _is_int(hi) or not lo <= hi <= MAX_EXPERTS):
         raise fail("experts.max", f"must be null or an integer >= experts.min ({lo}) and <= {MAX_EXPERTS}, "
-                                  f"got {_shown(hi)}")
+                                  f"got {shown(hi)}")
     return lo, hi
 
 
@@ -276,9 +245,9 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
         raise fail("defaults.seed_expert", "must be true or false")
     if not _is_int(d["extra_ffn_experts"]) or not 0 <= d["extra_ffn_experts"] <= MAX_EXPERTS:
         raise fail("defaults.extra_ffn_experts", f"must be an integer >= 0 and <= {MAX_EXPERTS}, got "
-                                                 f"{_shown(d['extra_ffn_experts'])}")
+                                                 f"{shown(d['extra_ffn_experts'])}")
     if not _is_int(d["ffn_top_k"]) or not 1 <= d["ffn_top_k"] <= MAX_EXPERTS:
-        raise fail("defaults.ffn_top_k", f"must be an integer >= 1 and <= {MAX_EXPERTS}, got {_shown(d['ffn_top_k'])}")
+        raise fail("defaults.ffn_top_k", f"must be an integer >= 1 and <= {MAX_EXPERTS}, got {shown(d['ffn_top_k'])}")
     if d["gate_norm"] not in GATE_NORMS:
         raise fail("defaults.gate_norm", f"choose one of {', '.join(GATE_NORMS)}")
     try:
@@ -290,7 +259,7 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
                                                  "stack); remove this field")
     for key in ("lb_coef", "z_coef"):
         if not _is_finite_number(d[key]) or d[key] < 0:
-            raise fail(f"defaults.{key}", f"must be a finite number >= 0, got {_shown(d[key])}")
+            raise fail(f"defaults.{key}", f"must be a finite number >= 0, got {shown(d[key])}")
         d[key] = float(d[key])
     return d
 
@@ -309,23 +278,23 @@ def _validate_routers(section: Any, fail) -> dict[str, Any]:
             raise fail(f"routers.{key}", f"unknown field; the fields are {', '.join(ROUTER_FIELDS)}")
     init = section.get("init", "normal")
     if init not in ROUTER_INITS:
-        raise fail("routers.init", f"unknown init {init!r}; choose one of {', '.join(ROUTER_INITS)}")
+        raise fail("routers.init", f"unknown init {shown(init)}; choose one of {', '.join(ROUTER_INITS)}")
     std = section.get("std", 0.02)
     if not _is_finite_number(std) or std < 0:
-        raise fail("routers.std", f"must be a finite number >= 0, got {_shown(std)}")
+        raise fail("routers.std", f"must be a finite number >= 0, got {shown(std)}")
     kinds = {}
     for key in ("kind", "ffn_kind", "attn_kind"):
         value = section.get(key)
         if value is not None and value not in ROUTERS:
-            raise fail(f"routers.{key}", f"unknown router kind {_shown(value)}; choose one of {', '.join(ROUTERS)}")
+            raise fail(f"routers.{key}", f"unknown router kind {shown(value)}; choose one of {', '.join(ROUTERS)}")
         kinds[key] = value
     both = kinds["kind"] or "linear"
     hidden = section.get("hidden")
     if hidden is not None and (not _is_int(hidden) or not 0 < hidden <= MAX_DIM):
-        raise fail("routers.hidden", f"must be a positive integer, got {_shown(hidden)}")
+        raise fail("routers.hidden", f"must be a positive integer, got {shown(hidden)}")
     temperature = section.get("temperature")
     if temperature is not None and (not _is_finite_number(temperature) or temperature <= 0):
-        raise fail("routers.temperature", f"must be a finite number > 0, got {_shown(temperature)}")
+        raise fail("routers.temperature", f"must be a finite number > 0, got {shown(temperature)}")
     return dict(router_init=init, router_std=float(std), ffn_router=kinds["ffn_kind"] or both,
                 attn_router=kinds["attn_kind"] or both, router_hidden=hidden,
                 router_temperature=None if temperature is None else float(temperature))
@@ -337,12 +306,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_finite_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _shown(v: Any) -> str:
-    """A value for a message, cut short (a 4000-digit integer would be one very long line)."""
-    text = repr(v)
-    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 # ---- the output config ------------------------------------------------------------------------
@@ -366,7 +329,7 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
     d = recipe.defaults
     extra = d["extra_ffn_experts"] if extra_ffn_experts is None else extra_ffn_experts
     if not _is_int(extra) or not 0 <= extra <= MAX_EXPERTS:
-        raise ConfigError(f"extra_ffn_experts: must be an integer from 0 to {MAX_EXPERTS}, got {_shown(extra)}")
+        raise ConfigError(f"extra_ffn_experts: must be an integer from 0 to {MAX_EXPERTS}, got {shown(extra)}")
     if extra_ffn_experts and not recipe.ffn_experts:
         raise ConfigError(f"extra_ffn_experts: recipe {recipe.name} has no FFN experts "
                           f"(tensors.ffn.*: {recipe.tensors['ffn.up']})")
@@ -398,7 +361,7 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
         if fld == "router" and kind is None:
             continue
         if kind not in ROUTERS:
-            raise ConfigError(f"{fld}: unknown router kind {_shown(kind)}; choose one of {', '.join(ROUTERS)}")
+            raise ConfigError(f"{fld}: unknown router kind {shown(kind)}; choose one of {', '.join(ROUTERS)}")
     if attn_router is not None and not n_attn:
         raise ConfigError(f"attn_router: recipe {recipe.name} has no attention experts to route")
     if ffn_router is not None and not n_ffn:

@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, preset_trainable
+from bam_surgery.runtime.errors import printable
 
 from .errors import TrainError
 
@@ -126,9 +128,9 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not _type_ok(str(f.type), v):
-                raise TrainError(f"{where}: {f.name}: expected {f.type}, got {v!r}")
+                raise TrainError(f"{where}: {f.name}: expected {f.type}, got {shown(v)}")
             if f.name in CHOICES and v not in CHOICES[f.name]:
-                raise TrainError(f"{where}: {f.name}: {v!r} is not one of {', '.join(CHOICES[f.name])}")
+                raise TrainError(f"{where}: {f.name}: {shown(v)} is not one of {', '.join(CHOICES[f.name])}")
 
     def validate(self) -> None:
         """Value checks that do not need the model (the run calls it before reading anything)."""
@@ -180,9 +182,10 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in d:
             if key not in known:
-                close = difflib.get_close_matches(str(key).replace("-", "_"), known, n=1)
+                name = printable(str(key)[:80])  # a key read from a file: shown cut short
+                close = difflib.get_close_matches(name.replace("-", "_"), known, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (docs/training.md lists every knob)"
-                raise TrainError(f"{where}: {key}: unknown training knob{hint}")
+                raise TrainError(f"{where}: {name}: unknown training knob{hint}")
         d = dict(d)
         if isinstance(d.get("trainable"), str):
             d["trainable"] = split_patterns(d["trainable"])
@@ -209,13 +212,9 @@ class TrainConfig:
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
         path = Path(path)
         try:
-            body = yaml.safe_load(path.read_text(encoding="utf-8"))
+            body = read_yaml(path, error=TrainError)  # bounded: converters/yamlfile.py
         except FileNotFoundError:
             raise TrainError(f"{path}: config file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise TrainError(f"{path}: cannot read ({e})") from None
-        except yaml.YAMLError as e:
-            raise TrainError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
         body = {} if body is None else body
         if not isinstance(body, dict):
             raise TrainError(f"{path}: expected a mapping of training knobs, got {type(body).__name__}")

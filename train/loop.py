@@ -23,14 +23,19 @@ import hashlib
 import json
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
 from bam_surgery.runtime.config import PRESETS, ConfigError
+from bam_surgery.runtime.errors import OutputError
+from bam_surgery.runtime.locks import lock_file, unlock_file
+from bam_surgery.runtime.jsonfile import read_json
 
 from . import distributed as dist_
 from .card import model_card
@@ -47,6 +52,7 @@ from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_name
 from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
 
 Log = Callable[[str], None]
+RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
 
 
 @dataclass
@@ -69,10 +75,46 @@ def train(cfg: TrainConfig, resume: bool = False, log: Log | None = None) -> Tra
     log = log or _stderr
     d = dist_.setup(cfg.device, cfg.strategy)
     try:
-        with _forked_rng(d.device):
+        with _run_lock(Path(cfg.out), resume, d), _forked_rng(d.device):
             return _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
     finally:
         dist_.teardown(d)
+
+
+@contextmanager
+def _run_lock(run: Path, resume: bool, d: dist_.Dist):
+    """Hold RUN's lock for the whole run (rank 0 holds it for every process): a second train into the same
+    --out, fresh or --resume, fails at once in one line. A fresh run creates RUN (and missing parents) to
+    hold it, and removes them again if it fails before writing anything there."""
+    held: list[tuple[int, list[Path]]] = []
+
+    def acquire() -> None:
+        if run.exists() and not run.is_dir() or resume and not run.is_dir():
+            return  # nothing to lock: the run refuses this --out itself
+        created = [p for p in (run, *run.parents) if not p.exists()]
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            held.append((lock_file(run / RUN_LOCK, run), created))
+        except (OSError, OutputError) as e:
+            _remove_empty(created)
+            raise TrainError(f"--out {str(e) if isinstance(e, OutputError) else f'{run}: {e.strerror}'}") from None
+
+    dist_.on_main(d, acquire)
+    try:
+        yield
+    finally:
+        for fd, created in held:
+            unlock_file(fd, run / RUN_LOCK)
+            _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a run created (deepest first) that are still empty."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def _forked_rng(device: torch.device):
@@ -150,7 +192,7 @@ class _Run:
         self.cfg = load_run_config(self.dir, given).replace(out=self.cfg.out)
 
     def _check_fresh_out(self) -> None:
-        if self.dir.exists() and (not self.dir.is_dir() or any(self.dir.iterdir())):
+        if self.dir.exists() and (not self.dir.is_dir() or any(p.name != RUN_LOCK for p in self.dir.iterdir())):
             what = "run folder" if (self.dir / "config.yaml").is_file() else "path"
             raise TrainError(f"--out {self.dir}: {what} exists; pass --resume to continue that run, or choose "
                              "a new --out (nothing was changed)")
@@ -489,16 +531,12 @@ def _sha256(path: Path) -> str:
 
 
 def _read_model_config(path: Path) -> ModelConfig:
-    import yaml
-
-    try:
-        text = path.read_text(encoding="utf-8")
-        # JSON as JSON: YAML 1.1 would read 1e-05 (no dot) as a string
-        body = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except FileNotFoundError:
-        raise TrainError(f"--model-config {path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise TrainError(f"--model-config {path}: cannot read ({' '.join(str(e).split())[:200]})") from None
+    where = f"--model-config {path}"
+    if not path.exists():
+        raise TrainError(f"{where}: file not found")
+    # JSON as JSON: YAML 1.1 would read 1e-05 (no dot) as a string; both bounded (runtime/jsonfile.py,
+    # converters/yamlfile.py)
+    body = read_json(path, error=TrainError) if path.suffix == ".json" else read_yaml(path, where, error=TrainError)
     if isinstance(body, dict) and "bam_config" in body:  # a canonical directory's config.json
         body = body["bam_config"]
     try:
