@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Callable, Iterator, Mapping
 
@@ -98,11 +99,42 @@ def read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(weight_map), {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
 
 
+def folder_file(directory: Path, path: Path, what: str) -> Path:
+    """`path`, a file of the model folder `directory` (weights or a side file such as tokenizer.json),
+    unless it is a symbolic link resolving outside the folder: then a CheckpointError names the file
+    and where it points, so that a folder cannot carry /etc/hostname or a private file into an export.
+
+    Kept on purpose, and only this: the Hugging Face hub cache, where every file of
+    `models--org--name/snapshots/<rev>/` is a link to `../../blobs/<hash>`. A link is allowed when the
+    folder (resolved) lies in such a snapshot and the link resolves to a file directly in that same
+    repository folder's `blobs/`. Both paths are compared resolved, so a `blobs` that is itself a link
+    elsewhere does not match."""
+    try:
+        root, target = directory.resolve(), path.resolve()  # a missing file is the caller's to report
+    except (OSError, RuntimeError):  # a symlink loop
+        target = Path(os.readlink(path)) if path.is_symlink() else path
+    else:
+        if target.is_relative_to(root) or target.parent == _hub_blobs(root):
+            return path
+    raise CheckpointError(f"{path}: {what} is a symbolic link to {printable(str(target))}, outside the model "
+                          f"folder {directory}; a model folder's files are read only from inside it (or from the "
+                          "blobs of its Hugging Face cache folder)")
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The blobs folder of the hub cache repository whose snapshot holds the resolved folder `root`
+    (the snapshot itself or a subfolder of it), else None."""
+    for folder in (root, *root.parents):
+        if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+            return folder.parent.parent / "blobs"
+    return None
+
+
 def shard_path(directory: Path, name: str, index: Path) -> Path:
     """The shard file `name` (from `index`) inside `directory`. Refused, naming the entry: an
     absolute name, a `..` component, or a name whose folder resolves (following symlinks) outside
-    `directory`. The file itself may be a symlink, as in the Hugging Face cache, where every file
-    of a snapshot links to a blob two folders up."""
+    `directory`. The file itself may be a symlink only as folder_file allows: to a file inside the
+    folder, or in the Hugging Face cache, where every file of a snapshot links to a blob two folders up."""
     parts = PurePosixPath(name).parts
     bad = (not name or "\x00" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute()
            or bool(PureWindowsPath(name).drive) or ".." in parts or ".." in PureWindowsPath(name).parts)
@@ -115,4 +147,4 @@ def shard_path(directory: Path, name: str, index: Path) -> Path:
     if bad:
         raise CheckpointError(f"{index}: shard {printable(name)!r} is outside the model folder {directory}; an "
                               "index may only name files inside its own folder")
-    return path
+    return folder_file(directory, path, "a shard")

@@ -5,7 +5,7 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from bam_surgery.converters.hf.files import GENERATION_CONFIG
+from bam_surgery.converters.hf.files import GENERATION_CONFIG, side_file
 from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.runtime.jsonfile import read_json
@@ -46,9 +46,10 @@ def tokenizer_files(reader: Reader) -> list[Path]:
 
 def generation_config(reader: Reader) -> dict:
     """The seed's generation settings: its generation_config.json, else the token ids of its
-    config.json. Token ids (they also go into the exported config.json) must be integers, lists of
-    integers or null; anything else is an InputError naming the file and key."""
-    gen_file = reader.source_dir / GENERATION_CONFIG if reader.source_dir is not None else None
+    config.json (a generation_config.json linking outside the folder is refused, as tokenizer files
+    are: converters.hf.files.side_file). Token ids (they also go into the exported config.json) must
+    be integers, lists of integers or null; anything else is an InputError naming the file and key."""
+    gen_file = side_file(reader.source_dir, GENERATION_CONFIG) if reader.source_dir is not None else None
     if gen_file is not None and gen_file.is_file():
         body = read_json(gen_file, expect=dict)
         where, out = gen_file, {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}

@@ -355,6 +355,128 @@ def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path, kind, ent
     assert outside.is_file()
 
 
+# Side files and weights linked from elsewhere (issue 20, item 4): a model folder may link only to files
+# inside itself, or, in the Hugging Face cache, from snapshots/<rev>/ to the blobs of the same repository.
+SIDE_FILE_EXPORTS = {
+    "convert-hf": lambda ckpt, out: ["convert", ckpt, "--format", "hf", "--out", out],
+    "export-onnx": lambda ckpt, out: ["export-onnx", ckpt, "--out", out],
+    "merge-hf": lambda ckpt, out: ["merge", "--seed", ckpt, "--recipe", "upcycle", "--extra-ffn-experts", 1,
+                                   "--format", "hf", "--out", out],
+}
+
+
+def _outside_file(tmp_path: Path, target: str) -> Path:
+    if target == "private":
+        private = tmp_path / "private" / "secret.txt"
+        private.parent.mkdir()
+        private.write_text("a private file\n")
+        return private
+    if not Path(target).is_file():
+        pytest.skip(f"{target} is absent here")
+    return Path(target)
+
+
+@pytest.mark.parametrize("name,target", [("tokenizer.json", "private"), ("merges.txt", "/etc/hostname"),
+                                         ("generation_config.json", "private")])
+@pytest.mark.parametrize("export", sorted(SIDE_FILE_EXPORTS))
+def test_a_side_file_linking_outside_the_folder_is_refused(tmp_path, export, name, target):
+    ckpt = _hf_dir(tmp_path)
+    outside = _outside_file(tmp_path, target)
+    link = ckpt / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    out = tmp_path / "out"
+    one_line(run(*SIDE_FILE_EXPORTS[export](ckpt, out)), f"{link}: {name} is a symbolic link to {outside.resolve()}",
+             "outside the model folder")
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["hf-single", "hf-shards", "hf-index", "canonical-index", "canonical-glob"])
+def test_a_shard_linking_outside_the_folder_is_refused(tmp_path, kind):
+    stash = tmp_path / "stash"
+    stash.mkdir()
+    if kind.startswith("hf"):
+        ckpt = _hf_dir(tmp_path)
+        name = {"hf-single": "model.safetensors"}.get(kind, "model-00001-of-00001.safetensors")
+        (ckpt / "model.safetensors").rename(stash / name)
+        if kind == "hf-index":
+            (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {}, "weight_map": {k: name for k in llama_state(0)}}))
+    else:
+        ckpt = save_checkpoint(random_state(CFG), CFG, tmp_path / "m", max_shard_bytes=20_000)
+        name = sorted(p.name for p in ckpt.glob("*.safetensors"))[0]
+        (ckpt / name).rename(stash / name)
+        if kind == "canonical-glob":
+            (ckpt / "model.safetensors.index.json").unlink()
+    (ckpt / name).symlink_to(stash / name)
+    for cmd in ("inspect", "convert"):
+        one_line(run(*command(cmd, ckpt, tmp_path)), f"{ckpt / name}: a", f"symbolic link to {stash / name}",
+                 "outside the model folder")
+    assert not (tmp_path / "converted.safetensors").exists()
+
+
+@pytest.mark.parametrize("export", sorted(SIDE_FILE_EXPORTS))
+def test_links_inside_the_folder_are_followed(tmp_path, export):
+    ckpt = _hf_dir(tmp_path)
+    (ckpt / "other").mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (ckpt / name).rename(ckpt / "other" / name)
+        (ckpt / name).symlink_to(Path("other") / name)
+    (ckpt / "merges.txt").symlink_to(ckpt / "other" / "tokenizer.json")  # absolute, still inside
+    out = tmp_path / "out"
+    result = run(*SIDE_FILE_EXPORTS[export](ckpt, out))
+    assert result.exit_code == 0, result.output
+    for name in ("tokenizer.json", "merges.txt"):
+        assert not (out / name).is_symlink() and (out / name).read_bytes() == (ckpt / "other/tokenizer.json").read_bytes()
+
+
+def _hub_cache(cache: Path, plain: Path, repo: str = "org/linked", sha: str = "c0ffee" * 6 + "c0ff") -> Path:
+    """The huggingface_hub cache layout as the hub client writes it: refs/main, every file of
+    snapshots/<sha>/ a relative link to ../../blobs/<sha256 of its bytes>."""
+    import hashlib
+
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(sha)
+    (repo_dir / "blobs").mkdir()
+    snapshot = repo_dir / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    for f in plain.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        f.rename(repo_dir / "blobs" / digest)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / digest)
+    return snapshot
+
+
+def test_the_hugging_face_cache_layout_is_allowed(tmp_path, monkeypatch):
+    plain = _hf_dir(tmp_path)
+    tokenizer = (plain / "tokenizer.json").read_bytes()
+    cache = tmp_path / "hub"
+    snapshot = _hub_cache(cache, plain)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for spec in ("org/linked", snapshot):
+        for export in ("convert-hf", "merge-hf"):  # side files and the weights, all links into blobs/
+            out = tmp_path / f"out-{export}"
+            result = run(*SIDE_FILE_EXPORTS[export](spec, out), "--force")
+            assert result.exit_code == 0, result.output
+            assert (out / "tokenizer.json").read_bytes() == tokenizer
+            assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    # a snapshot's link to anything but its own repository's blobs is refused as anywhere else
+    other = _hub_cache(cache, _hf_dir(tmp_path / "b"), repo="org/other")
+    (snapshot / "merges.txt").symlink_to(other.parent.parent / "blobs" / (other / "tokenizer.json").resolve().name)
+    one_line(run("convert", "org/linked", "--format", "hf", "--out", tmp_path / "refused"),
+             "merges.txt is a symbolic link to", "outside the model folder")
+    # and a blobs/ that is itself a link elsewhere is no cache's blobs
+    crafted = _hub_cache(cache, _hf_dir(tmp_path / "c"), repo="org/crafted")
+    blobs = crafted.parent.parent / "blobs"
+    blobs.rename(tmp_path / "stolen")
+    blobs.symlink_to(tmp_path / "stolen")
+    one_line(run("convert", "org/crafted", "--format", "hf", "--out", tmp_path / "refused"),
+             f"{crafted / 'model.safetensors'}: a weight file is a symbolic link to {tmp_path / 'stolen'}")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_hub_revision_with_dotdot_never_touches_the_cache(tmp_path, monkeypatch):
     import huggingface_hub
 

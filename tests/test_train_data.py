@@ -180,6 +180,33 @@ def test_tokenizer_defaults(tmp_path):
     assert isinstance(resolve_tokenizer(None, Reader(), vocab_size=32000), HFTokenizer)
 
 
+def test_a_tokenizer_file_linking_outside_its_folder_is_refused(tmp_path):
+    """Issue 20, item 4: what a run checkpoint would carry comes from inside the model folder only."""
+    from bam_surgery.runtime.errors import CheckpointError
+    from bam_surgery.train.tokenize import checkpoint_tokenizer
+
+    elsewhere = _word_tokenizer(tmp_path / "elsewhere", ["a"])
+
+    class Canonical:  # a canonical folder: its tokenizer.json is found by name
+        path = tmp_path / "canonical"
+        tokenizer_files = None
+
+    Canonical.path.mkdir()
+    (Canonical.path / "tokenizer.json").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=r"tokenizer.json is a symbolic link to .*elsewhere/tokenizer.json, "
+                                              r"outside the model folder"):
+        checkpoint_tokenizer(Canonical())
+    (Canonical.path / "tokenizer.json").unlink()
+    (Canonical.path / "inside").mkdir()
+    (Canonical.path / "tokenizer.json").symlink_to(Path("inside") / "tokenizer.json")
+    _word_tokenizer(Canonical.path / "inside", ["a"])
+    assert checkpoint_tokenizer(Canonical()) == str(Canonical.path / "tokenizer.json")
+    assert resolve_tokenizer(None, Canonical(), vocab_size=32000).files == (Canonical.path / "tokenizer.json",)
+    (Canonical.path / "tokenizer_config.json").symlink_to(elsewhere.parent / "tokenizer_config.json")
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json is a symbolic link to .*outside"):
+        resolve_tokenizer(None, Canonical(), vocab_size=32000)
+
+
 def test_empty_data_is_an_error(tmp_path):
     (tmp_path / "d.txt").write_text(DOC_SEPARATOR.join(["  ", "\n"]))
     with pytest.raises(TrainError, match=r"^d=.*d.txt \(train split\): no text"):

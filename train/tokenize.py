@@ -71,6 +71,8 @@ class HFTokenizer:
     def __init__(self, path: Path, eos_id: int | None = None, fallback_eos: int | None = None):
         from tokenizers import Tokenizer
 
+        from bam_surgery.converters.hf.files import side_file
+
         self.path = path
         try:
             self.tok = Tokenizer.from_file(str(path))
@@ -78,8 +80,9 @@ class HFTokenizer:
             raise TrainError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.files = tuple(p for p in (path, path.parent / "tokenizer_config.json",
-                                       path.parent / "special_tokens_map.json") if p.is_file())
+        # the files a run checkpoint carries; the two beside tokenizer.json only from inside its folder
+        siblings = (side_file(path.parent, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
+        self.files = (path, *(p for p in siblings if p is not None and p.is_file()))
         self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
         self._digest = hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -138,8 +141,12 @@ def checkpoint_tokenizer(reader) -> str | None:
             if Path(f).name == "tokenizer.json":
                 return str(f)
     path = getattr(reader, "path", None)
-    if path is not None and Path(path).is_dir() and (Path(path) / "tokenizer.json").is_file():
-        return str(Path(path) / "tokenizer.json")
+    if path is not None and Path(path).is_dir():  # a canonical folder: its tokenizer.json, from inside it
+        from bam_surgery.converters.hf.files import side_file
+
+        carried = side_file(Path(path), "tokenizer.json")
+        if carried is not None and carried.is_file():
+            return str(carried)
     if (getattr(reader, "metadata", None) or {}).get("bam_tokenizer") == BYTES:
         return BYTES
     return None

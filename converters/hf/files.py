@@ -4,6 +4,10 @@
     model.safetensors | model-0000i-of-0000N.safetensors + model.safetensors.index.json
     pytorch_model*.bin (+ pytorch_model.bin.index.json)   only with allow_pickle
     tokenizer files, generation_config.json       TOKENIZER_FILES
+
+Weights and side files may be symbolic links only to files inside the folder, or, in the Hugging
+Face cache, to the blobs of the same repository (runtime.shards.folder_file); any other link is
+refused before anything is read, so that no export carries a file from elsewhere.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.jsonfile import read_json
-from bam_surgery.runtime.shards import INDEX_NAME, read_index, shard_path
+from bam_surgery.runtime.shards import INDEX_NAME, folder_file, read_index, shard_path
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -29,9 +33,19 @@ def read_hf_config(directory: Path) -> dict:
     return read_json(cfg_file, expect=dict)
 
 
+def side_file(directory: Path, name: str) -> Path | None:
+    """The side file `name` of a model directory (one of TOKENIZER_FILES), None when absent; a link
+    resolving outside the directory is refused (folder_file)."""
+    path = directory / name
+    if not (path.is_file() or path.is_symlink()):  # a link to nothing is still checked
+        return None
+    return folder_file(directory, path, name)
+
+
 def tokenizer_files_in(directory: Path) -> list[Path]:
     """The tokenizer files (and generation config) present in a model directory."""
-    return [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+    found = [side_file(directory, n) for n in TOKENIZER_FILES]
+    return [p for p in found if p is not None and p.is_file()]
 
 
 def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:
@@ -44,16 +58,19 @@ def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path
     def listing(index: dict[str, Path], is_pickle: bool):
         return list(dict.fromkeys(index.values())), index, is_pickle
 
+    def inside(files: list[Path]) -> list[Path]:
+        return [folder_file(directory, f, "a weight file") for f in files]
+
     if (directory / INDEX_NAME).is_file():
         return listing(from_index(directory / INDEX_NAME), False)
     single = directory / SINGLE_FILE
     if single.is_file():
-        return [single], None, False
+        return inside([single]), None, False
     shards = sorted(directory.glob("model-*-of-*.safetensors"))
     if shards:
-        return shards, None, False
+        return inside(shards), None, False
     pickle_index = directory / PICKLE_INDEX
-    pickles = [pickle_index] if pickle_index.is_file() else sorted(directory.glob("pytorch_model*.bin"))
+    pickles = inside([pickle_index] if pickle_index.is_file() else sorted(directory.glob("pytorch_model*.bin")))
     if pickles:
         if not allow_pickle:
             raise CheckpointError(f"{pickles[0]}: pickle weights (.bin) are not loaded by default; pass "
