@@ -4,6 +4,7 @@
         ...
     with atomic_dir("out/mix", replace=True) as tmp:                  # fill the folder tmp
         ...
+    write_text_atomic("run/checkpoints/latest", "step-00000005\n")  # a small file a run rewrites
 
 While a run writes OUT, one work folder sits beside it, named after it, so the next run on the
 same OUT finds it:
@@ -51,7 +52,8 @@ started. No state holds neither the old nor the new output. Step names (in brack
 Guarantees:
 * A failed or interrupted run (an exception, Ctrl-C, SIGTERM) leaves OUT as it was (S1, S2) or
   holding the new output (S3 on), no work folder and no parent folders it created (a Ctrl-C inside
-  the clean-up itself, S4-S5, leaves the folder as kill -9 would, for the next run to settle).
+  the clean-up itself, S4-S5, leaves the folder as kill -9 would, for the next run to settle). A disk
+  too full for the lock file or its pid is such a failure too: one OutputWriteError naming OUT.
 * kill -9 leaves the work folder; its lock dies with the process, so the next run on the same OUT
   settles it as above (and says so through `on_stale`). A work folder whose lock is held belongs
   to a run that is alive: the second run fails in one line and removes nothing. A work folder
@@ -75,6 +77,7 @@ import errno
 import fcntl
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -175,6 +178,39 @@ def atomic_path(target: str | os.PathLike, is_dir: bool = False, *, replace: boo
         raise
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Replace the small text file `path` whole, or leave it as it was: the text goes to a
+    `.NAME.*.partial` file beside it, renamed over it once complete. For files a run rewrites as it
+    goes (the pipeline's records, a training run's `latest`, a truncated metrics.jsonl), not outputs
+    (no work folder, no lock, no --force check). On any failure (a full disk, Ctrl-C) the partial file
+    is removed; an OSError becomes an OutputWriteError naming `path`."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    except OSError as e:
+        raise _write_error(path, e) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError) and e.errno is not None:
+            raise _write_error(path, e) from None
+        raise
+    return path
+
+
+def _write_error(path: Path, e: OSError) -> OSError:
+    if isinstance(e, OutputError):
+        return e
+    reason = e.strerror or os.strerror(e.errno)
+    return OutputWriteError(f"{path}: could not be written ({reason}); nothing was left there", e.errno)
+
+
 @contextmanager
 def atomic_dir(target: str | os.PathLike, *, replace: bool = True,
                on_stale: Callable[[str], None] | None = None) -> Iterator[Path]:
@@ -235,6 +271,8 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
     try:
         fd = os.open(work / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as e:
+        if fresh:  # no inode left for the lock (a full disk): the empty folder this run made goes again
+            _rmdir_quietly(work)
         raise OutputError(f"{target}: cannot lock {work / LOCK} ({e.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -259,8 +297,13 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
             on_stale(f"put the previous {target} back from {work}, where an interrupted run had moved it aside")
         elif on_stale is not None and leftovers:
             on_stale(f"removed {work}, left by an interrupted run on the same output")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:  # a disk too full for a pid: settled above, so the folder holds the lock alone
+        _release(work, target, fd)
+        raise OutputWriteError(f"{target}: could not be written ({e.strerror or os.strerror(e.errno)}); "
+                               f"nothing was left there", e.errno) from None
     return fd, restored
 
 
@@ -327,6 +370,13 @@ def _release(work: Path, target: Path, lock_fd: int) -> None:
             pass  # another run took the folder over after the unlink: it is its own now
     finally:
         os.close(lock_fd)
+
+
+def _rmdir_quietly(p: Path) -> None:
+    try:
+        os.rmdir(p)
+    except OSError:
+        pass
 
 
 def _remove(p: Path) -> None:

@@ -22,9 +22,10 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from conftest import random_state, tiny_config
-from bam_surgery.runtime.atomic import atomic_path, work_folder
+from bam_surgery.runtime import atomic
+from bam_surgery.runtime.atomic import atomic_path, work_folder, write_text_atomic
 from bam_surgery.runtime.checkpoint import load_checkpoint, save_checkpoint
-from bam_surgery.runtime.errors import OutputError
+from bam_surgery.runtime.errors import OutputError, OutputWriteError
 from bam_surgery.runtime.outputs import MARKER, not_own_output, protected
 from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
 from bam_surgery.surgery.cli import cli
@@ -259,3 +260,65 @@ def test_read_only_file_system_when_creating_the_output_folder(tmp_path, inputs,
 
     monkeypatch.setattr(os, "mkdir", read_only)
     one_error_line(merge(inputs, tmp_path / "ro" / "mix.safetensors"), "Read-only file system")
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write(2) raises it: no file name
+
+
+@pytest.mark.parametrize("call", ["open", "pwrite"])
+def test_a_disk_too_full_for_the_lock_keeps_the_previous_output_and_names_out(tmp_path, inputs, monkeypatch,
+                                                                                call):
+    """merge --force on a full disk (issue 20, disk full): the lock file or its pid cannot be written. One line
+    naming OUT; no work folder left; the previous output kept byte for byte."""
+    out = tmp_path / "mix"
+    assert merge(inputs, out).exit_code == 0
+    before = snapshot(tmp_path)
+    real_open = os.open
+
+    def full_open(path, *a, **k):
+        if str(path).endswith(f"{atomic.PARTIAL_SUFFIX}/{atomic.LOCK}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, call, full_open if call == "open" else _enospc)
+    line = one_error_line(merge(inputs, out, "--force", "--router-seed", "5"), str(out), "No space left on device")
+    monkeypatch.undo()
+    assert not os.path.lexists(work_folder(out)), line
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["write", "replace", "interrupt"])
+def test_write_text_atomic_keeps_the_old_text_and_leaves_no_partial(tmp_path, monkeypatch, where):
+    """The one atomic text writer (pipeline records, a run's `latest`, a truncated metrics.jsonl): a full disk
+    or a Ctrl-C leaves the old text and no `.NAME.*.partial`; the error names the file."""
+    path = tmp_path / "latest"
+    write_text_atomic(path, "old\n")
+    if where == "write":
+        real_fdopen = os.fdopen
+
+        class Full:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, text):
+                _enospc()
+
+        monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    elif where == "replace":
+        monkeypatch.setattr(os, "replace", _enospc)
+    else:
+        monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt if where == "interrupt" else OutputWriteError) as e:
+        write_text_atomic(path, "new\n")
+    monkeypatch.undo()
+    if where != "interrupt":
+        assert str(e.value) == f"{path}: could not be written (No space left on device); nothing was left there"
+        assert e.value.errno == errno.ENOSPC
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]

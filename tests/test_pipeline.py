@@ -4,6 +4,7 @@ mid-training; malformed pipeline files refused before any work with one line and
 from __future__ import annotations
 
 import copy
+import errno
 import gzip
 import json
 import os
@@ -335,6 +336,25 @@ def test_only_runs_the_named_stages(corpus, tmp_path):
     run_cli("pipeline", path, "--out", tmp_path / "out", "--resume", "--only", "mix")
     assert sorted(p.name for p in (tmp_path / "out" / "mixes").iterdir()) == ["bam.safetensors", "btx.safetensors"]
     assert not (tmp_path / "out" / "runs" / "dm-btx").exists()
+
+
+def test_a_full_disk_leaves_no_partial_file(corpus, tmp_path, monkeypatch):
+    """Disk full while the pipeline writes its resolved file (issue 20): one line naming the file, no
+    `.pipeline.resolved.yaml.*.partial` left (the line says nothing was left), and the next run goes on."""
+    path = write_doc(micro_doc(corpus, tmp_path / "tokens"), tmp_path / "p.yaml")
+    out = tmp_path / "out"
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    lines = run_cli("pipeline", path, "--out", out, "--prepare", code=2).stderr.splitlines()
+    monkeypatch.undo()
+    assert lines == [f"bam-surgery: error: {out / 'pipeline.resolved.yaml'}: could not be written (No space left "
+                     "on device); nothing was left there"]
+    assert [p.name for p in out.rglob("*")] == []
+    run_cli("pipeline", path, "--out", out, "--prepare")
+    assert sorted(p.name for p in out.iterdir()) == ["commands.sh", "configs", "pipeline.resolved.yaml"]
 
 
 # ---- the shipped pipelines -------------------------------------------------------------------------

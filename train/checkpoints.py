@@ -24,16 +24,14 @@ complete checkpoint as it was.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bam_surgery.runtime.atomic import atomic_path
+from bam_surgery.runtime.atomic import atomic_path, write_text_atomic
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader
 from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
 from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
@@ -107,15 +105,8 @@ def save_run_checkpoint(run: Path, step: int, model_state: dict[str, torch.Tenso
         for f in extra_files:
             shutil.copyfile(f, tmp / f.name)
         (tmp / "README.md").write_text(card, encoding="utf-8")
-    _write_text_atomic(root / LATEST, target.name + "\n")
+    write_text_atomic(root / LATEST, target.name + "\n")
     return target
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def prune_checkpoints(run: Path, keep_last: int, protect: set[int] = frozenset()) -> list[Path]:

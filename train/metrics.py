@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bam_surgery.runtime.atomic import write_text_atomic
 from bam_surgery.runtime.config import ModelConfig
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name().
@@ -319,8 +319,4 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in keep:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in keep))
