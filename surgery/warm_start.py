@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from bam_surgery.runtime import model_from_reader
 from bam_surgery.runtime.routers import ExpertEmbeddingRouter
-from bam_surgery.train.data import Domain, open_source, parse_data_spec
-from bam_surgery.train.tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
+from bam_surgery.train.data import Domain, Source, open_source, parse_data_spec
+from bam_surgery.train.tokenize import cache_key, default_cache_dir, open_token_file, resolve_tokenizer
 
 from .errors import BamSurgeryError
 from .plan import Plan
@@ -88,7 +88,7 @@ def calibration_windows(plan: Plan, calib: Calibration, domains: list[Domain], l
     windows: list[Window] = []
     counts = []
     for d, dom in enumerate(domains):
-        stream = tokenize_source(open_source(dom, "train", calib.text_field), tok, cache).tokens
+        stream = first_tokens(open_source(dom, "train", calib.text_field), tok, cache, calib.tokens_per_domain + 1)
         n = min(calib.tokens_per_domain, len(stream) - 1)
         if n < 1:
             raise BamSurgeryError(f"--calibration: domain {dom.name} holds {len(stream)} token(s); it needs at "
@@ -99,6 +99,29 @@ def calibration_windows(plan: Plan, calib: Calibration, domains: list[Domain], l
     shown = ", ".join(f"{dom.name} {c:,}" for dom, c in zip(domains, counts))
     log(f"calibration: {sum(counts):,} tokens ({shown}), tokenizer {tok.name}, windows of up to {T}")
     return windows
+
+
+def first_tokens(source: Source, tok, cache: Path, n: int) -> np.ndarray:
+    """The first n tokens of the source (fewer if it holds fewer), documents ended by EOS as in the token
+    cache: the cached split if train or an earlier merge tokenized it, else read from the start and
+    tokenized only until n tokens are in hand, so a calibration never reads (or decompresses) more of its
+    data than it uses. Nothing is cached: the cache holds whole splits."""
+    key = cache_key(source, tok)
+    meta_file, bin_file = Path(cache) / f"{key}.json", Path(cache) / f"{key}.bin"
+    if meta_file.is_file() and bin_file.is_file():
+        return open_token_file(meta_file, bin_file, source).tokens[:n]
+    eos = np.array([tok.eos_id], dtype=np.int64)
+    parts: list[np.ndarray] = []
+    have = 0
+    for doc in source.documents():
+        (ids,) = tok.encode_batch([doc])
+        parts += [np.asarray(ids, dtype=np.int64), eos]
+        have += len(ids) + 1
+        if have >= n:
+            break
+    if have <= len(parts) // 2:  # only EOS tokens
+        raise BamSurgeryError(f"--calibration: {source.describe()}: no text (no documents, or only empty ones)")
+    return np.concatenate(parts)[:n]
 
 
 def batches(windows: list[Window]) -> Iterator[list[Window]]:

@@ -339,3 +339,43 @@ def test_count_params_of_a_recipe_mixture_with_another_router_kind():
                                          "active": 2 * L * per_router}
     assert body["buffers"] == {"tensors": 0, "total": 0}
     assert_one_line_error(run("count-params", "--preset", "paper-small", "--router", "mlp"), "--router")
+
+
+# ---- calibration reads what it uses (issue 20, item 6) ------------------------------------------------
+def test_calibration_reads_no_further_than_the_tokens_it_needs(tmp_path):
+    """Each domain's file holds its text, then more documents, then bytes that are not UTF-8 (standing for
+    the rest of a huge or hostile file): the warm start reads only as far as its first --calibration-tokens
+    tokens, so the bad bytes are never reached; the token cache is not written (it holds whole splits)."""
+    import gzip
+
+    from bam_surgery.train.data import DOC_SEPARATOR
+
+    specs = []
+    for name, letters in SEPARABLE.items():
+        path = tmp_path / f"{name}.txt.gz"
+        with gzip.open(path, "wb") as f:  # past the first 4 MiB read: 6 MB of other documents, then the bad bytes
+            f.write((letters * 300 + DOC_SEPARATOR + ("x" * 1000 + DOC_SEPARATOR) * 6000).encode() + b"\xff" * 1000)
+        specs.append(f"{name}={path}")
+    seed, *experts = profile_family(tmp_path)
+    res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", "expert_embedding",
+              "--router-init", "domain-mean", "--calibration", ",".join(specs), "--calibration-tokens", "300",
+              "--token-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "mix.safetensors"))
+    assert res.exit_code == 0, res.output
+    assert "calibration: 900 tokens (general 300, code 300, law 300)" in res.output
+    assert not any((tmp_path / "cache").glob("*.bin"))
+
+
+def test_a_calibration_decompression_bomb_is_one_line(tmp_path):
+    import gzip
+
+    from bam_surgery.train.data import MAX_DOCUMENT_CHARS
+
+    bomb = tmp_path / "bomb.txt.gz"
+    with gzip.open(bomb, "wb", compresslevel=1) as f:
+        for _ in range(20):
+            f.write(b"ab" * (1 << 19))
+    seed, *experts = profile_family(tmp_path)
+    res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", "expert_embedding",
+              "--router-init", "domain-mean", "--calibration", f"general={bomb},code={bomb},law={bomb}",
+              "--token-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "mix.safetensors"))
+    assert_one_line_error(res, str(bomb), f"more than {MAX_DOCUMENT_CHARS:,} characters")

@@ -256,3 +256,27 @@ def test_eval_windows_predict_every_token_once():
         predicted = [p for s, e in wins for p in range(s + 1, e)]
         assert predicted == list(range(1, n)) and all(e - s <= T + 1 for s, e in wins)
     assert eval_windows(np.arange(100), 4, max_tokens=8) == [(0, 5), (4, 9)]
+
+
+# ---- decompression bombs (issue 20, item 6) ---------------------------------------------------------
+def _gzip_of(path: Path, piece: bytes, times: int) -> Path:
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        for _ in range(times):
+            f.write(piece)
+    return path
+
+
+@pytest.mark.parametrize("name", ["bomb.txt.gz", "bomb.jsonl.gz"])
+def test_a_document_past_the_bound_is_refused_once_that_much_is_read(tmp_path, name):
+    """20 MiB with no separator (a line of JSONL without its end), from a 20 KB .gz: refused after reading
+    MAX_DOCUMENT_CHARS of it, the bound in the line; before, the whole text was held and tokenized."""
+    from bam_surgery.train.data import MAX_DOCUMENT_CHARS
+
+    path = _gzip_of(tmp_path / name, b'{"text": "' if name.endswith("jsonl.gz") else b"", 1)
+    with gzip.open(path, "ab", compresslevel=1) as f:
+        for _ in range(20):
+            f.write(b"a" * (1 << 20))
+    assert path.stat().st_size < 200_000
+    with pytest.raises(TrainError, match=rf"{name}.*more than {MAX_DOCUMENT_CHARS:,} characters"):
+        for _ in open_source(Domain("d", str(path), 1.0), "train").documents():
+            pass

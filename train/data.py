@@ -41,6 +41,11 @@ SPLITS = ("train", "val")
 VAL_NAMES = ("val", "valid", "validation")
 _NAME = re.compile(r"^[A-Za-z0-9_][\w.+-]*$")
 _HASH_CHUNK = 8 << 20
+# One document (the text between separators, one JSONL line) is held in memory whole and tokenized at
+# once: past this it is refused, so a small .gz that expands to a GiB with no separator costs at most
+# this much (a book is about 1 MB of text).
+MAX_DOCUMENT_CHARS = 1 << 24
+_READ_CHARS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -214,10 +219,13 @@ def file_documents(path: Path, text_field: str) -> Iterator[str]:
     try:
         if name.endswith(TEXT_SUFFIXES):
             with _open_text(path) as f:
-                yield from split_documents(iter(lambda: f.read(1 << 22), ""))
+                yield from split_documents(iter(lambda: f.read(_READ_CHARS), ""), str(path))
         elif name.endswith(JSONL_SUFFIXES):
             with _open_text(path) as f:
-                for lineno, line in enumerate(f, 1):
+                for lineno, line in enumerate(iter(lambda: f.readline(MAX_DOCUMENT_CHARS + 1), ""), 1):
+                    if len(line) > MAX_DOCUMENT_CHARS:
+                        raise TrainError(f"{path}:{lineno}: a line of more than {MAX_DOCUMENT_CHARS:,} characters "
+                                         "(the limit of one document)")
                     if not line.strip():
                         continue
                     try:
@@ -238,13 +246,17 @@ def file_documents(path: Path, text_field: str) -> Iterator[str]:
         raise TrainError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
 
 
-def split_documents(chunks) -> Iterator[str]:
-    """Documents from a stream of text chunks, split on DOC_SEPARATOR; blank documents dropped."""
+def split_documents(chunks, where: str = "text") -> Iterator[str]:
+    """Documents from a stream of text chunks, split on DOC_SEPARATOR; blank documents dropped. A document
+    longer than MAX_DOCUMENT_CHARS is refused once that much of it is read (nothing past it is read)."""
     pending = ""
     for chunk in chunks:
         pending += chunk
         *docs, pending = pending.split(DOC_SEPARATOR)
         yield from (d for d in docs if d.strip())
+        if len(pending) > MAX_DOCUMENT_CHARS:
+            raise TrainError(f"{where}: a document of more than {MAX_DOCUMENT_CHARS:,} characters (the limit of "
+                             f"one document; separate documents with a {DOC_SEPARATOR.strip()!r} line)")
     if pending.strip():
         yield pending
 
