@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -244,3 +245,77 @@ def test_plot_malformed_metrics_is_one_line(tmp_path, line, says):
     (run_dir / "metrics.jsonl").write_text(f"{good}\n{bad[:len(bad) // 2]}")  # a torn last line is skipped
     run("plot", run_dir)
     assert (run_dir / "loss.png").is_file()
+
+
+def test_resume_of_a_finished_run_is_one_line(tmp_path, mix, cache):
+    """Issue 20: `train --resume` on a run that finished its steps was a TypeError (no step ran, no loss)."""
+    run(*train_args(mix, tmp_path / "run", cache))
+    before = _digest(tmp_path / "run")
+    line = error_line("train", "--out", tmp_path / "run", "--resume")
+    assert f"--resume: {tmp_path / 'run'} has finished its 2 steps (step-00000002); pass --steps N with N > 2" in line
+    assert _digest(tmp_path / "run") == before
+
+
+_KILLED_HOLDER = """
+import os, signal, sys
+from pathlib import Path
+from bam_surgery.runtime.locks import lock_file
+lock_file(Path(sys.argv[1]), Path(sys.argv[1]).parent)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_one_train_run_per_out(tmp_path, mix, cache, monkeypatch):
+    """Issue 20, item 8: a second `train` into the --out a live run writes (fresh, or --resume) fails at once in
+    one line naming the holder, and changes nothing there; the lock is held for the whole run and released at
+    its end; a lock left by a killed run (kill -9) is taken over."""
+    import subprocess
+
+    from bam_surgery.runtime.locks import lock_file, unlock_file
+    from bam_surgery.train import metrics
+    from bam_surgery.train.loop import RUN_LOCK
+
+    out = tmp_path / "run"
+    lock = out / RUN_LOCK
+    out.mkdir()
+    fd = lock_file(lock, out)  # a live run holds it
+    line = error_line(*train_args(mix, out, cache))
+    assert f"--out {out}: another bam-surgery run (pid {os.getpid()}) is writing it right now" in line
+    assert [p.name for p in out.iterdir()] == [RUN_LOCK]
+    unlock_file(fd, lock)
+
+    seen = []
+    write = metrics.MetricsWriter.write
+
+    def try_a_second_run(self, rec):  # inside the run: the lock is held
+        with pytest.raises(Exception, match="another bam-surgery run"):
+            unlock_file(lock_file(lock, out), lock)
+        seen.append(rec["step"])
+        write(self, rec)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", try_a_second_run)
+    run(*train_args(mix, out, cache, None, "--eval-every", -1))
+    monkeypatch.undo()
+    assert seen == [1, 2] and not os.path.lexists(lock)  # released
+
+    before = _digest(out)
+    fd = lock_file(lock, out)
+    line = error_line("train", "--out", out, "--resume", "--steps", 3)
+    assert "another bam-surgery run" in line and f"pid {os.getpid()}" in line
+    unlock_file(fd, lock)
+    assert _digest(out) == before
+
+    subprocess.run([sys.executable, "-c", _KILLED_HOLDER, str(lock)], check=False, timeout=120)
+    assert lock.read_text().strip().isdigit()  # left behind by the killed holder, with its pid
+    run("train", "--out", out, "--resume", "--steps", 3)
+    assert not os.path.lexists(lock)
+    steps = [json.loads(s)["step"] for s in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(s)["kind"] == "train"]
+    assert steps == [1, 2, 3]
+
+
+def test_a_refused_fresh_run_leaves_no_folder(tmp_path, mix, cache):
+    """The lock is taken in a folder the fresh run creates; a run refused during set-up removes it again."""
+    out = tmp_path / "a" / "b" / "run"
+    assert "no-such-domain" in error_line(*train_args(mix, out, cache, "code=no-such-domain"))
+    assert list(tmp_path.iterdir()) == [tmp_path / "mix.safetensors"]

@@ -32,6 +32,7 @@ import torch
 
 from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
+from bam_surgery.runtime.atomic import write_text_atomic
 from bam_surgery.runtime.config import PRESETS, ConfigError
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.locks import lock_file, unlock_file
@@ -39,7 +40,7 @@ from bam_surgery.runtime.jsonfile import read_json
 
 from . import distributed as dist_
 from .card import model_card
-from .checkpoints import (TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
+from .checkpoints import (CHECKPOINTS, TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
                           resolve_checkpoint, save_run_checkpoint, step_dir_name)
 from .config import RESUMABLE, TrainConfig
 from .data import Domain, has_split, open_source, parse_data_spec
@@ -48,11 +49,13 @@ from .evaluation import evaluate_streams, reduce_routing
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
 from .optim import apply_trainable, build_optimizer, lr_at, set_lr
 from .packing import MixtureSampler, micro_batches
+from .plot import PLOTS, plot_files
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
 from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
 
 Log = Callable[[str], None]
 RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
+START_FILES = ("config.yaml", "run.json", "metrics.jsonl")  # what a fresh run writes before its first checkpoint
 
 
 @dataclass
@@ -172,17 +175,24 @@ class _Run:
         else:
             self._check_fresh_out()
             self._load_init()
+        if self.cfg.plot:  # the end-of-training plot's rule, checked before any compute is spent
+            plot_files(self.dir, list(PLOTS), "train --plot")
         self._setup_tokenizer()
         self._setup_model()
         self._setup_data()
         self._setup_batching()
-        if not self.resume:
-            dist_.on_main(self.d, self._create_run_folder)
-        self._setup_optimizer()
-        if self.resume:
-            self._restore_trainer_state()
-        self._release_log()
-        return self._loop()
+        try:
+            if not self.resume:
+                dist_.on_main(self.d, self._create_run_folder)
+            self._setup_optimizer()
+            if self.resume:
+                self._restore_trainer_state()
+            self._release_log()
+            return self._loop()
+        except BaseException:
+            if not self.resume and self.d.is_main:
+                self._remove_unresumable_start()
+            raise
 
     def _check_resume_config(self) -> None:
         """The saved config, with the given one's RESUMABLE changes; knobs left None or at their
@@ -206,6 +216,10 @@ class _Run:
         self.resume_dir = ckpt
         (self.state, self.model_config, meta, self.trainer_tensors,
          self.trainer_meta) = read_run_checkpoint(ckpt)
+        done = self.trainer_meta.get("step")
+        if isinstance(done, int) and done >= self.cfg.steps:
+            raise TrainError(f"--resume: {self.dir} has finished its {self.cfg.steps} steps ({ckpt.name}); pass "
+                             f"--steps N with N > {done} to train it further")
         self.run_info = json.loads((self.dir / "run.json").read_text())
         self.provenance_in = self.run_info["init"].get("provenance")
         self.experts = self.run_info["experts"]
@@ -330,8 +344,22 @@ class _Run:
 
     def _create_run_folder(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
-        (self.dir / "run.json").write_text(json.dumps(self._run_info(), indent=1, sort_keys=True), encoding="utf-8")
+        write_text_atomic(self.dir / "config.yaml", self.cfg.to_yaml())
+        write_text_atomic(self.dir / "run.json", json.dumps(self._run_info(), indent=1, sort_keys=True))
+
+    def _remove_unresumable_start(self) -> None:
+        """A fresh run that fails (a full disk, an error, Ctrl-C) before its first checkpoint removes the files
+        it wrote into RUN, which it found empty: with no checkpoint they cannot be resumed, and they would block
+        the next `train --out` on the same path (RUN itself goes with the run's lock, _run_lock). Once a
+        checkpoint exists RUN is kept, for --resume."""
+        if latest_checkpoint(self.dir) is not None:
+            return
+        for name in START_FILES:
+            try:
+                (self.dir / name).unlink()
+            except FileNotFoundError:
+                pass
+        _remove_empty([self.dir / CHECKPOINTS])
 
     def _run_info(self) -> dict[str, Any]:
         from bam_surgery import __version__
