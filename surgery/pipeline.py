@@ -108,7 +108,14 @@ class PipelineRun:
         return self.runs / unit / "checkpoints" / step_dir_name(steps)
 
     def seed_checkpoint(self) -> str:
-        return str(self.models / "seed")
+        return str(self.models / self._seed_link_name())
+
+    def _seed_link_name(self) -> str:
+        """models/seed; models/seed.safetensors when the given seed is one file: a file is a checkpoint by its
+        suffix (open_checkpoint), so a link without it would not open."""
+        init = self.spec.seed_init
+        single = init is not None and Path(init).suffix == ".safetensors" and not Path(init).is_dir()
+        return "seed.safetensors" if single else "seed"
 
     def mix_file(self, mix: Mixture) -> Path:
         return self.mixes / f"{mix.name}.safetensors"
@@ -153,7 +160,7 @@ class PipelineRun:
             target = os.path.relpath(self.final_checkpoint("seed", cfgs["seed"].steps), self.models)
         else:
             target = spec.seed_init
-        units.append(self._link_unit("seed", "seed", target))
+        units.append(self._link_unit("seed", self._seed_link_name(), target))
         # branch
         for d in spec.domains:
             name = f"branch-{d}"

@@ -38,6 +38,7 @@ from .pipeline_spec import (SCHEMA_VERSION, SETTINGS, STAGES, Mixture, PipelineE
 from .plan import MergeOptions
 from .recipe import load_recipe, mixture_config
 
+MAX_THREADS = 1024  # intra-op threads: more than any CPU has; libgomp runs out of memory near 1e9
 TOP_LEVEL = ("schema", "name", "description", "seed", "threads", "data", "knobs", "stages")
 # Knobs the pipeline sets itself for every run (a stage's knobs may not name them).
 PIPELINE_KNOBS = ("init", "preset", "model_config", "data", "eval_data", "out", "seed", "tokenizer", "seq_len",
@@ -143,7 +144,7 @@ class _Validator:
         seed = self.typed(doc.get("seed", 0), "seed", (int,), lambda v: v >= 0, ">= 0")
         threads = doc.get("threads")
         if threads is not None:
-            self.typed(threads, "threads", (int,), lambda v: v >= 1, ">= 1")
+            self.typed(threads, "threads", (int,), lambda v: 1 <= v <= MAX_THREADS, f"in [1, {MAX_THREADS}]")
         data = self.data(doc["data"])
         knobs = self.knobs(doc.get("knobs"), "knobs")
         stages = self.mapping(doc["stages"], "stages", STAGES, required=("seed", "branch", "mix", "train"))

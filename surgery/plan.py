@@ -41,6 +41,7 @@ import torch
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
 from bam_surgery.runtime.layout import ranges, router_tensors, tensor_shapes
+from bam_surgery.runtime.memory import check_fits
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.routers import RouterTensor, router_class
 
@@ -251,6 +252,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
         raise BamSurgeryError(f"{std_from}: {router_std:g} overflows {str(dtype).removeprefix('torch.')} (largest "
                               f"value {torch.finfo(dtype).max:.4g}): the routers would hold Inf")
     _check_router_init(recipe, out_cfg, options.warm_start)
+    _check_tensors_fit(out_cfg)
     ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
     shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
     choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
@@ -262,6 +264,13 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
 
 
 WARM_STARTS = ("domain-mean", "profile")
+
+
+def _check_tensors_fit(cfg: ModelConfig) -> None:
+    """The merge holds one output tensor at a time, in float32 while it is made: the largest must fit in
+    memory (--router-hidden 2000000000 makes a 512 GB router), refused before anything is read."""
+    name, shape = max(tensor_shapes(cfg).items(), key=lambda kv: math.prod(kv[1]))
+    check_fits(4 * math.prod(shape), f"output tensor {name} {list(shape)} (float32)", BamSurgeryError)
 
 
 def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: str | None) -> None:

@@ -414,3 +414,22 @@ def test_a_given_seed_checkpoint(micro, corpus, tmp_path):
     mine = load_checkpoint(tmp_path / "out" / "models" / "code")[1]
     theirs = load_checkpoint(out / "models" / "code")[1]
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_given_seed_as_one_safetensors_file(micro, corpus, tmp_path):
+    """Issue 20: `stages.seed.init: seed.safetensors` (the documented `init: CKPT`, a single file) failed at the
+    branch stage with `models/seed: not a checkpoint`: the link now keeps the file's suffix."""
+    from bam_surgery.runtime import save_checkpoint
+
+    _, out = micro
+    state, cfg = load_checkpoint(out / "models" / "seed")[1], load_checkpoint(out / "models" / "seed")[0]
+    save_checkpoint(state, cfg, tmp_path / "seed.safetensors")
+    doc = micro_doc(corpus, tmp_path / "tokens")
+    doc["stages"]["seed"] = {"init": str(tmp_path / "seed.safetensors")}
+    doc["stages"]["branch"]["knobs"]["lr"] = 1.5e-3
+    run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "out", "--only", "seed,branch")
+    link = tmp_path / "out" / "models" / "seed.safetensors"
+    assert link.is_symlink() and link.resolve() == (tmp_path / "seed.safetensors").resolve()
+    mine = load_checkpoint(tmp_path / "out" / "models" / "code")[1]
+    theirs = load_checkpoint(out / "models" / "code")[1]
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)

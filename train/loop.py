@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ from bam_surgery.runtime.config import PRESETS, ConfigError
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.locks import lock_file, unlock_file
 from bam_surgery.runtime.jsonfile import read_json
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.memory import check_fits
 
 from . import distributed as dist_
 from .card import model_card
@@ -276,6 +279,7 @@ class _Run:
             raise TrainError(f"seq_len {self.seq_len} exceeds the model's max_positions ({mcfg.max_positions})")
         self.alpha = mcfg.lb_coef if cfg.lb_coef is None else cfg.lb_coef
         self.beta = mcfg.z_coef if cfg.z_coef is None else cfg.z_coef
+        _check_training_fits(mcfg, cfg.micro_batch, self.seq_len, self.d.device)
         if self.state is None:
             model = Model(mcfg)
             model.reset_parameters(std=cfg.init_std, seed=cfg.seed)
@@ -556,6 +560,17 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _check_training_fits(mcfg: ModelConfig, micro_batch: int, seq_len: int, device) -> None:
+    """--micro-batch, --model-config and --preset sizes against the device's memory, before the model is
+    built: a lower bound, the float32 weights plus per token the logits and, in each layer, the
+    residual stream (4 x D) and the FFN hidden (2 x F) (autograd keeps more)."""
+    params = sum(math.prod(s) for s in tensor_shapes(mcfg).values())
+    per_token = 2 * mcfg.vocab_size + mcfg.n_layers * (4 * mcfg.d_model + 2 * mcfg.ffn_hidden)
+    need = 4 * params + 4 * micro_batch * seq_len * per_token
+    check_fits(need, f"training this model ({params:,} parameters) with micro_batch {micro_batch} x seq_len "
+               f"{seq_len}", TrainError, device)
 
 
 def _read_model_config(path: Path) -> ModelConfig:
