@@ -160,3 +160,28 @@ def test_truncated_weights_are_an_error(hf_dir, tmp_path):
     # the same message as a truncated canonical file: it names the file and the first tensor cut off
     with pytest.raises(CheckpointError, match=r"truncated/model\.safetensors: truncated: tensor \S+ ends at byte"):
         open_checkpoint(str(d))
+
+
+def test_a_refused_pickle_prints_no_torch_warning(hf_dir, tmp_path, monkeypatch):
+    """Issue 20: `--allow-pickle` on a refused pickle printed two torch UserWarning lines besides the error: the
+    warnings torch.load gives on the way are silenced (injected here: which ones torch gives depends on its
+    version), so only the one error line shows."""
+    import pickle
+    import warnings
+
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(hf_dir / "config.json", d / "config.json")
+    torch.save(load_file(hf_dir / "model.safetensors"), d / "pytorch_model.bin")
+
+    def warn_then_refuse(*args, **kwargs):
+        warnings.warn("Weights only load failed. In PyTorch 2.6, we changed the default value ...", UserWarning)
+        warnings.warn("mmap can only be used with files saved with torch.save(_use_new_zipfile_...)", UserWarning)
+        raise pickle.UnpicklingError("Weights only load failed: Unsupported global: GLOBAL posix.system")
+
+    monkeypatch.setattr(torch, "load", warn_then_refuse)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="refused to load this pickle: it calls posix.system"):
+            open_checkpoint(str(d), allow_pickle=True).get("model.embed_tokens.weight")
+    assert [str(w.message) for w in seen] == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,16 +31,20 @@ from .architectures import Architecture, Binding, BoundRule, architecture, bind
 from .files import read_hf_config, tokenizer_files_in, weight_files
 
 # what torch's weights_only unpickler names when it refuses a pickle ("... unsupported GLOBAL posix.system ...")
-_REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|global:?)\s+([\w.]+)")
+# ("Unsupported global: GLOBAL numpy.core..." too: the name after both words, never "GLOBAL" itself)
+_REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|global:?)\s+(?:GLOBAL\s+)?([\w.]+)")
 
 
 class _PickleFile:
     def __init__(self, file: Path):
         try:
-            try:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-                state = torch.load(file, map_location="cpu", weights_only=True)
+            # torch's own warnings on the way (a refused or legacy pickle) would print besides the one error line
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                try:
+                    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+                    state = torch.load(file, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:  # the weights-only unpickler refused something
             found = _REFUSED_GLOBAL.search(str(e))
             what = f"it calls {found.group(1)}" if found else "it holds more than tensors"
