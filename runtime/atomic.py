@@ -435,7 +435,9 @@ def _as_output_error(e: OSError, target: Path, work: Path) -> OSError:
     """An OSError while writing the output (no space, read-only file system, quota) as a one-line
     OutputWriteError naming the target; errors about other paths (inputs), and errors without an
     errno (raised by code, not by the system), are left as they are."""
-    if isinstance(e, OutputError) or e.errno not in _WRITE_ERRORS:
+    if isinstance(e, OutputWriteError) and e.errno is not None and str(e).startswith(f"{work}/"):
+        pass  # a nested write (a canonical folder written into this one's work folder): named after the target
+    elif isinstance(e, OutputError) or e.errno not in _WRITE_ERRORS:
         return e
     if e.filename is not None and not str(e.filename).startswith(str(work)):
         return e

@@ -2,6 +2,7 @@
 one line `bam-surgery: error: ...`, exit 2, and no checkpoint overwritten or lost."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -319,3 +320,84 @@ def test_a_refused_fresh_run_leaves_no_folder(tmp_path, mix, cache):
     out = tmp_path / "a" / "b" / "run"
     assert "no-such-domain" in error_line(*train_args(mix, out, cache, "code=no-such-domain"))
     assert list(tmp_path.iterdir()) == [tmp_path / "mix.safetensors"]
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write(2) raises it: no file name
+
+
+class _FullFile:
+    """An open text file whose writes find the disk full."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, text):
+        _no_space()
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.f.close()
+
+
+def _failed_with(*args) -> str:
+    """Status 2, and one error line, the last (a run that started has printed its progress lines above it)."""
+    lines = run(*args, code=2).stderr.splitlines()
+    assert [ln for ln in lines if ln.startswith("bam-surgery:")] == lines[-1:], lines
+    assert lines[-1].startswith("bam-surgery: error: "), lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("where, names", [("run.json", "run/run.json"), ("metrics", "run/metrics.jsonl"),
+                                          ("checkpoint", "run/checkpoints/step-00000002")])
+def test_a_full_disk_before_the_first_checkpoint_leaves_nothing(tmp_path, mix, cache, monkeypatch, where, names):
+    """Disk full in a fresh `train` before its first checkpoint (issue 20, disk full): one line naming the file;
+    the run folder (which could not be resumed) is removed, so the next `train --out` on the same path runs."""
+    from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
+    from bam_surgery.train import metrics
+
+    if where == "run.json":
+        real = os.replace
+        monkeypatch.setattr(os, "replace", lambda src, dst: _no_space() if Path(dst).name == "run.json"
+                            else real(src, dst))
+    elif where == "metrics":
+        monkeypatch.setattr(metrics, "open", lambda *a, **k: _FullFile(open(*a, **k)), raising=False)
+    else:
+        monkeypatch.setattr(SafetensorsStreamWriter, "write", _no_space)
+    line = _failed_with(*train_args(mix, tmp_path / "run", cache))
+    monkeypatch.undo()
+    assert str(tmp_path / names) in line and "No space left on device" in line, line
+    assert not (tmp_path / "run").exists()
+    run(*train_args(mix, tmp_path / "run", cache))
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_full_disk_after_a_checkpoint_leaves_a_run_to_resume(tmp_path, mix, cache, monkeypatch):
+    from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
+
+    real = SafetensorsStreamWriter.write
+    monkeypatch.setattr(SafetensorsStreamWriter, "write", lambda self, name, tensor: _no_space()
+                        if "step-00000002" in str(self.path) else real(self, name, tensor))
+    line = _failed_with(*train_args(mix, tmp_path / "run", cache, None, "--save-every", 1))
+    monkeypatch.undo()
+    assert "step-00000002: could not be written (No space left on device)" in line
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["latest", "step-00000001"]
+    assert "resuming" in run("train", "--out", tmp_path / "run", "--resume").stderr
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_users_plot_in_the_run_folder_is_refused_before_training(tmp_path, mix, cache):
+    """`train --resume` into a run folder holding a user's loss.png (issue 20): refused up front, by the rule of
+    `plot` (train.plot.plot_files), not after training at the end-of-training plot; nothing changed."""
+    run(*train_args(mix, tmp_path / "run", cache, None, "--plot"))
+    (tmp_path / "run" / "loss.png").write_bytes(b"\x89PNG a user's plot")
+    before = _digest(tmp_path / "run")
+    line = error_line("train", "--out", tmp_path / "run", "--resume", "--steps", 4)
+    assert f"--plot: {tmp_path / 'run' / 'loss.png'} exists and was not written by bam-surgery" in line, line
+    assert "pass --no-plot" in line
+    assert _digest(tmp_path / "run") == before  # no step trained, no metrics line written
+    (tmp_path / "run" / "loss.png").unlink()
+    assert "plots: " in run("train", "--out", tmp_path / "run", "--resume", "--steps", 4).stderr
+    assert (tmp_path / "run" / "checkpoints" / "step-00000004").is_dir()

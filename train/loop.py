@@ -179,7 +179,7 @@ class _Run:
             self._check_fresh_out()
             self._load_init()
         if self.cfg.plot:  # the end-of-training plot's rule, checked before any compute is spent
-            plot_files(self.dir, list(PLOTS), "train --plot")
+            plot_files(self.dir, list(PLOTS), "--plot", "move it, or pass --no-plot (nothing was changed)")
         self._setup_tokenizer()
         self._setup_model()
         self._setup_data()

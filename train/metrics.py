@@ -206,13 +206,19 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._f.flush()
+            try:
+                self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._f.flush()
+            except OSError as e:  # a full disk: the error names the file (write(2) does not)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,8 @@ import numpy as np
 from .errors import TrainError
 from .metrics import read_curves
 
+PLOTS = ("loss.png", "lr.png", "eval.png")  # what plot_run draws (eval.png when the run evaluated)
+
 
 def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     """Draw the PNGs into `out` (default: the run folder); returns the files written. A file there under one
@@ -32,7 +34,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
     train, evals = read_curves(run / "metrics.jsonl")  # checked: a malformed line is one TrainError
     if not train:
         raise TrainError(f"{run}: no training metrics (metrics.jsonl is missing or empty)")
-    names = ["loss.png", "lr.png"] + (["eval.png"] if evals else [])
+    names = list(PLOTS[:2]) + ([PLOTS[2]] if evals else [])
     files = plot_files(Path(out) if out else run, names, "--out" if out else "plot")  # before drawing anything
     files[0].parent.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in train]
@@ -81,20 +83,20 @@ def _ours(path: Path) -> bool:
     return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + SOFTWARE.encode() in head
 
 
-def plot_files(out: str | Path, names: list[str], option: str) -> list[Path]:
+def plot_files(out: str | Path, names: list[str], option: str, remedy: str = "move it or pick another DIR"
+               ) -> list[Path]:
     """The paths of `names` in folder `out`, each free for a plot to be written: absent, or a PNG this tool
     wrote (replaced). The one rule of every command that draws PNGs into a folder the user names (`plot
     --out`, `routing-stats --plot`); raises TrainError, naming `option`, if `out` is not a folder or one of
     the paths is anything else: a user's file, a symbolic link, a folder. `out` may itself be a symbolic
-    link to a folder: what is checked is what is there."""
+    link to a folder: what is checked is what is there. `train` checks RUN by this rule before it trains."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"{option} {out}: exists and is not a folder")
     files = [out / name for name in names]
     for path in files:
         if os.path.lexists(path) and (path.is_symlink() or not path.is_file() or not _ours(path)):
-            raise TrainError(f"{option}: {path} exists and was not written by bam-surgery; move it or pick "
-                             "another DIR")
+            raise TrainError(f"{option}: {path} exists and was not written by bam-surgery; {remedy}")
     return files
 
 
