@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.runtime.atomic import InterruptedAfterWrite
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS
 
 from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
@@ -25,6 +26,15 @@ from .open_input import open_input
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 INTERRUPTED = "interrupted; nothing was written"
+_WRITTEN = "bam_surgery.written"  # click Context.meta key (shared by nested contexts): outputs in place
+
+
+def output_written(path: str | os.PathLike) -> None:
+    """Mark that the running command's output is in place, committed: a Ctrl-C from here on (while the command
+    prints its summary, say) says `interrupted after PATH was written`, not "nothing was written"."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta.setdefault(_WRITTEN, []).append(Path(path))
 
 
 def _error_line(message: str) -> None:
@@ -64,7 +74,9 @@ class Group(click.Group):
     * an OSError nobody caught (disk full, read-only file system, a parent that is a file): one
       line naming the path, exit status 2;
     * Ctrl-C: `bam-surgery: interrupted; nothing was written`, exit status 130 (outputs are
-      written under a temporary name and renamed at the end, so an interrupted run leaves none);
+      written under a temporary name and renamed at the end, so an interrupted run leaves none); once an
+      output is in place (runtime.atomic.InterruptedAfterWrite, or the command called output_written):
+      `bam-surgery: interrupted after OUT was written (it is complete)`;
     * a closed stdout (`| head`): a quiet exit.
     Anything else is a bug and keeps its traceback. CliRunner goes through `main` too.
     """
@@ -75,6 +87,9 @@ class Group(click.Group):
         except USER_ERRORS as e:
             raise UserError(one_line(e)) from None
         except KeyboardInterrupt as e:
+            written = ctx.meta.get(_WRITTEN)
+            if written and not isinstance(e, InterruptedAfterWrite):
+                e = InterruptedAfterWrite(written[-1])
             raise Interrupted(e) from None
         except ModuleNotFoundError as e:
             message = missing_package_message(e)
@@ -288,6 +303,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
                                 progress=not quiet and sys.stderr.isatty(), warn=_warn)
         else:
             path = _merge_export(plan, Path(out), fmt, force, shard_bytes)
+        output_written(path)
         if not quiet:
             cfg = plan.config
             click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
@@ -360,6 +376,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle,
                                 generation=generation_config(reader), max_shard_bytes=shard_bytes,
                                 architecture=arch, metadata={"bam_source": str(source)}, replace=force)
         export(reader, out_path, fmt, options)
+        output_written(out_path)
         if not quiet:
             click.echo(f"wrote {out_path} ({fmt})", err=True)
 

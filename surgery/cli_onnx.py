@@ -45,6 +45,7 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
     from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
 
     from .card import tokenizer_files
+    from .cli import output_written
     from .output_path import check_output_path
 
     if dtype not in DTYPE_NAMES:
@@ -65,6 +66,7 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
                                 opset=opset_number, kv_cache=not no_kv_cache, verify=verify, replace=force,
                                 log=lambda line: click.echo(line, err=True))
         export(reader, out_path, "onnx", options)
+        output_written(out_path)
     finally:
         close = getattr(reader, "close", None)
         if close:

@@ -319,3 +319,41 @@ def test_the_run_after_a_kill_in_the_commit_puts_the_previous_output_back(tmp_pa
     assert result.exit_code == 2 and "already exists" in result.stderr
     assert out.read_bytes() == before and not os.path.lexists(work)
     assert merge(inputs, out, "--force").exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["merge", "convert"])
+def test_an_interrupt_while_the_summary_is_printed_says_it_was_written(tmp_path, inputs, monkeypatch, command):
+    """A Ctrl-C after the commit, in the command's own code (printing its `wrote ...` line): OUT is complete,
+    so the line says `interrupted after OUT was written`, never "nothing was written" (issue 20)."""
+    import click
+
+    out = tmp_path / "mix"
+    assert merge(inputs, out).exit_code == 0
+    real_echo = click.echo
+
+    def echo(message=None, *args, **kwargs):
+        if str(message).startswith("wrote "):
+            raise KeyboardInterrupt
+        return real_echo(message, *args, **kwargs)
+
+    monkeypatch.setattr(click, "echo", echo)
+    argv = (["merge", "--seed", str(inputs[0]), "--experts", ",".join(map(str, inputs[1:])), "--router-seed", "5"]
+            if command == "merge" else ["convert", str(inputs[1])])
+    result = CliRunner().invoke(cli, [*argv, "--out", str(out), "--force"])
+    assert result.exit_code == 130
+    assert result.stderr.splitlines()[-1] == f"bam-surgery: interrupted after {out} was written (it is complete)"
+    monkeypatch.undo()
+    assert not_own_output(out) is None and not os.path.lexists(work_folder(out))
+    again = tmp_path / "again"
+    assert CliRunner().invoke(cli, [*argv, "--out", str(again)]).exit_code == 0
+    assert files_of(out) == files_of(again)
+
+
+def test_the_readme_states_what_the_next_run_does_after_a_kill():
+    """README's "What --force will and will not remove" says what _settle does with a killed run's work folder:
+    the displaced old output is put back (not removed) while the new one has not landed (issue 20)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = " ".join(readme.split("### What `--force` will and will not remove")[1].split("\n### ")[0].split())
+    assert "is put back at OUT if the new output never landed, and discarded only once it has" in section
+    assert "interrupted after OUT was written" in section
+    assert "removes it (its lock is free)" not in section
