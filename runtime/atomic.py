@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
 import tempfile
@@ -83,6 +82,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import OutputError, OutputWriteError
+from .locks import acquire_lock, write_pid
 from .outputs import not_own_output, write_marker
 
 PARTIAL_SUFFIX = ".bam-surgery.partial"
@@ -269,18 +269,11 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
     if not work.is_dir() or work.is_symlink():
         raise OutputError(f"{target}: {work} is in the way and is not a work folder of bam-surgery; remove it")
     try:
-        fd = os.open(work / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        if fresh:  # no inode left for the lock (a full disk): the empty folder this run made goes again
+        fd = acquire_lock(work / LOCK, target)  # runtime/locks.py: the one lock of every output
+    except OutputError:
+        if fresh:  # e.g. no inode left for the lock (a full disk): the empty folder this run made goes again
             _rmdir_quietly(work)
-        raise OutputError(f"{target}: cannot lock {work / LOCK} ({e.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise OutputError(f"{target}: another bam-surgery run (pid {pid}) is writing it right now; wait for it "
-                          "to finish or write elsewhere") from None
+        raise
     restored = False
     if not fresh:  # a killed run's leftovers: ours only if it holds nothing but what we put there
         try:
@@ -298,8 +291,7 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
         elif on_stale is not None and leftovers:
             on_stale(f"removed {work}, left by an interrupted run on the same output")
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        write_pid(fd)
     except OSError as e:  # a disk too full for a pid: settled above, so the folder holds the lock alone
         _release(work, target, fd)
         raise OutputWriteError(f"{target}: could not be written ({e.strerror or os.strerror(e.errno)}); "
