@@ -12,7 +12,6 @@ bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: err
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -94,9 +93,7 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         model = model_from_reader(reader, run_device, weight_dtype)
         _check_finite(model, checkpoint)
     finally:
-        close = getattr(reader, "close", None)
-        if close:
-            close()
+        reader.close()
 
     start = time.perf_counter()
     new = generate(model, torch.tensor([ids]), n_new, temperature=temp, top_p=nucleus, seed=sampler_seed,
@@ -111,26 +108,14 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
 
 
 def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:
-    """The static KV cache (allocated whole, before the first token) against the memory free where it goes."""
+    """The static KV cache (allocated whole, before the first token) against the memory of the device it goes
+    to (runtime.memory: the same rule and message as every other size a user gives)."""
     from bam_surgery.runtime import ModelKVCache
+    from bam_surgery.runtime.memory import check_fits
 
-    need = ModelKVCache.bytes_per_token(cfg, dtype) * tokens
-    free = _free_memory(device)
-    if free is not None and need > free:
-        raise BamSurgeryError(f"the KV cache of {tokens} tokens needs {need:,} bytes "
-                              f"({ModelKVCache.bytes_per_token(cfg, dtype):,} per token), more than the {free:,} "
-                              f"free on {device}; give a smaller --max-new-tokens")
-
-
-def _free_memory(device) -> int | None:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    per_token = ModelKVCache.bytes_per_token(cfg, dtype)
+    check_fits(per_token * tokens, f"the KV cache of {tokens:,} tokens ({per_token:,} bytes per token)",
+               BamSurgeryError, device)
 
 
 def _check_finite(model, checkpoint: str) -> None:
