@@ -7,12 +7,27 @@
 #                   into a fresh venv
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
+#   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
+#                   environment without downloading anything, run benchmarks/inference.py --device cuda --dtype bf16
+#                   --size paper-small into bench-out/gpu/ (docs/gpu.md; BENCH_GPU_ARGS="--device cpu --size smoke"
+#                   checks it on a CPU)
+#   make test-gpu   the same install, then tests/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
 REPRODUCE := reproduce-out
+
+# bench-gpu / test-gpu: the python of the preinstalled (CUDA torch) environment, not .venv; the package goes in
+# editable, without dependencies or build isolation (nothing is downloaded), unless that python already imports
+# this checkout. Later arguments win: BENCH_GPU_ARGS="--device cpu --size smoke" runs the same on a CPU.
+GPU_PYTHON     ?= python3
+BENCH_GPU_OUT  ?= bench-out/gpu
+BENCH_GPU_ARGS ?=
+GPU_INSTALL = $(GPU_PYTHON) -I -c "import pathlib, sys, bam_surgery.runtime as r; \
+	sys.exit(pathlib.Path(r.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null \
+	|| $(GPU_PYTHON) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 
 # The transformers versions the compat stage checks: the ends of the range converters/hf_bam/schema_bam.py declares
 # (the main test environment pins a third, requirements-test.txt); lm-eval runs with the newest.
@@ -22,6 +37,7 @@ COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/test_hf_bam_export.py tests/test_mixtral_export.py tests/test_export_clients.py
 
 .PHONY: demo test test-compat reproduce install install-test clean
+.PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,7 +64,7 @@ install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
 demo: $(VENV)/.runtime-installed
-	$(PY) -m bam_surgery.surgery.demo --out demo-out
+	$(PY) -m bam_surgery.cli.demo --out demo-out
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat
@@ -62,8 +78,17 @@ test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDES
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed
-	$(PY) -m bam_surgery.surgery.cli pipeline tiny --out $(REPRODUCE) \
+	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \
 		$(if $(wildcard $(REPRODUCE)/pipeline.resolved.yaml),--resume)
+
+bench-gpu:
+	$(GPU_INSTALL)
+	$(GPU_PYTHON) -m benchmarks.inference --device cuda --dtype bf16 --size paper-small --out $(BENCH_GPU_OUT) \
+		$(BENCH_GPU_ARGS)
+
+test-gpu:
+	$(GPU_INSTALL)
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info
