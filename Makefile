@@ -64,7 +64,7 @@ install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
 demo: $(VENV)/.runtime-installed
-	$(PY) -m bam_surgery.surgery.demo --out demo-out
+	$(PY) -m bam_surgery.cli.demo --out demo-out
 
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat
@@ -78,7 +78,7 @@ test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDES
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed
-	$(PY) -m bam_surgery.surgery.cli pipeline tiny --out $(REPRODUCE) \
+	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \
 		$(if $(wildcard $(REPRODUCE)/pipeline.resolved.yaml),--resume)
 
 bench-gpu:

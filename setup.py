@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "bam_surgery" / "__init__.py").read_text(encoding="utf-8"),
                     re.M).group(1)
 
-LAYERS = ("runtime", "converters", "train", "surgery", "recipes")
+LAYERS = ("runtime", "converters", "train", "surgery", "pipeline", "cli", "recipes")
 packages = ["bam_surgery"]
 package_dir = {"bam_surgery": "bam_surgery"}
 for layer in LAYERS:
@@ -40,5 +40,5 @@ setup(
                       "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib",
                       "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
     extras_require={"test": ["transformers==5.23.0", "safetensors", "pytest>=8", "hypothesis"]},
-    entry_points={"console_scripts": ["bam-surgery = bam_surgery.surgery.launch:main"]},
+    entry_points={"console_scripts": ["bam-surgery = bam_surgery.cli.launch:main"]},
 )

@@ -1,4 +1,4 @@
 """python -m bam_surgery ...: the same as the bam-surgery command."""
-from bam_surgery.surgery.launch import main
+from bam_surgery.cli.launch import main
 
 main()

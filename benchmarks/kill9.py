@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-MERGE = [sys.executable, "-m", "bam_surgery.surgery.cli", "merge", "--quiet"]
+MERGE = [sys.executable, "-m", "bam_surgery", "merge", "--quiet"]
 
 
 def make_inputs(work: Path, layers: int) -> list[Path]:

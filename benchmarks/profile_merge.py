@@ -20,7 +20,7 @@ import sys
 import time
 
 from bam_surgery.surgery import hashing
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 
 def main(argv: list[str]) -> None:

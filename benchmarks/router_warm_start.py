@@ -22,8 +22,8 @@ import torch
 from click.testing import CliRunner
 
 from bam_surgery.runtime import load_model
-from bam_surgery.surgery.cli import cli
-from bam_surgery.surgery.demo import DOMAINS, build_dense
+from bam_surgery.cli.commands import cli
+from bam_surgery.cli.demo import DOMAINS, build_dense
 from bam_surgery.train.data import open_source, parse_data_spec
 from bam_surgery.train.tokenize import ByteTokenizer, tokenize_source
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader
 
-from .export import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES, architecture as lookup_architecture
 from .hf.writer import save_hf
 from .hf_bam.export import check_hf_bam, export_hf_bam

@@ -31,7 +31,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader
 
-from .export import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES
 from .hf.files import GENERATION_CONFIG
 from .hf.mixtral_config import MODEL_TYPE, check_mixtral

@@ -26,7 +26,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader, check_layout
 
-from .export import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, ExportOptions, Exporter
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph
 
 GRAPH_FILE = "model.onnx"

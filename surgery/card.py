@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Callable
 
 from bam_surgery.converters.hf.files import GENERATION_CONFIG, side_file
-from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
+from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
 
 from .audit import audit
-from .cli_audit import render_audit
 from .errors import InputError
+from .inspect import render_audit
 from .plan import Plan
 
 # Files whose content defines the token <-> id mapping (the rest: special tokens, chat templates).

@@ -1,7 +1,7 @@
 """File digests for the provenance, without torch: BLAKE3 of a file, the digest cache, HF blob names,
 and hashing started at launch, before the runtime is imported.
 
-Imports only the standard library and blake3, so `surgery/launch.py` can start hashing a merge's
+Imports only the standard library and blake3, so `cli/launch.py` can start hashing a merge's
 input files while the interpreter is still importing torch (seconds, and more on a cold page
 cache). surgery/hashing.py (InputHasher) takes those digests over when the merge's plan names the
 same files, provably unchanged; see its docstring for the sources of a digest.

@@ -11,7 +11,7 @@ Each input file gets a FileDigest: the algorithm, the hex digest, and how it was
     read      BLAKE3 of the file's bytes, computed now, in background threads while the merge
               reads the same files (blake3 releases the GIL; ~3 GB/s per core, against ~0.4-1.5
               GB/s for sha256), then stored in the cache. The `bam-surgery merge` command starts
-              these threads at launch (surgery/launch.py, surgery/digests.py), before torch is
+              these threads at launch (cli/launch.py, surgery/digests.py), before torch is
               imported; InputHasher takes over each digest whose file is provably the same.
 
 Why not hash the bytes the merge itself reads: the merge reads tensors in canonical order, which

@@ -11,10 +11,11 @@ from typing import Any
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json
 from bam_surgery.runtime.layout import GROUPS
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.text import render_table
 
 from .audit import Audit, audit_checkpoint
 
@@ -178,3 +179,43 @@ def inspect_checkpoint(reader: Reader) -> Inspection:
     metadata = dict(reader.metadata)
     return Inspection(str(reader.path or ""), reader.config, a, [str(f) for f in reader.files()], metadata,
                       parse_provenance(metadata), groups)
+
+
+# ---- the count-params table (count-params, merge --dry-run, model cards) ---------------------------
+def render_audit(a: Audit, source: str) -> str:
+    out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
+           f"convention  {a.convention}", ""]
+    rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
+    rows.append(("total", len(a.parameters), a.total, a.active))
+    out.append(render_table(("group", "tensors", "total", "active"), rows))
+    if a.buffers.tensors or a.trainable_patterns != ["*"]:  # otherwise every parameter trains: the table says it
+        patterns = ",".join(a.trainable_patterns)
+        share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
+        out += ["", f"total       {a.total:,} = {millions(a.total)}",
+                f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
+    if a.buffers.tensors:
+        out.append(f"buffers     {a.buffers.total:,} = {millions(a.buffers.total)} in {a.buffers.tensors} tensors "
+                   "(router state moved by rules, not by gradient, e.g. a key store's keys and usage EMA; in the "
+                   "checkpoint, not parameters, not in total)")
+    if a.convention == "paper":
+        out += ["", "paper convention: deviations from exact (already applied above)"]
+        if not a.adjustments:
+            out.append("  none apply to this model: paper == exact")
+        for adj in a.adjustments:
+            out.append(f"  {adj.key} ({adj.group}, {adj.tensors} tensors): "
+                       f"total {adj.total_delta:+,}, active {adj.active_delta:+,}")
+            out.append(f"    {adj.explanation}")
+        exact_active = a.active - sum(adj.active_delta for adj in a.adjustments)
+        exact_total = a.total - sum(adj.total_delta for adj in a.adjustments)
+        out.append(f"  exact: total {exact_total:,}, active {exact_active:,}")
+        out += ["", "as in the paper's Table 5 (per-block rows: one transformer block, active)",
+                render_table(("row", "params"), a.table5(), indent="  ")]
+    if a.mismatches:
+        out += ["", f"layout mismatches ({len(a.mismatches)})"]
+        out += [f"  {m.message()}" for m in a.mismatches]
+    return "\n".join(out)
+
+
+def millions(n: int) -> str:
+    """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
+    return f"{n / 1e6:.2f}M"

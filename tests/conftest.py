@@ -287,7 +287,7 @@ def run_cli(*args, code: int = 0):
     """Run the CLI in-process (arguments str()-ed); assert its exit status."""
     from click.testing import CliRunner
 
-    from bam_surgery.surgery.cli import cli
+    from bam_surgery.cli.commands import cli
 
     result = CliRunner().invoke(cli, [str(a) for a in args])
     assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")

@@ -13,7 +13,7 @@ from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.config import ModelConfig, preset
 from bam_surgery.runtime.layout import GROUPS, tensor_group, tensor_shapes
 from bam_surgery.surgery.audit import PAPER_DEVIATIONS, audit, audit_checkpoint
-from bam_surgery.surgery.cli_audit import count_params_cmd, inspect_cmd
+from bam_surgery.cli.audit import count_params_cmd, inspect_cmd
 from bam_surgery.surgery.inspect import inspect_checkpoint
 
 SMALL = preset("paper-small")
@@ -287,7 +287,7 @@ def test_audit_checkpoint_reports_mismatches(broken_ckpt):
 # ---- CLI -------------------------------------------------------------------------------------------------
 def invoke(cmd, args):
     """Run a command through the CLI group (its error contract: one line, exit status 2)."""
-    from bam_surgery.surgery.cli import cli
+    from bam_surgery.cli.commands import cli
     return CliRunner().invoke(cli, [cmd.name, *[str(a) for a in args]])
 
 

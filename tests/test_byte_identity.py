@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import random_state, tiny_config  # noqa: E402
 from bam_surgery.runtime.checkpoint import save_checkpoint  # noqa: E402
 from bam_surgery.runtime.config import ModelConfig  # noqa: E402
-from bam_surgery.surgery.cli import cli  # noqa: E402
+from bam_surgery.cli.commands import cli  # noqa: E402
 
 GOLDEN = Path(__file__).with_name("golden_outputs.json")
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from bam_surgery.runtime import load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

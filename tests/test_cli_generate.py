@@ -17,7 +17,7 @@ from conftest import random_state, tiny_config
 from bam_surgery.converters.hf_bam import export_hf_bam
 from bam_surgery.runtime import Model, generate, save_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 from bam_surgery.train.tokenize import ByteTokenizer
 
 V = 64
@@ -215,7 +215,7 @@ def test_listed_in_the_command_line_help():
 
 
 def test_generated_text_is_escaped_on_a_terminal_only():
-    from bam_surgery.surgery.cli_generate import _for_terminal
+    from bam_surgery.cli.generate import _for_terminal
 
     raw = "def f():\n\treturn 1\x1b[2J\x07\r"  # clear-screen, bell and carriage return from an untrained model
     assert _for_terminal(raw) == "def f():\n\treturn 1\\x1b[2J\\x07\\r"

@@ -27,7 +27,7 @@ from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.outputs import FORMAT, not_own_output
 from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 LANDED_FROM = "linked"  # the first step at which the new output is at OUT
 # (kind, no renameat2, step): "linked" exists only where a file is placed by os.link

@@ -15,7 +15,7 @@ from conftest import random_state, tiny_config
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
 from bam_surgery.runtime.dtypes import SAFETENSORS_DTYPES
 from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 
 def labelled(dtype: torch.dtype, n: int = 12) -> torch.Tensor:

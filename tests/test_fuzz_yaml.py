@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_fuzz import FUZZ, json_values
 from bam_surgery.converters.yamlfile import parse_yaml
 from bam_surgery.surgery.errors import USER_ERRORS, one_line
-from bam_surgery.surgery.pipeline_schema import load_pipeline
+from bam_surgery.pipeline.schema import load_pipeline
 from bam_surgery.surgery.recipe import parse_recipe
 from bam_surgery.train.config import TrainConfig
 

@@ -17,7 +17,7 @@ from conftest import random_state, tiny_config
 from test_byte_identity import llama_state, write_llama_dir
 from bam_surgery.runtime.checkpoint import CheckpointReader, save_checkpoint
 from bam_surgery.surgery import hashing
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 CFG = tiny_config(block="parallel", norm="layernorm")
 
@@ -106,7 +106,7 @@ def test_inspect_reads_older_sha256_provenance():
         "BLAKE3 of the manifest of 2 files (BLAKE3 of the file's bytes)"
 
 
-# ---- hashing started at launch (surgery/launch.py, surgery/digests.py) -------------------------------
+# ---- hashing started at launch (cli/launch.py, surgery/digests.py) -------------------------------
 @pytest.fixture
 def early():
     from bam_surgery.surgery import digests
@@ -116,7 +116,7 @@ def early():
 
 
 def test_launch_finds_the_weight_files_a_merge_command_names(tmp_path):
-    from bam_surgery.surgery.launch import merge_input_files
+    from bam_surgery.cli.launch import merge_input_files
 
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     a.write_bytes(b"x")
@@ -185,6 +185,6 @@ def test_the_launch_path_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, bam_surgery.surgery.launch, bam_surgery.surgery.digests; "
+    code = ("import sys, bam_surgery.cli.launch, bam_surgery.surgery.digests; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from conftest import random_state, run_cli, tiny_config
 from test_byte_identity import LLAMA_HF, llama_state, write_llama_dir
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, save_checkpoint
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 CFG = tiny_config(block="parallel", norm="layernorm")
 COMMANDS = ("inspect", "count-params", "convert", "merge")

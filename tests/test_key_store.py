@@ -20,7 +20,7 @@ from bam_surgery.runtime.key_store import (KeyStoreCollector, attraction, disper
 from bam_surgery.runtime.layout import buffer_names, tensor_shapes
 from bam_surgery.runtime.routers import KeyStoreRouter
 from bam_surgery.surgery.audit import audit
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 from bam_surgery.train import TrainConfig, load_run_config, train
 from bam_surgery.train.checkpoints import list_checkpoints
 

@@ -1,4 +1,4 @@
-"""The console script's start (surgery/launch.py): a Ctrl-C while the CLI is still being imported (torch
+"""The console script's start (cli/launch.py): a Ctrl-C while the CLI is still being imported (torch
 takes seconds) keeps the contract of every command: one line, exit status 130, no traceback."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Interrupt:
         if name == "torch":
             raise KeyboardInterrupt
 sys.meta_path.insert(0, Interrupt())
-from bam_surgery.surgery.launch import main
+from bam_surgery.cli.launch import main
 main(sys.argv[1:])
 """
 

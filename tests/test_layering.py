@@ -1,12 +1,16 @@
-"""The layers import downward only, and the package installs one import name.
+"""The layers import downward only, no layer has an import loop inside it, and the package installs one
+import name.
 
-    surgery     (CLI, recipes -> plan -> execute, pipeline)    may import train, converters, runtime
+    cli         (the commands, the console-script entry, demo)   may import every layer below
+    pipeline    (seed/branch/mix/train/eval/report workflow)     may import surgery, train, converters, runtime
+    surgery     (recipes -> plan -> execute, audits, hashing)    may import train, converters, runtime
     train       (data, loop, checkpoints, eval)                  may import converters, runtime
     converters  (HF formats, exporters)                          may import runtime
     runtime     (config, layout, checkpoint format, model)       imports torch & co. only
 
 Imports are read with `ast` from every module of every layer (function-level imports included), so a
-lazy import inside a function cannot hide an upward dependency.
+lazy import inside a function cannot hide an upward dependency or a loop; only imports under
+`if TYPE_CHECKING:` (annotations, never run) are left out of the loop check.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("runtime", "converters", "train", "surgery")  # each may import the ones before it
+ORDER = ("runtime", "converters", "train", "surgery", "pipeline", "cli")  # each may import the ones before it
 LAYER_DIRS = ORDER + ("recipes",)
 # files shipped into exported HF folders run without bam_surgery installed: torch/transformers only, and
 # each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it;
@@ -76,6 +80,88 @@ def layering_problems(root: Path = ROOT) -> list[str]:
                     problems.append(f"{where}: shipped remote-code file imports {module}")
     return problems
 
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(["bam_surgery", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _runtime_imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Modules `path` imports when it runs (function-level imports included; `if TYPE_CHECKING:` blocks out),
+    as absolute names; `from P import name` counts P.name too, in case name is a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for stmt in node.body for n in ast.walk(stmt)}
+    package = ["bam_surgery", *path.relative_to(root).parent.parts]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    # a module's own packages are imported before it anyway: `from . import x` in a package is no edge back
+    me = _module_name(path, root).split(".")
+    return out - {".".join(me[:i]) for i in range(1, len(me))}
+
+
+def import_loops(root: Path = ROOT) -> list[list[str]]:
+    """Groups of modules of one layer that import each other in a loop (strongly connected components)."""
+    loops = []
+    for layer in ORDER:
+        modules = {_module_name(p, root): p for p in _modules(layer, root)}
+        graph = {m: sorted(i for i in _runtime_imports(p, root) if i in modules and i != m) for m, p in modules.items()}
+        index: dict[str, int] = {}
+        low: dict[str, int] = {}
+        stack: list[str] = []
+        on_stack: set[str] = set()
+
+        def visit(v: str) -> None:  # Tarjan
+            index[v] = low[v] = len(index)
+            stack.append(v)
+            on_stack.add(v)
+            for w in graph[v]:
+                if w not in index:
+                    visit(w)
+                    low[v] = min(low[v], low[w])
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+            if low[v] == index[v]:
+                group = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    group.append(w)
+                    if w == v:
+                        break
+                if len(group) > 1:
+                    loops.append(sorted(group))
+
+        for m in sorted(graph):
+            if m not in index:
+                visit(m)
+    return loops
+
+
+def test_no_import_loop_inside_a_layer():
+    loops = import_loops()
+    assert not loops, "import loops: " + "; ".join(" <-> ".join(g) for g in loops)
+
+
+def test_loop_check_finds_a_lazy_loop_and_ignores_type_checking(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "run.py").write_text("def f():\n    from .report import write\n")
+    (tmp_path / "pipeline" / "report.py").write_text("from . import plots\n")
+    (tmp_path / "pipeline" / "plots.py").write_text("from bam_surgery.pipeline.run import f\n")
+    (tmp_path / "pipeline" / "spec.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                   "    from .schema import x\n")
+    (tmp_path / "pipeline" / "schema.py").write_text("from .spec import y\n")
+    assert import_loops(tmp_path) == [["bam_surgery.pipeline.plots", "bam_surgery.pipeline.report",
+                                       "bam_surgery.pipeline.run"]]
+
+
 def test_every_layer_imports_downward_only():
     problems = layering_problems()
     assert not problems, "\n".join(problems)
@@ -123,5 +209,5 @@ def test_wheel_installs_only_the_bam_surgery_namespace(tmp_path):
 
 def test_cli_starts_without_transformers():
     """transformers (about a second to import) loads only when a command needs it (HF BAM remote code)."""
-    code = "import sys, bam_surgery.surgery.cli; sys.exit('transformers' in sys.modules)"
+    code = "import sys, bam_surgery.cli.commands; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

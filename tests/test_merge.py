@@ -30,7 +30,7 @@ from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, 
 from bam_surgery.runtime import ForcedRouting, load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 from bam_surgery.runtime.reader import Reader
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 from bam_surgery.surgery.execute import execute_plan
 from bam_surgery.surgery.plan_reader import PlanReader
 from bam_surgery.surgery.sizes import parse_size
@@ -424,7 +424,7 @@ def slow_write(self, name, tensor):
     time.sleep(0.5)
     return n
 sf.SafetensorsStreamWriter.write = slow_write
-from bam_surgery.surgery.cli import main
+from bam_surgery.cli.commands import main
 main(sys.argv[1:])
 """
 

@@ -28,7 +28,7 @@ from bam_surgery.runtime import StateReader, generate, save_checkpoint
 from bam_surgery.runtime.blocks import ModelKVCache
 from bam_surgery.runtime.outputs import MARKER
 from bam_surgery.runtime.routers import ROUTER_KINDS
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 KINDS = {
     "dense_llama": dict(n_kv_heads=2),  # swiglu, rmsnorm, rope, GQA, sequential

@@ -28,7 +28,7 @@ from bam_surgery.runtime.checkpoint import load_checkpoint, save_checkpoint
 from bam_surgery.runtime.errors import OutputError, OutputWriteError
 from bam_surgery.runtime.outputs import MARKER, not_own_output, protected
 from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 CFG = tiny_config(block="parallel", norm="layernorm")
 

@@ -18,7 +18,15 @@ import bam_surgery
 from conftest import cli_error_line
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("bam_surgery", "runtime", "converters", "train", "surgery", "recipes")
+def _setup_layers() -> tuple[str, ...]:
+    """setup.py's LAYERS (the folders mapped into bam_surgery), read with ast."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "LAYERS":
+            return ast.literal_eval(node.value)
+    raise KeyError("LAYERS")
+
+
+LAYERS = ("bam_surgery", *_setup_layers())
 # remote code shipped into HF BAM exports: it runs in the user's transformers, never imported by the tool itself
 REMOTE_CODE = {Path("converters/hf_bam/configuration_bam.py"), Path("converters/hf_bam/modeling_bam.py")}
 

@@ -21,9 +21,9 @@ import yaml
 from click.testing import CliRunner
 
 from bam_surgery.runtime import load_checkpoint
-from bam_surgery.surgery.cli import cli
-from bam_surgery.surgery.pipeline import PipelineRun
-from bam_surgery.surgery.pipeline_schema import load_pipeline, shipped_pipelines
+from bam_surgery.cli.commands import cli
+from bam_surgery.pipeline.run import PipelineRun
+from bam_surgery.pipeline.schema import load_pipeline, shipped_pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "domains"
@@ -212,7 +212,7 @@ def test_resume_after_the_process_is_killed_mid_training(micro, tmp_path):
     path, ref_out = micro
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bam_surgery.surgery.cli", "pipeline", str(path), "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "bam_surgery", "pipeline", str(path), "--out",
                              str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     ckpts = out / "runs" / "dm-bam" / "checkpoints"
     deadline = time.monotonic() + 120

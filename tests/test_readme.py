@@ -6,7 +6,7 @@ that is not Python:
 
 - a transcript block: each `$ ` line (with its `\\` continuation lines) is a command, the lines below it,
   up to the next `$ ` line, its expected output. `$ make demo` is the demo itself (the Makefile's
-  `python -m bam_surgery.surgery.demo --out demo-out`), run once for the whole module; the `$ bam-surgery`
+  `python -m bam_surgery.cli.demo --out demo-out`), run once for the whole module; the `$ bam-surgery`
   lines inside its output are lines the demo prints (it runs those commands itself).
 - the command list ("## The command line"): each line starting with `bam-surgery` (with its `\\`
   continuation lines; `# ...` comments dropped) is a command with placeholders, mapped to real inputs by
@@ -55,8 +55,8 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from bam_surgery.surgery import demo
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli import demo
+from bam_surgery.cli.commands import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -413,7 +413,7 @@ class ReadmeSession:
 
     def make_demo(self) -> None:
         makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-        assert "-m bam_surgery.surgery.demo --out demo-out" in makefile, \
+        assert "-m bam_surgery.cli.demo --out demo-out" in makefile, \
             "the Makefile's demo target changed: run it here as it does (ReadmeSession.make_demo)"
         out = io.StringIO()
         with self.inside(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

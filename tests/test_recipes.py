@@ -13,7 +13,7 @@ from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, 
 from bam_surgery.runtime import ForcedRouting, load_model
 from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.config import ConfigError, preset
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 from bam_surgery.surgery.errors import RecipeError
 from bam_surgery.surgery.recipe import KINDS, available_recipes, load_recipe, mixture_config, parse_recipe, validate_recipe
 

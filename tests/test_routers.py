@@ -23,7 +23,7 @@ from bam_surgery.runtime.layout import buffer_names, tensor_shapes
 from bam_surgery.runtime.model import Model
 from bam_surgery.runtime.routers import ROUTER_KINDS, LinearRouter, RouterTensor
 from bam_surgery.surgery.audit import audit
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 from bam_surgery.surgery.errors import RecipeError
 from bam_surgery.surgery.recipe import load_recipe, mixture_config, parse_recipe
 

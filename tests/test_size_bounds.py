@@ -12,7 +12,7 @@ import yaml
 from conftest import cli_error_line, random_state, tiny_config
 from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.memory import check_fits, memory_limit
-from bam_surgery.surgery.pipeline_schema import MAX_THREADS
+from bam_surgery.pipeline.schema import MAX_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "domains"

@@ -173,7 +173,7 @@ def test_eval_shows_progress_on_a_terminal_only(tmp_path, mix, cache, monkeypatc
     assert piped.stderr == "" and "perplexity" in piped.stdout  # nothing extra when stderr is not a terminal
     import tqdm
 
-    from bam_surgery.surgery.cli import cli
+    from bam_surgery.cli.commands import cli
 
     class EveryBatch(tqdm.tqdm):  # redraw at every update, not every 0.1 s: the test reads each drawing
         def __init__(self, *args, **kwargs):

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from bam_surgery.runtime import Model, load_checkpoint, load_model, preset, save_model
-from bam_surgery.surgery.cli import cli
+from bam_surgery.cli.commands import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "domains"
@@ -51,7 +51,7 @@ def test_two_processes_match_one(setup, strategy):
     root, args = setup
     out = root / strategy
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "bam_surgery.surgery.cli", *args, "--out", str(out), "--strategy", strategy]
+           "-m", "bam_surgery", *args, "--out", str(out), "--strategy", strategy]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _records(root / "one", "train"), _records(out, "train")

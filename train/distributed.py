@@ -1,6 +1,6 @@
 """One process or many (torchrun), DDP or FSDP2, and moving full (unsharded) state in and out.
 
-    torchrun --nproc-per-node 2 -m bam_surgery.surgery.cli train ... --strategy ddp|fsdp
+    torchrun --nproc-per-node 2 -m bam_surgery train ... --strategy ddp|fsdp
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; the process group is gloo on CPU and
 NCCL on CUDA. ddp wraps the model in DistributedDataParallel; fsdp applies FSDP2 `fully_shard` to

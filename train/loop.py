@@ -82,7 +82,12 @@ def train(cfg: TrainConfig, resume: bool = False, log: Log | None = None) -> Tra
     d = dist_.setup(cfg.device, cfg.strategy)
     try:
         with _run_lock(Path(cfg.out), resume, d), _forked_rng(d.device):
-            return _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
+            result = _Run(cfg, resume, d, log if d.is_main else (lambda _m: None)).run()
+        # every rank tears its process group down together, after rank 0 has written and unlocked: a rank that
+        # leaves while another still finishes made gloo abort the other once ("terminate called without an
+        # active exception", FSDP on a loaded machine)
+        dist_.barrier(d)
+        return result
     finally:
         dist_.teardown(d)
 

@@ -9,7 +9,7 @@
     reader.py         HFCheckpointReader: the reader protocol over an HF directory (Mixtral included)
     writer.py         any table run backwards into an HF directory, streamed (save_hf: a dense model)
 """
-from ..export import CapabilityError
+from ..base import CapabilityError
 from .architectures import ARCHITECTURES, Architecture, WeightRule, architecture, bind
 from .config_map import hf_to_model_config, model_config_to_hf
 from .files import TOKENIZER_FILES

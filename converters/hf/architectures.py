@@ -19,7 +19,7 @@ from typing import Mapping
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
-from ..export import CapabilityError
+from ..base import CapabilityError
 from . import config_map as cm
 from .mixtral_config import MIXTRAL
 from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, STACK, TRANSPOSE, ReshapeOp

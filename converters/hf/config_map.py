@@ -19,7 +19,7 @@ from typing import Any, Mapping, Protocol
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 
-from ..export import CapabilityError
+from ..base import CapabilityError
 
 REQUIRED = object()  # sentinel: the key must be present in config.json
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 
-from ..export import CapabilityError
+from ..base import CapabilityError
 from .config_map import model_config, wrong_values
 
 ARCHITECTURE = "MixtralForCausalLM"

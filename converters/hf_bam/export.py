@@ -34,7 +34,7 @@ from bam_surgery.runtime.dtypes import FLOAT_DTYPES, dtype_name, main_dtype
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 
-from ..export import CapabilityError
+from ..base import CapabilityError
 from . import schema_bam
 from ..hf.architectures import BoundRule
 from ..hf.files import CONFIG_FILE, GENERATION_CONFIG

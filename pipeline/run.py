@@ -1,6 +1,6 @@
 """`bam-surgery pipeline`: the whole Branch-Attend-Mix workflow, stage by stage, resumable.
 
-    spec = load_pipeline("tiny")                                 # pipeline_schema: the file, validated
+    spec = load_pipeline("tiny")                                 # schema.py: the file, validated
     PipelineRun(spec, Path("runs/tiny")).run()                   # or run(only=["report"], resume=True)
 
 Stages (STAGES), each a list of units run in order through the Python APIs (train.train,
@@ -12,7 +12,7 @@ equivalent command line:
     mix      every mixture of stages.mix, from the seed and the specialists          mixes/M.safetensors
     train    mixture training, data-matched and compute-matched                      runs/dm-M, runs/cm-M
     eval     every model on each domain's held-out text (and the general text)       eval/MODEL.json
-    report   report.md, report.json, plots/*.png                                     (pipeline_report)
+    report   report.md, report.json, plots/*.png                                     (report.py)
 
 models/ holds links named after the merge's expert names (models/seed, models/code, ...) to the final
 checkpoints: the merge names its experts after its inputs' file names.
@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bam_surgery.converters.yamlfile import read_yaml
-from bam_surgery.runtime.atomic import write_text_atomic
 
-from .pipeline_spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved,
-                            first_difference, seed_config, train_config)
+from .files import training_seconds, write_record
+from .spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved, first_difference,
+                   seed_config, train_config)
 
 Log = Callable[[str], None]
 RESOLVED = "pipeline.resolved.yaml"
@@ -55,11 +55,6 @@ class Unit:
     commands: list[str]  # the equivalent command lines
     done: Callable[[], bool]
     work: Callable[[], dict[str, Any]]  # does the unit; returns what it produced (tokens, ...)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text)
 
 
 def _link_atomic(link: Path, target: str) -> None:
@@ -267,15 +262,14 @@ class PipelineRun:
             cfg = TrainConfig.from_yaml(config_file)
         result = train(cfg, resume=resumed, log=log)
         return {"tokens": result.tokens, "steps": result.steps, "checkpoint": str(result.checkpoint),
-                "resumed": resumed, "train_s": _trainer_elapsed(result.checkpoint)}
+                "resumed": resumed, "train_s": training_seconds(result.checkpoint)}
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
         from contextlib import ExitStack
 
         from bam_surgery.converters import open_checkpoint
-
-        from .execute import execute_plan
-        from .plan import compile_plan
+        from bam_surgery.surgery.execute import execute_plan
+        from bam_surgery.surgery.plan import compile_plan
 
         specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
         with ExitStack() as opened:
@@ -292,13 +286,13 @@ class PipelineRun:
                           batch_size=spec.eval_batch_size, max_tokens=spec.eval_max_tokens,
                           text_field=spec.text_field, token_cache=spec.token_cache,
                           device=spec.knobs.get("device", "auto"))
-        _write_atomic(out, json.dumps(report.to_dict(), indent=2) + "\n")  # what `eval --json` prints
+        write_record(out, json.dumps(report.to_dict(), indent=2) + "\n")  # what `eval --json` prints
         shown = ", ".join(f"{n} {r.perplexity:.3f}" for n, r in report.domains.items())
         self.log(f"  perplexity: {shown}")
         return {"tokens": sum(r.tokens for r in report.domains.values())}
 
     def _report(self) -> dict[str, Any]:
-        from .pipeline_report import write_report
+        from .report import write_report
 
         files = write_report(self)
         self.log("  wrote " + ", ".join(str(Path(f).relative_to(self.dir)) for f in files))
@@ -349,12 +343,12 @@ class PipelineRun:
         """DIR's resolved pipeline, training configs and commands.sh (every one written atomically)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if not (self.dir / RESOLVED).is_file():
-            _write_atomic(self.dir / RESOLVED, dump_resolved(self.spec))
+            write_record(self.dir / RESOLVED, dump_resolved(self.spec))
         if self.spec.seed_init is None:
-            _write_atomic(self.configs / "seed-model.json", json.dumps(self.spec.seed_model, indent=1) + "\n")
+            write_record(self.configs / "seed-model.json", json.dumps(self.spec.seed_model, indent=1) + "\n")
         for name, cfg in self.train_configs().items():
-            _write_atomic(self.configs / f"{name}.yaml", cfg.to_yaml())
-        _write_atomic(self.dir / COMMANDS, self.commands_text())
+            write_record(self.configs / f"{name}.yaml", cfg.to_yaml())
+        write_record(self.dir / COMMANDS, self.commands_text())
 
     def run(self, only: list[str] | None = None, resume: bool = False, prepare_only: bool = False) -> Path:
         """Run (or continue) the pipeline; returns DIR. Raises PipelineError before any work on bad
@@ -387,7 +381,7 @@ class PipelineRun:
             produced = u.work()
             rec = {"stage": stage, "unit": u.name, **produced, "wall_s": round(time.perf_counter() - wall, 3),
                    "cpu_s": round(time.process_time() - cpu, 3)}
-            _write_atomic(self.unit_record(u.name), json.dumps(rec, indent=1) + "\n")
+            write_record(self.unit_record(u.name), json.dumps(rec, indent=1) + "\n")
             self.log(f"[{stage} {i}/{len(units)}] {u.name}: done in {rec['wall_s']:.1f} s")
         summary = {"stage": stage, "units": {}}
         for u in units:
@@ -397,7 +391,7 @@ class PipelineRun:
         summary.update(tokens=sum(r.get("tokens", 0) for r in recs),
                        wall_s=round(sum(r.get("wall_s", 0.0) for r in recs), 3),
                        cpu_s=round(sum(r.get("cpu_s", 0.0) for r in recs), 3))
-        _write_atomic(self.marker(stage), json.dumps(summary, indent=1) + "\n")
+        write_record(self.marker(stage), json.dumps(summary, indent=1) + "\n")
 
     # ---- the plan, for --dry-run ------------------------------------------------------------------
     def describe(self) -> str:
@@ -405,9 +399,9 @@ class PipelineRun:
         rows = []
         for name, cfg in cfgs.items():
             tokens = cfg.steps * (cfg.batch_tokens or cfg.micro_batch * spec.seq_len)
-            fpt = _flops_per_token(spec, name)
+            fpt = spec.unit_flops_per_token(name)
             rows.append((name, f"{cfg.steps:,}", f"{tokens:,}", f"{fpt / 1e6:,.2f}", f"{tokens * fpt:.3e}"))
-        from .cli_audit import render_table
+        from bam_surgery.runtime.text import render_table
 
         total = sum(float(r[4]) for r in rows)
         return "\n".join([render_table(("training run", "steps", "tokens", "MFLOP/token", "FLOPs"), rows),
@@ -419,20 +413,3 @@ def _without_cache(doc: Any) -> Any:
     if isinstance(doc, dict) and isinstance(doc.get("data"), dict):
         return {**doc, "data": {k: v for k, v in doc["data"].items() if k != "token_cache"}}
     return doc
-
-
-def _flops_per_token(spec: PipelineSpec, unit: str) -> float:
-    from bam_surgery.train.metrics import flops_per_token
-
-    if unit == "seed" or unit.startswith("branch-"):
-        return flops_per_token(spec.dense_config, spec.seq_len)
-    return spec.mixture(unit.split("-", 1)[1]).flops_per_token
-
-
-def _trainer_elapsed(ckpt: Path | None) -> float | None:
-    """Seconds of training steps over every attempt (the checkpoint's timing.json)."""
-    from bam_surgery.train.checkpoints import checkpoint_elapsed
-
-    elapsed = checkpoint_elapsed(Path(ckpt)) if ckpt is not None else None
-    return None if elapsed is None else round(elapsed, 3)
-

@@ -9,7 +9,7 @@ each) and the mixture-training settings (data-matched, compute-matched). Everyth
 the YAML and from headers alone: unknown keys and stages, recipes, merge options against the mixture's
 config, the data folders and their held-out splits, the tokenizer, every training run's knobs. An error
 is a PipelineError naming the file and the field (`tiny.yaml: stages.mix.mixtures[1].recipe: ...`). The
-result is a pipeline_spec.PipelineSpec.
+result is a spec.PipelineSpec.
 
 Relative data, tokenizer, seed and recipe paths are relative to the current directory (as for every other
 command) and are resolved to absolute paths.
@@ -27,16 +27,16 @@ from typing import Any, Callable
 from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 from bam_surgery.runtime.errors import printable
+from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.plan import MergeOptions
+from bam_surgery.surgery.recipe import load_recipe, mixture_config
 from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.data import HUB_PREFIX, Domain, has_split
 from bam_surgery.train.errors import TrainError
 from bam_surgery.train.metrics import flops_per_token
 
-from .errors import BamSurgeryError
-from .pipeline_spec import (SCHEMA_VERSION, SETTINGS, STAGES, Mixture, PipelineError, PipelineSpec, branch_config,
-                            resolved_doc, seed_config, train_config)
-from .plan import MergeOptions
-from .recipe import load_recipe, mixture_config
+from .spec import (SCHEMA_VERSION, SETTINGS, STAGES, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
+                   seed_config, train_config)
 
 MAX_THREADS = 1024  # intra-op threads: more than any CPU has; libgomp runs out of memory near 1e9
 TOP_LEVEL = ("schema", "name", "description", "seed", "threads", "data", "knobs", "stages")
@@ -312,8 +312,7 @@ class _Validator:
         if not self.check_data:
             raise PipelineError(f"{self.where}: stages.seed.init: a given seed is read to check the pipeline")
         from bam_surgery.converters import open_checkpoint
-
-        from .errors import USER_ERRORS
+        from bam_surgery.surgery.errors import USER_ERRORS
 
         try:
             with open_checkpoint(init) as reader:

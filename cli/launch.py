@@ -73,7 +73,7 @@ def merge_input_files(args: list[str]) -> list[Path]:
     return files
 
 
-# What the CLI prints for Ctrl-C (surgery/cli.py INTERRUPTED); spelt here too, since a Ctrl-C can land
+# What the CLI prints for Ctrl-C (cli/commands.py INTERRUPTED); spelt here too, since a Ctrl-C can land
 # before that module is imported.
 INTERRUPTED_LINE = "bam-surgery: interrupted; nothing was written"
 
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         if args[:1] == ["merge"]:
             files = merge_input_files(args[1:])
             if files:
-                from .digests import start_early
+                from bam_surgery.surgery.digests import start_early
                 start_early(files)
-        from .cli import main as cli_main
+        from .commands import main as cli_main
     except KeyboardInterrupt:  # while starting (importing torch takes seconds): nothing has been written
         print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
         sys.exit(130)

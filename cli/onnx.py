@@ -15,8 +15,9 @@ from pathlib import Path
 
 import click
 
-from .cli_options import ALLOW_PICKLE, OUT_FORCE
-from .errors import USER_ERRORS, BamSurgeryError
+from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
+
+from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
 DTYPE_NAMES = ("fp32", "fp16")
 
@@ -43,10 +44,9 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
     from bam_surgery.converters.export import ExportOptions, check_export, export
     from bam_surgery.converters.onnx_export import DTYPES, check_opset
     from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
+    from bam_surgery.surgery.card import tokenizer_files
+    from bam_surgery.surgery.output_path import check_output_path
 
-    from .card import tokenizer_files
-    from .cli import output_written
-    from .output_path import check_output_path
 
     if dtype not in DTYPE_NAMES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")

@@ -18,7 +18,7 @@ import time
 
 import click
 
-from .errors import BamSurgeryError
+from bam_surgery.surgery.errors import BamSurgeryError
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -53,9 +53,8 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     import torch
 
     from bam_surgery.runtime import generate, model_from_reader
-
-    from .card import generation_config
-    from .open_input import open_input
+    from bam_surgery.surgery.card import generation_config
+    from bam_surgery.surgery.open_input import open_input
 
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
@@ -122,7 +121,7 @@ def _check_finite(model, checkpoint: str) -> None:
     """merge's check (surgery.plan_reader.all_finite) on the weights as they run: NaN or Inf gives no text."""
     import torch
 
-    from .plan_reader import all_finite
+    from bam_surgery.surgery.plan_reader import all_finite
 
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not all_finite(t):

@@ -18,23 +18,14 @@ import click
 
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS
+from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
+from bam_surgery.surgery.open_input import open_input
 
-from .cli_options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, format_option
-from .errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
-from .open_input import open_input
+from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, format_option, output_written
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 INTERRUPTED = "interrupted; nothing was written"
-_WRITTEN = "bam_surgery.written"  # click Context.meta key (shared by nested contexts): outputs in place
-
-
-def output_written(path: str | os.PathLike) -> None:
-    """Mark that the running command's output is in place, committed: a Ctrl-C from here on (while the command
-    prints its summary, say) says `interrupted after PATH was written`, not "nothing was written"."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.meta.setdefault(_WRITTEN, []).append(Path(path))
 
 
 def _error_line(message: str) -> None:
@@ -87,7 +78,7 @@ class Group(click.Group):
         except USER_ERRORS as e:
             raise UserError(one_line(e)) from None
         except KeyboardInterrupt as e:
-            written = ctx.meta.get(_WRITTEN)
+            written = ctx.meta.get(WRITTEN)
             if written and not isinstance(e, InterruptedAfterWrite):
                 e = InterruptedAfterWrite(written[-1])
             raise Interrupted(e) from None
@@ -253,12 +244,11 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
           dtype, max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters.export import check_export
-
-    from .execute import execute_plan
-    from .names import input_names, parse_named, split_specs
-    from .plan import MergeOptions, compile_plan, format_plan
-    from .recipe import load_recipe
-    from .sizes import parse_size
+    from bam_surgery.surgery.execute import execute_plan
+    from bam_surgery.surgery.names import input_names, parse_named, split_specs
+    from bam_surgery.surgery.plan import MergeOptions, compile_plan, format_plan
+    from bam_surgery.surgery.recipe import load_recipe
+    from bam_surgery.surgery.sizes import parse_size
 
     the_recipe = load_recipe(recipe)  # validated before any checkpoint is opened
     if out is None and not dry_run:
@@ -287,7 +277,7 @@ def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, e
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
         if warm and not dry_run:  # a stage before the streamed merge: reads the inputs and the calibration data
-            from .warm_start import Calibration, warm_start
+            from bam_surgery.surgery.warm_start import Calibration, warm_start
 
             log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
             plan = warm_start(plan, Calibration(calibration, calibration_tokens, tokenizer, token_cache), log)
@@ -328,11 +318,10 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
     """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
     tensor when the exporter asks for it."""
     from bam_surgery.converters.export import ExportOptions, export
-
-    from .branches import check_branches
-    from .card import check_tokenizers, generation_config, model_card
-    from .output_path import check_output_path, plan_inputs
-    from .plan_reader import PlanReader
+    from bam_surgery.surgery.branches import check_branches
+    from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card
+    from bam_surgery.surgery.output_path import check_output_path, plan_inputs
+    from bam_surgery.surgery.plan_reader import PlanReader
 
     check_output_path(out, force, plan_inputs(plan))
     check_branches(plan, _warn)
@@ -359,10 +348,9 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
     from bam_surgery.converters.export import ExportOptions, check_export, export
-
-    from .card import generation_config, tokenizer_files
-    from .output_path import check_output_path
-    from .sizes import parse_size
+    from bam_surgery.surgery.card import generation_config, tokenizer_files
+    from bam_surgery.surgery.output_path import check_output_path
+    from bam_surgery.surgery.sizes import parse_size
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
@@ -383,35 +371,36 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle,
 
 def _audit_text(plan) -> str:
     """Parameter counts of the planned output, from its shapes only (the count-params table)."""
-    from .audit import audit_checkpoint
-    from .cli_audit import render_audit
-    from .plan_reader import PlanReader
+    from bam_surgery.surgery.audit import audit_checkpoint
+    from bam_surgery.surgery.inspect import render_audit
+    from bam_surgery.surgery.plan_reader import PlanReader
+
 
     return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
 
 
 # The header-only commands (count-params, inspect) live in their own module.
-from .cli_audit import count_params_cmd, inspect_cmd  # noqa: E402
+from .audit import count_params_cmd, inspect_cmd  # noqa: E402
 
 cli.add_command(count_params_cmd)
 cli.add_command(inspect_cmd)
-from .cli_generate import generate_cmd  # noqa: E402
+from .generate import generate_cmd  # noqa: E402
 
 cli.add_command(generate_cmd)
-from .cli_onnx import export_onnx_cmd  # noqa: E402
+from .onnx import export_onnx_cmd  # noqa: E402
 
 cli.add_command(export_onnx_cmd)
 
-from .cli_train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
+from .train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
 
 cli.add_command(train_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(plot_cmd)
-from .cli_routing import routing_stats_cmd  # noqa: E402
+from .routing import routing_stats_cmd  # noqa: E402
 
 cli.add_command(routing_stats_cmd)
 
-from .cli_pipeline import pipeline_cmd  # noqa: E402
+from .pipeline import pipeline_cmd  # noqa: E402
 
 cli.add_command(pipeline_cmd)
 
@@ -422,7 +411,7 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The CLI (the console script enters through surgery/launch.py, which calls this). The Group holds the
+    """The CLI (the console script enters through cli/launch.py, which calls this). The Group holds the
     error contract; this guard only catches a Ctrl-C that lands outside a command (while starting)."""
     signal.signal(signal.SIGTERM, _terminate)
     try:

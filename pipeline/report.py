@@ -20,10 +20,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .pipeline_spec import STAGES, Mixture
+from .files import training_seconds, write_record
+from .spec import STAGES, Mixture
 
 if TYPE_CHECKING:
-    from .pipeline import PipelineRun
+    from .run import PipelineRun
 
 FLOPS_DEFINITION = ("training FLOPs per token = 6 x active matmul parameters (FFN experts counted top-k/E, soft "
                     "attention experts all, top-k attention experts k/E, the LM head included, embedding lookups "
@@ -39,8 +40,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _audit(ckpt: str) -> dict[str, int]:
     from bam_surgery.converters import open_checkpoint
-
-    from .audit import audit_checkpoint
+    from bam_surgery.surgery.audit import audit_checkpoint
 
     with open_checkpoint(ckpt) as reader:
         a = audit_checkpoint(reader)
@@ -51,13 +51,12 @@ def _run_training(run: "PipelineRun", unit: str) -> dict[str, Any]:
     """Steps, tokens and FLOPs of a training unit, from its final checkpoint and config."""
     from bam_surgery.train import TrainConfig
 
-    from .pipeline import _flops_per_token, _trainer_elapsed
 
     cfg = TrainConfig.from_yaml(run.configs / f"{unit}.yaml")
     tokens = cfg.steps * (cfg.batch_tokens or cfg.micro_batch * run.spec.seq_len)
-    fpt = _flops_per_token(run.spec, unit)
+    fpt = run.spec.unit_flops_per_token(unit)
     return {"unit": unit, "steps": cfg.steps, "tokens": tokens, "flops_per_token": fpt, "flops": fpt * tokens,
-            "lr": cfg.lr, "train_s": _trainer_elapsed(run.final_checkpoint(unit, cfg.steps))}
+            "lr": cfg.lr, "train_s": training_seconds(run.final_checkpoint(unit, cfg.steps))}
 
 
 def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
@@ -230,15 +229,14 @@ def render_markdown(rep: dict[str, Any], plots: list[str]) -> str:
 
 def write_report(run: "PipelineRun") -> list[Path]:
     """Write report.json, the plots and report.md (each atomically); returns the files."""
-    from .pipeline import _write_atomic
-    from .pipeline_plots import draw_plots
+    from .plots import draw_plots
 
     rep = collect(run)
     # the report stage's own time is not known until it ends; report.json lists the stages before it
     plots = draw_plots(run, rep)
     rel = [str(p.relative_to(run.dir)) for p in plots]
-    _write_atomic(run.dir / "report.json", json.dumps(_clean(rep), indent=1) + "\n")
-    _write_atomic(run.dir / "report.md", render_markdown(rep, rel))
+    write_record(run.dir / "report.json", json.dumps(_clean(rep), indent=1) + "\n")
+    write_record(run.dir / "report.md", render_markdown(rep, rel))
     return [run.dir / "report.json", run.dir / "report.md", *plots]
 
 

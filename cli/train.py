@@ -16,10 +16,10 @@ from typing import Any
 import click
 
 from bam_surgery.runtime.config import PRESETS
+from bam_surgery.runtime.text import render_table
 from bam_surgery.train.config import CHOICES, TrainConfig, split_patterns
 
-from .cli_audit import render_table
-from .cli_options import eval_input_options
+from .options import eval_input_options
 
 # flags whose name differs from the field's, or that take a fixed set of values
 _CHOICE_FIELDS = {**CHOICES, "preset": tuple(PRESETS)}

@@ -1,4 +1,5 @@
-"""Command-line options that several commands share, declared once (each with its help sentence).
+"""Command-line options that several commands share, declared once (each with its help sentence), and
+`output_written`, which a command calls once its output is committed (the CLI's Ctrl-C message reads it).
 
     @cli.command()
     @OUT_FORCE
@@ -6,6 +7,9 @@
     def my_command(force, max_shard_size): ...
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import click
 
@@ -56,3 +60,14 @@ def eval_input_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+WRITTEN = "bam_surgery.written"  # click Context.meta key (shared by nested contexts): outputs in place
+
+
+def output_written(path: str | os.PathLike) -> None:
+    """Mark that the running command's output is in place, committed: a Ctrl-C from here on (while the command
+    prints its summary, say) says `interrupted after PATH was written`, not "nothing was written"."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta.setdefault(WRITTEN, []).append(Path(path))

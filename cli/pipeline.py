@@ -1,5 +1,5 @@
 """`bam-surgery pipeline PIPELINE --out DIR [--resume] [--only STAGE,...] [--dry-run]`: a thin click
-command over surgery.pipeline (the runner) and surgery.pipeline_spec (the file's schema)."""
+command over pipeline/run.py (the runner) and pipeline/schema.py (the file, validated)."""
 from __future__ import annotations
 
 import sys
@@ -37,8 +37,8 @@ def pipeline_cmd(pipeline, out, resume, only, seed, prepare, dry_run):
     PIPELINE is a YAML file (schema: recipes/pipelines/README.md) or the name of a shipped one (tiny,
     paper-small). The file is checked completely before any work starts.
     """
-    from .pipeline import PipelineRun
-    from .pipeline_schema import load_pipeline
+    from bam_surgery.pipeline.run import PipelineRun
+    from bam_surgery.pipeline.schema import load_pipeline
 
     spec = load_pipeline(pipeline, seed=seed)
     stages = [s.strip() for s in only.split(",") if s.strip()] if only else None

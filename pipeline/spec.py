@@ -1,7 +1,7 @@
 """The resolved pipeline: what a validated pipeline file says, with every default filled in, and what
 follows from it (each stage's training config, the mixture-training steps, the resolved document).
 
-    spec = load_pipeline("tiny")                  # pipeline_schema: read and validate the file
+    spec = load_pipeline("tiny")                  # schema.py: read and validate the file
     spec.train_steps(spec.mixture("bam"), "compute-matched")
     branch_config(spec, "code", init="DIR/models/seed", out="DIR/runs/branch-code")   # a TrainConfig
 
@@ -24,11 +24,10 @@ from typing import Any
 import yaml
 
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.plan import MergeOptions
+from bam_surgery.surgery.recipe import Recipe
 from bam_surgery.train.config import TrainConfig
-
-from .errors import BamSurgeryError
-from .plan import MergeOptions
-from .recipe import Recipe
 
 SCHEMA_VERSION = 1
 STAGES = ("seed", "branch", "mix", "train", "eval", "report")
@@ -85,6 +84,15 @@ class PipelineSpec:
     doc: dict[str, Any] = field(default_factory=dict)  # the resolved YAML document
 
     # -- derived --------------------------------------------------------------------------------
+    def unit_flops_per_token(self, unit: str) -> float:
+        """Training FLOPs per token of a unit's model: the dense seed's for `seed` and `branch-*`, else the
+        mixture's of `<setting>-<mixture>`."""
+        from bam_surgery.train.metrics import flops_per_token
+
+        if unit == "seed" or unit.startswith("branch-"):
+            return flops_per_token(self.dense_config, self.seq_len)
+        return self.mixture(unit.split("-", 1)[1]).flops_per_token
+
     def mixture(self, name: str) -> Mixture:
         return next(m for m in self.mixtures if m.name == name)
 

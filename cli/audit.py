@@ -10,71 +10,19 @@ import click
 
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset, preset_trainable
+from bam_surgery.runtime.errors import printable
+from bam_surgery.runtime.text import render_table
+from bam_surgery.surgery.audit import CONVENTIONS, Audit, audit, audit_checkpoint
+from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, one_line
+from bam_surgery.surgery.inspect import (Inspection, describe_kind, input_digest, inspect_checkpoint, key_config,
+                                         render_audit)
+from bam_surgery.surgery.recipe import load_recipe, mixture_config, parse_attention_routing
 from bam_surgery.train.config import split_patterns
 
-from .audit import CONVENTIONS, Audit, audit, audit_checkpoint
-from bam_surgery.runtime.errors import printable
-
-from .cli_options import ALLOW_PICKLE
-from .errors import USER_ERRORS, BamSurgeryError, one_line
-from .inspect import Inspection, describe_kind, input_digest, inspect_checkpoint, key_config
-from .recipe import load_recipe, mixture_config, parse_attention_routing
+from .options import ALLOW_PICKLE
 
 
 # ---- rendering ------------------------------------------------------------------------------
-def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "",
-                 left: int = 1) -> str:
-    """Aligned text table: the first `left` columns left-aligned, the others right-aligned; ints get
-    thousands separators."""
-    cells = [[f"{c:,}" if isinstance(c, int) and not isinstance(c, bool) else printable(c) for c in r]
-             for r in [list(header), *rows]]  # cells hold names and strings read from files: escaped
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = []
-    for r in cells:
-        line = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        lines.append(indent + "  ".join(line).rstrip())
-    return "\n".join(lines)
-
-
-def render_audit(a: Audit, source: str) -> str:
-    out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
-           f"convention  {a.convention}", ""]
-    rows = [(g, c.tensors, c.total, c.active) for g, c in a.groups.items()]
-    rows.append(("total", len(a.parameters), a.total, a.active))
-    out.append(render_table(("group", "tensors", "total", "active"), rows))
-    if a.buffers.tensors or a.trainable_patterns != ["*"]:  # otherwise every parameter trains: the table says it
-        patterns = ",".join(a.trainable_patterns)
-        share = f"{100 * a.trainable / a.total:.2f}% of total" if a.total else "no parameters"
-        out += ["", f"total       {a.total:,} = {millions(a.total)}",
-                f"trainable   {a.trainable:,} = {millions(a.trainable)} ({share}; --trainable {patterns})"]
-    if a.buffers.tensors:
-        out.append(f"buffers     {a.buffers.total:,} = {millions(a.buffers.total)} in {a.buffers.tensors} tensors "
-                   "(router state moved by rules, not by gradient, e.g. a key store's keys and usage EMA; in the "
-                   "checkpoint, not parameters, not in total)")
-    if a.convention == "paper":
-        out += ["", "paper convention: deviations from exact (already applied above)"]
-        if not a.adjustments:
-            out.append("  none apply to this model: paper == exact")
-        for adj in a.adjustments:
-            out.append(f"  {adj.key} ({adj.group}, {adj.tensors} tensors): "
-                       f"total {adj.total_delta:+,}, active {adj.active_delta:+,}")
-            out.append(f"    {adj.explanation}")
-        exact_active = a.active - sum(adj.active_delta for adj in a.adjustments)
-        exact_total = a.total - sum(adj.total_delta for adj in a.adjustments)
-        out.append(f"  exact: total {exact_total:,}, active {exact_active:,}")
-        out += ["", "as in the paper's Table 5 (per-block rows: one transformer block, active)",
-                render_table(("row", "params"), a.table5(), indent="  ")]
-    if a.mismatches:
-        out += ["", f"layout mismatches ({len(a.mismatches)})"]
-        out += [f"  {m.message()}" for m in a.mismatches]
-    return "\n".join(out)
-
-
-def millions(n: int) -> str:
-    """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
-    return f"{n / 1e6:.2f}M"
-
-
 def _show(field: str, value: Any) -> str:
     if field == "attn_top_k" and value is None:
         return "soft (every expert)"
@@ -143,7 +91,7 @@ def render_inspection(ins: Inspection) -> str:
 
 # ---- resolving what to count ----------------------------------------------------------------
 def _open(spec: str, allow_pickle: bool = False):
-    from .open_input import open_input
+    from bam_surgery.surgery.open_input import open_input
 
     return open_input(spec, allow_pickle)
 

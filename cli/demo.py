@@ -47,7 +47,7 @@ def show_dense(paths: list[Path], tokens: torch.Tensor) -> None:
 
 
 def run_cli(args: list[str], title: str) -> None:
-    from .cli import cli
+    from .commands import cli
 
     print(f"\n== {title} ==\n$ bam-surgery {' '.join(args)}")
     cli.main(args=args, prog_name="bam-surgery", standalone_mode=False)

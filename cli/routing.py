@@ -9,8 +9,9 @@ import json
 
 import click
 
-from .cli_audit import render_table
-from .cli_options import eval_input_options
+from bam_surgery.runtime.text import render_table
+
+from .options import eval_input_options
 
 # Up to this many experts a table has one column per expert; past it, a summary per layer.
 MAX_EXPERT_COLUMNS = 12

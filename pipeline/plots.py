@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from bam_surgery.train.plot import save_figure
 
 if TYPE_CHECKING:
-    from .pipeline import PipelineRun
+    from .run import PipelineRun
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(ffn|attn)_router")
 

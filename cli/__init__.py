@@ -1,0 +1,1 @@
+"""The command line: every bam-surgery command (click), the console-script entry, the demo. The top layer."""
