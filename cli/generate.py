@@ -71,8 +71,7 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         click.echo(f"bam-surgery: note: --top-p {top_p} is unused under greedy decoding (--temperature 0); give "
                    "--temperature above 0 to sample", err=True)
 
-    reader = open_input(checkpoint)
-    try:
+    with open_input(checkpoint) as reader:
         cfg = reader.config
         eos = generation_config(reader).get("eos_token_id")
         tok = _tokenizer(tokenizer, reader, cfg.vocab_size, eos, needed=ids is None)
@@ -91,8 +90,6 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         _check_cache_fits(cfg, len(ids) + n_new, weight_dtype, run_device)
         model = model_from_reader(reader, run_device, weight_dtype)
         _check_finite(model, checkpoint)
-    finally:
-        reader.close()
 
     start = time.perf_counter()
     new = generate(model, torch.tensor([ids]), n_new, temperature=temp, top_p=nucleus, seed=sampler_seed,

@@ -59,7 +59,7 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
         raise
     except OSError as e:
         raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
-    try:
+    with reader:
         check_export("onnx", reader.config)
         check_output_path(out_path, force, [(str(checkpoint), reader)])
         options = ExportOptions(tokenizer_files=tuple(tokenizer_files(reader)), dtype=DTYPES[dtype],
@@ -67,10 +67,6 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
                                 log=lambda line: click.echo(line, err=True))
         export(reader, out_path, "onnx", options)
         output_written(out_path)
-    finally:
-        close = getattr(reader, "close", None)
-        if close:
-            close()
     click.echo(f"wrote {out_path} (onnx, {dtype}, opset {opset_number}"
                f"{', no KV cache' if no_kv_cache else ', KV cache'})", err=True)
 

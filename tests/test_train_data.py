@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bam_surgery.runtime.reader import StateReader
 from bam_surgery.train.data import DOC_SEPARATOR, Domain, has_split, open_source, parse_data_spec, split_documents
 from bam_surgery.train.errors import TrainError
 from bam_surgery.train.packing import MixtureSampler, eval_windows, micro_batches
@@ -172,12 +173,12 @@ def test_tokenizer_defaults(tmp_path):
     with pytest.raises(TrainError, match="no tokenizer found for a model with vocab_size 32000"):
         resolve_tokenizer(None, None, vocab_size=32000)
 
-    class Reader:  # an HF folder carrying its tokenizer
+    class Reader(StateReader):  # an HF folder carrying its tokenizer
         path = tmp_path / "hf"
         def tokenizer_files(self):
             return [_word_tokenizer(tmp_path / "hf", ["a"])]
 
-    assert isinstance(resolve_tokenizer(None, Reader(), vocab_size=32000), HFTokenizer)
+    assert isinstance(resolve_tokenizer(None, Reader({}, None), vocab_size=32000), HFTokenizer)
 
 
 def test_a_tokenizer_file_linking_outside_its_folder_is_refused(tmp_path):
@@ -187,9 +188,11 @@ def test_a_tokenizer_file_linking_outside_its_folder_is_refused(tmp_path):
 
     elsewhere = _word_tokenizer(tmp_path / "elsewhere", ["a"])
 
-    class Canonical:  # a canonical folder: its tokenizer.json is found by name
+    class Canonical(StateReader):  # a canonical folder: its tokenizer.json is found by name
         path = tmp_path / "canonical"
-        tokenizer_files = None
+
+        def __init__(self):
+            super().__init__({}, None)
 
     Canonical.path.mkdir()
     (Canonical.path / "tokenizer.json").symlink_to(elsewhere)

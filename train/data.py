@@ -149,6 +149,8 @@ _sha_cache: dict[tuple[str, int, int], str] = {}
 
 
 def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, hex; train's one file hash (data files, tokenizers, the --init
+    checkpoint's files in run.json). Remembered per (path, size, mtime), so a file is read once per process."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _sha_cache:

@@ -171,8 +171,7 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
     from .tokenize import resolve_tokenizer
 
     spec = resolve_checkpoint(checkpoint)
-    reader = open_checkpoint(spec)
-    try:
+    with open_checkpoint(spec) as reader:
         cfg = reader.config
         if check_config is not None:
             check_config(spec, cfg)
@@ -180,8 +179,6 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
         names = expert_names(read_provenance(reader.metadata), cfg)
         # the layout is checked first, so a checkpoint that contradicts its config fails with one line
         model = model_from_reader(reader, device, torch.float32)
-    finally:
-        reader.close()
     return LoadedModel(spec, cfg, model, names, tok)
 
 

@@ -19,7 +19,6 @@ restores the saved state.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -46,7 +45,7 @@ from .card import model_card
 from .checkpoints import (CHECKPOINTS, TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
                           resolve_checkpoint, save_run_checkpoint, step_dir_name)
 from .config import RESUMABLE, TrainConfig
-from .data import Domain, has_split, open_source, parse_data_spec
+from .data import Domain, file_sha256, has_split, open_source, parse_data_spec
 from .errors import TrainError
 from .evaluation import evaluate_streams, reduce_routing
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
@@ -241,19 +240,14 @@ class _Run:
             from bam_surgery.converters import open_checkpoint
 
             spec = resolve_checkpoint(cfg.init)
-            reader = open_checkpoint(spec)
-            try:
+            with open_checkpoint(spec) as reader:
                 if isinstance(reader, CheckpointReader):
                     check_layout(reader)
                 self.model_config = reader.config
                 self.state = {n: reader.get(n) for n in reader.names()}
-                files = reader.files() if callable(getattr(reader, "files", None)) else []
                 self.init_desc = {"spec": cfg.init, "resolved": spec, "files": [
-                    {"name": Path(f).name, "sha256": _sha256(Path(f))} for f in files]}
-                self.provenance_in = read_provenance(getattr(reader, "metadata", None))
-            finally:
-                if callable(getattr(reader, "close", None)):
-                    reader.close()
+                    {"name": Path(f).name, "sha256": file_sha256(Path(f))} for f in reader.files()]}
+                self.provenance_in = read_provenance(reader.metadata)
             self.init_reader = reader  # closed; still tells where its tokenizer is
         else:
             if cfg.preset:
@@ -557,14 +551,6 @@ def _above_bar(tqdm, log: Log) -> Log:
         with tqdm.external_write_mode(file=sys.stderr):
             log(msg)
     return write
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check_training_fits(mcfg: ModelConfig, micro_batch: int, seq_len: int, device) -> None:

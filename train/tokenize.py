@@ -25,12 +25,15 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
-from .data import Source
+from .data import Source, file_sha256
 from .errors import TrainError
+
+if TYPE_CHECKING:
+    from bam_surgery.runtime.reader import Reader
 
 BYTES = "bytes"
 BYTE_VOCAB = 256
@@ -84,7 +87,7 @@ class HFTokenizer:
         siblings = (side_file(path.parent, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
         self.files = (path, *(p for p in siblings if p is not None and p.is_file()))
         self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
-        self._digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        self._digest = file_sha256(path)
 
     @property
     def fingerprint(self) -> str:
@@ -133,26 +136,25 @@ def _tokenizer_json(path: Path, where: str) -> Path:
     raise TrainError(f"{where}: {path}: no such file or folder")
 
 
-def checkpoint_tokenizer(reader) -> str | None:
+def checkpoint_tokenizer(reader: Reader) -> str | None:
     """The tokenizer a checkpoint carries: a tokenizer.json path, 'bytes', or None."""
-    files = getattr(reader, "tokenizer_files", None)
-    if callable(files):
-        for f in files():
-            if Path(f).name == "tokenizer.json":
-                return str(f)
-    path = getattr(reader, "path", None)
+    for f in reader.tokenizer_files():
+        if Path(f).name == "tokenizer.json":
+            return str(f)
+    path = reader.path
     if path is not None and Path(path).is_dir():  # a canonical folder: its tokenizer.json, from inside it
         from bam_surgery.converters.hf.files import side_file
 
         carried = side_file(Path(path), "tokenizer.json")
         if carried is not None and carried.is_file():
             return str(carried)
-    if (getattr(reader, "metadata", None) or {}).get("bam_tokenizer") == BYTES:
+    if reader.metadata.get("bam_tokenizer") == BYTES:
         return BYTES
     return None
 
 
-def resolve_tokenizer(option: str | None, reader, vocab_size: int, eos_id: int | None = None) -> Tokenizer:
+def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int,
+                      eos_id: int | None = None) -> Tokenizer:
     """Apply the rules in the module docstring; check the vocabulary fits the model's."""
     if option:
         where = f"--tokenizer {option}"
@@ -160,7 +162,7 @@ def resolve_tokenizer(option: str | None, reader, vocab_size: int, eos_id: int |
                                                                       eos_id)
     else:
         carried = checkpoint_tokenizer(reader) if reader is not None else None
-        hf_eos = (getattr(reader, "hf_config", None) or {}).get("eos_token_id")
+        hf_eos = ((reader.hf_config if reader is not None else None) or {}).get("eos_token_id")
         if isinstance(hf_eos, list):
             hf_eos = hf_eos[0] if hf_eos else None
         if carried == BYTES:
