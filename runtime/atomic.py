@@ -382,17 +382,24 @@ def _remove(p: Path) -> None:
 
 
 # ---- after: the rename --------------------------------------------------------------------------
+def _land(item: Path, target: Path) -> bool:
+    """Rename the new output onto the target unless something is there: whether it landed."""
+    try:
+        rename_noreplace(item, target)
+    except OSError as e:
+        if e.errno not in _EXISTS:
+            raise
+        return False
+    _step("landed")
+    return True
+
+
 def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
     if not os.path.lexists(item):
         raise OutputError(f"{target}: nothing was written")
     _step("ready")
-    try:
-        rename_noreplace(item, target)
-        _step("landed")
+    if _land(item, target):
         return
-    except OSError as e:
-        if e.errno not in _EXISTS:
-            raise
     if not replace:
         raise OutputError(f"{target}: appeared while this run was writing it; left untouched, and this run's "
                           "output was discarded (pass --force to replace an output of bam-surgery)")
@@ -402,14 +409,9 @@ def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
     reason = not_own_output(aside)
     if reason is None:
         _step("checked")
-        try:
-            rename_noreplace(item, target)
-            _step("landed")
+        if _land(item, target):
             return
-        except OSError as e:
-            if e.errno not in _EXISTS:
-                raise
-            reason = "was created again while this run replaced it"
+        reason = "was created again while this run replaced it"
     try:
         rename_noreplace(aside, target)  # put it back, untouched
     except OSError:

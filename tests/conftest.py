@@ -283,23 +283,58 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def run_cli(*args, code: int = 0):
-    """Run the CLI in-process (arguments str()-ed); assert its exit status."""
+# ---- the command line, in-process ---------------------------------------------------------------
+def run_cli(*args, code: int | None = 0):
+    """Run the CLI in-process (arguments str()-ed); assert its exit status (code=None: any, the caller looks)."""
     from click.testing import CliRunner
 
     from bam_surgery.cli.commands import cli
 
     result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
+    if code is not None:
+        assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
     return result
 
 
-def cli_error_line(*args) -> str:
-    """The command fails with exactly one line on stderr, `bam-surgery: error: ...`, status 2."""
-    result = run_cli(*args, code=2)
+def error_line(result, *needles: str) -> str:
+    """The error contract of a refused command: status 2 and exactly one line on stderr,
+    `bam-surgery: error: ...`, no traceback; the line holds each of `needles`. Returns the line."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def cli_error_line(*args) -> str:
+    """Run the command; it must fail by the error contract (error_line). Returns the line."""
+    return error_line(run_cli(*args, code=2))
+
+
+def merge(*args, code: int | None = 0):
+    """`bam-surgery merge --quiet ARGS` (run_cli)."""
+    return run_cli("merge", "--quiet", *args, code=code)
+
+
+def merge_family(paths, out, *args, code: int | None = 0):
+    """merge --seed paths[0] --experts paths[1:] (if any) --out OUT ARGS."""
+    experts = ["--experts", ",".join(map(str, paths[1:]))] if len(paths) > 1 else []
+    return merge("--seed", paths[0], *experts, "--out", out, *args, code=code)
+
+
+def seed_and_experts(folder: Path, cfg: ModelConfig, names=("seed", "code", "math")) -> list[Path]:
+    """Canonical files folder/NAME.safetensors: a random seed and experts that differ from it a little
+    in their matrices (norms and biases shared)."""
+    from bam_surgery.runtime.checkpoint import save_checkpoint
+
+    base = random_state(cfg, 0)
+    paths = []
+    for i, name in enumerate(names):
+        state = {k: v + 0.01 * i * torch.randn_like(v) if v.dim() == 2 else v for k, v in base.items()}
+        paths.append(save_checkpoint(state, cfg, folder / f"{name}.safetensors"))
+    return paths
 
 
 def train_interrupted_after(monkeypatch, step: int, cfg) -> None:

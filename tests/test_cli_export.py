@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from conftest import error_line, merge_family, run_cli
 from bam_surgery.runtime import load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
-from bam_surgery.cli.commands import cli
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -87,16 +86,9 @@ def family(tmp_path_factory):
     return dirs, models
 
 
-def run_cli(*args, ok: bool = True):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.output + (repr(result.exception) if result.exception else "")
-    return result
-
-
-def merge(dirs, out, *args, experts=SPECIALISTS, ok=True):
-    return run_cli("merge", "--seed", dirs["seed"], "--experts", ",".join(str(dirs[e]) for e in experts),
-                   "--out", out, *args, ok=ok)
+def merge(dirs, out, *args, experts=SPECIALISTS, code: int | None = 0):
+    """conftest.merge_family over the family's folders: the seed and `experts` by name."""
+    return merge_family([dirs["seed"], *(dirs[e] for e in experts)], out, *args, code=code)
 
 
 def tokens(seed: int = 0, batch: int = 2, length: int = 11) -> torch.Tensor:
@@ -118,13 +110,6 @@ def hf_mixtral(path: Path):
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         assert not info[kind], f"{kind}: {info[kind]}"
     return model.eval()
-
-
-def error_line(result) -> str:
-    """The one stderr line of a refused command."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +224,7 @@ def test_bam_to_mixtral_reads_no_tensor_data(family, tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFCheckpointReader, "get", no_reads)
     dirs, _ = family
-    result = merge(dirs, tmp_path / "mixtral", "--recipe", "bam", "--format", "mixtral", ok=False)
+    result = merge(dirs, tmp_path / "mixtral", "--recipe", "bam", "--format", "mixtral", code=None)
     assert result.exit_code == 2, result.output
     assert error_line(result).startswith("bam-surgery: error: mixtral export needs dense attention")
     assert list(tmp_path.iterdir()) == []
@@ -249,11 +234,11 @@ def test_bam_to_mixtral_reads_no_tensor_data(family, tmp_path, monkeypatch):
 def test_export_formats_refuse_a_safetensors_out(family, tmp_path, fmt):
     dirs, _ = family
     out = tmp_path / "mix.safetensors"
-    result = merge(dirs, out, "--recipe", "btx", "--gate-norm", "topk_softmax", "--format", fmt, ok=False)
+    result = merge(dirs, out, "--recipe", "btx", "--gate-norm", "topk_softmax", "--format", fmt, code=None)
     assert result.exit_code == 2
     assert error_line(result) == (f"bam-surgery: error: --format {fmt}: writes a directory; {out} names a "
                                   ".safetensors file")
-    result = run_cli("convert", dirs["seed"], "--out", out, "--format", fmt, ok=False)
+    result = run_cli("convert", dirs["seed"], "--out", out, "--format", fmt, code=None)
     assert result.exit_code == 2 and "names a .safetensors file" in error_line(result)
     assert list(tmp_path.iterdir()) == []
 
@@ -262,7 +247,7 @@ def test_btx_softmax_gates_refused_for_mixtral(family, tmp_path):
     """Plain softmax gates of top-2 of 4 do not sum to 1; Mixtral renormalizes, so it would differ."""
     dirs, _ = family
     result = merge(dirs, tmp_path / "mixtral", "--recipe", "btx", "--ffn-top-k", "2", "--gate-norm", "softmax",
-                   "--format", "mixtral", ok=False)
+                   "--format", "mixtral", code=None)
     assert result.exit_code == 2
     assert "gate_norm topk_softmax" in error_line(result)
     assert list(tmp_path.iterdir()) == []
@@ -288,7 +273,7 @@ def test_differing_tokenizer_warns_and_differing_vocab_refuses(family, tmp_path)
     save_tokenizer(wide, vocab_size=V + 1)
     out = tmp_path / "refused"
     result = merge({**dirs, "wide": wide}, out, "--recipe", "btx", "--gate-norm", "topk_softmax",
-                   "--format", "mixtral", experts=("code", "wide"), ok=False)
+                   "--format", "mixtral", experts=("code", "wide"), code=None)
     assert result.exit_code == 2
     line = error_line(result)
     assert line.startswith(f"bam-surgery: error: {wide}: config disagrees with the seed") and "vocab_size=101" in line
@@ -306,7 +291,7 @@ def test_convert_hf_to_canonical_and_back_is_exact(family, tmp_path):
     assert max_diff(logits(load_model(canonical), x), logits(models["seed"], x)) <= TOL
 
     # a canonical file does not know its HF architecture: the user must name one
-    result = run_cli("convert", canonical, "--out", tmp_path / "no-arch", "--format", "hf", ok=False)
+    result = run_cli("convert", canonical, "--out", tmp_path / "no-arch", "--format", "hf", code=None)
     assert result.exit_code == 2 and "--architecture" in error_line(result)
     assert not (tmp_path / "no-arch").exists()
 
@@ -381,11 +366,11 @@ def test_convert_refuses_existing_out_without_force(family, tmp_path):
     dirs, _ = family
     out = tmp_path / "seed.safetensors"
     out.write_bytes(b"keep me")
-    result = run_cli("convert", dirs["seed"], "--out", out, ok=False)
+    result = run_cli("convert", dirs["seed"], "--out", out, code=None)
     assert result.exit_code == 2
     assert error_line(result) == f"bam-surgery: error: {out}: already exists; pass --force to replace it"
     assert out.read_bytes() == b"keep me"
-    result = run_cli("convert", dirs["seed"], "--out", out, "--force", ok=False)  # not ours: kept
+    result = run_cli("convert", dirs["seed"], "--out", out, "--force", code=None)  # not ours: kept
     assert result.exit_code == 2 and "did not write" in error_line(result) and out.read_bytes() == b"keep me"
     out.unlink()
     run_cli("convert", dirs["seed"], "--out", out)
@@ -428,7 +413,7 @@ def test_convert_force_keeps_a_directory_holding_other_files(family, tmp_path):
     out = tmp_path / "work"
     out.mkdir()
     (out / "notes.txt").write_text("not a checkpoint")
-    result = run_cli("convert", dirs["seed"], "--out", out, "--force", ok=False)
+    result = run_cli("convert", dirs["seed"], "--out", out, "--force", code=None)
     assert (out / "notes.txt").exists()
     assert result.exit_code == 2
 
@@ -438,6 +423,6 @@ def test_convert_refuses_to_overwrite_its_input(family, tmp_path):
     source = tmp_path / "copy"
     models["law"].save_pretrained(source)
     save_tokenizer(source)
-    result = run_cli("convert", source, "--out", source, "--force", ok=False)
+    result = run_cli("convert", source, "--out", source, "--force", code=None)
     assert (source / "tokenizer.json").exists()
     assert result.exit_code == 2

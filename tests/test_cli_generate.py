@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import random_state, tiny_config
+from conftest import error_line, random_state, run_cli, tiny_config
 from bam_surgery.converters.hf_bam import export_hf_bam
 from bam_surgery.runtime import Model, generate, save_model
 from bam_surgery.runtime.checkpoint import CheckpointReader
@@ -58,10 +58,7 @@ def checkpoints(tmp_path_factory):
 
 
 def run(*args, ok: bool = True):
-    result = CliRunner().invoke(cli, ["generate", *[str(a) for a in args]])
-    if ok:
-        assert result.exit_code == 0, result.output + (repr(result.exception) if result.exception else "")
-    return result
+    return run_cli("generate", *args, code=0 if ok else None)
 
 
 def greedy(model, ids: list[int], n: int, **kwargs) -> list[int]:
@@ -167,13 +164,6 @@ def test_hf_llama_directory_with_its_tokenizer(tmp_path):
     with torch.no_grad():
         want = llama.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)[0, 3:].tolist()
     assert result.stdout.strip() == words(want)
-
-
-def error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
-    assert lines[0].startswith("bam-surgery: error: ")
-    return lines[0]
 
 
 def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):

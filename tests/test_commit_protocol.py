@@ -20,10 +20,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save
 
-from conftest import random_state, tiny_config
+from conftest import merge_family, seed_and_experts, tiny_config
 from bam_surgery.runtime import atomic
 from bam_surgery.runtime.atomic import atomic_dir, atomic_path, work_folder
-from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.outputs import FORMAT, not_own_output
 from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
@@ -231,17 +230,7 @@ CFG = tiny_config(block="parallel", norm="layernorm")
 
 @pytest.fixture
 def inputs(tmp_path) -> list[Path]:
-    base = random_state(CFG, 0)
-    paths = []
-    for i, name in enumerate(("seed", "code", "math")):
-        state = {k: v + 0.01 * i * torch.randn_like(v) if v.dim() == 2 else v for k, v in base.items()}
-        paths.append(save_checkpoint(state, CFG, tmp_path / "in" / f"{name}.safetensors"))
-    return paths
-
-
-def merge(inputs, out, *args):
-    return CliRunner().invoke(cli, ["merge", "--quiet", "--seed", str(inputs[0]), "--experts",
-                                    ",".join(map(str, inputs[1:])), "--out", str(out), *map(str, args)])
+    return seed_and_experts(tmp_path / "in", CFG)
 
 
 def files_of(root: Path) -> dict[str, bytes]:
@@ -272,7 +261,7 @@ def test_interrupted_force_merge_keeps_a_folder_moved_to_out_after_the_check(tmp
 
     monkeypatch.setattr(SafetensorsStreamWriter, "write", write_and_move_in)
     interrupt_when_checking_what_was_moved_aside(monkeypatch)
-    result = merge(inputs, out, "--force")
+    result = merge_family(inputs, out, "--force", code=None)
     assert result.exit_code == 130 and result.stderr == "bam-surgery: interrupted; nothing was written\n"
     assert files_of(out) == {f"{i}.txt": f"file {i}".encode() for i in range(30)}
     assert not os.path.lexists(work_folder(out))
@@ -281,25 +270,25 @@ def test_interrupted_force_merge_keeps_a_folder_moved_to_out_after_the_check(tmp
 @pytest.mark.parametrize("kind", ["mix.safetensors", "mix"])
 def test_interrupted_force_merge_keeps_the_previous_output(tmp_path, inputs, monkeypatch, kind):
     out = tmp_path / kind
-    assert merge(inputs, out).exit_code == 0
+    merge_family(inputs, out)
     before = files_of(tmp_path)
     interrupt_when_checking_what_was_moved_aside(monkeypatch)
-    result = merge(inputs, out, "--force", "--router-seed", "5")
+    result = merge_family(inputs, out, "--force", "--router-seed", "5", code=None)
     assert result.exit_code == 130 and result.stderr == "bam-surgery: interrupted; nothing was written\n"
     assert files_of(tmp_path) == before  # the previous output, byte for byte; no work folder
 
 
 def test_an_interrupt_after_the_new_output_is_in_place_says_it_was_written(tmp_path, inputs, monkeypatch):
     out = tmp_path / "mix"
-    assert merge(inputs, out).exit_code == 0
+    merge_family(inputs, out)
     monkeypatch.setattr(atomic, "step_hook", lambda name: name == "landed" and _interrupt())
-    result = merge(inputs, out, "--force", "--router-seed", "5")
+    result = merge_family(inputs, out, "--force", "--router-seed", "5", code=None)
     assert result.exit_code == 130
     assert result.stderr == f"bam-surgery: interrupted after {out} was written (it is complete)\n"
     assert not_own_output(out) is None and not os.path.lexists(work_folder(out))
     monkeypatch.setattr(atomic, "step_hook", None)
     again = tmp_path / "again"
-    assert merge(inputs, again, "--router-seed", "5").exit_code == 0
+    merge_family(inputs, again, "--router-seed", "5")
     assert files_of(out) == {k: v for k, v in files_of(again).items()}
 
 
@@ -307,18 +296,18 @@ def test_the_run_after_a_kill_in_the_commit_puts_the_previous_output_back(tmp_pa
     """The disk as a merge --force killed between its two renames leaves it: OUT moved aside, the new
     output complete beside it. The next run (without --force) must not remove the old output."""
     out = tmp_path / "mix.safetensors"
-    assert merge(inputs, out).exit_code == 0
+    merge_family(inputs, out)
     before = out.read_bytes()
     work = work_folder(out)
     work.mkdir()
     (work / "lock").write_text("12345\n")
     os.rename(out, work / "replaced")
     (work / out.name).write_bytes(before)
-    result = merge(inputs, out)
+    result = merge_family(inputs, out, code=None)
     assert "put the previous" in result.stderr, result.stderr
     assert result.exit_code == 2 and "already exists" in result.stderr
     assert out.read_bytes() == before and not os.path.lexists(work)
-    assert merge(inputs, out, "--force").exit_code == 0
+    merge_family(inputs, out, "--force")
 
 
 @pytest.mark.parametrize("command", ["merge", "convert"])
@@ -328,7 +317,7 @@ def test_an_interrupt_while_the_summary_is_printed_says_it_was_written(tmp_path,
     import click
 
     out = tmp_path / "mix"
-    assert merge(inputs, out).exit_code == 0
+    merge_family(inputs, out)
     real_echo = click.echo
 
     def echo(message=None, *args, **kwargs):
@@ -350,10 +339,13 @@ def test_an_interrupt_while_the_summary_is_printed_says_it_was_written(tmp_path,
 
 
 def test_the_readme_states_what_the_next_run_does_after_a_kill():
-    """README's "What --force will and will not remove" says what _settle does with a killed run's work folder:
-    the displaced old output is put back (not removed) while the new one has not landed (issue 20)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = " ".join(readme.split("### What `--force` will and will not remove")[1].split("\n### ")[0].split())
+    """docs/safety.md's "What --force will and will not remove" (linked from the README) says what _settle does
+    with a killed run's work folder: the displaced old output is put back (not removed) while the new one has not
+    landed (issue 20)."""
+    root = Path(__file__).resolve().parents[1]
+    assert "docs/safety.md" in (root / "README.md").read_text(encoding="utf-8")
+    doc = (root / "docs" / "safety.md").read_text(encoding="utf-8")
+    section = " ".join(doc.split("## What `--force` will and will not remove")[1].split("\n## ")[0].split())
     assert "is put back at OUT if the new output never landed, and discarded only once it has" in section
     assert "interrupted after OUT was written" in section
     assert "removes it (its lock is free)" not in section

@@ -145,3 +145,21 @@ def test_preset_overrides_and_unknown_preset():
         preset("paper-medium")
     with pytest.raises(ConfigError, match="ffn_top_k"):
         preset("tiny", ffn_experts=2, ffn_top_k=3)
+
+
+def test_hf_bam_fields_are_model_config_fields():
+    """Issue 21, item 5: the HF remote code's field table (converters/hf_bam/schema_bam.py, shipped standalone
+    into every export, so it cannot import ModelConfig) lists ModelConfig's fields in their order with their
+    defaults. The one intended difference: the five sizes ModelConfig requires get the tiny preset's values there
+    (a BamConfig() needs some; an export always writes every field)."""
+    import dataclasses
+
+    from bam_surgery.converters.hf_bam.schema_bam import FIELDS
+
+    fields = dataclasses.fields(ModelConfig)
+    assert list(FIELDS) == [f.name for f in fields]
+    tiny = preset("tiny")
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        want = getattr(tiny, f.name) if required else f.default
+        assert FIELDS[f.name] == want and type(FIELDS[f.name]) is type(want), (f.name, FIELDS[f.name], want)

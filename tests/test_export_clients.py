@@ -122,15 +122,21 @@ def test_bam_cached_and_uncached_generation_equal_the_runtime(bam):
     assert torch.equal(cached, expected) and torch.equal(uncached, expected)
 
 
+def _each_row_decodes_as_its_prompt_alone(model, hf, ids, mask, prompts) -> None:
+    """transformers' greedy decoding of the left-padded batch, with and without its cache, gives each row
+    the runtime's greedy continuation of that prompt alone (5 tokens)."""
+    cached, uncached = _greedy_both_ways(hf, ids, 5, attention_mask=mask, pad_token_id=0)
+    for row, p in enumerate(prompts):
+        alone = runtime_greedy(model, p, 5)[0]
+        assert torch.equal(cached[row], alone) and torch.equal(uncached[row], alone), row
+
+
 def test_bam_left_padded_batch_equals_each_prompt_alone(bam):
     model, _, hf = bam
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, V, (1, n), generator=gen) for n in (3, 8, 5)]
     ids, mask = _left_padded(prompts)
-    cached, uncached = _greedy_both_ways(hf, ids, 5, attention_mask=mask, pad_token_id=0)
-    for row, p in enumerate(prompts):
-        alone = runtime_greedy(model, p, 5)[0]
-        assert torch.equal(cached[row], alone) and torch.equal(uncached[row], alone), row
+    _each_row_decodes_as_its_prompt_alone(model, hf, ids, mask, prompts)
 
 
 def test_bam_save_pretrained_round_trip(bam, tmp_path):
@@ -190,13 +196,11 @@ def test_mixtral_left_padded_batch_equals_each_prompt_alone(mixtral):
     ids, mask = _left_padded(prompts)
     with torch.no_grad():
         logits = hf(ids, attention_mask=mask).logits
-    cached, uncached = _greedy_both_ways(hf, ids, 5, attention_mask=mask, pad_token_id=0)
     width = ids.shape[1]
     for row, p in enumerate(prompts):
         with torch.no_grad():
             assert (logits[row, width - p.shape[1]:] - model(p).logits[0]).abs().max().item() <= TOL
-        alone = runtime_greedy(model, p, 5)[0]
-        assert torch.equal(cached[row], alone) and torch.equal(uncached[row], alone), row
+    _each_row_decodes_as_its_prompt_alone(model, hf, ids, mask, prompts)
 
 
 def test_mixtral_save_pretrained_round_trip(mixtral, tmp_path):

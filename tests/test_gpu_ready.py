@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import build_model, random_state, tiny_config, tokens_for
-from test_packaging import _dist_name, setup_keyword
+from test_packaging import _dist_name, absolute_imports, setup_keyword
 from bam_surgery.runtime.blocks import EXPERT_KERNELS
 from bam_surgery.runtime.generation import decode_step
 
@@ -87,19 +87,12 @@ def test_the_benchmark_imports_only_declared_packages():
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
             for child in ast.walk(node):
                 owners.setdefault(child, node.name) if isinstance(node, ast.ClassDef) else None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level:
-            names = [node.module]
-        else:
+    for node, name in absolute_imports(tree):
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top in ("bam_surgery", "benchmarks") or top in declared:
             continue
-        for name in names:
-            top = name.split(".")[0]
-            if top in sys.stdlib_module_names or top in ("bam_surgery", "benchmarks") or top in declared:
-                continue
-            assert top == "transformers" and owners.get(node) in ("TransformersEngine", "HFBamEngine"), \
-                f"benchmarks/inference.py:{node.lineno} imports {name}, which setup.py does not declare"
+        assert top == "transformers" and owners.get(node) in ("TransformersEngine", "HFBamEngine"), \
+            f"benchmarks/inference.py:{node.lineno} imports {name}, which setup.py does not declare"
 
 
 def test_peak_table_and_mfu():

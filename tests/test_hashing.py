@@ -13,19 +13,13 @@ import blake3
 import pytest
 from click.testing import CliRunner
 
-from conftest import random_state, tiny_config
+from conftest import merge, random_state, tiny_config
 from test_byte_identity import llama_state, write_llama_dir
 from bam_surgery.runtime.checkpoint import CheckpointReader, save_checkpoint
 from bam_surgery.surgery import hashing
 from bam_surgery.cli.commands import cli
 
 CFG = tiny_config(block="parallel", norm="layernorm")
-
-
-def merge(*args):
-    result = CliRunner().invoke(cli, ["merge", "--quiet", *map(str, args)])
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def provenance(path: Path) -> dict:

@@ -203,16 +203,23 @@ def test_sharded_export(exported):
     assert not (out / "model.safetensors").exists()
 
 
-def test_tokenizer_card_and_pipeline(tmp_path, hf_modules):
+def save_word_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of V tokens saved in `folder`: <unk>, <pad>, </s> (ids 0, 1, 2), words w3 .. w{V-1}."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast, pipeline
+    from transformers import PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<pad>", "</s>"]  # ids 0, 1, 2; words w3 .. w63
+    specials = ["<unk>", "<pad>", "</s>"]
     vocab = {t: i for i, t in enumerate(specials)} | {f"w{i}": i for i in range(len(specials), V)}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
-                            ).save_pretrained(tmp_path / "tok")
+                            ).save_pretrained(folder)
+
+
+def test_tokenizer_card_and_pipeline(tmp_path, hf_modules):
+    from transformers import AutoTokenizer, pipeline
+
+    save_word_tokenizer(tmp_path / "tok")
     model = random_model("bam_shared_kv", seed=3)
     save_model(model, tmp_path / "canonical")
     card = "# tiny BAM\n\nExported by bam-surgery.\n"
@@ -342,3 +349,18 @@ def test_export_ships_the_runtimes_model_math(exported):
             if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.col_offset == 0}
     assert not defined & math, defined & math
     assert not defined & {"attention", "feed_forward", "route", "apply_rotary", "attend"}
+
+
+@pytest.mark.parametrize("changes", [{}, {"n_kv_heads": 2}, {"head_dim": 16, "rotary_fraction": 0.25},
+                                     {"n_heads": 8, "rotary_fraction": 0.4}, {"router": "mlp"},
+                                     {"attn_experts": 2, "router": "mlp", "attn_router": "attention"}])
+def test_bam_config_derives_what_model_config_derives(changes):
+    """BamConfig restates ModelConfig's derived rules (n_kv_heads and head_dim when None, rotary_dim, the router
+    kinds): it ships standalone and the runtime cannot import converters (issue 21, item 5). This keeps the two
+    from drifting."""
+    from bam_surgery.converters.hf_bam.configuration_bam import BamConfig
+
+    ours = ModelConfig(**{**BASE, **changes})
+    theirs = BamConfig(**{**BASE, **changes})
+    for rule in ("n_kv_heads", "head_dim", "rotary_dim", "ffn_router_kind", "attn_router_kind"):
+        assert getattr(theirs, rule) == getattr(ours, rule), rule

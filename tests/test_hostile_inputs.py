@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import random_state, run_cli, tiny_config
+from conftest import error_line, random_state, run_cli, tiny_config
 from test_byte_identity import LLAMA_HF, llama_state, write_llama_dir
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, save_checkpoint
 from bam_surgery.cli.commands import cli
@@ -34,16 +34,6 @@ def run(*args, timed: bool = False):
     result = CliRunner().invoke(cli, [str(a) for a in args])
     result.seconds = time.perf_counter() - start
     return result
-
-
-def one_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def command(name: str, ckpt: Path, tmp_path: Path) -> list:
@@ -111,7 +101,7 @@ def test_a_config_declaring_millions_of_layers_is_refused_at_once(tmp_path, sour
 
     ckpt = SOURCES[source](tmp_path)
     result = run(*command(cmd, ckpt, tmp_path))
-    one_line(result, "past the limit")
+    error_line(result, "past the limit")
     assert result.seconds < 2.0, result.seconds
     assert not (tmp_path / "converted.safetensors").exists() and not (tmp_path / "merged.safetensors").exists()
 
@@ -123,8 +113,8 @@ def test_a_config_claiming_more_layers_than_the_file_holds_is_one_mismatch(tmp_p
     assert "layers 2-4095 are missing: the config declares 4096 layers, the checkpoint holds tensors of 2 (0-1)" \
         in result.stdout
     assert len(result.stdout.splitlines()) < 60
-    one_line(run("count-params", ckpt), "layers 2-4095 are missing")
-    one_line(run("convert", ckpt, "--out", tmp_path / "c.safetensors"), "layers 2-4095 are missing")
+    error_line(run("count-params", ckpt), "layers 2-4095 are missing")
+    error_line(run("convert", ckpt, "--out", tmp_path / "c.safetensors"), "layers 2-4095 are missing")
 
 
 @pytest.mark.parametrize("args", [
@@ -134,10 +124,10 @@ def test_a_config_claiming_more_layers_than_the_file_holds_is_one_mismatch(tmp_p
 def test_hostile_expert_counts_are_refused_at_once(tmp_path, args):
     seed = save_checkpoint(random_state(CFG), CFG, tmp_path / "seed.safetensors")
     result = run("merge", "--seed", seed, "--experts", seed, *args)
-    one_line(result)
+    error_line(result)
     assert result.seconds < 2.0
     result = run("count-params", "--preset", "tiny", "--recipe", "btx", "--experts", 100_000_000)
-    one_line(result)
+    error_line(result)
 
 
 # ---- JSON and YAML that are not what they claim --------------------------------------------------
@@ -178,7 +168,7 @@ def test_garbage_json_is_one_line_naming_the_file(tmp_path, where, case):
         needle = "" if case == "not-utf8" else needle  # metadata is text already: the escape survives
     for cmd in ("inspect", "count-params", "convert"):
         result = run(*command(cmd, ckpt, tmp_path))
-        line = one_line(result, str(file), needle)
+        line = error_line(result, str(file), needle)
         assert len(line) < 600
 
 
@@ -205,7 +195,7 @@ def test_garbage_recipes_are_one_line_naming_the_field(tmp_path, data, needle):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(data)
     result = run("merge", "--seed", seed, "--experts", seed, "--recipe", recipe, "--dry-run")
-    line = one_line(result, "r.yaml", needle)
+    line = error_line(result, "r.yaml", needle)
     assert "--router-std" not in line and "--lb-coef" not in line and result.seconds < 2.0
 
 
@@ -221,12 +211,12 @@ def test_garbage_recipes_are_one_line_naming_the_field(tmp_path, data, needle):
 def test_wrong_typed_hf_config_fields_name_the_key(tmp_path, changes, needle):
     ckpt = _hf_dir(tmp_path, **changes)
     for cmd in COMMANDS:
-        one_line(run(*command(cmd, ckpt, tmp_path)), "config.json", needle)
+        error_line(run(*command(cmd, ckpt, tmp_path)), "config.json", needle)
 
 
 def test_gpt_neox_with_zero_heads_names_the_key(tmp_path):
     ckpt = _hf_dir(tmp_path, model_type="gpt_neox", num_attention_heads=0)
-    one_line(run("inspect", ckpt), "num_attention_heads")
+    error_line(run("inspect", ckpt), "num_attention_heads")
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -236,19 +226,19 @@ def test_gpt_neox_with_zero_heads_names_the_key(tmp_path):
     ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
 ])
 def test_wrong_typed_mixtral_config_fields_name_the_key(tmp_path, changes, needle):
-    one_line(run("inspect", _mixtral_dir(tmp_path, **changes)), "config.json", needle)
+    error_line(run("inspect", _mixtral_dir(tmp_path, **changes)), "config.json", needle)
 
 
 @pytest.mark.parametrize("value", [5, None, [1, 2], "text"])
 def test_a_bam_config_that_is_not_an_object(tmp_path, value):
-    one_line(run("inspect", _canonical_dir(tmp_path, value)), "config.json")
+    error_line(run("inspect", _canonical_dir(tmp_path, value)), "config.json")
     path = tmp_path / "m.safetensors"
     save_file(random_state(CFG), str(path), metadata={"format": "bam-surgery/1", CONFIG_KEY: json.dumps(value)})
-    one_line(run("inspect", path), "m.safetensors")
+    error_line(run("inspect", path), "m.safetensors")
 
 
 def test_hf_bam_config_with_wrong_types(tmp_path):
-    one_line(run("inspect", _hf_bam_dir(tmp_path, ffn_experts="four")), "ffn_experts")
+    error_line(run("inspect", _hf_bam_dir(tmp_path, ffn_experts="four")), "ffn_experts")
 
 
 @pytest.mark.parametrize("body,needle", [(b"[1, 2]", "expected a JSON object"),
@@ -258,9 +248,9 @@ def test_a_malformed_generation_config_on_the_seed(tmp_path, body, needle):
     seed = _hf_dir(tmp_path)
     (seed / "generation_config.json").write_bytes(body)
     out = tmp_path / "out"
-    one_line(run("merge", "--seed", seed, "--recipe", "upcycle", "--extra-ffn-experts", 1, "--gate-norm",
+    error_line(run("merge", "--seed", seed, "--recipe", "upcycle", "--extra-ffn-experts", 1, "--gate-norm",
                  "topk_softmax", "--format", "mixtral", "--out", out), "generation_config.json", needle)
-    one_line(run("convert", seed, "--format", "hf", "--out", out), "generation_config.json", needle)
+    error_line(run("convert", seed, "--format", "hf", "--out", out), "generation_config.json", needle)
     assert not out.exists()
 
 
@@ -283,7 +273,7 @@ def test_overflowing_options(tmp_path, args, needle):
     if needle is None:  # huge but equal weights are just equal weights
         assert result.exit_code == 0, result.output
         return
-    one_line(result, needle)
+    error_line(result, needle)
     assert not out.exists()
 
 
@@ -292,7 +282,7 @@ def test_float16_output_of_large_bfloat16_values_is_refused(tmp_path):
     state["embed.weight"][0, 0] = 1e6  # fine in bfloat16, Inf in float16
     seed = save_checkpoint(state, CFG, tmp_path / "seed.safetensors")
     out = tmp_path / "mix.safetensors"
-    one_line(run("merge", "--seed", seed, "--recipe", "upcycle", "--extra-ffn-experts", 1, "--dtype", "float16",
+    error_line(run("merge", "--seed", seed, "--recipe", "upcycle", "--extra-ffn-experts", 1, "--dtype", "float16",
                  "--out", out, "--quiet"), "embed.weight", "non-finite")
     assert not out.exists()
 
@@ -307,11 +297,11 @@ def _raw_safetensors(path: Path, header: dict, data: bytes = b"") -> Path:
 def test_an_overflowing_offset_is_not_called_truncated(tmp_path):
     f = _raw_safetensors(tmp_path / "o.safetensors", {"t": {"dtype": "F32", "shape": [2**40, 2**40],
                                                             "data_offsets": [0, 2**82]}})
-    line = one_line(run("inspect", f), "overflows 64-bit")
+    line = error_line(run("inspect", f), "overflows 64-bit")
     assert "truncated" not in line.split("not a truncated")[0]
     f = _raw_safetensors(tmp_path / "t.safetensors", {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
                          b"\x00" * 8)
-    one_line(run("inspect", f), "truncated: tensor t ends at byte")
+    error_line(run("inspect", f), "truncated: tensor t ends at byte")
 
 
 def test_a_tensor_name_cannot_forge_output_lines(tmp_path):
@@ -324,10 +314,10 @@ def test_a_tensor_name_cannot_forge_output_lines(tmp_path):
     assert result.exit_code == 1
     assert not any(line.startswith("bam-surgery: error: forged") for line in result.output.splitlines())
     assert "\\nbam-surgery: error: forged\\x1b[31m" in result.stdout and "\x1b" not in result.output
-    line = one_line(run("count-params", path))
+    line = error_line(run("count-params", path))
     assert "\\n" in line and "\x1b" not in line
     seed = save_checkpoint(random_state(CFG), CFG, tmp_path / "seed.safetensors")
-    one_line(run("merge", "--seed", seed, "--experts", path, "--out", tmp_path / "m.safetensors"), "\\n")
+    error_line(run("merge", "--seed", seed, "--experts", path, "--out", tmp_path / "m.safetensors"), "\\n")
 
 
 # ---- reading outside the input ----------------------------------------------------------------------
@@ -351,7 +341,7 @@ def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path, kind, ent
     body["weight_map"][first] = entry
     index.write_text(json.dumps(body))
     for cmd in ("inspect", "convert"):
-        one_line(run(*command(cmd, ckpt, tmp_path)), str(index), repr(entry), "outside the model folder")
+        error_line(run(*command(cmd, ckpt, tmp_path)), str(index), repr(entry), "outside the model folder")
     assert outside.is_file()
 
 
@@ -386,7 +376,7 @@ def test_a_side_file_linking_outside_the_folder_is_refused(tmp_path, export, nam
     link.unlink(missing_ok=True)
     link.symlink_to(outside)
     out = tmp_path / "out"
-    one_line(run(*SIDE_FILE_EXPORTS[export](ckpt, out)), f"{link}: {name} is a symbolic link to {outside.resolve()}",
+    error_line(run(*SIDE_FILE_EXPORTS[export](ckpt, out)), f"{link}: {name} is a symbolic link to {outside.resolve()}",
              "outside the model folder")
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
 
@@ -410,7 +400,7 @@ def test_a_shard_linking_outside_the_folder_is_refused(tmp_path, kind):
             (ckpt / "model.safetensors.index.json").unlink()
     (ckpt / name).symlink_to(stash / name)
     for cmd in ("inspect", "convert"):
-        one_line(run(*command(cmd, ckpt, tmp_path)), f"{ckpt / name}: a", f"symbolic link to {stash / name}",
+        error_line(run(*command(cmd, ckpt, tmp_path)), f"{ckpt / name}: a", f"symbolic link to {stash / name}",
                  "outside the model folder")
     assert not (tmp_path / "converted.safetensors").exists()
 
@@ -465,14 +455,14 @@ def test_the_hugging_face_cache_layout_is_allowed(tmp_path, monkeypatch):
     # a snapshot's link to anything but its own repository's blobs is refused as anywhere else
     other = _hub_cache(cache, _hf_dir(tmp_path / "b"), repo="org/other")
     (snapshot / "merges.txt").symlink_to(other.parent.parent / "blobs" / (other / "tokenizer.json").resolve().name)
-    one_line(run("convert", "org/linked", "--format", "hf", "--out", tmp_path / "refused"),
+    error_line(run("convert", "org/linked", "--format", "hf", "--out", tmp_path / "refused"),
              "merges.txt is a symbolic link to", "outside the model folder")
     # and a blobs/ that is itself a link elsewhere is no cache's blobs
     crafted = _hub_cache(cache, _hf_dir(tmp_path / "c"), repo="org/crafted")
     blobs = crafted.parent.parent / "blobs"
     blobs.rename(tmp_path / "stolen")
     blobs.symlink_to(tmp_path / "stolen")
-    one_line(run("convert", "org/crafted", "--format", "hf", "--out", tmp_path / "refused"),
+    error_line(run("convert", "org/crafted", "--format", "hf", "--out", tmp_path / "refused"),
              f"{crafted / 'model.safetensors'}: a weight file is a symbolic link to {tmp_path / 'stolen'}")
     assert not (tmp_path / "refused").exists()
 
@@ -486,7 +476,7 @@ def test_a_hub_revision_with_dotdot_never_touches_the_cache(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for spec in ("org/name@../../x", "org/name@main/../../etc", "org/na..me"):
         for cmd in ("inspect", "count-params", "convert", "merge"):
-            one_line(run(*command(cmd, spec, tmp_path)), "'..'")
+            error_line(run(*command(cmd, spec, tmp_path)), "'..'")
 
 
 # ---- pickles ------------------------------------------------------------------------------------------
@@ -502,11 +492,11 @@ def test_pickles_need_allow_pickle_and_code_in_them_is_refused_plainly(tmp_path,
     (ckpt / "model.safetensors").unlink()
     torch.save(state, ckpt / "pytorch_model.bin")
     for cmd in ("inspect", "count-params"):
-        one_line(run(cmd, ckpt), "--allow-pickle")
+        error_line(run(cmd, ckpt), "--allow-pickle")
         assert run(cmd, ckpt, "--allow-pickle").exit_code == 0
     torch.save({**state, "evil": _Evil()}, ckpt / "pytorch_model.bin")
     for cmd in ("inspect", "count-params"):
-        line = one_line(run(cmd, ckpt, "--allow-pickle"), "refused to load this pickle", "system", "never runs code")
+        line = error_line(run(cmd, ckpt, "--allow-pickle"), "refused to load this pickle", "system", "never runs code")
         assert "weights_only" not in line and "False" not in line
     assert not (tmp_path / "PWNED").exists()
 
@@ -521,7 +511,7 @@ def test_pickles_need_allow_pickle_and_code_in_them_is_refused_plainly(tmp_path,
     (["no-such-command"], "no-such-command"),
 ])
 def test_usage_errors_are_one_line(args, needle):
-    line = one_line(run(*args), needle)
+    line = error_line(run(*args), needle)
     assert "--help" in line
 
 
@@ -569,7 +559,7 @@ def test_an_input_rewritten_in_place_during_the_merge_fails_it(tmp_path, monkeyp
 
     monkeypatch.setattr(SafetensorsStreamWriter, "write", write_and_rewrite_input)
     out = tmp_path / out_name
-    one_line(run("merge", "--seed", seed, "--experts", code, "--recipe", "btx", "--out", out, "--quiet"),
+    error_line(run("merge", "--seed", seed, "--experts", code, "--recipe", "btx", "--out", out, "--quiet"),
              str(code), "modified while it was being read")
     assert not out.exists()
 
@@ -591,7 +581,7 @@ def test_convert_refuses_a_checkpoint_that_contradicts_its_own_config(tmp_path, 
     save_file(state, str(path), metadata={"format": "bam-surgery/1", CONFIG_KEY: cfg.to_json()})
     for fmt in ("canonical", "hf"):
         out = tmp_path / f"out-{fmt}"
-        one_line(run("convert", path, "--out", out, "--format", fmt, "--architecture", "llama"), "bad.safetensors")
+        error_line(run("convert", path, "--out", out, "--format", fmt, "--architecture", "llama"), "bad.safetensors")
         assert not out.exists()
 
 
@@ -609,8 +599,8 @@ def test_a_command_added_later_gets_the_error_contract(monkeypatch):
         raise raised[what]
 
     monkeypatch.setitem(cli.commands, "later", later)
-    assert one_line(run("later", "user")) == "bam-surgery: error: x.yaml: field: wrong"
-    assert one_line(run("later", "os")) == "bam-surgery: error: /d/x: Permission denied"
+    assert error_line(run("later", "user")) == "bam-surgery: error: x.yaml: field: wrong"
+    assert error_line(run("later", "os")) == "bam-surgery: error: /d/x: Permission denied"
     result = run("later", "ctrl-c")
     assert result.exit_code == 130 and result.stderr == "bam-surgery: interrupted; nothing was written\n"
-    one_line(run("later"), "Missing argument")
+    error_line(run("later"), "Missing argument")

@@ -26,7 +26,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import is_norm_or_embedding, max_diff, random_state, tiny_config, tokens_for
+from conftest import is_norm_or_embedding, max_diff, merge, merge_family, random_state, tiny_config, tokens_for
 from bam_surgery.runtime import ForcedRouting, load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 from bam_surgery.runtime.reader import Reader
@@ -79,18 +79,6 @@ def save_family(tmp_path: Path, cfg, states, names=("seed", "code", "math", "law
         save_checkpoint(state, cfg.replace(name=name), p)
         paths.append(p)
     return paths
-
-
-def merge(*args, ok: bool = True):
-    result = CliRunner().invoke(cli, ["merge", "--quiet", *map(str, args)])
-    if ok:
-        assert result.exit_code == 0, result.output
-    return result
-
-
-def merge_family(paths, out, *args, ok=True):
-    return merge("--seed", paths[0], *(["--experts", ",".join(map(str, paths[1:]))] if len(paths) > 1 else []),
-                 "--out", out, *args, ok=ok)
 
 
 def logits(model, tokens, routing=None):
@@ -524,7 +512,7 @@ BAD_CASES = ["d_model", "vocab_size", "n_layers", "n_heads", "missing", "shape",
 def test_bad_input_is_one_line_naming_file_and_tensor(tmp_path, case):
     paths, bad, needle = _broken(tmp_path, case)
     out = tmp_path / "mix.safetensors"
-    result = merge_family(paths, out, ok=False)
+    result = merge_family(paths, out, code=None)
     assert result.exit_code == 2, result.output
     err = result.stderr.strip().splitlines()[-1]
     assert err.startswith("bam-surgery: error: ") and "Traceback" not in result.output
@@ -545,22 +533,22 @@ def test_existing_out_is_refused_without_force(tmp_path):
     _, _, paths = _family(tmp_path)
     out = tmp_path / "mix.safetensors"
     out.write_bytes(b"precious")
-    result = merge_family(paths, out, ok=False)
+    result = merge_family(paths, out, code=None)
     assert result.exit_code == 2 and str(out) in result.stderr and "--force" in result.stderr
     assert out.read_bytes() == b"precious"
-    result = merge_family(paths, out, "--force", ok=False)  # not ours: --force does not replace it either
+    result = merge_family(paths, out, "--force", code=None)  # not ours: --force does not replace it either
     assert result.exit_code == 2 and "did not write" in result.stderr and out.read_bytes() == b"precious"
     out.unlink()
     merge_family(paths, out)
     merge_family(paths, out, "--force", "--router-seed", "9")  # ours: replaced
     assert load_checkpoint(out)[0].attn_experts == 3
-    result = merge_family(paths, paths[1], "--force", ok=False)  # never over an input
+    result = merge_family(paths, paths[1], "--force", code=None)  # never over an input
     assert result.exit_code == 2 and "is input" in result.stderr
-    result = merge_family(paths, tmp_path, "--force", ok=False)  # nor over the directory holding them
+    result = merge_family(paths, tmp_path, "--force", code=None)  # nor over the directory holding them
     assert result.exit_code == 2 and "is input" in result.stderr
     home = tmp_path / "home"
     (home / "notes").mkdir(parents=True)
-    result = merge_family(paths, home, "--force", ok=False)  # nor over a directory that is not a checkpoint
+    result = merge_family(paths, home, "--force", code=None)  # nor over a directory that is not a checkpoint
     assert result.exit_code == 2 and "notes" in result.stderr and (home / "notes").is_dir()
     merge_family(paths, tmp_path / "dir")
     merge_family(paths, tmp_path / "dir", "--force", "--max-shard-size", "50KB")  # a checkpoint dir is replaced
@@ -597,7 +585,7 @@ OPTION_ERRORS = [
 def test_bad_options_are_one_line_errors(tmp_path, args, needle):
     _, _, paths = _family(tmp_path)
     out = tmp_path / "mix.safetensors"
-    result = merge_family(paths, out, *args, ok=False)
+    result = merge_family(paths, out, *args, code=None)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("bam-surgery: error: ") and needle in result.stderr, result.stderr
     assert not out.exists()
@@ -606,7 +594,7 @@ def test_bad_options_are_one_line_errors(tmp_path, args, needle):
 def test_upcycle_without_seed_expert_is_refused(tmp_path):
     _, _, paths = _family(tmp_path, n=1)
     result = merge("--recipe", "upcycle", "--seed", paths[0], "--out", tmp_path / "x.safetensors",
-                   "--no-seed-expert", ok=False)
+                   "--no-seed-expert", code=None)
     assert result.exit_code == 2 and "--no-seed-expert" in result.stderr
 
 
@@ -699,7 +687,7 @@ def test_experts_carry_names_into_provenance_inspect_and_the_plan(tmp_path):
 def test_bad_expert_names_are_one_line(tmp_path, experts, needle):
     _, _, paths = _family(tmp_path)
     args = [e.replace("=A", f"={paths[1]}").replace("=B", f"={paths[2]}") for e in experts]
-    result = merge("--seed", f"seed={paths[0]}", *[x for a in args for x in ("--experts", a)], "--dry-run", ok=False)
+    result = merge("--seed", f"seed={paths[0]}", *[x for a in args for x in ("--experts", a)], "--dry-run", code=None)
     assert result.exit_code == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 

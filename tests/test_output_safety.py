@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from conftest import random_state, tiny_config
+from conftest import error_line, merge_family, random_state, seed_and_experts, tiny_config
 from bam_surgery.runtime import atomic
 from bam_surgery.runtime.atomic import atomic_path, work_folder, write_text_atomic
 from bam_surgery.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -36,33 +36,13 @@ CFG = tiny_config(block="parallel", norm="layernorm")
 @pytest.fixture
 def inputs(tmp_path) -> list[Path]:
     """A seed and two experts (canonical files) under tmp_path/in."""
-    base = random_state(CFG, 0)
-    paths = []
-    for i, name in enumerate(("seed", "code", "math")):
-        state = {k: v + 0.01 * i * torch.randn_like(v) if v.dim() == 2 else v for k, v in base.items()}
-        paths.append(save_checkpoint(state, CFG, tmp_path / "in" / f"{name}.safetensors"))
-    return paths
-
-
-def merge(inputs, out, *args):
-    argv = ["merge", "--quiet", "--seed", str(inputs[0]), "--experts", ",".join(map(str, inputs[1:])),
-            "--out", str(out), *map(str, args)]
-    return CliRunner().invoke(cli, argv)
+    return seed_and_experts(tmp_path / "in", CFG)
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under root (the root itself included when it is a file) -> sha256 of its bytes."""
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
-def one_error_line(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def debris(folder: Path) -> list[str]:
@@ -78,8 +58,8 @@ def test_force_never_touches_the_working_directory(tmp_path, inputs, monkeypatch
     (work / "model.safetensors").write_bytes(b"someone's model")
     monkeypatch.chdir(work)
     before = snapshot(tmp_path)
-    result = merge(inputs, out, "--force")
-    one_error_line(result)
+    result = merge_family(inputs, out, "--force", code=None)
+    error_line(result)
     assert snapshot(tmp_path) == before
 
 
@@ -93,9 +73,9 @@ def test_force_never_touches_a_parent_of_the_working_directory_or_home(tmp_path,
     monkeypatch.chdir(deep)
     monkeypatch.setenv("HOME", str(home))
     before = snapshot(tmp_path)
-    one_error_line(merge(inputs, tmp_path / "a", "--force"), "parent of the working directory")
-    one_error_line(merge(inputs, home, "--force"), "home folder")
-    one_error_line(merge(inputs, home.parent, "--force"), "parent of the home folder")
+    error_line(merge_family(inputs, tmp_path / "a", "--force", code=None), "parent of the working directory")
+    error_line(merge_family(inputs, home, "--force", code=None), "home folder")
+    error_line(merge_family(inputs, home.parent, "--force", code=None), "parent of the home folder")
     assert snapshot(tmp_path) == before
     assert protected(Path("/")) == "is the root of the file system"
 
@@ -107,7 +87,7 @@ def test_force_keeps_a_folder_of_foreign_safetensors_models(tmp_path, inputs):
     save_file({"w": torch.zeros(3)}, str(models / "other.safetensors"))
     (models / "config.json").write_text(json.dumps({"model_type": "llama"}))
     before = snapshot(models)
-    one_error_line(merge(inputs, models, "--force"), str(models), "did not write", "--force replaces only")
+    error_line(merge_family(inputs, models, "--force", code=None), str(models), "did not write", "--force replaces only")
     assert snapshot(models) == before and debris(tmp_path) == []
 
 
@@ -115,23 +95,23 @@ def test_force_keeps_a_foreign_file_and_our_folder_with_a_foreign_file_added(tmp
     foreign = tmp_path / "mix.safetensors"
     save_file({"w": torch.ones(3)}, str(foreign), metadata={"format": "pt"})
     before = snapshot(foreign)
-    one_error_line(merge(inputs, foreign, "--force"), "did not write")
+    error_line(merge_family(inputs, foreign, "--force", code=None), "did not write")
     assert snapshot(foreign) == before
 
     ours = tmp_path / "mix"
-    assert merge(inputs, ours).exit_code == 0
+    merge_family(inputs, ours)
     assert (ours / MARKER).is_file() and not_own_output(ours) is None
     (ours / "notes.md").write_text("my results")
     before = snapshot(ours)
-    one_error_line(merge(inputs, ours, "--force"), "notes.md")
+    error_line(merge_family(inputs, ours, "--force", code=None), "notes.md")
     assert snapshot(ours) == before
 
 
 def test_force_replaces_our_own_outputs(tmp_path, inputs):
     for out in (tmp_path / "mix.safetensors", tmp_path / "mix"):
-        assert merge(inputs, out).exit_code == 0
-        one_error_line(merge(inputs, out), "already exists", "--force")
-        result = merge(inputs, out, "--force", "--router-seed", "5")
+        merge_family(inputs, out)
+        error_line(merge_family(inputs, out, code=None), "already exists", "--force")
+        result = merge_family(inputs, out, "--force", "--router-seed", "5", code=None)
         assert result.exit_code == 0, result.output
         assert load_checkpoint(out)[0].ffn_experts == 3
     # a canonical folder written before folders carried the marker is recognised by its own metadata
@@ -139,10 +119,10 @@ def test_force_replaces_our_own_outputs(tmp_path, inputs):
     save_checkpoint(random_state(CFG, 1), CFG, legacy, max_shard_bytes=20_000)
     (legacy / MARKER).unlink()
     assert not_own_output(legacy) is None
-    assert merge(inputs, legacy, "--force").exit_code == 0
+    merge_family(inputs, legacy, "--force")
     # an empty folder holds nothing to lose
     (tmp_path / "empty").mkdir()
-    assert merge(inputs, tmp_path / "empty", "--force").exit_code == 0
+    merge_family(inputs, tmp_path / "empty", "--force")
 
 
 def test_python_api_replaces_only_its_own_outputs(tmp_path):
@@ -177,8 +157,8 @@ def test_what_appears_at_out_during_a_merge_is_kept(tmp_path, inputs, monkeypatc
         return real_write(self, name, tensor)
 
     monkeypatch.setattr(SafetensorsStreamWriter, "write", write_and_meddle)
-    result = merge(inputs, out, *(["--force"] if force else []))
-    one_error_line(result, str(out), "while this run was writing")
+    result = merge_family(inputs, out, *(["--force"] if force else []), code=None)
+    error_line(result, str(out), "while this run was writing")
     assert out.exists() and "meanwhile" in (out.read_text() if kind == "file" else (out / "notes.txt").read_text())
     assert debris(tmp_path) == []
 
@@ -187,7 +167,7 @@ def test_a_second_run_on_the_same_out_fails_while_the_first_writes(tmp_path, inp
     out = tmp_path / "mix.safetensors"
     with atomic_path(out, replace=False) as tmp:  # the first run, still writing
         for force in ([], ["--force"]):
-            one_error_line(merge(inputs, out, *force), "another bam-surgery run", f"pid {os.getpid()}")
+            error_line(merge_family(inputs, out, *force, code=None), "another bam-surgery run", f"pid {os.getpid()}")
         tmp.write_bytes(b"first")
     assert out.read_bytes() == b"first" and debris(tmp_path) == []
 
@@ -207,7 +187,7 @@ def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path, inputs):
     other = tmp_path / "other.safetensors"
     work_folder(other).mkdir()
     (work_folder(other) / "diary.txt").write_text("mine")
-    one_error_line(merge(inputs, other), "diary.txt")
+    error_line(merge_family(inputs, other, code=None), "diary.txt")
     assert (work_folder(other) / "diary.txt").read_text() == "mine"
 
 
@@ -216,8 +196,8 @@ def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path, inputs):
 def test_outputs_respect_the_umask(tmp_path, inputs, umask, mode):
     old = os.umask(umask)
     try:
-        assert merge(inputs, tmp_path / "mix").exit_code == 0
-        assert merge(inputs, tmp_path / "mix.safetensors").exit_code == 0
+        merge_family(inputs, tmp_path / "mix")
+        merge_family(inputs, tmp_path / "mix.safetensors")
     finally:
         os.umask(old)
     assert (tmp_path / "mix").stat().st_mode & 0o777 == mode
@@ -230,13 +210,13 @@ def test_a_failed_run_leaves_no_folder_it_created(tmp_path, inputs):
     state["lm_head.weight"] = torch.full_like(state["lm_head.weight"], float("nan"))
     bad = save_checkpoint(state, CFG, tmp_path / "in" / "nan.safetensors")
     out = tmp_path / "new" / "deeper" / "mix.safetensors"
-    one_error_line(merge([inputs[0], bad], out), "non-finite")
+    error_line(merge_family([inputs[0], bad], out, code=None), "non-finite")
     assert not (tmp_path / "new").exists()
 
 
 def test_a_parent_that_is_a_file_is_one_line(tmp_path, inputs):
     (tmp_path / "file.txt").write_text("not a folder")
-    one_error_line(merge(inputs, tmp_path / "file.txt" / "mix.safetensors"), "file.txt", "not a folder")
+    error_line(merge_family(inputs, tmp_path / "file.txt" / "mix.safetensors", code=None), "file.txt", "not a folder")
     assert (tmp_path / "file.txt").read_text() == "not a folder"
 
 
@@ -246,7 +226,7 @@ def test_write_errors_are_one_line_and_leave_nothing(tmp_path, inputs, monkeypat
         raise OSError(err, os.strerror(err))
     monkeypatch.setattr(SafetensorsStreamWriter, "write", fail)
     out = tmp_path / "out" / "mix"
-    line = one_error_line(merge(inputs, out), str(out), os.strerror(err))
+    line = error_line(merge_family(inputs, out, code=None), str(out), os.strerror(err))
     assert "Traceback" not in line and not (tmp_path / "out").exists()
 
 
@@ -259,7 +239,7 @@ def test_read_only_file_system_when_creating_the_output_folder(tmp_path, inputs,
         return real_mkdir(path, *a, **k)
 
     monkeypatch.setattr(os, "mkdir", read_only)
-    one_error_line(merge(inputs, tmp_path / "ro" / "mix.safetensors"), "Read-only file system")
+    error_line(merge_family(inputs, tmp_path / "ro" / "mix.safetensors", code=None), "Read-only file system")
 
 
 def _enospc(*args, **kwargs):
@@ -272,7 +252,7 @@ def test_a_disk_too_full_for_the_lock_keeps_the_previous_output_and_names_out(tm
     """merge --force on a full disk (issue 20, disk full): the lock file or its pid cannot be written. One line
     naming OUT; no work folder left; the previous output kept byte for byte."""
     out = tmp_path / "mix"
-    assert merge(inputs, out).exit_code == 0
+    merge_family(inputs, out)
     before = snapshot(tmp_path)
     real_open = os.open
 
@@ -282,7 +262,7 @@ def test_a_disk_too_full_for_the_lock_keeps_the_previous_output_and_names_out(tm
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(os, call, full_open if call == "open" else _enospc)
-    line = one_error_line(merge(inputs, out, "--force", "--router-seed", "5"), str(out), "No space left on device")
+    line = error_line(merge_family(inputs, out, "--force", "--router-seed", "5", code=None), str(out), "No space left on device")
     monkeypatch.undo()
     assert not os.path.lexists(work_folder(out)), line
     assert snapshot(tmp_path) == before

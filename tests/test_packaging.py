@@ -54,18 +54,20 @@ def third_party_imports() -> dict[str, list[str]]:
             rel = path.relative_to(ROOT)
             if rel in REMOTE_CODE:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and not node.level:
-                    names = [node.module]
-                else:
-                    continue
-                for name in names:
-                    top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top != "bam_surgery":
-                        found.setdefault(top, []).append(f"{rel}:{node.lineno}")
+            for node, name in absolute_imports(ast.parse(path.read_text(encoding="utf-8"))):
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "bam_surgery":
+                    found.setdefault(top, []).append(f"{rel}:{node.lineno}")
     return found
+
+
+def absolute_imports(tree: ast.AST):
+    """(import node, module name) for every absolute import in the tree, function-level ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node, node.module
 
 
 def test_every_imported_package_is_declared():

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
 
+from conftest import run_cli
 from bam_surgery.runtime import load_checkpoint
-from bam_surgery.cli.commands import cli
 from bam_surgery.pipeline.run import PipelineRun
 from bam_surgery.pipeline.schema import load_pipeline, shipped_pipelines
 
@@ -76,12 +75,6 @@ def micro_doc(corpus: Path, cache: Path) -> dict:
 def write_doc(doc: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return path
-
-
-def run_cli(*args, code: int = 0):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == code, result.output + (repr(result.exception) if result.exception else "")
-    return result
 
 
 def without_timing(x):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import max_diff, random_state, tiny_config
+from conftest import error_line, max_diff, random_state, tiny_config
 from bam_surgery.converters.hf_bam import export_hf_bam
 from bam_surgery.converters.hf_bam.configuration_bam import SUPPORTED
 from bam_surgery.runtime import config as config_module
@@ -32,14 +32,6 @@ KINDS = list(ROUTER_KINDS)
 
 def run(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bam-surgery: error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 # ---- the registry and the config -----------------------------------------------------------
@@ -241,20 +233,20 @@ def test_count_params_shows_each_kind(family, tmp_path):
 def test_bad_router_input_is_one_line_exit_2(family, tmp_path):
     root, (seed, *experts) = family
     base = ("merge", "--seed", seed, "--experts", ",".join(experts), "--out", str(tmp_path / "m.safetensors"))
-    assert_one_line_error(run(*base, "--router", "cosine"), "--router", "cosine")
-    assert_one_line_error(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean"),
+    error_line(run(*base, "--router", "cosine"), "--router", "cosine")
+    error_line(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean"),
                           "--router-init domain-mean", "--calibration")
-    assert_one_line_error(run(*base, "--router-init", "profile", "--calibration", f"code={root}"),
+    error_line(run(*base, "--router-init", "profile", "--calibration", f"code={root}"),
                           "expert_embedding")  # warm starts set expert embeddings: linear routers have none
-    assert_one_line_error(run(*base, "--calibration", f"code={root}"), "--calibration")
+    error_line(run(*base, "--calibration", f"code={root}"), "--calibration")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert_one_line_error(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean",
+    error_line(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean",
                               "--calibration", f"general={empty},code={empty},law={empty}",
                               "--token-cache", str(tmp_path / "cache")), "no text")
     text = tmp_path / "code.txt"
     text.write_text("def f(x): return x\n" * 20)
-    assert_one_line_error(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean",
+    error_line(run(*base, "--router", "expert_embedding", "--router-init", "domain-mean",
                               "--calibration", f"general={text},code={text}", "--token-cache",
                               str(tmp_path / "cache")), "no domain named 'law'")
     assert not (tmp_path / "m.safetensors").exists()
@@ -338,7 +330,7 @@ def test_count_params_of_a_recipe_mixture_with_another_router_kind():
     assert body["groups"]["routers"] == {"tensors": 2 * L * 3, "total": 2 * L * per_router,
                                          "active": 2 * L * per_router}
     assert body["buffers"] == {"tensors": 0, "total": 0}
-    assert_one_line_error(run("count-params", "--preset", "paper-small", "--router", "mlp"), "--router")
+    error_line(run("count-params", "--preset", "paper-small", "--router", "mlp"), "--router")
 
 
 # ---- calibration reads what it uses (issue 20, item 6) ------------------------------------------------
@@ -378,4 +370,4 @@ def test_a_calibration_decompression_bomb_is_one_line(tmp_path):
     res = run("merge", "--seed", seed, "--experts", ",".join(experts), "--router", "expert_embedding",
               "--router-init", "domain-mean", "--calibration", f"general={bomb},code={bomb},law={bomb}",
               "--token-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "mix.safetensors"))
-    assert_one_line_error(res, str(bomb), f"more than {MAX_DOCUMENT_CHARS:,} characters")
+    error_line(res, str(bomb), f"more than {MAX_DOCUMENT_CHARS:,} characters")

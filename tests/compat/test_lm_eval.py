@@ -26,9 +26,8 @@ from bam_surgery.converters.hf_bam import export_hf_bam  # noqa: E402
 from bam_surgery.runtime import generate, save_model  # noqa: E402
 from bam_surgery.runtime.checkpoint import CheckpointReader  # noqa: E402
 
-from test_hf_bam_export import V, load_hf, random_model  # noqa: E402
+from test_hf_bam_export import V, load_hf, random_model, save_word_tokenizer  # noqa: E402
 
-SPECIALS = ["<unk>", "<pad>", "</s>"]  # ids 0, 1, 2; words w3 .. w63
 EOS = 2
 
 
@@ -38,15 +37,8 @@ def words(ids) -> str:
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, hf_modules):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("lm_eval")
-    vocab = {t: i for i, t in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), V)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>"
-                            ).save_pretrained(root / "tok")
+    save_word_tokenizer(root / "tok")
     model = random_model("bam_shared_kv", seed=5)
     save_model(model, root / "canonical.safetensors")
     with CheckpointReader(root / "canonical.safetensors") as reader:
