@@ -1,18 +1,20 @@
 """The README is executable: every `bam-surgery ...` command in its fenced blocks runs here, and every
 transcript (a `$ COMMAND` line followed by the output the README shows) matches what the command prints.
+So are the docs that hold the examples moved out of the README (DOCS: docs/usage.md, the command list and
+the longer examples; docs/merging.md, the merge's and count-params' examples), read after it in that order.
 
-README.md is the source of truth; nothing here lists its commands. The parser reads every fenced block
+The files are the source of truth; nothing here lists their commands. The parser reads every fenced block
 that is not Python:
 
 - a transcript block: each `$ ` line (with its `\\` continuation lines) is a command, the lines below it,
   up to the next `$ ` line, its expected output. `$ make demo` is the demo itself (the Makefile's
   `python -m bam_surgery.cli.demo --out demo-out`), run once for the whole module; the `$ bam-surgery`
   lines inside its output are lines the demo prints (it runs those commands itself).
-- the command list ("## The command line"): each line starting with `bam-surgery` (with its `\\`
+- the command list (docs/usage.md, "## The command line"): each line starting with `bam-surgery` (with its `\\`
   continuation lines; `# ...` comments dropped) is a command with placeholders, mapped to real inputs by
   PLACEHOLDERS (and a command's own entry in RUNS). `[--json]` runs the command both without and with the
   option. A token the test does not know (an upper-case name, `...`, `[...]`) fails the test: a new
-  README command cannot be skipped silently.
+  command in these files cannot be skipped silently.
 
 Every command runs in order, in one working folder holding what the README assumes: `demo-out/` (the demo's
 outputs), `data/` (the repository's corpus, linked), and `seed`, `code`, `law`, `math` (tiny Hugging Face
@@ -32,7 +34,8 @@ names, labels and units are compared exactly in every mode.
 
 RUNS has an entry for each README command the test runs differently, saying how and why: the long runs
 (`train`'s 200 steps, eval over every held-out token, the 17-minute `pipeline tiny`) shrunk by option
-values, and the comparison mode. The report.md excerpt (the `| model | ...` table) is checked against the
+values, and the comparison mode; `generate`'s text, which only the README's 200-step run writes, is left out of
+the comparison (`generated`). The report.md excerpt (the `| model | ...` table) is checked against the
 shrunk pipeline's report by shape.
 """
 from __future__ import annotations
@@ -60,6 +63,8 @@ from bam_surgery.cli.commands import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# the files whose commands run here, in this order (README.md first: the docs' examples use what it wrote)
+DOCS = (README, ROOT / "docs" / "usage.md", ROOT / "docs" / "merging.md")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices (conftest.one_thread)
 
@@ -84,12 +89,14 @@ LLAMA_EXPERTS = {"SEED": "seed", "A,B,C": "code,law,math"}  # the HF Llama famil
 class Run:
     """How the test runs one README command, keyed by the start of the command as the README writes it (`$ `
     left out): `options` replace (or add) an option's value, `tokens` replace whole arguments, `placeholders`
-    are this command's own PLACEHOLDERS, `compare` is how numbers compare, `why` says why it differs."""
+    are this command's own PLACEHOLDERS, `compare` is how numbers compare, `generated` the number of the excerpt's
+    first lines that are generated text (compared as one `...` line), `why` says why it differs."""
 
     options: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, str] = field(default_factory=dict)
     compare: str = "exact"
+    generated: int = 0
     why: str = ""
 
 
@@ -118,19 +125,26 @@ RUNS = {
         Run(options={"--max-tokens": "1024"}, compare="shape", why="the run is the shrunk one above"),
     "bam-surgery export-onnx mix.safetensors":
         Run(compare="shape", why="the verified logits difference is float noise"),
+    "bam-surgery generate run --prompt":
+        Run(compare="shape", generated=1, why="the text is the 200-step run's; the run here is the shrunk one"),
 }
 
 
 # ---- reading the README --------------------------------------------------------------------------------
 @dataclass
 class Example:
-    command: str  # as the README writes it ("$ " kept for transcripts), continuation lines joined
-    line: int  # README line of its first line
+    command: str  # as the file writes it ("$ " kept for transcripts), continuation lines joined
+    line: int  # line of its first line in the file
     expected: list[str] | None = None  # a transcript's output lines; None in the command list
+    file: str = "README.md"  # relative to the repository root
 
     @property
     def transcript(self) -> bool:
         return self.expected is not None
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
 
 
 def fenced_blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -159,18 +173,18 @@ def _joined(lines: list[str], i: int) -> tuple[str, int]:
     return " ".join(p.strip() for p in parts), i + 1
 
 
-def readme_examples(text: str) -> list[Example]:
+def readme_examples(text: str, file: str = "README.md") -> list[Example]:
     examples: list[Example] = []
     for start, lines in fenced_blocks(text):
         if any(line.startswith("$ ") for line in lines):
             i = 0
             while i < len(lines):
                 if not lines[i].startswith("$ "):  # only lines before the block's first command come here
-                    assert not lines[i].strip(), f"README.md:{start + i}: output before the block's first `$` line"
+                    assert not lines[i].strip(), f"{file}:{start + i}: output before the block's first `$` line"
                     i += 1
                     continue
                 command, j = _joined(lines, i)
-                ex = Example(command, start + i, [])
+                ex = Example(command, start + i, [], file)
                 k = j
                 while k < len(lines) and (command == "$ make demo" or not lines[k].startswith("$ ")):
                     k += 1
@@ -184,11 +198,11 @@ def readme_examples(text: str) -> list[Example]:
             while i < len(lines):
                 if lines[i].startswith("bam-surgery "):
                     command, j = _joined(lines, i)
-                    examples.append(Example(command, start + i))
+                    examples.append(Example(command, start + i, None, file))
                     i = j
                 else:
                     assert not re.match(r"\s+bam-surgery\s", lines[i]), \
-                        f"README.md:{start + i}: an indented command the test would not see; start it at column 0"
+                        f"{file}:{start + i}: an indented command the test would not see; start it at column 0"
                     i += 1
     return examples
 
@@ -218,9 +232,9 @@ def command_args(ex: Example) -> tuple[list[list[str]], tuple[str, int] | None]:
     m = re.fullmatch(r"(.*?)\s*\|\s*(tail|head) -(\d+)\s*", text)
     if m:
         text, pipe = m.group(1), (m.group(2), int(m.group(3)))
-    assert " | " not in text, f"README.md:{ex.line}: {ex.command!r}: a pipe the test cannot apply (tail/head -N only)"
+    assert " | " not in text, f"{ex.where}: {ex.command!r}: a pipe the test cannot apply (tail/head -N only)"
     words = shlex.split(text, comments=True)
-    assert words[0] == "bam-surgery", f"README.md:{ex.line}: {ex.command!r} is not a bam-surgery command"
+    assert words[0] == "bam-surgery", f"{ex.where}: {ex.command!r} is not a bam-surgery command"
     run = RUNS.get(run_key(ex.command), Run())
     mapping = {**PLACEHOLDERS, **run.placeholders} if not ex.transcript else {}
     args: list[str] = []
@@ -233,7 +247,7 @@ def command_args(ex: Example) -> tuple[list[list[str]], tuple[str, int] | None]:
         for v in (value if isinstance(value, list) else [value]):
             args.append(mapping.get(v, v))
     unknown = [a for a in args if UNKNOWN.search(a)]
-    assert not unknown, (f"README.md:{ex.line}: {ex.command!r} uses {unknown}, which the test does not know how to "
+    assert not unknown, (f"{ex.where}: {ex.command!r} uses {unknown}, which the test does not know how to "
                          "run: map it in PLACEHOLDERS or OPTIONAL (tests/test_readme.py)")
     args = [run.tokens.get(a, a) for a in args]
     for option, value in run.options.items():
@@ -242,12 +256,12 @@ def command_args(ex: Example) -> tuple[list[list[str]], tuple[str, int] | None]:
     return variants, pipe
 
 
-EXAMPLES = readme_examples(README.read_text(encoding="utf-8"))
+EXAMPLES = [ex for doc in DOCS for ex in readme_examples(doc.read_text(encoding="utf-8"), str(doc.relative_to(ROOT)))]
 
 
 def example_id(ex: Example) -> str:
     words = ex.command.lstrip("$ ").split()
-    return f"L{ex.line}-{'-'.join(words[1:2] if words[0] == 'bam-surgery' else words[:2])}"
+    return f"{Path(ex.file).stem}-L{ex.line}-{'-'.join(words[1:2] if words[0] == 'bam-surgery' else words[:2])}"
 
 
 # ---- comparing an excerpt with the output ------------------------------------------------------------------
@@ -472,20 +486,23 @@ def session(tmp_path_factory, one_thread) -> ReadmeSession:
 
 # ---- the tests ---------------------------------------------------------------------------------------------
 def test_the_readme_commands_are_all_found():
-    """The parser sees every command the README shows, and every entry of the tables is still used."""
-    text = README.read_text(encoding="utf-8")
+    """The parser sees every command the README and DOCS show, and every entry of the tables is still used."""
     commands = [ex for ex in EXAMPLES if not ex.transcript]
-    listed = [ln for _, lines in fenced_blocks(text) for ln in lines if ln.startswith("bam-surgery ")]
+    listed = [ln for doc in DOCS for _, lines in fenced_blocks(doc.read_text(encoding="utf-8")) for ln in lines
+              if ln.startswith("bam-surgery ")]
     assert len(commands) == len(listed) >= 15
     assert sum(ex.transcript for ex in EXAMPLES) >= 9
+    in_readme = {ex.command.split()[2] for ex in EXAMPLES if ex.file == "README.md" and ex.transcript
+                 and ex.command.startswith("$ bam-surgery ")}
+    assert len(in_readme) >= 8, f"the README shows real output of only {sorted(in_readme)}"
     names = {ex.command.lstrip("$ ").split()[1] for ex in EXAMPLES if ex.command.lstrip("$ ").startswith("bam-")}
     unknown = names - set(cli.commands)
     assert not unknown, f"README commands that bam-surgery does not have: {unknown}"
     for key in RUNS:
-        assert any(run_key(ex.command) == key for ex in EXAMPLES), f"RUNS[{key!r}] matches no README command"
+        assert any(run_key(ex.command) == key for ex in EXAMPLES), f"RUNS[{key!r}] matches no command of DOCS"
     used = {w for ex in commands for w in shlex.split(ex.command, comments=True)}
     for key in list(PLACEHOLDERS) + list(OPTIONAL):
-        assert key in used, f"PLACEHOLDERS/OPTIONAL[{key!r}] is in no README command"
+        assert key in used, f"PLACEHOLDERS/OPTIONAL[{key!r}] is in no command of {[d.name for d in DOCS]}"
 
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)), ids=[example_id(ex) for ex in EXAMPLES])
@@ -494,12 +511,13 @@ def test_readme_command(session, index):
     run = RUNS.get(run_key(ex.command), Run())
     expected_exit = 2 if ex.expected and ex.expected[0].startswith("bam-surgery: error:") else 0
     for outcome in session.outcomes(index):
-        shown = f"README.md:{ex.line}: bam-surgery {shlex.join(outcome.args)}\n{outcome.output}{outcome.error}"
+        shown = f"{ex.where}: bam-surgery {shlex.join(outcome.args)}\n{outcome.output}{outcome.error}"
         assert outcome.exit_code == expected_exit, shown
         if "--json" in outcome.args:
             json.loads(outcome.output)
         if ex.transcript:
-            mismatch = excerpt_mismatch(ex.expected, [ln.rstrip() for ln in outcome.output.splitlines()], run.compare)
+            expected = (["..."] + ex.expected[run.generated:]) if run.generated else ex.expected
+            mismatch = excerpt_mismatch(expected, [ln.rstrip() for ln in outcome.output.splitlines()], run.compare)
             assert mismatch is None, f"{mismatch}\n\n--- the command printed:\n{shown}"
 
 
