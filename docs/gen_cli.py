@@ -19,8 +19,11 @@ WIDTH = 100  # columns of the rendered help (click's terminal_width and max_cont
 
 
 def help_text(command: click.Command, name: str, parent: click.Context | None = None) -> str:
-    """`bam-surgery [NAME] --help` as click prints it at WIDTH columns."""
-    ctx = click.Context(command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH)
+    """`bam-surgery [NAME] --help` as click prints it at WIDTH columns. The context takes the command's own
+    context_settings (the group's `-h`), as click's own invocation does: click caches a command's help option
+    from the first context that asks for it, so a bare context here would change what a later --help prints."""
+    settings = {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
+    ctx = click.Context(command, info_name=name, parent=parent, **settings)
     return command.get_help(ctx).rstrip() + "\n"
 
 
@@ -28,7 +31,8 @@ def render() -> str:
     """The whole of docs/cli.md."""
     from bam_surgery.cli.commands import cli
 
-    root = click.Context(cli, info_name="bam-surgery", terminal_width=WIDTH, max_content_width=WIDTH)
+    root = click.Context(cli, info_name="bam-surgery",
+                         **{**cli.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH})
     names = cli.list_commands(root)
     out = [
         "# Command reference",

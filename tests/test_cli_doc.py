@@ -1,8 +1,11 @@
 """docs/cli.md, the command reference, is what docs/gen_cli.py writes from the commands' --help today."""
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +21,10 @@ def test_the_command_reference_is_current():
     gen = _generator()
     want = gen.render()
     have = gen.DOC.read_text(encoding="utf-8")
-    assert have == want, f"docs/cli.md is out of date with the commands' --help: run {gen.REGENERATE}"
+    if have != want:
+        diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "docs/cli.md", "--help today", lineterm="", n=1)
+        pytest.fail(f"docs/cli.md is out of date with the commands' --help: run {gen.REGENERATE}\n"
+                    + "\n".join(list(diff)[:40]), pytrace=False)
 
 
 def test_the_command_reference_has_every_command_and_option():
