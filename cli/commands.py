@@ -7,21 +7,29 @@ User errors (bad recipe, bad input, refused output path) print one line,
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import functools
 import os
 import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
-from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS
+from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
 from bam_surgery.surgery.open_input import open_input
+from bam_surgery.surgery.recipe import SHARED_KV_RULES, WARM_STARTS, SharedKVRule, WarmStart
 
 from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, format_option, output_written
+
+if TYPE_CHECKING:
+    from bam_surgery.surgery.plan import MergeOptions
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -153,6 +161,72 @@ def _check_format_out(fmt: str, out: str | None) -> None:
         raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
 
 
+ROUTER_INITS = ("random", *WARM_STARTS)  # --router-init: random, or a warm start
+
+
+def options_as(cls):
+    """A click command's parameters as one `cls` instance (a dataclass whose fields are the parameters'
+    names): `@options_as(MergeArgs) def merge(args: MergeArgs)` under the click decorators."""
+    def decorate(command):
+        @functools.wraps(command)
+        def with_options(**params):
+            return command(cls(**params))
+        return with_options
+    return decorate
+
+
+@dataclass(frozen=True)
+class MergeArgs:
+    """Every option of `bam-surgery merge` as click parsed it, one field per option (its parameter name).
+    The plan's options (surgery.plan.MergeOptions) are built from them in one place: plan_options."""
+
+    seed: str
+    experts: tuple[str, ...]
+    out: str | None
+    recipe: str
+    ffn_top_k: int | None
+    attention_routing: str | None  # soft | topK
+    gate_norm: GateNorm | None
+    extra_ffn_experts: int | None
+    seed_expert: bool | None
+    weights: str | None  # W0,W1,... as given (plan_options reads the numbers)
+    shared_kv_rule: SharedKVRule | None
+    router_seed: int
+    router_std: float | None
+    router: Router | None
+    ffn_router: Router | None
+    attn_router: Router | None
+    router_hidden: int | None
+    router_temperature: float | None
+    router_init: str  # ROUTER_INITS
+    calibration: str | None
+    calibration_tokens: int
+    tokenizer: str | None
+    token_cache: str | None
+    lb_coef: float | None
+    z_coef: float | None
+    dtype: str | None
+    max_shard_size: str | None
+    fmt: str
+    dry_run: bool
+    force: bool
+    allow_nonfinite: bool
+    allow_pickle: bool
+    quiet: bool
+
+    @property
+    def warm_start(self) -> WarmStart | None:
+        return None if self.router_init == "random" else self.router_init
+
+    def plan_options(self) -> MergeOptions:
+        """MergeOptions from the options of the same names; --weights read as numbers, --router-init as the
+        warm start."""
+        from bam_surgery.surgery.plan import MergeOptions  # lazy: surgery.plan is not needed for --help
+
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(MergeOptions) if f.name != "weights"}
+        return MergeOptions(**same, weights=_parse_weights(self.weights))
+
+
 @cli.command()
 @click.option("--seed", "seed", required=True, metavar="[NAME=]CKPT",
               help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
@@ -184,7 +258,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--weights", metavar="W0,W1,...",
               help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
                    "order (seed first when it joins); normalized to sum 1. Default: uniform.")
-@click.option("--shared-kv-rule", type=click.Choice(["mean", "seed"]),
+@click.option("--shared-kv-rule", type=click.Choice(SHARED_KV_RULES),
               help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
                    "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
 @click.option("--router-seed", type=int, default=0, show_default=True, metavar="N",
@@ -192,7 +266,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
                    "name, so results do not depend on order.")
 @click.option("--router-std", type=click.FloatRange(min=0), metavar="X",
               help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
-@click.option("--router", "router_kind", type=click.Choice(ROUTERS),
+@click.option("--router", type=click.Choice(ROUTERS),
               help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
                    "default: the recipe's, linear).")
 @click.option("--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
@@ -204,7 +278,7 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 @click.option("--router-temperature", type=click.FloatRange(min=0, min_open=True), metavar="T",
               help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
                    "default 0.1).")
-@click.option("--router-init", type=click.Choice(["random", "domain-mean", "profile"]), default="random",
+@click.option("--router-init", type=click.Choice(ROUTER_INITS), default="random",
               show_default=True,
               help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
                    "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
@@ -238,69 +312,84 @@ def _check_format_out(fmt: str, out: str | None) -> None:
               help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
 @ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
-def merge(seed, experts, out, recipe, ffn_top_k, attention_routing, gate_norm, extra_ffn_experts, seed_expert,
-          weights, shared_kv_rule, router_seed, router_std, router_kind, ffn_router, attn_router, router_hidden,
-          router_temperature, router_init, calibration, calibration_tokens, tokenizer, token_cache, lb_coef, z_coef,
-          dtype, max_shard_size, fmt, dry_run, force, allow_nonfinite, allow_pickle, quiet) -> None:
+@options_as(MergeArgs)
+def merge(args: MergeArgs) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     from bam_surgery.converters.export import check_export
     from bam_surgery.surgery.execute import execute_plan
     from bam_surgery.surgery.names import input_names, parse_named, split_specs
-    from bam_surgery.surgery.plan import MergeOptions, compile_plan, format_plan
+    from bam_surgery.surgery.plan import compile_plan
     from bam_surgery.surgery.recipe import load_recipe
-    from bam_surgery.surgery.sizes import parse_size
 
-    the_recipe = load_recipe(recipe)  # validated before any checkpoint is opened
-    if out is None and not dry_run:
-        raise BamSurgeryError("--out is required (or use --dry-run)")
-    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    if shard_bytes and out is not None and str(out).endswith(".safetensors"):
-        raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory path "
-                              "to write shards")
-    _check_format_out(fmt, out)
-    warm = None if router_init == "random" else router_init
-    if warm and not calibration:
-        raise BamSurgeryError(f"--router-init {router_init}: needs --calibration DATA (e.g. code=data/domains/code,"
-                              "general=data/domains/general)")
-    if calibration and not warm:
-        raise BamSurgeryError("--calibration: only --router-init domain-mean or profile reads calibration data")
-    options = MergeOptions(seed_expert=seed_expert, extra_ffn_experts=extra_ffn_experts, ffn_top_k=ffn_top_k,
-                           attention_routing=attention_routing, gate_norm=gate_norm, lb_coef=lb_coef,
-                           z_coef=z_coef, weights=_parse_weights(weights), dtype=dtype, router_seed=router_seed,
-                           router_std=router_std, shared_kv_rule=shared_kv_rule, allow_nonfinite=allow_nonfinite,
-                           router=router_kind, ffn_router=ffn_router, attn_router=attn_router,
-                           router_hidden=router_hidden, router_temperature=router_temperature, warm_start=warm)
-    named = [parse_named(seed), *split_specs(experts)]
+    the_recipe = load_recipe(args.recipe)  # validated before any checkpoint is opened
+    shard_bytes = _check_merge_args(args)
+    options = args.plan_options()
+    named = [parse_named(args.seed), *split_specs(args.experts)]
     names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
-        readers = [opened.enter_context(open_input(spec, allow_pickle)) for _, spec in named]
+        readers = [opened.enter_context(open_input(spec, args.allow_pickle)) for _, spec in named]
         plan = compile_plan(the_recipe, readers, options, names=names)
-        check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any tensor is read
-        if warm and not dry_run:  # a stage before the streamed merge: reads the inputs and the calibration data
-            from bam_surgery.surgery.warm_start import Calibration, warm_start
-
-            log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-            plan = warm_start(plan, Calibration(calibration, calibration_tokens, tokenizer, token_cache), log)
-        if dry_run:
-            click.echo(format_plan(plan))
-            click.echo("")
-            click.echo(_audit_text(plan))
-            if out is not None and Path(out).exists() and not force:
-                _warn(f"{out} exists; the merge would need --force")
+        check_export(args.fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any read
+        if args.warm_start and not args.dry_run:  # a stage before the streamed merge: reads inputs and data
+            plan = _warm_start(plan, args)
+        if args.dry_run:
+            _print_dry_run(plan, args)
             return
-        if fmt == "canonical":
-            path = execute_plan(plan, out, force=force, max_shard_bytes=shard_bytes,
-                                progress=not quiet and sys.stderr.isatty(), warn=_warn)
+        if args.fmt == "canonical":
+            path = execute_plan(plan, args.out, force=args.force, max_shard_bytes=shard_bytes,
+                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn)
         else:
-            path = _merge_export(plan, Path(out), fmt, force, shard_bytes)
+            path = _merge_export(plan, Path(args.out), args.fmt, args.force, shard_bytes)
         output_written(path)
-        if not quiet:
-            cfg = plan.config
-            click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
-                       f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
-            note = untrained_gate_note(cfg)
-            if note:
-                click.echo(f"bam-surgery: note: {note}", err=True)
+        if not args.quiet:
+            _print_merge_summary(plan, path)
+
+
+def _check_merge_args(args: MergeArgs) -> int | None:
+    """The checks of merge's options among themselves, before any checkpoint is opened; the shard size in bytes."""
+    from bam_surgery.surgery.sizes import parse_size
+
+    if args.out is None and not args.dry_run:
+        raise BamSurgeryError("--out is required (or use --dry-run)")
+    shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
+    if shard_bytes and args.out is not None and str(args.out).endswith(".safetensors"):
+        raise BamSurgeryError(f"--max-shard-size: {args.out} is a single .safetensors file; give a directory path "
+                              "to write shards")
+    _check_format_out(args.fmt, args.out)
+    if args.warm_start and not args.calibration:
+        raise BamSurgeryError(f"--router-init {args.router_init}: needs --calibration DATA (e.g. "
+                              "code=data/domains/code,general=data/domains/general)")
+    if args.calibration and not args.warm_start:
+        raise BamSurgeryError("--calibration: only --router-init domain-mean or profile reads calibration data")
+    return shard_bytes
+
+
+def _warm_start(plan, args: MergeArgs):
+    """The plan with its expert embeddings computed from the calibration data (surgery/warm_start.py)."""
+    from bam_surgery.surgery.warm_start import Calibration, warm_start
+
+    log = (lambda msg: None) if args.quiet else (lambda msg: click.echo(msg, err=True))
+    calibration = Calibration(args.calibration, args.calibration_tokens, args.tokenizer, args.token_cache)
+    return warm_start(plan, calibration, log)
+
+
+def _print_dry_run(plan, args: MergeArgs) -> None:
+    from bam_surgery.surgery.plan import format_plan
+
+    click.echo(format_plan(plan))
+    click.echo("")
+    click.echo(_audit_text(plan))
+    if args.out is not None and Path(args.out).exists() and not args.force:
+        _warn(f"{args.out} exists; the merge would need --force")
+
+
+def _print_merge_summary(plan, path: Path) -> None:
+    cfg = plan.config
+    click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
+               f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
+    note = untrained_gate_note(cfg)
+    if note:
+        click.echo(f"bam-surgery: note: {note}", err=True)
 
 
 def untrained_gate_note(cfg) -> str | None:

@@ -112,53 +112,7 @@ def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, external: boo
     np_dtype = "np.float16" if options.dtype == torch.float16 else "np.float32"
     kind = (("BAM mixture" if cfg.attn_experts else "BTX/MoE mixture") if cfg.is_mixture else "dense model")
     files = f"`{GRAPH_FILE}`" + (f" and its weights `{DATA_FILE}` (keep them side by side)" if external else "")
-    if options.kv_cache:
-        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, past + sequence]
-(1 token, 0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask),
-and `past_key_values.{{i}}.key` / `.value` [batch, {ModelKVCache.kv_heads(cfg)}, past, {cfg.head_dim}] for each of the
-{cfg.n_layers} layers (empty, past 0, for the prompt). Outputs: `logits` [batch, sequence, {cfg.vocab_size}] and
-`present.{{i}}.key` / `.value` (the past with the new tokens appended), the next step's past."""
-        snippet = f"""```python
-import numpy as np
-import onnxruntime as ort
-
-session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
-ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
-mask = np.ones_like(ids)  # 1 token, 0 padding
-past = {{i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), {np_dtype})
-        for i in session.get_inputs() if i.name.startswith("past_key_values.")}}
-new = []
-for _ in range(8):  # greedy: the prompt once, then one token per step through the KV cache
-    positions = (mask.cumsum(-1) - 1).clip(min=0)[:, -ids.shape[1]:]
-    logits, *present = session.run(None, {{"input_ids": ids, "attention_mask": mask,
-                                          "position_ids": positions, **past}})
-    ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-    new.append(ids)
-    mask = np.concatenate([mask, np.ones_like(ids)], axis=1)
-    past = dict(zip(past, present))
-print(np.concatenate(new, axis=1))
-```"""
-    else:
-        io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, sequence] (1 token,
-0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask).
-Output: `logits` [batch, sequence, {cfg.vocab_size}]. Exported without a KV cache: every step recomputes the
-whole sequence."""
-        snippet = f"""```python
-import numpy as np
-import onnxruntime as ort
-
-session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
-ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
-mask = np.ones_like(ids)  # 1 token, 0 padding
-prompt_len = ids.shape[1]
-for _ in range(8):  # greedy, recomputing the whole sequence each step (no KV cache in this export)
-    positions = (mask.cumsum(-1) - 1).clip(min=0)
-    (logits,) = session.run(None, {{"input_ids": ids, "attention_mask": mask, "position_ids": positions}})
-    token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-    ids = np.concatenate([ids, token], axis=1)
-    mask = np.concatenate([mask, np.ones_like(token)], axis=1)
-print(ids[:, prompt_len:])
-```"""
+    io, snippet = _cached_graph(cfg, np_dtype) if options.kv_cache else _uncached_graph(cfg)
     return f"""---
 library_name: onnx
 tags: [onnx, onnxruntime, bam-surgery]
@@ -181,6 +135,61 @@ Needs `numpy` and `onnxruntime` only:
 
 {snippet}
 """
+
+
+def _cached_graph(cfg: ModelConfig, np_dtype: str) -> tuple[str, str]:
+    """(inputs and outputs, a snippet that runs them) of a graph with a KV cache."""
+    io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, past + sequence]
+(1 token, 0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask),
+and `past_key_values.{{i}}.key` / `.value` [batch, {ModelKVCache.kv_heads(cfg)}, past, {cfg.head_dim}] for each of the
+{cfg.n_layers} layers (empty, past 0, for the prompt). Outputs: `logits` [batch, sequence, {cfg.vocab_size}] and
+`present.{{i}}.key` / `.value` (the past with the new tokens appended), the next step's past."""
+    snippet = f"""```python
+import numpy as np
+import onnxruntime as ort
+
+session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
+ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
+mask = np.ones_like(ids)  # 1 token, 0 padding
+past = {{i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), {np_dtype})
+        for i in session.get_inputs() if i.name.startswith("past_key_values.")}}
+new = []
+for _ in range(8):  # greedy: the prompt once, then one token per step through the KV cache
+    positions = (mask.cumsum(-1) - 1).clip(min=0)[:, -ids.shape[1]:]
+    logits, *present = session.run(None, {{"input_ids": ids, "attention_mask": mask,
+                                          "position_ids": positions, **past}})
+    ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    new.append(ids)
+    mask = np.concatenate([mask, np.ones_like(ids)], axis=1)
+    past = dict(zip(past, present))
+print(np.concatenate(new, axis=1))
+```"""
+    return io, snippet
+
+
+def _uncached_graph(cfg: ModelConfig) -> tuple[str, str]:
+    """(inputs and outputs, a snippet that runs them) of a graph without a KV cache."""
+    io = f"""Inputs: `input_ids` int64 [batch, sequence], `attention_mask` int64 [batch, sequence] (1 token,
+0 padding; pad on the left), `position_ids` int64 [batch, sequence] (real tokens counted from the mask).
+Output: `logits` [batch, sequence, {cfg.vocab_size}]. Exported without a KV cache: every step recomputes the
+whole sequence."""
+    snippet = f"""```python
+import numpy as np
+import onnxruntime as ort
+
+session = ort.InferenceSession("{GRAPH_FILE}", providers=["CPUExecutionProvider"])
+ids = np.array([[1, 2, 3]], dtype=np.int64)  # prompt token ids [batch, length], padded on the left
+mask = np.ones_like(ids)  # 1 token, 0 padding
+prompt_len = ids.shape[1]
+for _ in range(8):  # greedy, recomputing the whole sequence each step (no KV cache in this export)
+    positions = (mask.cumsum(-1) - 1).clip(min=0)
+    (logits,) = session.run(None, {{"input_ids": ids, "attention_mask": mask, "position_ids": positions}})
+    token = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+    ids = np.concatenate([ids, token], axis=1)
+    mask = np.concatenate([mask, np.ones_like(token)], axis=1)
+print(ids[:, prompt_len:])
+```"""
+    return io, snippet
 
 
 def _ffn_note(cfg: ModelConfig) -> str:

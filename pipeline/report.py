@@ -184,22 +184,32 @@ def render_markdown(rep: dict[str, Any], plots: list[str]) -> str:
             r["label"] = f"{r['mixture']} ({r['attention']})"
         out += [f"## Attention routing, {setting} (Table 3 style)", "",
                 _table(["model (attention)", *doms, "average"], _ppl_rows(rows, doms)), ""]
-    out += ["## Parameters and training compute", "",
-            f"Total and active parameters from the audit of each checkpoint (exact convention, "
-            f"`bam-surgery count-params`). Compute matching: {rep['compute']['definition']}; every compute-matched "
-            f"mixture gets the FLOPs of `{rep['compute']['reference']}`'s data-matched run.", ""]
+    out += _parameters_section(rep) + _routing_section(models, doms) + _stages_section(rep)
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def _parameters_section(rep: dict[str, Any]) -> list[str]:
+    out = ["## Parameters and training compute", "",
+           f"Total and active parameters from the audit of each checkpoint (exact convention, "
+           f"`bam-surgery count-params`). Compute matching: {rep['compute']['definition']}; every compute-matched "
+           f"mixture gets the FLOPs of `{rep['compute']['reference']}`'s data-matched run.", ""]
     prow = []
-    for m in models:
+    for m in rep["models"]:
         t = m["training"]
         prow.append([m["label"], f"{m['params']['total']:,}", f"{m['params']['active']:,}",
                      f"{t['flops_per_token'] / 1e6:.3f}" if t else "", f"{t['steps']:,}" if t else "",
                      f"{t['tokens']:,}" if t else "", f"{t['flops']:.3e}" if t else ""])
-    out += [_table(["model", "total params", "active params", "MFLOP/token", "steps", "tokens", "training FLOPs"],
-                   prow), ""]
-    out += ["## Routing of the trained mixtures", "",
-            "Per eval domain, means over layers: the share of tokens each FFN expert got (top-k choices) and the "
-            "mean gate of each attention expert; entropy in bits (log2 E: balanced). Per-layer heatmaps: "
-            "plots/routing-*.png.", ""]
+    return out + [_table(["model", "total params", "active params", "MFLOP/token", "steps", "tokens",
+                          "training FLOPs"], prow), ""]
+
+
+def _routing_section(models: list[dict[str, Any]], doms: list[str]) -> list[str]:
+    out = ["## Routing of the trained mixtures", "",
+           "Per eval domain, means over layers: the share of tokens each FFN expert got (top-k choices) and the "
+           "mean gate of each attention expert; entropy in bits (log2 E: balanced). Per-layer heatmaps: "
+           "plots/routing-*.png.", ""]
     for m in models:
         if m["kind"] != "trained" or not m["routing"]:
             continue
@@ -212,19 +222,20 @@ def render_markdown(rep: dict[str, Any], plots: list[str]) -> str:
             rows = [[d, *[f"{v:.3f}" for v in m["routing"][d][kind][key]], f"{m['routing'][d][kind]['entropy_bits']:.3f}"]
                     for d in doms if kind in m["routing"].get(d, {})]
             out += [f"{title}:", "", _table(["domain", *names, "entropy"], rows), ""]
-    out += ["## Stages: tokens and time", "",
-            "Wall and CPU time of the process (CPU time counts every thread; on a loaded machine it is the fairer "
-            "measure). A unit resumed after an interrupt counts its last attempt; `train_s` in report.json is the "
-            "training steps' time over every attempt.", ""]
+    return out
+
+
+def _stages_section(rep: dict[str, Any]) -> list[str]:
+    out = ["## Stages: tokens and time", "",
+           "Wall and CPU time of the process (CPU time counts every thread; on a loaded machine it is the fairer "
+           "measure). A unit resumed after an interrupt counts its last attempt; `train_s` in report.json is the "
+           "training steps' time over every attempt.", ""]
     srows = [[s, f"{len(v['units'])}", f"{v['tokens']:,}", _fmt_s(v["wall_s"]), _fmt_s(v["cpu_s"])]
              for s, v in rep["stages"].items()]
     total = [sum(v["wall_s"] for v in rep["stages"].values()), sum(v["cpu_s"] for v in rep["stages"].values())]
     srows.append(["total", "", f"{sum(v['tokens'] for v in rep['stages'].values()):,}", _fmt_s(total[0]),
                   _fmt_s(total[1])])
-    out += [_table(["stage", "units", "tokens", "wall s", "CPU s"], srows), ""]
-    if plots:
-        out += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
-    return "\n".join(out)
+    return out + [_table(["stage", "units", "tokens", "wall s", "CPU s"], srows), ""]
 
 
 def write_report(run: "PipelineRun") -> list[Path]:

@@ -379,10 +379,7 @@ class _Validator:
                                                else options.seed_expert) else 0)
                 if options.weights is not None and len(options.weights) != n_members:
                     self.fail(f"{where}.weights", f"{len(options.weights)} weights for {n_members} mixture members")
-                cfg = mixture_config(recipe, dense, n_members, ffn_top_k=options.ffn_top_k,
-                                     attn_top_k=options.attention_routing,
-                                     extra_ffn_experts=options.extra_ffn_experts, gate_norm=options.gate_norm,
-                                     lb_coef=options.lb_coef, z_coef=options.z_coef)
+                cfg = mixture_config(recipe, dense, n_members, options.mixture())
             except (ConfigError, TypeError, ValueError) as err:
                 self.fail(where, " ".join(str(err).split()))
             out.append(Mixture(name, recipe_spec, recipe, options, cfg, given, flops_per_token(cfg, seq_len)))

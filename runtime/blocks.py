@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,8 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-IMPLS = ("fused", "reference", "export")
+Impl = Literal["fused", "reference", "export"]  # a block's implementations (the module docstring)
+IMPLS = get_args(Impl)
 # Device types whose causal GQA goes straight to scaled_dot_product_attention(enable_gqa=True), whose flash
 # kernel reads the shared kv heads itself: CUDA since torch 2.5 (where enable_gqa appeared), the CPU at the
 # version tested, 2.13 (a profile shows no K/V copies; older versions took the math path, which copies them).
@@ -302,10 +303,13 @@ def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
 
 # ---- FFN experts: grouped matmuls over assignments sorted by expert -----------------------
-EXPERT_KERNELS = ("grouped", "gather", "padded")
+ExpertKernel = Literal["grouped", "gather", "padded"]  # grouped_linear's kernels
+EXPERT_KERNELS = get_args(ExpertKernel)
+# What a forward may force: one of those, or "dense" (every expert on every token, times its gate)
+FFNKernel = Literal[ExpertKernel, "dense"]
 
 
-def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> str:
+def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel:
     """How sorted assignments meet their experts' weights (all three compute the same thing):
     grouped  torch._grouped_mm: one kernel over the per-expert row segments (CPU; CUDA bf16 on sm90+);
              under torch.compile only in bf16 (its meta function allows nothing else).
@@ -332,7 +336,7 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
 
 
 def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tensor, ends: Tensor,
-                   kernel: str) -> Tensor:
+                   kernel: ExpertKernel) -> Tensor:
     """Rows xs [A, in] sorted by expert (expert [A]; counts [E] rows per expert, ends [E] their cumulative sum)
     -> [A, out], row a through expert[a]'s linear map."""
     W = lin.weight  # [E, out, in]
@@ -353,7 +357,7 @@ def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tenso
 
 
 def expert_mixture(x: Tensor, experts: Tensor, gates: Tensor, ffn: Projections, act: Callable[[Tensor], Tensor],
-                   gated: bool, kernel: Optional[str] = None) -> Tensor:
+                   gated: bool, kernel: Optional[ExpertKernel] = None) -> Tensor:
     """sum_k gates[n, k] * FFN_{experts[n, k]}(x[n]) for x [N, D], experts and gates [N, K] -> [N, D] (x's dtype)."""
     N, K = experts.shape
     E = ffn.up.weight.shape[0]
@@ -385,8 +389,8 @@ class ForwardPass:
     attention_mask: Optional[Tensor]  # [B, >= S] 1 token, 0 padding; None: no padding
     cache: object = None  # .update(layer, input_pos, k, v) -> (k, v) [B, Hkv, S, Dh]; None: no cache
     forced: Optional[ForcedRouting] = None
-    impl: str = "fused"
-    expert_kernel: Optional[str] = None  # None: expert_kernel() decides
+    impl: Impl = "fused"
+    expert_kernel: Optional[FFNKernel] = None  # None: expert_kernel() decides
     routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order
     masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
     # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
@@ -674,8 +678,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # a model without a final norm (cfg.final_norm False) feeds the last block's output to the head as is
         self.final_norm = Norm(cfg) if getattr(cfg, "final_norm", True) else nn.Identity()
-        self.impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
-        self.expert_kernel: Optional[str] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
+        self.impl: Impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
+        self.expert_kernel: Optional[FFNKernel] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
 
     def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                       positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,

@@ -75,6 +75,11 @@ def _type_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
     return checks[hint], "None" if hint is type(None) else hint.__name__
 
 
+def _need(cond: bool, fld: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{fld}: {msg}")
+
+
 @dataclass
 class ModelConfig:
     # ---- dense architecture -------------------------------------------------------------
@@ -147,77 +152,82 @@ class ModelConfig:
 
     # -- invariants ------------------------------------------------------------------------
     def validate(self) -> None:
-        def need(cond: bool, fld: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"{fld}: {msg}")
+        """Every field's value and their agreement; ConfigError naming the field."""
+        self._validate_trunk()
+        self._validate_mixture()
 
+    def _validate_trunk(self) -> None:
+        """Sizes, norms, positions and the block style."""
         for fld in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "n_kv_heads",
                     "head_dim", "max_positions"):
             v = getattr(self, fld)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld,
-                 f"must be a positive integer, got {v!r}")
-            need(v <= MAX_DIM, fld, f"{v} is past the limit of {MAX_DIM} (a corrupt config?)")
-        need(self.n_layers <= MAX_LAYERS, "n_layers",
-             f"{self.n_layers} layers is past the limit of {MAX_LAYERS} (a corrupt config?)")
+            _need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld,
+                  f"must be a positive integer, got {v!r}")
+            _need(v <= MAX_DIM, fld, f"{v} is past the limit of {MAX_DIM} (a corrupt config?)")
+        _need(self.n_layers <= MAX_LAYERS, "n_layers",
+              f"{self.n_layers} layers is past the limit of {MAX_LAYERS} (a corrupt config?)")
         for fld in ("ffn_experts", "attn_experts"):
-            need(getattr(self, fld) <= MAX_EXPERTS, fld,
-                 f"{getattr(self, fld)} experts is past the limit of {MAX_EXPERTS} (a corrupt config?)")
+            _need(getattr(self, fld) <= MAX_EXPERTS, fld,
+                  f"{getattr(self, fld)} experts is past the limit of {MAX_EXPERTS} (a corrupt config?)")
         for fld in ("norm_eps", "rope_theta", "rotary_fraction", "logit_scale", "lb_coef", "z_coef"):
-            need(math.isfinite(getattr(self, fld)), fld, f"must be a finite number, got {getattr(self, fld)!r}")
-        need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta!r}")
-        need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-             f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        need(self.activation in ACTIVATIONS, "activation",
-             f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-        need(self.norm in NORMS, "norm", f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
-        need(not (self.norm == "rmsnorm" and self.norm_bias), "norm_bias", "rmsnorm has no bias")
-        need(self.norm_eps > 0, "norm_eps", "must be > 0")
-        need(self.position in POSITIONS, "position",
-             f"unknown position scheme {self.position!r}; choose one of {', '.join(POSITIONS)}")
-        need(0.0 < self.rotary_fraction <= 1.0, "rotary_fraction", "must be in (0, 1]")
+            _need(math.isfinite(getattr(self, fld)), fld, f"must be a finite number, got {getattr(self, fld)!r}")
+        _need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta!r}")
+        _need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+              f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        _need(self.activation in ACTIVATIONS, "activation",
+              f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        _need(self.norm in NORMS, "norm", f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        _need(not (self.norm == "rmsnorm" and self.norm_bias), "norm_bias", "rmsnorm has no bias")
+        _need(self.norm_eps > 0, "norm_eps", "must be > 0")
+        _need(self.position in POSITIONS, "position",
+              f"unknown position scheme {self.position!r}; choose one of {', '.join(POSITIONS)}")
+        _need(0.0 < self.rotary_fraction <= 1.0, "rotary_fraction", "must be in (0, 1]")
         if self.position == "rope":
             rot = self.rotary_dim
-            need(rot % 2 == 0 and rot > 0, "rotary_fraction",
-                 f"rotary dims head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be a positive even integer")
-        need(self.block in BLOCKS, "block", f"unknown block style {self.block!r}; choose one of {', '.join(BLOCKS)}")
-        need(self.ffn_experts >= 0, "ffn_experts", "must be >= 0")
-        need(self.attn_experts >= 0, "attn_experts", "must be >= 0")
-        need(self.ffn_experts != 1 and self.attn_experts != 1, "ffn_experts/attn_experts",
-             "a mixture needs at least 2 experts (0 = dense)")
+            _need(rot % 2 == 0 and rot > 0, "rotary_fraction",
+                  f"rotary dims head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be a positive even integer")
+        _need(self.block in BLOCKS, "block", f"unknown block style {self.block!r}; choose one of {', '.join(BLOCKS)}")
+
+    def _validate_mixture(self) -> None:
+        """Experts, routing, router kinds and the router losses."""
+        _need(self.ffn_experts >= 0, "ffn_experts", "must be >= 0")
+        _need(self.attn_experts >= 0, "attn_experts", "must be >= 0")
+        _need(self.ffn_experts != 1 and self.attn_experts != 1, "ffn_experts/attn_experts",
+              "a mixture needs at least 2 experts (0 = dense)")
         if self.ffn_experts:
-            need(1 <= self.ffn_top_k <= self.ffn_experts, "ffn_top_k",
-                 f"top-k={self.ffn_top_k} must be between 1 and ffn_experts={self.ffn_experts}")
-        need(self.gate_norm in GATE_NORMS, "gate_norm",
-             f"unknown gate normalization {self.gate_norm!r}; choose one of {', '.join(GATE_NORMS)}")
+            _need(1 <= self.ffn_top_k <= self.ffn_experts, "ffn_top_k",
+                  f"top-k={self.ffn_top_k} must be between 1 and ffn_experts={self.ffn_experts}")
+        _need(self.gate_norm in GATE_NORMS, "gate_norm",
+              f"unknown gate normalization {self.gate_norm!r}; choose one of {', '.join(GATE_NORMS)}")
         if self.attn_top_k is not None:
-            need(self.attn_experts > 0, "attn_top_k", "top-k attention routing needs attn_experts > 0")
-            need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
-                 f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
-        need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
-        need(self.router in ROUTERS, "router",
-             f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
+            _need(self.attn_experts > 0, "attn_top_k", "top-k attention routing needs attn_experts > 0")
+            _need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
+                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
+        _need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+        _need(self.router in ROUTERS, "router",
+              f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.attn_router is not None:
-            need(self.attn_router in ROUTERS, "attn_router",
-                 f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")
-            need(self.attn_experts > 0, "attn_router", "a router kind for attention experts needs attn_experts > 0")
+            _need(self.attn_router in ROUTERS, "attn_router",
+                  f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")
+            _need(self.attn_experts > 0, "attn_router", "a router kind for attention experts needs attn_experts > 0")
         if self.router_hidden is not None:
-            need(0 < self.router_hidden <= MAX_DIM, "router_hidden",
-                 f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
-        need(math.isfinite(self.router_temperature) and self.router_temperature > 0, "router_temperature",
-             f"must be a finite number > 0, got {self.router_temperature!r}")
+            _need(0 < self.router_hidden <= MAX_DIM, "router_hidden",
+                  f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
+        _need(math.isfinite(self.router_temperature) and self.router_temperature > 0, "router_temperature",
+              f"must be a finite number > 0, got {self.router_temperature!r}")
         # the key store routes FFN experts (its rules read top-k FFN routing); attention routers take another kind
         if self.router == "key_store":
-            need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
-        need(self.attn_router_kind != "key_store" or not self.attn_experts, "attn_router",
-             "key_store routes FFN experts only; give attention experts another kind (e.g. attn_router: linear)")
+            _need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
+        _need(self.attn_router_kind != "key_store" or not self.attn_experts, "attn_router",
+              "key_store routes FFN experts only; give attention experts another kind (e.g. attn_router: linear)")
         for fld in ("key_store_alpha", "key_store_beta", "key_store_delta", "key_store_theta_percentile"):
             v = getattr(self, fld)
-            need(math.isfinite(v) and 0.0 <= v <= 1.0, fld, f"must be in [0, 1], got {v!r}")
-        need(math.isfinite(self.key_store_ema_decay) and 0.0 <= self.key_store_ema_decay < 1.0,
-             "key_store_ema_decay", f"must be in [0, 1), got {self.key_store_ema_decay!r}")
-        need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
-        need(self.z_coef >= 0, "z_coef", "must be >= 0")
-        need(self.logit_scale != 0, "logit_scale", "must be non-zero")
+            _need(math.isfinite(v) and 0.0 <= v <= 1.0, fld, f"must be in [0, 1], got {v!r}")
+        _need(math.isfinite(self.key_store_ema_decay) and 0.0 <= self.key_store_ema_decay < 1.0,
+              "key_store_ema_decay", f"must be in [0, 1), got {self.key_store_ema_decay!r}")
+        _need(self.lb_coef >= 0, "lb_coef", "must be >= 0")
+        _need(self.z_coef >= 0, "z_coef", "must be >= 0")
+        _need(self.logit_scale != 0, "logit_scale", "must be non-zero")
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -61,39 +61,16 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
     n is max_new_tokens unless every row emitted eos earlier. The model runs in whatever mode and autocast
     state the caller set; the cache takes the autocast dtype if autocast is on, else the weights' dtype.
     """
-    if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64) or not tokens.shape[1]:
-        raise ValueError(f"tokens must be a [batch, length >= 1] integer tensor, got {tuple(tokens.shape)} "
-                         f"{tokens.dtype}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
+    _check_generate_args(tokens, max_new_tokens, temperature, top_p)
     device = model.embed.weight.device
     tokens = tokens.to(device).long()
     B, T = tokens.shape
     max_len = T + max_new_tokens
-    mask = torch.ones(B, max_len, dtype=torch.long, device=device)
-    if attention_mask is not None:
-        prompt_mask = attention_mask.to(device).long()
-        if tuple(prompt_mask.shape) != (B, T):
-            raise ValueError(f"attention_mask has shape {tuple(prompt_mask.shape)}, expected {(B, T)}")
-        if bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()) or not bool(prompt_mask[:, -1].all()):
-            raise ValueError("attention_mask: generate needs prompts padded on the left (0s, then 1s)")
-        mask[:, :T] = prompt_mask
+    mask = _generation_mask(attention_mask, B, T, max_len, device)
     eos = None if eos_token_id is None else torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     fill = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator(device=device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(seed)
-
-    def uniform() -> Tensor | None:
-        return None if gen is None else torch.rand(B, generator=gen, device=device)
-
+    uniform = _uniforms(B, device, temperature, seed)
     if torch.is_autocast_enabled(device.type):
         cache = model.new_cache(B, max_len, dtype=torch.get_autocast_dtype(device.type))
     else:
@@ -118,3 +95,42 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
         pos = torch.tensor([T + i], device=device)
         token = step(model, cache, token[:, None], pos, mask, temperature, top_p, uniform()).clone()
     return out
+
+
+def _check_generate_args(tokens: Tensor, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64) or not tokens.shape[1]:
+        raise ValueError(f"tokens must be a [batch, length >= 1] integer tensor, got {tuple(tokens.shape)} "
+                         f"{tokens.dtype}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
+
+
+def _generation_mask(attention_mask: Tensor | None, B: int, T: int, max_len: int, device: torch.device) -> Tensor:
+    """[B, max_len] over every key slot: the prompts' mask (left padding only), then 1s for the new tokens."""
+    mask = torch.ones(B, max_len, dtype=torch.long, device=device)
+    if attention_mask is not None:
+        prompt_mask = attention_mask.to(device).long()
+        if tuple(prompt_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask has shape {tuple(prompt_mask.shape)}, expected {(B, T)}")
+        if bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()) or not bool(prompt_mask[:, -1].all()):
+            raise ValueError("attention_mask: generate needs prompts padded on the left (0s, then 1s)")
+        mask[:, :T] = prompt_mask
+    return mask
+
+
+def _uniforms(B: int, device: torch.device, temperature: float, seed: int | None) -> Callable[[], Tensor | None]:
+    """One uniform [B] per sampled token from a private generator (None when greedy: temperature 0)."""
+    gen = None
+    if temperature > 0:
+        gen = torch.Generator(device=device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+
+    def uniform() -> Tensor | None:
+        return None if gen is None else torch.rand(B, generator=gen, device=device)
+
+    return uniform

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, get_args
 
 from .config import ModelConfig
 from .errors import printable
@@ -147,13 +147,17 @@ def tensor_group(name: str) -> str:
 
 
 # ---- layout check: a checkpoint's names and shapes against its config ----------------------
+MismatchKind = Literal["missing", "unexpected", "shape", "missing_layers"]
+MISMATCH_KINDS = get_args(MismatchKind)
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """A checkpoint tensor that disagrees with the layout its own config implies; or (kind
     missing_layers) whole layers the config declares and the checkpoint has no tensor of."""
 
     name: str
-    kind: str  # missing | unexpected | shape | missing_layers
+    kind: MismatchKind
     expected: Shape | None
     found: Shape | None
     detail: str = ""  # missing_layers: the sentence saying which layers

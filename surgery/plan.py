@@ -34,11 +34,11 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 import torch
 
-from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.config import ConfigError, GateNorm, ModelConfig, Router
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
 from bam_surgery.runtime.layout import ranges, router_tensors, tensor_shapes
 from bam_surgery.runtime.memory import check_fits
@@ -47,36 +47,51 @@ from bam_surgery.runtime.routers import RouterTensor, router_class
 
 from .errors import BamSurgeryError, InputError
 from .names import input_names
-from .recipe import SHARED_KV_RULES, Recipe, dense_kind, mixture_config
+from .recipe import (SHARED_KV_RULES, WARM_STARTS, MixtureOptions, Recipe, SharedKVRule, WarmStart,
+                     dense_kind, mixture_config)
 
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).
 STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\.(?P<rest>(q|k|v|o|gate|up|down)\.(weight|bias))$")
 
 
+# The ops of a plan's tensors (the module docstring; surgery/kernels.py computes them)
+PlanOp = Literal["stack", "mean", "copy", "normal", "unit_rows", "zeros", "full", "calibrated"]
+PLAN_OPS = get_args(PlanOp)
+
+
 @dataclass(frozen=True)
 class MergeOptions:
-    """Command-line options of a merge; None means: the recipe's default."""
+    """The options of a merge (`bam-surgery merge`'s flags: cli/commands.py MergeArgs.plan_options; a
+    pipeline's mixture); None means: the recipe's default."""
 
     seed_expert: bool | None = None
     extra_ffn_experts: int | None = None
     ffn_top_k: int | None = None
     attention_routing: str | int | None = None  # soft | topK
-    gate_norm: str | None = None
+    gate_norm: GateNorm | None = None
     lb_coef: float | None = None
     z_coef: float | None = None
     weights: tuple[float, ...] | None = None  # one per mixture member (seed first when it joins)
     dtype: str | torch.dtype | None = None  # None: the seed's embedding dtype
     router_seed: int = 0
     router_std: float | None = None
-    shared_kv_rule: str | None = None  # mean | seed: how a shared K/V is made
+    shared_kv_rule: SharedKVRule | None = None
     allow_nonfinite: bool = False
-    router: str | None = None  # router kind of every router (runtime/routers.py); None: the recipe's
-    ffn_router: str | None = None  # the FFN routers' kind (over `router`)
-    attn_router: str | None = None  # the attention routers' kind (over `router`)
+    router: Router | None = None  # router kind of every router (runtime/routers.py); None: the recipe's
+    ffn_router: Router | None = None  # the FFN routers' kind (over `router`)
+    attn_router: Router | None = None  # the attention routers' kind (over `router`)
     router_hidden: int | None = None
     router_temperature: float | None = None
-    warm_start: str | None = None  # domain-mean | profile (surgery/warm_start.py); None: random init
+    warm_start: WarmStart | None = None  # None: random init
+
+    def mixture(self) -> MixtureOptions:
+        """The options that shape the output config (surgery.recipe.mixture_config)."""
+        return MixtureOptions(ffn_top_k=self.ffn_top_k, attn_top_k=self.attention_routing,
+                              extra_ffn_experts=self.extra_ffn_experts, gate_norm=self.gate_norm,
+                              lb_coef=self.lb_coef, z_coef=self.z_coef, router=self.router,
+                              ffn_router=self.ffn_router, attn_router=self.attn_router,
+                              router_hidden=self.router_hidden, router_temperature=self.router_temperature)
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,7 @@ class Source:
 @dataclass(frozen=True)
 class TensorOp:
     name: str  # canonical output name (runtime.layout for the output config)
-    op: str  # stack | mean | copy | normal | zeros
+    op: PlanOp
     shape: tuple[int, ...]
     dtype: torch.dtype
     sources: tuple[Source, ...] = ()
@@ -125,7 +140,7 @@ class TensorOp:
 @dataclass
 class PlanInput:
     index: int
-    role: str  # seed | expert
+    role: Literal["seed", "expert"]
     label: str  # where it was read from (path)
     reader: Reader
     name: str = ""  # unique identifier: "seed", "code", ... (surgery.names)
@@ -143,7 +158,7 @@ class Plan:
     config: ModelConfig
     dtype: torch.dtype
     router_std: float
-    shared_kv_rule: str | None
+    shared_kv_rule: SharedKVRule | None
     tensors: list[TensorOp] = field(default_factory=list)
     calibrated: dict[str, torch.Tensor] = field(default_factory=dict)  # op calibrated: name -> tensor
     warm_start: dict[str, Any] | None = None  # how `calibrated` was made (surgery/warm_start.py), for provenance
@@ -237,12 +252,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     weights = _mean_weights(options.weights, plan_inputs, members)
     _check_shared_kv_rule(recipe, options.shared_kv_rule)
     try:
-        out_cfg = mixture_config(recipe, dense_cfg, len(members), ffn_top_k=options.ffn_top_k,
-                                 attn_top_k=options.attention_routing, extra_ffn_experts=options.extra_ffn_experts,
-                                 gate_norm=options.gate_norm, lb_coef=options.lb_coef, z_coef=options.z_coef,
-                                 router=options.router, ffn_router=options.ffn_router,
-                                 attn_router=options.attn_router,
-                                 router_hidden=options.router_hidden, router_temperature=options.router_temperature)
+        out_cfg = mixture_config(recipe, dense_cfg, len(members), options.mixture())
     except ConfigError as e:
         raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
     router_std = recipe.router_std if options.router_std is None else float(options.router_std)
@@ -263,8 +273,6 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
                                                  for name, shape in tensor_shapes(out_cfg).items()])
 
 
-WARM_STARTS = ("domain-mean", "profile")
-
 
 def _check_tensors_fit(cfg: ModelConfig) -> None:
     """The merge holds one output tensor at a time, in float32 while it is made: the largest must fit in
@@ -273,7 +281,7 @@ def _check_tensors_fit(cfg: ModelConfig) -> None:
     check_fits(4 * math.prod(shape), f"output tensor {name} {list(shape)} (float32)", BamSurgeryError)
 
 
-def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: str | None) -> None:
+def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: WarmStart | None) -> None:
     kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
     if warm_start is not None:
         if warm_start not in WARM_STARTS:
@@ -327,7 +335,7 @@ def _check_expert_count(recipe: Recipe, n_experts: int) -> None:
         raise BamSurgeryError(f"recipe {recipe.name} takes {what} (experts.max), got {n_experts}")
 
 
-def _check_shared_kv_rule(recipe: Recipe, rule: str | None) -> None:
+def _check_shared_kv_rule(recipe: Recipe, rule: SharedKVRule | None) -> None:
     if rule is None:
         return
     if rule not in SHARED_KV_RULES:

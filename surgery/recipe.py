@@ -23,10 +23,11 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from bam_surgery.converters.yamlfile import parse_yaml, read_yaml_text, shown
-from bam_surgery.runtime.config import GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, ModelConfig
+from bam_surgery.runtime.config import (GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, GateNorm, KVMode,
+                                        ModelConfig, Router)
 from bam_surgery.runtime.errors import printable
 
 from .errors import RecipeError
@@ -39,9 +40,12 @@ KINDS = ("embed", "pos_embed", "attn_norm", "ffn_norm", "attn.q", "attn.k", "att
          "ffn.gate", "ffn.up", "ffn.down", "final_norm", "lm_head")
 ATTENTION_KINDS = ("attn.q", "attn.k", "attn.v", "attn.o")
 FFN_KINDS = ("ffn.gate", "ffn.up", "ffn.down")
-OPS = ("stack", "mean", "seed")
-ROUTER_INITS = ("normal", "zeros")
-SHARED_KV_RULES = ("mean", "seed")
+Op = Literal["stack", "mean", "seed"]  # a recipe's tensor ops
+RouterInit = Literal["normal", "zeros"]
+SharedKVRule = Literal["mean", "seed"]  # how a shared K/V is made
+WarmStart = Literal["domain-mean", "profile"]  # merge --router-init besides random (surgery/warm_start.py)
+OPS, ROUTER_INITS, SHARED_KV_RULES = get_args(Op), get_args(RouterInit), get_args(SharedKVRule)
+WARM_STARTS = get_args(WarmStart)
 
 # Built-in defaults for fields a recipe leaves out of `defaults:`.
 DEFAULTS: dict[str, Any] = dict(seed_expert=True, extra_ffn_experts=0, ffn_top_k=1, gate_norm="softmax",
@@ -79,16 +83,16 @@ def parse_attention_routing(value: Any) -> int | None:
 class Recipe:
     name: str
     description: str
-    tensors: dict[str, str]  # kind -> op
+    tensors: dict[str, Op]  # kind -> op
     min_experts: int
     max_experts: int | None
     defaults: dict[str, Any]  # complete: DEFAULTS overridden by the recipe
-    router_init: str
+    router_init: RouterInit
     router_std: float
     text: str = ""  # the YAML source, recorded in output provenance
     path: str | None = None
-    ffn_router: str = "linear"  # router kinds (runtime/routers.py): routers.kind, or routers.ffn_kind / attn_kind
-    attn_router: str = "linear"
+    ffn_router: Router = "linear"  # router kinds (runtime/routers.py): routers.kind, or routers.ffn_kind / attn_kind
+    attn_router: Router = "linear"
     router_hidden: int | None = None  # routers.hidden (None: each kind's default)
     router_temperature: float | None = None  # routers.temperature (None: the config's default)
 
@@ -102,14 +106,14 @@ class Recipe:
         return self.tensors["attn.q"] == "stack"
 
     @property
-    def kv_mode(self) -> str:
+    def kv_mode(self) -> KVMode:
         return "expert" if self.tensors["attn.k"] == "stack" else "shared"
 
     @property
     def shared_kv(self) -> bool:
         return self.attention_experts and self.kv_mode == "shared"
 
-    def op(self, kind: str, shared_kv_rule: str | None = None) -> str:
+    def op(self, kind: str, shared_kv_rule: SharedKVRule | None = None) -> Op:
         """The op for a kind; `shared_kv_rule` overrides the op of a shared K/V (attn.k, attn.v)."""
         if shared_kv_rule is not None and self.shared_kv and kind in ("attn.k", "attn.v"):
             return shared_kv_rule
@@ -309,34 +313,75 @@ def _is_finite_number(v: Any) -> bool:
 
 
 # ---- the output config ------------------------------------------------------------------------
-def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
-                   ffn_top_k: int | None = None, attn_top_k: int | str | None = None,
-                   extra_ffn_experts: int | None = None, gate_norm: str | None = None,
-                   lb_coef: float | None = None, z_coef: float | None = None, router: str | None = None,
-                   ffn_router: str | None = None, attn_router: str | None = None, router_hidden: int | None = None,
-                   router_temperature: float | None = None) -> ModelConfig:
+@dataclass(frozen=True)
+class MixtureOptions:
+    """The options of a mixture's config (merge's flags; surgery.plan.MergeOptions.mixture()); None: the
+    recipe's default. attn_top_k: 'soft' or 0 = soft routing, k or 'topK' = top-k routing. Router kinds:
+    router (every router), ffn_router / attn_router (one group, over router; an error where the mixture has
+    no such router)."""
+
+    ffn_top_k: int | None = None
+    attn_top_k: int | str | None = None
+    extra_ffn_experts: int | None = None
+    gate_norm: GateNorm | None = None
+    lb_coef: float | None = None
+    z_coef: float | None = None
+    router: Router | None = None
+    ffn_router: Router | None = None
+    attn_router: Router | None = None
+    router_hidden: int | None = None
+    router_temperature: float | None = None
+
+
+@dataclass(frozen=True)
+class MixtureShape:
+    """A mixture's options checked and resolved against its recipe and inputs: what its config is built from."""
+
+    ffn_experts: int
+    attn_experts: int
+    ffn_top_k: int
+    attn_top_k: int | None
+    ffn_router: Router
+    attn_router: Router
+    router_hidden: int | None
+    router_temperature: float | None
+
+
+def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MixtureOptions | None = None,
+                   **given: Any) -> ModelConfig:
     """The config of the mixture a recipe builds from `n_inputs` dense models of shape `dense_cfg`.
 
-    n_inputs counts the mixture's members: the seed (when it joins) plus the --experts. Options left
-    at None take the recipe's defaults. attn_top_k: None = recipe default, 'soft' or 0 = soft routing,
-    k or 'topk' = top-k routing. FFN experts: n_inputs + extra_ffn_experts; attention experts: n_inputs.
-    Router kinds: router (every router), ffn_router / attn_router (one group, over router; an error where the
-    mixture has no such router); None: the recipe's. router_hidden, router_temperature likewise.
+    n_inputs counts the mixture's members: the seed (when it joins) plus the --experts. `options` (or its
+    fields as keywords, `given`) left at None take the recipe's defaults. FFN experts: n_inputs +
+    extra_ffn_experts; attention experts: n_inputs.
     """
+    options = dataclasses.replace(options or MixtureOptions(), **given)
+    return build_mixture_config(recipe, dense_cfg, options, check_mixture(recipe, dense_cfg, n_inputs, options))
+
+
+def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MixtureOptions) -> MixtureShape:
+    """Validation: every option against the recipe and the inputs (ConfigError naming the option), resolved."""
     if dense_cfg.is_mixture:
         raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
                           f"attn_experts={dense_cfg.attn_experts}); merge takes dense inputs")
+    n_ffn, n_attn, top_k, attn_k = _check_experts(recipe, n_inputs, options)
+    ffn_kind, attn_kind, hidden, temperature = _check_routers(recipe, options, n_ffn, n_attn)
+    return MixtureShape(n_ffn, n_attn, top_k, attn_k, ffn_kind, attn_kind, hidden, temperature)
+
+
+def _check_experts(recipe: Recipe, n_inputs: int, options: MixtureOptions) -> tuple[int, int, int, int | None]:
+    """(FFN experts, attention experts, FFN top-k, attention top-k or None: soft)."""
     d = recipe.defaults
-    extra = d["extra_ffn_experts"] if extra_ffn_experts is None else extra_ffn_experts
+    extra = d["extra_ffn_experts"] if options.extra_ffn_experts is None else options.extra_ffn_experts
     if not _is_int(extra) or not 0 <= extra <= MAX_EXPERTS:
         raise ConfigError(f"extra_ffn_experts: must be an integer from 0 to {MAX_EXPERTS}, got {shown(extra)}")
-    if extra_ffn_experts and not recipe.ffn_experts:
+    if options.extra_ffn_experts and not recipe.ffn_experts:
         raise ConfigError(f"extra_ffn_experts: recipe {recipe.name} has no FFN experts "
                           f"(tensors.ffn.*: {recipe.tensors['ffn.up']})")
-    if ffn_top_k is not None and not recipe.ffn_experts:
+    if options.ffn_top_k is not None and not recipe.ffn_experts:
         raise ConfigError(f"ffn_top_k: recipe {recipe.name} has no FFN experts to route")
     try:
-        attn_k = parse_attention_routing(d["attention_routing"] if attn_top_k is None else attn_top_k)
+        attn_k = parse_attention_routing(d["attention_routing"] if options.attn_top_k is None else options.attn_top_k)
     except ValueError as e:
         raise ConfigError(f"attn_top_k: {e}") from None
     if attn_k is not None and not recipe.attention_experts:
@@ -350,11 +395,18 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
             hint = "add --experts or --extra-ffn-experts" if what == "FFN" else "add --experts"
             raise ConfigError(f"{what.lower()}_experts: recipe {recipe.name} would build 1 {what} expert from "
                               f"{n_inputs} input(s); a mixture needs at least 2 ({hint})")
-    top_k = d["ffn_top_k"] if ffn_top_k is None else ffn_top_k
+    top_k = d["ffn_top_k"] if options.ffn_top_k is None else options.ffn_top_k
     if n_ffn and not 1 <= top_k <= n_ffn:
         raise ConfigError(f"ffn_top_k: top-{top_k} routing needs between 1 and {n_ffn} FFN experts")
     if attn_k is not None and not 1 <= attn_k <= n_attn:
         raise ConfigError(f"attn_top_k: top-{attn_k} routing needs between 1 and {n_attn} attention experts")
+    return n_ffn, n_attn, top_k, attn_k
+
+
+def _check_routers(recipe: Recipe, options: MixtureOptions, n_ffn: int, n_attn: int
+                   ) -> tuple[Router, Router, int | None, float | None]:
+    """(FFN router kind, attention router kind, hidden width, temperature): the options over the recipe's."""
+    router, ffn_router, attn_router = options.router, options.ffn_router, options.attn_router
     ffn_kind = ffn_router or router or recipe.ffn_router
     attn_kind = attn_router or router or recipe.attn_router
     for fld, kind in (("router", router), ("ffn_router", ffn_kind), ("attn_router", attn_kind)):
@@ -366,35 +418,45 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, *,
         raise ConfigError(f"attn_router: recipe {recipe.name} has no attention experts to route")
     if ffn_router is not None and not n_ffn:
         raise ConfigError(f"ffn_router: recipe {recipe.name} has no FFN experts to route")
-    # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
-    kind = ffn_kind if n_ffn else (attn_kind if n_attn else "linear")
     # a recipe's hidden / temperature are defaults for the kinds that have them; given explicitly for kinds
     # that have none, they are an error
     used = {k for k, n in ((ffn_kind, n_ffn), (attn_kind, n_attn)) if n}
     takes_hidden, takes_temperature = bool(used & {"mlp", "attention"}), "expert_embedding" in used
-    if router_hidden is not None and not takes_hidden:
+    if options.router_hidden is not None and not takes_hidden:
         raise ConfigError(f"router_hidden: applies to mlp and attention routers; this mixture's routers are "
                           f"{', '.join(sorted(used)) or 'none'}")
-    if router_temperature is not None and not takes_temperature:
+    if options.router_temperature is not None and not takes_temperature:
         raise ConfigError(f"router_temperature: applies to expert_embedding routers; this mixture's routers are "
                           f"{', '.join(sorted(used)) or 'none'}")
-    hidden = (recipe.router_hidden if router_hidden is None else router_hidden) if takes_hidden else None
-    temperature = (recipe.router_temperature if router_temperature is None else router_temperature
+    hidden = (recipe.router_hidden if options.router_hidden is None else options.router_hidden
+              ) if takes_hidden else None
+    temperature = (recipe.router_temperature if options.router_temperature is None else options.router_temperature
                    ) if takes_temperature else None
+    return ffn_kind, attn_kind, hidden, temperature
+
+
+def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: MixtureOptions,
+                         shape: MixtureShape) -> ModelConfig:
+    """Construction: the mixture's config from the dense one and the checked shape (check_mixture)."""
+    d = recipe.defaults
+    n_ffn, n_attn = shape.ffn_experts, shape.attn_experts
+    # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
+    kind = shape.ffn_router if n_ffn else (shape.attn_router if n_attn else "linear")
     temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
     base = f"{dense_cfg.name}-" if dense_cfg.name else ""
     return dense_cfg.replace(
         ffn_experts=n_ffn,
-        ffn_top_k=top_k if n_ffn else 1,
-        gate_norm=d["gate_norm"] if gate_norm is None else gate_norm,
+        ffn_top_k=shape.ffn_top_k if n_ffn else 1,
+        gate_norm=d["gate_norm"] if options.gate_norm is None else options.gate_norm,
         attn_experts=n_attn,
-        attn_top_k=attn_k if n_attn else None,
+        attn_top_k=shape.attn_top_k if n_attn else None,
         kv_mode=recipe.kv_mode if n_attn else "expert",
         router=kind,
-        attn_router=attn_kind if n_attn and attn_kind != kind else None,
-        router_hidden=hidden,
-        router_temperature=temperature_default if temperature is None else float(temperature),
-        lb_coef=d["lb_coef"] if lb_coef is None else float(lb_coef),
-        z_coef=d["z_coef"] if z_coef is None else float(z_coef),
+        attn_router=shape.attn_router if n_attn and shape.attn_router != kind else None,
+        router_hidden=shape.router_hidden,
+        router_temperature=(temperature_default if shape.router_temperature is None
+                            else float(shape.router_temperature)),
+        lb_coef=d["lb_coef"] if options.lb_coef is None else float(options.lb_coef),
+        z_coef=d["z_coef"] if options.z_coef is None else float(options.z_coef),
         name=f"{base}{recipe.name}",
     )

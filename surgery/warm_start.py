@@ -173,24 +173,10 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
         raise BamSurgeryError(f"--router-init: warm start {mode!r} is not domain-mean or profile")
     domains = parse_data_spec(calib.spec, "--calibration")
     names = [dom.name for dom in domains]
-    cfg = plan.config
-    routers = [f"layers.{i}.{group}_router" for i in range(cfg.n_layers)
-               for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
-                                      ("ffn", cfg.ffn_router_kind, cfg.ffn_experts))
-               if E and kind == ExpertEmbeddingRouter.kind]  # execution order
+    routers = _calibrated_routers(plan.config)
     # the group of each token position: a domain index (domain-mean) or an input index (profile)
     if mode == "domain-mean":  # expert <-> domain, checked before any data is read
-        seed_dom = seed_domain(plan, names)
-        group_of_input = {}
-        for name in routers:
-            for i in expert_inputs(plan, name):
-                dom = seed_dom if i == 0 else plan.inputs[i].name
-                if dom not in names:
-                    raise BamSurgeryError(
-                        f"--calibration: no domain named {dom!r} for input {plan.inputs[i].name}="
-                        f"{plan.inputs[i].label}; the domains are {', '.join(names)} (each expert calibrates on "
-                        f"the domain named like its input; the seed's: its name or {SEED_DOMAIN})")
-                group_of_input[i] = names.index(dom)
+        group_of_input = _domain_of_input(plan, routers, names)
     windows = calibration_windows(plan, calib, domains, log)
     model = model_from_reader(PlanReader(plan, hash_inputs=False), dtype=torch.float32)
     if mode == "domain-mean":
@@ -198,47 +184,14 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
                                                       for w in windows]))  # positions in window order
         n_groups = len(names)
     else:  # each router: argmin over the inputs of its own experts
-        inputs = tuple(sorted({i for name in routers for i in expert_inputs(plan, name)}))
-        losses = token_losses(plan, windows, inputs)
-        won = {c: winners(losses, inputs, c) for c in {tuple(sorted(set(expert_inputs(plan, n)))) for n in routers}}
-        for c, w in sorted(won.items()):
-            counts = w.bincount(minlength=len(plan.inputs))
-            log("profile: lowest-loss positions per input: " + ", ".join(
-                f"{plan.inputs[i].name} {int(counts[i]):,}" for i in c))
-        labels_of = {n: won[tuple(sorted(set(expert_inputs(plan, n))))] for n in routers}
-        group_of_input = {i: i for i in inputs}
+        labels_of, group_of_input = _profile_labels(plan, windows, routers, log)
         n_groups = len(plan.inputs)
 
     calibrated: dict[str, torch.Tensor] = {}
-    D = plan.config.d_model
     modules = model.routers()
     for name in routers:
         router = modules[name]
-        sums = torch.zeros(n_groups, D, dtype=torch.float64)
-        counts = torch.zeros(n_groups, dtype=torch.float64)
-        current: list[torch.Tensor] = []
-        labels = labels_of[name]
-
-        def capture(module, args):
-            x = args[0].double()  # [N, D], N = B*T in batch order
-            lab = current[0]
-            sums.index_add_(0, lab, x)
-            counts.index_add_(0, lab, torch.ones_like(lab, dtype=torch.float64))
-            raise _Captured
-
-        hook = router.register_forward_pre_hook(capture)
-        try:
-            start = 0
-            for run in batches(windows):
-                n = sum(len(w.tokens) - 1 for w in run)
-                current[:] = [labels[start: start + n]]
-                start += n
-                try:
-                    model(torch.stack([w.tokens[:-1] for w in run]))
-                except _Captured:
-                    pass
-        finally:
-            hook.remove()
+        sums, counts = _group_means(model, router, windows, labels_of[name], n_groups, plan.config.d_model)
         slots = expert_inputs(plan, name)
         empty = [plan.inputs[i].name for i in slots if counts[group_of_input[i]] == 0]
         if empty:
@@ -253,4 +206,74 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
                if t.name in calibrated else t for t in plan.tensors]
     record = {"init": mode, "calibration": calib.spec, "tokens": sum(len(w.tokens) - 1 for w in windows)}
     return dataclasses.replace(plan, tensors=tensors, calibrated=calibrated, warm_start=record)
+
+
+def _calibrated_routers(cfg) -> list[str]:
+    """The expert_embedding routers of a mixture, in execution order."""
+    return [f"layers.{i}.{group}_router" for i in range(cfg.n_layers)
+            for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+                                   ("ffn", cfg.ffn_router_kind, cfg.ffn_experts))
+            if E and kind == ExpertEmbeddingRouter.kind]
+
+
+def _domain_of_input(plan: Plan, routers: list[str], names: list[str]) -> dict[int, int]:
+    """domain-mean: input index -> the index of its calibration domain (the one named like it)."""
+    seed_dom = seed_domain(plan, names)
+    group_of_input = {}
+    for name in routers:
+        for i in expert_inputs(plan, name):
+            dom = seed_dom if i == 0 else plan.inputs[i].name
+            if dom not in names:
+                raise BamSurgeryError(
+                    f"--calibration: no domain named {dom!r} for input {plan.inputs[i].name}="
+                    f"{plan.inputs[i].label}; the domains are {', '.join(names)} (each expert calibrates on "
+                    f"the domain named like its input; the seed's: its name or {SEED_DOMAIN})")
+            group_of_input[i] = names.index(dom)
+    return group_of_input
+
+
+def _profile_labels(plan: Plan, windows, routers: list[str], log: Log
+                    ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """profile: (router -> the input whose dense model has the lowest loss at each position, among the inputs
+    of its own experts; input index -> group)."""
+    inputs = tuple(sorted({i for name in routers for i in expert_inputs(plan, name)}))
+    losses = token_losses(plan, windows, inputs)
+    won = {c: winners(losses, inputs, c) for c in {tuple(sorted(set(expert_inputs(plan, n)))) for n in routers}}
+    for c, w in sorted(won.items()):
+        counts = w.bincount(minlength=len(plan.inputs))
+        log("profile: lowest-loss positions per input: " + ", ".join(
+            f"{plan.inputs[i].name} {int(counts[i]):,}" for i in c))
+    labels_of = {n: won[tuple(sorted(set(expert_inputs(plan, n))))] for n in routers}
+    return labels_of, {i: i for i in inputs}
+
+
+def _group_means(model, router, windows, labels: torch.Tensor, n_groups: int, D: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum [G, D] float64, count [G]) of the router's input states per group (labels: one per position, in
+    window order); each forward stops at the router (_Captured)."""
+    sums = torch.zeros(n_groups, D, dtype=torch.float64)
+    counts = torch.zeros(n_groups, dtype=torch.float64)
+    current: list[torch.Tensor] = []
+
+    def capture(module, args):
+        x = args[0].double()  # [N, D], N = B*T in batch order
+        lab = current[0]
+        sums.index_add_(0, lab, x)
+        counts.index_add_(0, lab, torch.ones_like(lab, dtype=torch.float64))
+        raise _Captured
+
+    hook = router.register_forward_pre_hook(capture)
+    try:
+        start = 0
+        for run in batches(windows):
+            n = sum(len(w.tokens) - 1 for w in run)
+            current[:] = [labels[start: start + n]]
+            start += n
+            try:
+                model(torch.stack([w.tokens[:-1] for w in run]))
+            except _Captured:
+                pass
+    finally:
+        hook.remove()
+    return sums, counts
 

@@ -15,7 +15,7 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -25,10 +25,12 @@ from bam_surgery.runtime.errors import printable
 
 from .errors import TrainError
 
-SCHEDULES = ("cosine", "constant")
-PRECISIONS = ("auto", "fp32", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-STRATEGIES = ("ddp", "fsdp")
+Schedule = Literal["cosine", "constant"]
+Precision = Literal["auto", "fp32", "bf16"]
+Device = Literal["auto", "cpu", "cuda"]
+Strategy = Literal["ddp", "fsdp"]
+SCHEDULES, PRECISIONS = get_args(Schedule), get_args(Precision)
+DEVICES, STRATEGIES = get_args(Device), get_args(Strategy)
 CHOICES = {"schedule": SCHEDULES, "precision": PRECISIONS, "device": DEVICES, "strategy": STRATEGIES}
 
 # Fields that may change when a run is resumed: they do not change the numbers of the steps already
@@ -81,8 +83,8 @@ class TrainConfig:
     lr: float = knob(1.2e-4, "Peak learning rate (the paper, Appendix B.2: 1.2e-4).")
     min_lr_ratio: float = knob(0.1, "The cosine ends at this fraction of the peak (the paper: a tenth).")
     warmup_steps: int = knob(1500, "Linear warm-up from 0 to the peak over this many steps (the paper: 1500).")
-    schedule: str = knob("cosine", "After warm-up: cosine (decay to min_lr_ratio * lr at the last step) or "
-                                   "constant.", choices=SCHEDULES)
+    schedule: Schedule = knob("cosine", "After warm-up: cosine (decay to min_lr_ratio * lr at the last step) "
+                                        "or constant.", choices=SCHEDULES)
     weight_decay: float = knob(0.1, "AdamW weight decay (the paper: 0.1); matrices only unless the two switches "
                                     "below say otherwise.")
     decay_embeddings: bool = knob(False, "Also decay the token and position embeddings.")
@@ -101,11 +103,11 @@ class TrainConfig:
                                             "parameter, or with --preset the preset's own patterns (some-64 ... "
                                             "freeze their experts).")
     # ---- hardware ------------------------------------------------------------------------
-    precision: str = knob("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; fp32; bf16 (autocast, fp32 weights "
-                                  "and optimizer).", choices=PRECISIONS)
-    device: str = knob("auto", "auto (CUDA when available), cpu or cuda.", choices=DEVICES)
-    strategy: str = knob("ddp", "Under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard per "
-                                "block).", choices=STRATEGIES)
+    precision: Precision = knob("auto", "auto: bf16 autocast on CUDA, fp32 on CPU; fp32; bf16 (autocast, fp32 "
+                                        "weights and optimizer).", choices=PRECISIONS)
+    device: Device = knob("auto", "auto (CUDA when available), cpu or cuda.", choices=DEVICES)
+    strategy: Strategy = knob("ddp", "Under torchrun: ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard "
+                                      "per block).", choices=STRATEGIES)
     peak_tflops: float | None = knob(None, "Peak TFLOP/s of one device for the MFU estimate. Default: known GPUs "
                                            "in bf16 (H100, H200, A100, ...); none on CPU.")
     # ---- the run -------------------------------------------------------------------------
@@ -127,8 +129,9 @@ class TrainConfig:
     def check_types(self, where: str = "config") -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not _type_ok(str(f.type), v):
-                raise TrainError(f"{where}: {f.name}: expected {f.type}, got {shown(v)}")
+            annotation = "str" if f.name in CHOICES else str(f.type)  # a Literal alias: a string from its table
+            if not _type_ok(annotation, v):
+                raise TrainError(f"{where}: {f.name}: expected {annotation}, got {shown(v)}")
             if f.name in CHOICES and v not in CHOICES[f.name]:
                 raise TrainError(f"{where}: {f.name}: {shown(v)} is not one of {', '.join(CHOICES[f.name])}")
 

@@ -101,6 +101,17 @@ class BamModel(Transformer):
         return x, tuple(hidden) if hidden is not None else None
 
 
+def _next_token_loss(logits: Tensor, labels: Tensor, items) -> Tensor:
+    """Mean next-token NLL (labels shifted here, -100 ignored); summed over `items` (num_items_in_batch) instead
+    when given."""
+    shifted = logits[:, :-1].float()
+    loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1).to(logits.device),
+                           ignore_index=-100, reduction="mean" if items is None else "sum")
+    if items is not None:
+        loss = loss / torch.as_tensor(items, device=loss.device)
+    return loss
+
+
 class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed.weight"}
 
@@ -148,28 +159,9 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         `output_attentions` (False only: attention weights are never materialized). Anything else is a
         TypeError: an argument this model would not honour is never dropped silently.
         """
-        unknown = sorted(set(kwargs) - EXTRA_KWARGS)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) {', '.join(unknown)}"
-                            f" (accepted besides the named ones: {', '.join(sorted(EXTRA_KWARGS))})")
-        if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions=True is not supported: attention runs fused (scaled_dot_product_"
-                             "attention) and its weights are never materialized")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("pass the KV cache as one of cache and past_key_values, not both")
-        cache = cache if cache is not None else past_key_values
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache()
-        cache_position = kwargs.get("cache_position")
-        if cache_position is not None:
-            past = cache.get_seq_length() if cache is not None else 0
-            new = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
-            if cache_position.numel() != new or (new and int(cache_position.reshape(-1)[0]) != past):
-                raise ValueError(f"cache_position {cache_position.tolist()} does not continue the cache: it holds "
-                                 f"{past} tokens and {new} new ones are given")
+        self._check_kwargs(kwargs)
+        cache, use_cache = self._cache(input_ids, inputs_embeds, cache, past_key_values, use_cache,
+                                       kwargs.get("cache_position"))
         x, hidden = self.model(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states))
@@ -180,15 +172,35 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         logits = self.lm_head(x)
         if self.config.logit_scale != 1.0:
             logits = logits * self.config.logit_scale
-        loss = None
-        if labels is not None:
-            shifted = logits[:, :-1].float()
-            items = kwargs.get("num_items_in_batch")
-            loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1).to(logits.device),
-                                   ignore_index=-100, reduction="mean" if items is None else "sum")
-            if items is not None:
-                loss = loss / torch.as_tensor(items, device=loss.device)
+        loss = None if labels is None else _next_token_loss(logits, labels, kwargs.get("num_items_in_batch"))
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden,
                                      **{CACHE_FIELD: cache if use_cache else None})
         use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         return out if use_dict else out.to_tuple()
+
+    def _check_kwargs(self, kwargs: dict) -> None:
+        unknown = sorted(set(kwargs) - EXTRA_KWARGS)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) {', '.join(unknown)}"
+                            f" (accepted besides the named ones: {', '.join(sorted(EXTRA_KWARGS))})")
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions=True is not supported: attention runs fused (scaled_dot_product_"
+                             "attention) and its weights are never materialized")
+
+    def _cache(self, input_ids, inputs_embeds, cache, past_key_values, use_cache, cache_position):
+        """(the KV cache to use, under either name; whether to return it), checked against cache_position."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the KV cache as one of cache and past_key_values, not both")
+        cache = cache if cache is not None else past_key_values
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        if cache_position is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            new = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+            if cache_position.numel() != new or (new and int(cache_position.reshape(-1)[0]) != past):
+                raise ValueError(f"cache_position {cache_position.tolist()} does not continue the cache: it holds "
+                                 f"{past} tokens and {new} new ones are given")
+        return cache, use_cache
