@@ -16,6 +16,7 @@ from bam_surgery.surgery.audit import CONVENTIONS, Audit, audit, audit_checkpoin
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, one_line
 from bam_surgery.surgery.inspect import (Inspection, describe_kind, input_digest, inspect_checkpoint, key_config,
                                          render_audit)
+from bam_surgery.surgery.open_input import open_input
 from bam_surgery.surgery.recipe import load_recipe, mixture_config, parse_attention_routing
 from bam_surgery.train.config import split_patterns
 
@@ -91,8 +92,6 @@ def render_inspection(ins: Inspection) -> str:
 
 # ---- resolving what to count ----------------------------------------------------------------
 def _open(spec: str, allow_pickle: bool = False):
-    from bam_surgery.surgery.open_input import open_input
-
     return open_input(spec, allow_pickle)
 
 

@@ -16,6 +16,8 @@ import torch
 
 from bam_surgery.runtime import ForcedRouting, Model, load_model, preset, save_model
 
+from .commands import cli
+
 DOMAINS = ("code", "law", "math")
 
 
@@ -47,8 +49,6 @@ def show_dense(paths: list[Path], tokens: torch.Tensor) -> None:
 
 
 def run_cli(args: list[str], title: str) -> None:
-    from .commands import cli
-
     print(f"\n== {title} ==\n$ bam-surgery {' '.join(args)}")
     cli.main(args=args, prog_name="bam-surgery", standalone_mode=False)
 

@@ -17,8 +17,13 @@ import sys
 import time
 
 import click
+import torch
 
+from bam_surgery.runtime import ModelKVCache, generate, model_from_reader
+from bam_surgery.runtime.memory import check_fits
 from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.open_input import open_input
+from bam_surgery.train.errors import TrainError
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -50,11 +55,7 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperature, top_p, seed, device,
                  dtype) -> None:
     """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
-    import torch
-
-    from bam_surgery.runtime import generate, model_from_reader
-    from bam_surgery.surgery.card import generation_config
-    from bam_surgery.surgery.open_input import open_input
+    from bam_surgery.surgery.card import generation_config  # lazy: hashing, blake3: 0.015 s on --help
 
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
@@ -106,9 +107,6 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
 def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:
     """The static KV cache (allocated whole, before the first token) against the memory of the device it goes
     to (runtime.memory: the same rule and message as every other size a user gives)."""
-    from bam_surgery.runtime import ModelKVCache
-    from bam_surgery.runtime.memory import check_fits
-
     per_token = ModelKVCache.bytes_per_token(cfg, dtype)
     check_fits(per_token * tokens, f"the KV cache of {tokens:,} tokens ({per_token:,} bytes per token)",
                BamSurgeryError, device)
@@ -116,9 +114,7 @@ def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:
 
 def _check_finite(model, checkpoint: str) -> None:
     """merge's check (surgery.plan_reader.all_finite) on the weights as they run: NaN or Inf gives no text."""
-    import torch
-
-    from bam_surgery.surgery.plan_reader import all_finite
+    from bam_surgery.surgery.plan_reader import all_finite  # lazy: 0.015 s more for --help (hashing, blake3)
 
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not all_finite(t):
@@ -148,8 +144,6 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _device(text: str):
-    import torch
-
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -167,8 +161,7 @@ def _tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
     """The tokenizer by train.tokenize.resolve_tokenizer's rules (--tokenizer PATH|bytes, the checkpoint's own,
     bytes for vocabularies of at most 512); None when only token ids are given (--tokens) and no tokenizer
     was asked for or carried and the byte fallback does not apply: the output is then printed as ids."""
-    from bam_surgery.train.errors import TrainError
-    from bam_surgery.train.tokenize import checkpoint_tokenizer, resolve_tokenizer
+    from bam_surgery.train.tokenize import checkpoint_tokenizer, resolve_tokenizer  # lazy: tokenizers, 0.02 s
 
     # generate stops at the generation config's eos; the tokenizer's own end-of-text id (its document separator
     # in training) is not used here, so a tokenizer that has none is not refused for it
@@ -185,7 +178,7 @@ def _tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
 def _encode(tok, prompt: str) -> list[int]:
     """The prompt's ids. An HF tokenizer adds its special tokens (a BOS), as transformers' generate expects;
     training encodes documents without them (train.tokenize.HFTokenizer.encode_batch)."""
-    from bam_surgery.train.tokenize import HFTokenizer
+    from bam_surgery.train.tokenize import HFTokenizer  # lazy: tokenizers, 0.02 s more for --help
 
     if isinstance(tok, HFTokenizer):
         return tok.tok.encode(prompt).ids

@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         if args[:1] == ["merge"]:
             files = merge_input_files(args[1:])
             if files:
+                # lazy: only a merge with local inputs starts hashing, and before torch is imported
                 from bam_surgery.surgery.digests import start_early
                 start_early(files)
+        # lazy: the commands import torch (seconds); merge's early hashing starts first, and Ctrl-C is caught
         from .commands import main as cli_main
     except KeyboardInterrupt:  # while starting (importing torch takes seconds): nothing has been written
         print(INTERRUPTED_LINE, file=sys.stderr, flush=True)

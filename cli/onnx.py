@@ -15,6 +15,10 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.converters import open_checkpoint
+from bam_surgery.converters.export import ExportOptions, check_export, export
+from bam_surgery.converters.onnx_export import DTYPES, check_opset
+from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
@@ -40,10 +44,7 @@ DTYPE_NAMES = ("fp32", "fp16")
 @ALLOW_PICKLE
 def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, allow_pickle) -> None:
     """Export a checkpoint as an ONNX graph with KV-cache inputs and outputs (onnxruntime)."""
-    from bam_surgery.converters import open_checkpoint
-    from bam_surgery.converters.export import ExportOptions, check_export, export
-    from bam_surgery.converters.onnx_export import DTYPES, check_opset
-    from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
+    # lazy: card and output_path pull in hashing and blake3, 0.015 s more for --help
     from bam_surgery.surgery.card import tokenizer_files
     from bam_surgery.surgery.output_path import check_output_path
 

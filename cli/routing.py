@@ -38,6 +38,7 @@ def routing_stats_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len,
     experts used, the entropy of the usage in bits (and its maximum log2 E), the Gini coefficient of
     usage and, with --compare, the share of tokens whose top-1 expert changed.
     """
+    # lazy: the routing report loads evaluation, data and tokenizers, 0.05 s more for --help
     from bam_surgery.train.data import parse_data_spec
     from bam_surgery.train.plot import plot_routing, routing_plot_files
     from bam_surgery.train.routing_report import routing_stats

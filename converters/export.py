@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bam_surgery.runtime.checkpoint import write_checkpoint
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader, check_layout
 
@@ -41,7 +42,6 @@ class CanonicalExporter(Exporter):
         pass  # every ModelConfig has a canonical layout
 
     def write(self, reader, out, options) -> Path:
-        from bam_surgery.runtime.checkpoint import write_checkpoint
         if options.dtype is not None:
             raise CapabilityError("canonical output keeps each tensor's dtype (no dtype cast)")
         check_layout(reader)  # a checkpoint whose tensors contradict its own config is never written

@@ -22,6 +22,7 @@ from bam_surgery.runtime.shards import INDEX_NAME
 
 from .hf.files import TOKENIZER_FILES, read_hf_config
 from .hf.reader import HFCheckpointReader
+from .hf_bam.reader import BamHFReader
 
 # org/name with an optional @revision (branch, tag or commit)
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
@@ -70,7 +71,6 @@ def _open_directory(path: Path, allow_pickle: bool) -> Reader:
     if CONFIG_KEY in body:
         return CheckpointReader(path)
     if body.get("model_type") == "bam_mixture":  # an `--format hf` mixture export read back
-        from .hf_bam.reader import BamHFReader
         return BamHFReader(path)
     if "model_type" in body:  # an HF architecture, Mixtral (e.g. a btx export read back) included
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
@@ -91,7 +91,7 @@ def _truthy(value: str | None) -> bool:
 
 def _snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
     """Local snapshot directory of a hub repo (downloading config, safetensors and tokenizer files if allowed)."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download  # lazy: 0.3 s at start-up, for hub ids only
 
     # read the environment now (huggingface_hub reads it once, at import)
     offline = _truthy(os.environ.get("HF_HUB_OFFLINE")) or constants.HF_HUB_OFFLINE

@@ -9,10 +9,14 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from bam_surgery.train.metrics import read_metrics
 from bam_surgery.train.plot import save_figure
 
 if TYPE_CHECKING:
@@ -22,10 +26,11 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(ffn|attn)_router")
 
 
 def _plt():
+    # lazy: matplotlib and pyplot cost 0.4 s, for drawing only
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy as well, and only after the backend is chosen
 
     return plt
 
@@ -42,14 +47,12 @@ def _smooth(ys: list[float]) -> list[float]:
 
 
 def _curve(run_dir: Path) -> tuple[list[int], list[float]]:
-    from bam_surgery.train.metrics import read_metrics
-
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     return [r["tokens"] for r in recs], _smooth([r["nll"] for r in recs])
 
 
 def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter  # lazy: matplotlib, after _plt() chose the backend
 
     plt = _plt()
     groups: list[tuple[str, list[tuple[str, str]]]] = []
@@ -75,7 +78,7 @@ def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
 
 
 def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter  # lazy: matplotlib, after _plt() chose the backend
 
     plt = _plt()
     models = [m for m in rep["models"] if m["kind"] != "untrained"]
@@ -98,10 +101,6 @@ def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
 
 def routing_heatmaps(run: "PipelineRun", model: dict[str, Any]) -> Path | None:
     """Layers x experts per eval domain, from the eval file's per-router statistics."""
-    import json
-
-    import numpy as np
-
     plt = _plt()
     ev = json.loads((run.evals / f"{model['id']}.json").read_text(encoding="utf-8"))
     domains = list(ev["domains"])

@@ -20,7 +20,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bam_surgery.converters import open_checkpoint
+from bam_surgery.surgery.audit import audit_checkpoint
+from bam_surgery.train import TrainConfig
+
 from .files import training_seconds, write_record
+from .plots import draw_plots
 from .spec import STAGES, Mixture
 
 if TYPE_CHECKING:
@@ -39,9 +44,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _audit(ckpt: str) -> dict[str, int]:
-    from bam_surgery.converters import open_checkpoint
-    from bam_surgery.surgery.audit import audit_checkpoint
-
     with open_checkpoint(ckpt) as reader:
         a = audit_checkpoint(reader)
     return {"total": a.total, "active": a.active}
@@ -49,9 +51,6 @@ def _audit(ckpt: str) -> dict[str, int]:
 
 def _run_training(run: "PipelineRun", unit: str) -> dict[str, Any]:
     """Steps, tokens and FLOPs of a training unit, from its final checkpoint and config."""
-    from bam_surgery.train import TrainConfig
-
-
     cfg = TrainConfig.from_yaml(run.configs / f"{unit}.yaml")
     tokens = cfg.steps * (cfg.batch_tokens or cfg.micro_batch * run.spec.seq_len)
     fpt = run.spec.unit_flops_per_token(unit)
@@ -240,8 +239,6 @@ def _stages_section(rep: dict[str, Any]) -> list[str]:
 
 def write_report(run: "PipelineRun") -> list[Path]:
     """Write report.json, the plots and report.md (each atomically); returns the files."""
-    from .plots import draw_plots
-
     rep = collect(run)
     # the report stage's own time is not known until it ends; report.json lists the stages before it
     plots = draw_plots(run, rep)

@@ -32,14 +32,23 @@ import shlex
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
+
+from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
+from bam_surgery.runtime.text import render_table
+from bam_surgery.surgery.execute import execute_plan
+from bam_surgery.surgery.plan import compile_plan
+from bam_surgery.train import TrainConfig, evaluate, load_run_config, train
+from bam_surgery.train.checkpoints import latest_checkpoint, step_dir_name
 
 from .files import training_seconds, write_record
+from .report import write_report
 from .spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved, first_difference,
                    seed_config, train_config)
 
@@ -76,8 +85,6 @@ def _quote(args: list[str]) -> str:
 
 @contextmanager
 def _threads(n: int | None) -> Iterator[None]:
-    import torch
-
     before = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)
@@ -98,8 +105,6 @@ class PipelineRun:
 
     # ---- paths -----------------------------------------------------------------------------------
     def final_checkpoint(self, unit: str, steps: int) -> Path:
-        from bam_surgery.train.checkpoints import step_dir_name
-
         return self.runs / unit / "checkpoints" / step_dir_name(steps)
 
     def seed_checkpoint(self) -> str:
@@ -247,9 +252,6 @@ class PipelineRun:
 
     # ---- the work of each unit -----------------------------------------------------------------------
     def _train(self, name: str, config_file: Path) -> dict[str, Any]:
-        from bam_surgery.train import TrainConfig, load_run_config, train
-        from bam_surgery.train.checkpoints import latest_checkpoint
-
         run = self.runs / name
         log = lambda m: self.log(f"  {m}")  # noqa: E731
         resumed = False
@@ -265,12 +267,6 @@ class PipelineRun:
                 "resumed": resumed, "train_s": training_seconds(result.checkpoint)}
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
-        from contextlib import ExitStack
-
-        from bam_surgery.converters import open_checkpoint
-        from bam_surgery.surgery.execute import execute_plan
-        from bam_surgery.surgery.plan import compile_plan
-
         specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
         with ExitStack() as opened:
             readers = [opened.enter_context(open_checkpoint(s)) for s in specs]
@@ -279,8 +275,6 @@ class PipelineRun:
         return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
 
     def _eval(self, ckpt: str, out: Path) -> dict[str, Any]:
-        from bam_surgery.train import evaluate
-
         spec = self.spec
         report = evaluate(ckpt, spec.eval_spec(), tokenizer=spec.tokenizer, seq_len=spec.seq_len,
                           batch_size=spec.eval_batch_size, max_tokens=spec.eval_max_tokens,
@@ -292,8 +286,6 @@ class PipelineRun:
         return {"tokens": sum(r.tokens for r in report.domains.values())}
 
     def _report(self) -> dict[str, Any]:
-        from .report import write_report
-
         files = write_report(self)
         self.log("  wrote " + ", ".join(str(Path(f).relative_to(self.dir)) for f in files))
         return {"tokens": 0}
@@ -401,7 +393,6 @@ class PipelineRun:
             tokens = cfg.steps * (cfg.batch_tokens or cfg.micro_batch * spec.seq_len)
             fpt = spec.unit_flops_per_token(name)
             rows.append((name, f"{cfg.steps:,}", f"{tokens:,}", f"{fpt / 1e6:,.2f}", f"{tokens * fpt:.3e}"))
-        from bam_surgery.runtime.text import render_table
 
         total = sum(float(r[4]) for r in rows)
         return "\n".join([render_table(("training run", "steps", "tokens", "MFLOP/token", "FLOPs"), rows),

@@ -24,16 +24,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 from bam_surgery.runtime.errors import printable
-from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
 from bam_surgery.surgery.plan import MergeOptions
 from bam_surgery.surgery.recipe import load_recipe, mixture_config
 from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.data import HUB_PREFIX, Domain, has_split
 from bam_surgery.train.errors import TrainError
 from bam_surgery.train.metrics import flops_per_token
+from bam_surgery.train.tokenize import checkpoint_tokenizer
 
 from .spec import (SCHEMA_VERSION, SETTINGS, STAGES, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
                    seed_config, train_config)
@@ -311,8 +313,6 @@ class _Validator:
         hub id's snapshot folder)."""
         if not self.check_data:
             raise PipelineError(f"{self.where}: stages.seed.init: a given seed is read to check the pipeline")
-        from bam_surgery.converters import open_checkpoint
-        from bam_surgery.surgery.errors import USER_ERRORS
 
         try:
             with open_checkpoint(init) as reader:
@@ -329,9 +329,6 @@ class _Validator:
     def tokenizer(self, tok: str | None, dense: ModelConfig, seed_init: str | None) -> str:
         if tok is None:
             if seed_init is not None:
-                from bam_surgery.converters import open_checkpoint
-                from bam_surgery.train.tokenize import checkpoint_tokenizer
-
                 with open_checkpoint(seed_init) as reader:
                     carried = checkpoint_tokenizer(reader)
                 if carried:

@@ -28,6 +28,7 @@ from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.plan import MergeOptions
 from bam_surgery.surgery.recipe import Recipe
 from bam_surgery.train.config import TrainConfig
+from bam_surgery.train.metrics import flops_per_token
 
 SCHEMA_VERSION = 1
 STAGES = ("seed", "branch", "mix", "train", "eval", "report")
@@ -87,8 +88,6 @@ class PipelineSpec:
     def unit_flops_per_token(self, unit: str) -> float:
         """Training FLOPs per token of a unit's model: the dense seed's for `seed` and `branch-*`, else the
         mixture's of `<setting>-<mixture>`."""
-        from bam_surgery.train.metrics import flops_per_token
-
         if unit == "seed" or unit.startswith("branch-"):
             return flops_per_token(self.dense_config, self.seq_len)
         return self.mixture(unit.split("-", 1)[1]).flops_per_token

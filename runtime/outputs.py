@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from .errors import CheckpointError, printable
+from .safetensors_file import read_header
 
 FORMAT = "bam-surgery/1"  # "format" in every canonical file's metadata and canonical config.json
 MARKER = ".bam-surgery.json"  # in every folder output: {"format": FORMAT, "files": [names]}
@@ -78,8 +79,6 @@ def not_own_output(path: Path) -> str | None:
 
 
 def _own_safetensors(file: Path) -> bool:
-    from .safetensors_file import read_header  # safetensors_file imports nothing from here
-
     try:
         with open(file, "rb") as f:
             header = read_header(file, f, os.fstat(f.fileno()).st_size)

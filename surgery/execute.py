@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from tqdm import tqdm
 
 from bam_surgery.runtime.atomic import atomic_path
 from bam_surgery.runtime.buffers import BufferPool
@@ -48,7 +49,6 @@ Warn = Callable[[str], None]
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr,
                 disable=not enabled, dynamic_ncols=True, leave=False)
 

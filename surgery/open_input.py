@@ -6,17 +6,16 @@ Errors come back as one user-error line that names the argument.
 """
 from __future__ import annotations
 
+from bam_surgery import converters  # called as converters.open_checkpoint: one seam for tests to replace
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.train.checkpoints import resolve_checkpoint
 
 from .errors import USER_ERRORS, BamSurgeryError, one_line
 
 
 def open_input(spec: str, allow_pickle: bool = False) -> Reader:
-    from bam_surgery.converters import open_checkpoint
-    from bam_surgery.train.checkpoints import resolve_checkpoint
-
     try:
-        return open_checkpoint(resolve_checkpoint(spec), allow_pickle=allow_pickle)
+        return converters.open_checkpoint(resolve_checkpoint(spec), allow_pickle=allow_pickle)
     except (*USER_ERRORS, OSError) as e:
         msg = one_line(e) if not isinstance(e, OSError) else f"cannot open ({e.strerror or e})"
         raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e

@@ -22,6 +22,7 @@ from typing import Any
 
 import blake3
 
+from bam_surgery import __version__
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, file_metadata
 from bam_surgery.runtime.reader import Reader
 
@@ -30,7 +31,6 @@ from .plan import Plan
 
 
 def tool_version() -> str:
-    from bam_surgery import __version__
     return __version__
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from bam_surgery.runtime import check_layout
 from bam_surgery.runtime.atomic import atomic_path, write_text_atomic
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader
 from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
@@ -126,8 +127,6 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], Any, dict[
                                               dict[str, torch.Tensor], dict[str, Any]]:
     """(model state, model config, model metadata, trainer tensors, trainer meta) of a checkpoint
     folder; anything unreadable is a TrainError naming the file."""
-    from bam_surgery.runtime import check_layout
-
     path = Path(path)
     try:
         with CheckpointReader(path) as reader:

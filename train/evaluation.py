@@ -20,12 +20,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+import tqdm  # called as tqdm.tqdm, so that tests can replace the bar class
 
+from bam_surgery.converters import open_checkpoint
+from bam_surgery.runtime import model_from_reader
+
+from .checkpoints import resolve_checkpoint
 from .data import parse_data_spec, open_source
-from .distributed import Dist, all_sum
+from .distributed import Dist, all_sum, pick_device
 from .errors import TrainError
 from .metrics import RoutingAccumulator, summarize_routing
 from .packing import eval_windows
+from .provenance import expert_names, read_provenance
+from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
 
 
 @dataclass
@@ -75,8 +82,6 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     Under torchrun every process runs the same number of forward passes (FSDP needs it): batch i
     goes to process i mod world, a process with nothing left in the last round runs a batch whose
     result it discards, and the sums are added over processes."""
-    from tqdm import tqdm
-
     d = d or Dist(device=device or next(model.parameters()).device)
     device = device or d.device
     was_training = model.training
@@ -84,7 +89,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     results = {}
     plan = {name: group_windows(eval_windows(tokens, seq_len, max_tokens), batch_size)
             for name, tokens in streams.items()}
-    bar = tqdm(total=sum(math.ceil(len(b) / d.world) for b in plan.values()), desc="eval", unit="batch",
+    bar = tqdm.tqdm(total=sum(math.ceil(len(b) / d.world) for b in plan.values()), desc="eval", unit="batch",
                leave=False, dynamic_ncols=True, file=sys.stderr, disable=not (progress and d.is_main))
     try:
         for name, tokens in streams.items():
@@ -163,13 +168,6 @@ def load_model_for_eval(checkpoint: str, device: torch.device, *, tokenizer: str
     """Open a checkpoint (anything open_checkpoint accepts, or a run folder: its latest checkpoint),
     resolve its tokenizer (tokenize.resolve_tokenizer's rules) and load its weights as fp32.
     check_config(spec, config), if given, may refuse the model before any weight is read."""
-    from bam_surgery.converters import open_checkpoint
-    from bam_surgery.runtime import model_from_reader
-
-    from .checkpoints import resolve_checkpoint
-    from .provenance import expert_names, read_provenance
-    from .tokenize import resolve_tokenizer
-
     spec = resolve_checkpoint(checkpoint)
     with open_checkpoint(spec) as reader:
         cfg = reader.config
@@ -193,8 +191,6 @@ def check_seq_len(seq_len: int | None, cfg) -> int:
 def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
                  token_cache: str | Path | None = None) -> dict[str, np.ndarray]:
     """{domain: token stream} of the `split` of each domain of a SPEC, through the token cache."""
-    from .tokenize import default_cache_dir, tokenize_source
-
     domains = parse_data_spec(data)
     cache = Path(token_cache) if token_cache else default_cache_dir()
     return {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
@@ -207,8 +203,6 @@ def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id
     """Evaluate a checkpoint (anything open_checkpoint accepts, or a run folder: its latest
     checkpoint) on the held-out split of each domain of `data` (a domain SPEC). progress: a bar on
     stderr while the windows run (the CLI shows it when stderr is a terminal)."""
-    from .distributed import pick_device
-
     parse_data_spec(data)  # a bad SPEC is reported before the weights are read
     dev = pick_device(device)
     loaded = load_model_for_eval(checkpoint, dev, tokenizer=tokenizer, eos_id=eos_id)

@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import tqdm  # called as tqdm.tqdm, so that tests can replace the bar class
 
+from bam_surgery import __version__
+from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
 from bam_surgery.runtime.atomic import write_text_atomic
@@ -51,7 +54,7 @@ from .evaluation import evaluate_streams, reduce_routing
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
 from .optim import apply_trainable, build_optimizer, lr_at, set_lr
 from .packing import MixtureSampler, micro_batches
-from .plot import PLOTS, plot_files
+from .plot import PLOTS, plot_files, plot_run
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
 from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
 
@@ -237,8 +240,6 @@ class _Run:
         cfg = self.cfg
         self.init_reader = None
         if cfg.init:
-            from bam_surgery.converters import open_checkpoint
-
             spec = resolve_checkpoint(cfg.init)
             with open_checkpoint(spec) as reader:
                 if isinstance(reader, CheckpointReader):
@@ -365,8 +366,6 @@ class _Run:
         _remove_empty([self.dir / CHECKPOINTS])
 
     def _run_info(self) -> dict[str, Any]:
-        from bam_surgery import __version__
-
         def data(domains, sources):
             return [{"domain": dom.name, "source": dom.source, "weight": dom.weight, "split": s.split,
                      "files": s.hashes()} for dom, s in zip(domains, sources)]
@@ -415,19 +414,17 @@ class _Run:
 
     # ---- the loop -----------------------------------------------------------------------------
     def _loop(self) -> TrainResult:
-        from tqdm import tqdm
-
         cfg, d = self.cfg, self.d
         flops_tok = flops_per_token(self.model_config, self.seq_len)
         precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and d.device.type == "cuda") \
             else "fp32"
         peak = peak_flops(d.device, precision, cfg.peak_tflops)
         metrics = MetricsWriter(self.dir / "metrics.jsonl", enabled=d.is_main)
-        bar = tqdm(total=cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
+        bar = tqdm.tqdm(total=cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and d.is_main and sys.stderr.isatty()))
         out = self._out
         if not bar.disable:
-            self._out = _above_bar(tqdm, out)
+            self._out = _above_bar(tqdm.tqdm, out)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
@@ -465,8 +462,6 @@ class _Run:
             self._out = out
             metrics.close()
         if d.is_main and cfg.plot:
-            from .plot import plot_run
-
             self.log("plots: " + ", ".join(str(p) for p in plot_run(self.dir)))
         return TrainResult(self.dir, cfg.steps, self.tokens_seen, final or latest_checkpoint(self.dir), last_loss,
                            last_eval)

@@ -22,6 +22,9 @@ import torch
 
 from bam_surgery.runtime.atomic import write_text_atomic
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
+
+from .errors import TrainError
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0),
@@ -158,8 +161,6 @@ def summarize_routing(per_router: dict[str, dict]) -> dict[str, Any]:
 def active_matmul_params(cfg: ModelConfig) -> int:
     """Parameters a token multiplies through: every matrix except the input embedding lookups,
     FFN experts scaled by top_k / E, attention experts by (top_k or E) / E (soft: all run)."""
-    from bam_surgery.runtime.layout import tensor_shapes
-
     total = 0.0
     for name, shape in tensor_shapes(cfg).items():
         n = math.prod(shape)
@@ -290,8 +291,6 @@ def read_curves(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 
 def _bad(where: str, what: str):
-    from .errors import TrainError
-
     return TrainError(f"{where}: {what}; not a metrics.jsonl bam-surgery train writes")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import TrainError
 from .metrics import read_curves
+from .routing_report import router_layer
 
 PLOTS = ("loss.png", "lr.png", "eval.png")  # what plot_run draws (eval.png when the run evaluated)
 
@@ -101,10 +102,11 @@ def plot_files(out: str | Path, names: list[str], option: str, remedy: str = "mo
 
 
 def _pyplot():
+    # lazy: matplotlib and pyplot cost 0.4 s, for drawing only
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy as well, and only after the backend is chosen
 
     return plt
 
@@ -132,8 +134,6 @@ def plot_routing(report, out: str | Path) -> list[Path]:
     """Heatmaps (one per domain and router kind) and the usage histogram of a RoutingReport, into `out`
     (created if missing). A file there under one of these names that this tool did not write is an error,
     raised before anything is drawn."""
-    from .routing_report import router_layer
-
     kinds = [k for k in ROUTING_KINDS if report.experts.get(k[0])]
     files = routing_plot_files(out, list(report.domains), tuple(k for k, _, _ in kinds))
     out = Path(out)
@@ -185,7 +185,7 @@ def plot_routing(report, out: str | Path) -> list[Path]:
 
 def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     """Write a figure as PNG atomically (a hidden partial file renamed into place) and close it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: 0.4 s; _pyplot() has set the backend
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial.png")

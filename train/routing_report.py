@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+from bam_surgery.converters import open_checkpoint
+
+from .checkpoints import resolve_checkpoint
+from .data import parse_data_spec
+from .distributed import pick_device
 from .errors import TrainError
 from .evaluation import (DomainResult, EvalReport, check_seq_len, evaluate_streams, load_model_for_eval,
                          load_streams)
@@ -110,19 +115,12 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, tok
     """Routing statistics of a mixture checkpoint on the `split` of each domain of `data` (a SPEC),
     per router (per layer and kind) and as means over layers; with `compare`, the stability of each
     router's top-1 choice against a second checkpoint of the same shape (same tokens through both)."""
-    from .data import parse_data_spec
-    from .distributed import pick_device
-
     parse_data_spec(data)  # a bad SPEC is reported before any weights are read
     dev = pick_device(device)
     loaded = load_model_for_eval(checkpoint, dev, tokenizer=tokenizer, eos_id=eos_id, check_config=require_mixture)
     cfg = loaded.config
     T = check_seq_len(seq_len, cfg)
     if compare is not None:  # refuse an incomparable pair before the long pass
-        from bam_surgery.converters import open_checkpoint
-
-        from .checkpoints import resolve_checkpoint
-
         compare_spec = resolve_checkpoint(compare)
         with open_checkpoint(compare_spec) as other:
             check_comparable(cfg, other.config, loaded.spec, compare_spec)

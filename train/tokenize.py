@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
+import tokenizers
+from tqdm import tqdm
+
+from bam_surgery.converters.hf.files import side_file
 
 from .data import Source, file_sha256
 from .errors import TrainError
@@ -72,13 +76,9 @@ class HFTokenizer:
     """A `tokenizers` tokenizer.json; documents are encoded without special tokens, EOS appended."""
 
     def __init__(self, path: Path, eos_id: int | None = None, fallback_eos: int | None = None):
-        from tokenizers import Tokenizer
-
-        from bam_surgery.converters.hf.files import side_file
-
         self.path = path
         try:
-            self.tok = Tokenizer.from_file(str(path))
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a plain Exception for malformed files
             raise TrainError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         self.name = str(path)
@@ -143,7 +143,6 @@ def checkpoint_tokenizer(reader: Reader) -> str | None:
             return str(f)
     path = reader.path
     if path is not None and Path(path).is_dir():  # a canonical folder: its tokenizer.json, from inside it
-        from bam_surgery.converters.hf.files import side_file
 
         carried = side_file(Path(path), "tokenizer.json")
         if carried is not None and carried.is_file():
@@ -247,7 +246,6 @@ def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> N
     eos = np.array([tok.eos_id], dtype=dtype)
     fd, tmp_bin = tempfile.mkstemp(prefix=f".{key}.", suffix=".bin.partial", dir=cache_dir)
     n_tokens = n_docs = 0
-    from tqdm import tqdm
 
     bar = tqdm(desc=f"tokenizing {source.describe()}", unit=" docs", leave=False, disable=not sys.stderr.isatty())
     try:
