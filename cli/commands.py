@@ -16,20 +16,23 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
+from bam_surgery.converters.export import ExportOptions, check_export, export, exporter
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
+from bam_surgery.surgery.audit import audit_checkpoint
+from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
+from bam_surgery.surgery.inspect import render_audit
+from bam_surgery.surgery.names import input_names, parse_named, split_specs
 from bam_surgery.surgery.open_input import open_input
-from bam_surgery.surgery.recipe import SHARED_KV_RULES, WARM_STARTS, SharedKVRule, WarmStart
+from bam_surgery.surgery.plan import MergeOptions, compile_plan, format_plan
+from bam_surgery.surgery.recipe import SHARED_KV_RULES, WARM_STARTS, SharedKVRule, WarmStart, load_recipe
+from bam_surgery.surgery.sizes import parse_size
 
 from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, format_option, output_written
-
-if TYPE_CHECKING:
-    from bam_surgery.surgery.plan import MergeOptions
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -155,7 +158,6 @@ def _warn(msg: str) -> None:
 
 
 def _check_format_out(fmt: str, out: str | None) -> None:
-    from bam_surgery.converters.export import exporter
 
     if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
         raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
@@ -221,7 +223,6 @@ class MergeArgs:
     def plan_options(self) -> MergeOptions:
         """MergeOptions from the options of the same names; --weights read as numbers, --router-init as the
         warm start."""
-        from bam_surgery.surgery.plan import MergeOptions  # lazy: surgery.plan is not needed for --help
 
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(MergeOptions) if f.name != "weights"}
         return MergeOptions(**same, weights=_parse_weights(self.weights))
@@ -315,11 +316,8 @@ class MergeArgs:
 @options_as(MergeArgs)
 def merge(args: MergeArgs) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
-    from bam_surgery.converters.export import check_export
+    # lazy: execute, output_path, branches and plan_reader pull in hashing (blake3), not needed for --help
     from bam_surgery.surgery.execute import execute_plan
-    from bam_surgery.surgery.names import input_names, parse_named, split_specs
-    from bam_surgery.surgery.plan import compile_plan
-    from bam_surgery.surgery.recipe import load_recipe
 
     the_recipe = load_recipe(args.recipe)  # validated before any checkpoint is opened
     shard_bytes = _check_merge_args(args)
@@ -347,7 +345,6 @@ def merge(args: MergeArgs) -> None:
 
 def _check_merge_args(args: MergeArgs) -> int | None:
     """The checks of merge's options among themselves, before any checkpoint is opened; the shard size in bytes."""
-    from bam_surgery.surgery.sizes import parse_size
 
     if args.out is None and not args.dry_run:
         raise BamSurgeryError("--out is required (or use --dry-run)")
@@ -366,6 +363,7 @@ def _check_merge_args(args: MergeArgs) -> int | None:
 
 def _warm_start(plan, args: MergeArgs):
     """The plan with its expert embeddings computed from the calibration data (surgery/warm_start.py)."""
+    # lazy: warm_start pulls in the tokenizers package (30 ms), for --router-init only
     from bam_surgery.surgery.warm_start import Calibration, warm_start
 
     log = (lambda msg: None) if args.quiet else (lambda msg: click.echo(msg, err=True))
@@ -374,7 +372,6 @@ def _warm_start(plan, args: MergeArgs):
 
 
 def _print_dry_run(plan, args: MergeArgs) -> None:
-    from bam_surgery.surgery.plan import format_plan
 
     click.echo(format_plan(plan))
     click.echo("")
@@ -406,9 +403,8 @@ def untrained_gate_note(cfg) -> str | None:
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
     """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
     tensor when the exporter asks for it."""
-    from bam_surgery.converters.export import ExportOptions, export
+    # lazy: these pull in hashing (blake3), not needed for --help
     from bam_surgery.surgery.branches import check_branches
-    from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card
     from bam_surgery.surgery.output_path import check_output_path, plan_inputs
     from bam_surgery.surgery.plan_reader import PlanReader
 
@@ -436,10 +432,8 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
-    from bam_surgery.converters.export import ExportOptions, check_export, export
-    from bam_surgery.surgery.card import generation_config, tokenizer_files
+    # lazy: output_path pulls in hashing (blake3), not needed for --help
     from bam_surgery.surgery.output_path import check_output_path
-    from bam_surgery.surgery.sizes import parse_size
 
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
@@ -460,10 +454,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle,
 
 def _audit_text(plan) -> str:
     """Parameter counts of the planned output, from its shapes only (the count-params table)."""
-    from bam_surgery.surgery.audit import audit_checkpoint
-    from bam_surgery.surgery.inspect import render_audit
-    from bam_surgery.surgery.plan_reader import PlanReader
-
+    from bam_surgery.surgery.plan_reader import PlanReader  # lazy: pulls in hashing (blake3), not needed for --help
 
     return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
 
