@@ -83,3 +83,43 @@ def test_the_checks_catch_what_they_look_for():
             "        finally:\n"
             "            bar.close()\n")
     assert reader_closed_in_finally(fine) == []
+
+
+# ---- ARCHITECTURE.md's "Where to add things" table names real places ---------------------------------------
+def where_to_add_references() -> list[tuple[str, str | None]]:
+    """(path, name or None) for every `path` or `path:name` in backticks in the table's rows."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text.split("## Where to add things", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| to add")]
+    assert len(rows) >= 10, "the table is gone"
+    refs = []
+    for row in rows:
+        for token in re.findall(r"`([^`]+)`", row):
+            m = re.fullmatch(r"([\w./-]+\.(?:py|md|yaml))(?::(\w+))?", token)
+            if m:
+                refs.append((m.group(1), m.group(2)))
+    return refs
+
+
+def _defined_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Name):
+                        names.add(t.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def test_where_to_add_names_files_and_names_that_exist():
+    refs = where_to_add_references()
+    assert len(refs) >= 30
+    missing = [f"{path}" + (f":{name}" if name else "") for path, name in refs
+               if not (ROOT / path).is_file() or (name is not None and name not in _defined_names(ROOT / path))]
+    assert not missing, "ARCHITECTURE.md's 'Where to add things' names what is not there: " + ", ".join(missing)
