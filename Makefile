@@ -1,6 +1,8 @@
 # Entry points for a fresh machine; each does all of its own set-up in .venv.
 #   make demo       install the runtime and run the embedded demo (no downloads of data or weights)
-#   make test       install the test environment and run the test suite
+#   make test       install the test environment and run the test suite (tests/<layer>/, tests/project/)
+#   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
+#                   pipelines); under a minute on a quiet 2-core machine
 #   make test-compat  the exports in the clients users run: one venv per end of the transformers range the
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM and
 #                   Mixtral export checks in each, lm-evaluation-harness with the newest, and the wheel installed
@@ -11,7 +13,7 @@
 #                   environment without downloading anything, run benchmarks/inference.py --device cuda --dtype bf16
 #                   --size paper-small into bench-out/gpu/ (docs/gpu.md; BENCH_GPU_ARGS="--device cpu --size smoke"
 #                   checks it on a CPU)
-#   make test-gpu   the same install, then tests/test_cuda.py (every test skips without CUDA)
+#   make test-gpu   the same install, then tests/runtime/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -34,9 +36,10 @@ GPU_INSTALL = $(GPU_PYTHON) -I -c "import pathlib, sys, bam_surgery.runtime as r
 COMPAT_OLDEST := 4.57.6
 COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
-COMPAT_TESTS  := tests/test_hf_bam_export.py tests/test_mixtral_export.py tests/test_export_clients.py
+COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
+		 tests/converters/test_export_clients.py
 
-.PHONY: demo test test-compat reproduce install install-test clean
+.PHONY: demo test test-fast test-compat reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
@@ -69,6 +72,9 @@ demo: $(VENV)/.runtime-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat
 
+test-fast: $(VENV)/.test-installed
+	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
+
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
 		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
@@ -88,7 +94,7 @@ bench-gpu:
 
 test-gpu:
 	$(GPU_INSTALL)
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info

@@ -32,7 +32,7 @@ setup(
     package_dir=package_dir,
     package_data={"bam_surgery.recipes": ["*.yaml", "README.md", "pipelines/*.yaml", "pipelines/README.md"],
                   "bam_surgery.converters.hf_bam": ["*.py"]},
-    # Every third-party package the code imports (tests/test_packaging.py checks this list against the imports).
+    # Every third-party package the code imports (tests/project/test_packaging.py checks this list against the imports).
     # Exact pins for a reproducible environment live in requirements*.txt (the Makefile uses them).
     # transformers is not here: exports are written without it; it is what loads them (the HF BAM remote code
     # declares its range, converters/hf_bam/schema_bam.py).

@@ -4,7 +4,7 @@
 
 Counts lines from `def` to the function's last line (docstring included, decorators not), over the
 layer folders that install as bam_surgery (runtime, converters, train, surgery, pipeline, cli).
-tests/test_code_shape.py holds every function outside tests/ and benchmarks/ to MAX_FUNCTION_LINES.
+tests/project/test_code_shape.py holds every function outside tests/ and benchmarks/ to MAX_FUNCTION_LINES.
 Together with the `duplicates` tool (`duplicates --min-lines 6` and `--min-lines 4`) it measures how much of the code
 has one place.
 """

@@ -13,7 +13,7 @@ rename), and checks:
   after) removes it, and leaves no `.partial` debris and an OUT identical to the reference.
 
 Outputs alternate between a single file and a sharded folder. Prints one line per trial and a
-summary; exits 1 if any trial broke the invariant. tests/test_kill9.py runs a quick version.
+summary; exits 1 if any trial broke the invariant. tests/surgery/test_kill9.py runs a quick version.
 """
 from __future__ import annotations
 

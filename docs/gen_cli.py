@@ -4,7 +4,7 @@
     .venv/bin/python docs/gen_cli.py --check   # exit 1 if docs/cli.md is not what this would write
 
 The help is rendered by click itself at a fixed width (WIDTH columns), so the file does not depend on the
-terminal it is generated in; tests/test_cli_doc.py fails when docs/cli.md is out of date.
+terminal it is generated in; tests/cli/test_cli_doc.py fails when docs/cli.md is out of date.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def render() -> str:
         "",
         f"    {REGENERATE}",
         "",
-        "(tests/test_cli_doc.py fails while it is out of date). Examples with real output: [README.md](../README.md)",
+        "(tests/cli/test_cli_doc.py fails while it is out of date). Examples with real output: [README.md](../README.md)",
         "and [usage.md](usage.md).",
         "",
         "| command | what it does |",

@@ -33,7 +33,7 @@ Block = Literal["sequential", "parallel", "parallel_two_norms"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
 # The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
-# tests/test_routers.py holds the two lists together).
+# tests/runtime/test_routers.py holds the two lists together).
 Router = Literal["linear", "mlp", "attention", "expert_embedding", "key_store"]
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)

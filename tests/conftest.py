@@ -1,21 +1,27 @@
 """Shared helpers for the test suite: tiny configs, random canonical states, mixtures built from dense
-states, and an independent float64 reference forward pass.
+states, an independent float64 reference forward pass, tiny HF Llama folders and setup.py read with ast.
 
 The reference (`reference_forward`) is written from the semantics in runtime/model.py's contract, not
 from its code: RoPE by complex rotation, attention by an explicit masked softmax with a loop over heads,
 activations and norms from their formulas. Tests compare the runtime (fp32) against it.
 
-Test files import these helpers with `from conftest import ...` (pytest puts tests/ on sys.path).
+Test files in every folder under tests/ import these helpers with `from conftest import ...` (pytest puts
+tests/ on sys.path when it loads this file). A test file imports another only from its own folder
+(test_fused.py from test_model.py); helpers used across folders live here.
 Shapes: B batch, T time, D d_model, H heads, G kv heads, Dh head dim, E experts, V vocab.
 """
 from __future__ import annotations
 
+import ast
+import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
@@ -398,3 +404,83 @@ def hf_modules(tmp_path_factory):
         mp.setattr(sys, "path", list(sys.path))
         yield cache
     forget_loaded_remote_code()
+
+
+# ---- setup.py and imports, read with ast (packaging checks) -----------------------------------------
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+
+def setup_keyword(name: str):
+    """A literal keyword argument of setup() in setup.py, read with ast (setup.py is not run)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup":
+            for kw in node.keywords:
+                if kw.arg == name:
+                    return ast.literal_eval(kw.value)
+    raise KeyError(name)
+
+
+def dist_name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def absolute_imports(tree: ast.AST):
+    """(import node, module name) for every absolute import in the tree, function-level ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node, node.module
+
+
+# ---- tiny Hugging Face Llama folders, written with safetensors directly (not through the code under test) --
+def llama_hf_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """HF Llama tensor name -> shape for a config.json dict `c`."""
+    D, F, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    kv = c["num_key_value_heads"] * D // c["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(L):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm.weight": (D,), f"{p}.post_attention_layernorm.weight": (D,),
+                   f"{p}.self_attn.q_proj.weight": (D, D), f"{p}.self_attn.k_proj.weight": (kv, D),
+                   f"{p}.self_attn.v_proj.weight": (kv, D), f"{p}.self_attn.o_proj.weight": (D, D),
+                   f"{p}.mlp.gate_proj.weight": (F, D), f"{p}.mlp.up_proj.weight": (F, D),
+                   f"{p}.mlp.down_proj.weight": (D, F)}
+    return shapes
+
+
+# A Llama family in bf16: a seed and two branches (seed + 10% noise on attention and FFN matrices),
+# written with safetensors directly (not through the code under test), with tokenizer files.
+LLAMA_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+            "hidden_act": "silu", "rope_theta": 10000.0, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def llama_state(seed: int, base: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    shapes = llama_hf_shapes(LLAMA_HF)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        r = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if base is None:
+            t = 1.0 + 0.1 * r if len(shape) == 1 else r / math.sqrt(shape[-1])
+        elif ".self_attn." in name or ".mlp." in name:
+            t = base[name].float() + 0.1 * r / math.sqrt(shape[-1])
+        else:
+            t = base[name].float()
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def write_llama_dir(directory: Path, state: dict[str, torch.Tensor], tokenizer_tag: str) -> None:
+    directory.mkdir(parents=True)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(LLAMA_HF, indent=2))
+    vocab = {f"w{i}": i for i in range(LLAMA_HF["vocab_size"])}
+    (directory / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "tag": tokenizer_tag}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                                  "transformers_version": "5.23.0"}))

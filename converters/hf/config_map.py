@@ -8,7 +8,7 @@ raised before any I/O). `Require` pins HF options we do not model (e.g. Cohere's
 one value we support.
 
 Defaults are the transformers config-class defaults (5.x): a config.json may omit any key that
-equals its class default. tests/test_hf_import.py checks them against the installed classes.
+equals its class default. tests/converters/test_hf_import.py checks them against the installed classes.
 """
 from __future__ import annotations
 

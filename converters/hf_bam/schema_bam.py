@@ -16,7 +16,7 @@ TRANSFORMERS_BELOW = "6"
 TRANSFORMERS_TESTED = ("4.57.6", "5.23.0", "5.24.0")
 TRANSFORMERS_RANGE = f">={TRANSFORMERS_MIN},<{TRANSFORMERS_BELOW}"
 
-# Every field of bam-surgery's ModelConfig, same names, order and defaults (tests/test_config.py holds them
+# Every field of bam-surgery's ModelConfig, same names, order and defaults (tests/runtime/test_config.py holds them
 # equal); the five sizes ModelConfig requires get small placeholders here. An export always sets every field.
 # None for n_kv_heads / head_dim means n_heads / d_model // n_heads.
 FIELDS = {

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from bam_surgery.converters.hf_bam import export_hf_bam  # noqa: E402
 from bam_surgery.runtime import generate, save_model  # noqa: E402
 from bam_surgery.runtime.checkpoint import CheckpointReader  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "converters"))  # test_hf_bam_export's folder
 from test_hf_bam_export import V, load_hf, random_model, save_word_tokenizer  # noqa: E402
 
 EOS = 2

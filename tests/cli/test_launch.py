@@ -1,0 +1,34 @@
+"""The console script's start (cli/launch.py): a Ctrl-C while the CLI is still being imported (torch
+takes seconds) keeps the contract of every command: one line, exit status 130, no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A Ctrl-C landing inside the import of torch (where the first seconds of any command go), injected rather
+# than timed: an import hook raises KeyboardInterrupt when torch is imported.
+INTERRUPT_IMPORT = """
+import sys
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+from bam_surgery.cli.launch import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("command", [["inspect", "nothing.safetensors"], ["merge", "--seed", "a.safetensors",
+                                     "--experts", "b.safetensors", "--out", "mix.safetensors"], ["train", "--help"]])
+def test_ctrl_c_while_starting_is_one_line(tmp_path, command):
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_IMPORT, *command], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "bam-surgery: interrupted; nothing was written\n"
+    assert list(tmp_path.iterdir()) == []
