@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import OutputError, OutputWriteError
-from .locks import acquire_lock, write_pid
+from .locks import acquire_lock, file_identity, write_pid
 from .outputs import not_own_output, write_marker
 
 PARTIAL_SUFFIX = ".bam-surgery.partial"
@@ -342,11 +342,8 @@ def _landed(item: Path, target: Path) -> bool:
 
 
 def _same(a: Path, b: Path) -> bool:
-    try:
-        sa, sb = os.lstat(a), os.lstat(b)
-    except FileNotFoundError:
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+    ident = file_identity(a)
+    return ident is not None and ident == file_identity(b)
 
 
 def _release(work: Path, target: Path, lock_fd: int) -> None:

@@ -70,9 +70,15 @@ def unlock_file(fd: int, path: Path) -> None:
         os.close(fd)
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def file_identity(f: int | str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of an open descriptor, or of a path itself (a link is not followed); None if it is gone."""
     try:
-        a, b = os.fstat(fd), os.lstat(path)
+        st = os.fstat(f) if isinstance(f, int) else os.lstat(f)
     except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    ident = file_identity(fd)
+    return ident is not None and ident == file_identity(path)

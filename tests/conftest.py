@@ -484,3 +484,25 @@ def write_llama_dir(directory: Path, state: dict[str, torch.Tensor], tokenizer_t
     (directory / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
                                                                   "transformers_version": "5.23.0"}))
+
+
+class WrappedReader:
+    """A reader (the runtime.reader protocol) that forwards everything to `inner` but `get`, which the test
+    subclass defines (to fail on any tensor read, to count reads, ...); `read_into` goes through that `get`."""
+
+    def __init__(self, inner):
+        from bam_surgery.runtime.reader import Reader
+
+        assert isinstance(inner, Reader)
+        self._r = inner
+        self.config, self.metadata, self.path = inner.config, inner.metadata, inner.path
+        self.files, self.file_of, self.check_unchanged = inner.files, inner.file_of, inner.check_unchanged
+
+    def names(self):
+        return self._r.names()
+
+    def shape(self, name):
+        return self._r.shape(name)
+
+    def dtype(self, name):
+        return self._r.dtype(name)

@@ -9,11 +9,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from conftest import WrappedReader
+
+from bam_surgery.cli.audit import count_params_cmd, inspect_cmd
 from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.config import ModelConfig, preset
 from bam_surgery.runtime.layout import GROUPS, tensor_group, tensor_shapes
 from bam_surgery.surgery.audit import PAPER_DEVIATIONS, audit, audit_checkpoint
-from bam_surgery.cli.audit import count_params_cmd, inspect_cmd
 from bam_surgery.surgery.inspect import inspect_checkpoint
 
 SMALL = preset("paper-small")
@@ -226,24 +228,8 @@ def tiny_ckpt(tmp_path):
                            metadata={"bam_provenance": json.dumps(PROVENANCE)})
 
 
-class HeaderOnly:
-    """Wraps a reader; fails the test if tensor data is read."""
-
-    def __init__(self, reader):
-        self._r = reader
-        self.config, self.metadata, self.path = reader.config, reader.metadata, reader.path
-
-    def names(self):
-        return self._r.names()
-
-    def shape(self, n):
-        return self._r.shape(n)
-
-    def dtype(self, n):
-        return self._r.dtype(n)
-
-    def files(self):
-        return self._r.files()
+class HeaderOnly(WrappedReader):
+    """Fails the test if tensor data is read."""
 
     def get(self, n):
         raise AssertionError(f"tensor data of {n} was read")
