@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
+from .config_rules import ConfigRules
 from .jsonfile import parse_json
 
 # Fields with a fixed set of values; the tuples are the same sets, for messages and checks.
@@ -81,7 +82,7 @@ def _need(cond: bool, fld: str, msg: str) -> None:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ConfigRules):
     # ---- dense architecture -------------------------------------------------------------
     vocab_size: int
     d_model: int
@@ -235,24 +236,12 @@ class ModelConfig:
         return self.ffn_experts > 0 or self.attn_experts > 0
 
     @property
-    def rotary_dim(self) -> int:
-        return int(round(self.head_dim * self.rotary_fraction))
-
-    @property
     def q_dim(self) -> int:  # H * Dh
         return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:  # G * Dh
         return self.n_kv_heads * self.head_dim
-
-    @property
-    def ffn_router_kind(self) -> str:
-        return self.router
-
-    @property
-    def attn_router_kind(self) -> str:
-        return self.attn_router or self.router
 
     @property
     def gated_ffn(self) -> bool:

@@ -1,8 +1,9 @@
 """Hugging Face config for bam-surgery mixtures: every field of bam-surgery's ModelConfig, same names.
 
 Remote code: this file is copied into every exported directory and loaded with
-`AutoConfig.from_pretrained(dir, trust_remote_code=True)`. It imports only transformers and schema_bam.py (the
-fields, their defaults, the supported values and the transformers range, as plain data).
+`AutoConfig.from_pretrained(dir, trust_remote_code=True)`. It imports only transformers, schema_bam.py (the
+fields, their defaults, the supported values and the transformers range, as plain data) and config_rules.py
+(the properties derived from the fields: runtime/config_rules.py, which bam-surgery's ModelConfig inherits too).
 
 Sizes: V vocab_size, D d_model, L n_layers, H n_heads, G n_kv_heads, Dh head_dim, F ffn_hidden (per-branch
 width: SwiGLU's gate and up are each [F, D]), E experts. A dense model has ffn_experts == attn_experts == 0.
@@ -14,6 +15,7 @@ import warnings
 import transformers
 from transformers import PretrainedConfig
 
+from .config_rules import ConfigRules  # the derived properties, ModelConfig's own (runtime/config_rules.py)
 from .schema_bam import (FIELDS, MODEL_TYPE, SUPPORTED, TRANSFORMERS_BELOW, TRANSFORMERS_RANGE,  # noqa: F401
                          transformers_problem, version_tuple)
 
@@ -27,7 +29,7 @@ if version_tuple(transformers.__version__) >= version_tuple(TRANSFORMERS_BELOW):
                   f"{transformers.__version__}", stacklevel=2)
 
 
-class BamConfig(PretrainedConfig):
+class BamConfig(ConfigRules, PretrainedConfig):
     """Every field of schema_bam.FIELDS as an attribute (keyword arguments, defaults from that table), plus
     use_cache; anything else goes to PretrainedConfig."""
 
@@ -59,17 +61,3 @@ class BamConfig(PretrainedConfig):
         # Passed up (not set here) because older transformers versions set it in their own __init__;
         # attribute_map routes it to tie_embeddings.
         super().__init__(tie_word_embeddings=self.tie_embeddings, **kwargs)
-
-    @property
-    def ffn_router_kind(self) -> str:
-        return self.router
-
-    @property
-    def attn_router_kind(self) -> str:
-        """Same rule as bam-surgery's ModelConfig: attn_router, or router when it is None."""
-        return self.attn_router or self.router
-
-    @property
-    def rotary_dim(self) -> int:
-        """RoPE rotates the first rotary_dim dims of each head (same rounding as bam-surgery's runtime)."""
-        return int(round(self.head_dim * self.rotary_fraction))

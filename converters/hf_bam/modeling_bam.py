@@ -39,7 +39,8 @@ from .blocks_bam import ACTIVATIONS, Norm, StackedLinear, Transformer  # noqa: F
 from .configuration_bam import BamConfig
 from .routers import Router  # noqa: F401  (blocks_bam.py's import; named here so that every transformers'
 #                                            remote-code loader copies routers.py too, 4.x's included)
-from .schema_bam import MODEL_TYPE  # noqa: F401  (configuration_bam.py's import, named here for the same reason)
+from .config_rules import ConfigRules  # noqa: F401  (configuration_bam.py's imports, named here for the same
+from .schema_bam import MODEL_TYPE  # noqa: F401  reason)
 
 # keyword arguments forward() takes besides its named ones (see its docstring); anything else is a TypeError
 EXTRA_KWARGS = frozenset({"cache_position", "num_items_in_batch", "output_attentions"})
