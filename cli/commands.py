@@ -158,7 +158,6 @@ def _warn(msg: str) -> None:
 
 
 def _check_format_out(fmt: str, out: str | None) -> None:
-
     if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
         raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
 
@@ -223,7 +222,6 @@ class MergeArgs:
     def plan_options(self) -> MergeOptions:
         """MergeOptions from the options of the same names; --weights read as numbers, --router-init as the
         warm start."""
-
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(MergeOptions) if f.name != "weights"}
         return MergeOptions(**same, weights=_parse_weights(self.weights))
 
@@ -345,7 +343,6 @@ def merge(args: MergeArgs) -> None:
 
 def _check_merge_args(args: MergeArgs) -> int | None:
     """The checks of merge's options among themselves, before any checkpoint is opened; the shard size in bytes."""
-
     if args.out is None and not args.dry_run:
         raise BamSurgeryError("--out is required (or use --dry-run)")
     shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
@@ -372,7 +369,6 @@ def _warm_start(plan, args: MergeArgs):
 
 
 def _print_dry_run(plan, args: MergeArgs) -> None:
-
     click.echo(format_plan(plan))
     click.echo("")
     click.echo(_audit_text(plan))

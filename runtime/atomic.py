@@ -167,11 +167,7 @@ def atomic_path(target: str | os.PathLike, is_dir: bool = False, *, replace: boo
             if lock_fd is not None:
                 _release(work, target, lock_fd)
             if not ok and not landed:
-                for d in created:  # deepest first; only folders this run created, and only if empty
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        break
+                remove_created_folders(created)
     except KeyboardInterrupt as e:
         if landed and not isinstance(e, InterruptedAfterWrite):
             raise InterruptedAfterWrite(target) from None
@@ -232,6 +228,16 @@ def _check_existing(target: Path, replace: bool) -> None:
                           "yourself or write elsewhere")
 
 
+def remove_created_folders(folders: list[Path]) -> None:
+    """Remove folders a run created, deepest first, while they are empty: the first one that is not (or
+    cannot be removed) stops it, so nothing a run did not create, and nothing inside, is ever removed."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 def _make_parents(target: Path) -> list[Path]:
     """Create the target's missing parent folders; return them, deepest first."""
     created: list[Path] = []
@@ -247,11 +253,7 @@ def _make_parents(target: Path) -> list[Path]:
         except FileExistsError:
             pass
         except OSError as e:
-            for made in created[created.index(d) + 1:]:
-                try:
-                    made.rmdir()
-                except OSError:
-                    break
+            remove_created_folders(created[created.index(d) + 1:])
             raise OutputError(f"{target}: cannot create folder {d} ({e.strerror})") from None
     return created
 

@@ -35,7 +35,7 @@ from bam_surgery import __version__
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
-from bam_surgery.runtime.atomic import write_text_atomic
+from bam_surgery.runtime.atomic import remove_created_folders, write_text_atomic
 from bam_surgery.runtime.config import PRESETS, ConfigError
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.locks import lock_file, unlock_file
@@ -109,7 +109,7 @@ def _run_lock(run: Path, resume: bool, d: dist_.Dist):
             run.mkdir(parents=True, exist_ok=True)
             held.append((lock_file(run / RUN_LOCK, run), created))
         except (OSError, OutputError) as e:
-            _remove_empty(created)
+            remove_created_folders(created)
             raise TrainError(f"--out {str(e) if isinstance(e, OutputError) else f'{run}: {e.strerror}'}") from None
 
     dist_.on_main(d, acquire)
@@ -118,16 +118,7 @@ def _run_lock(run: Path, resume: bool, d: dist_.Dist):
     finally:
         for fd, created in held:
             unlock_file(fd, run / RUN_LOCK)
-            _remove_empty(created)
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders a run created (deepest first) that are still empty."""
-    for p in folders:
-        try:
-            p.rmdir()
-        except OSError:
-            break
+            remove_created_folders(created)
 
 
 def _forked_rng(device: torch.device):
@@ -363,7 +354,7 @@ class _Run:
                 (self.dir / name).unlink()
             except FileNotFoundError:
                 pass
-        _remove_empty([self.dir / CHECKPOINTS])
+        remove_created_folders([self.dir / CHECKPOINTS])
 
     def _run_info(self) -> dict[str, Any]:
         def data(domains, sources):
