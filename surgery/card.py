@@ -1,7 +1,6 @@
 """Model cards (README.md) for exported directories, and tokenizer checks across inputs."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +9,7 @@ from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.train.data import file_sha256
 
 from .audit import audit
 from .errors import InputError
@@ -71,7 +71,7 @@ def _token_ids(value) -> bool:
 
 
 def _vocab_digest(files: list[Path]) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.name in _VOCAB_FILES}
+    return {f.name: file_sha256(f) for f in files if f.name in _VOCAB_FILES}
 
 
 def check_tokenizers(plan: Plan, warn: Callable[[str], None]) -> list[Path]:
