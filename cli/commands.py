@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import os
 import signal
 import sys
@@ -32,7 +31,8 @@ from bam_surgery.surgery.plan import MergeOptions, compile_plan, format_plan
 from bam_surgery.surgery.recipe import SHARED_KV_RULES, WARM_STARTS, SharedKVRule, WarmStart, load_recipe
 from bam_surgery.surgery.sizes import parse_size
 
-from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, format_option, output_written
+from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, command_options, format_option, option,
+                      output_written)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -165,55 +165,128 @@ def _check_format_out(fmt: str, out: str | None) -> None:
 ROUTER_INITS = ("random", *WARM_STARTS)  # --router-init: random, or a warm start
 
 
-def options_as(cls):
-    """A click command's parameters as one `cls` instance (a dataclass whose fields are the parameters'
-    names): `@options_as(MergeArgs) def merge(args: MergeArgs)` under the click decorators."""
-    def decorate(command):
-        @functools.wraps(command)
-        def with_options(**params):
-            return command(cls(**params))
-        return with_options
-    return decorate
-
-
 @dataclass(frozen=True)
 class MergeArgs:
-    """Every option of `bam-surgery merge` as click parsed it, one field per option (its parameter name).
+    """Every option of `bam-surgery merge` as click parsed it, one field per option (its parameter name),
+    declared once with its click option (cli.options.option, command_options).
     The plan's options (surgery.plan.MergeOptions) are built from them in one place: plan_options."""
 
-    seed: str
-    experts: tuple[str, ...]
-    out: str | None
-    recipe: str
-    ffn_top_k: int | None
-    attention_routing: str | None  # soft | topK
-    gate_norm: GateNorm | None
-    extra_ffn_experts: int | None
-    seed_expert: bool | None
-    weights: str | None  # W0,W1,... as given (plan_options reads the numbers)
-    shared_kv_rule: SharedKVRule | None
-    router_seed: int
-    router_std: float | None
-    router: Router | None
-    ffn_router: Router | None
-    attn_router: Router | None
-    router_hidden: int | None
-    router_temperature: float | None
-    router_init: str  # ROUTER_INITS
-    calibration: str | None
-    calibration_tokens: int
-    tokenizer: str | None
-    token_cache: str | None
-    lb_coef: float | None
-    z_coef: float | None
-    dtype: str | None
-    max_shard_size: str | None
-    fmt: str
-    dry_run: bool
-    force: bool
-    allow_nonfinite: bool
-    allow_pickle: bool
-    quiet: bool
+    seed: str = option(
+        "--seed", "seed", required=True, metavar="[NAME=]CKPT",
+        help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
+             "--no-seed-expert. Named 'seed' unless given NAME=CKPT.")
+    experts: tuple[str, ...] = option(
+        "--experts", "experts", multiple=True, metavar="[NAME=]CKPT,...",
+        help="Dense expert checkpoints branched from the seed, as NAME=CKPT (e.g. code=ckpt/code) or CKPT "
+             "(named after its file or folder), comma-separated or the option repeated (one each, for a "
+             "path holding a comma); they become experts 1, 2, ... in this order.")
+    out: str | None = option(
+        "--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
+        help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
+             "shards with an index and config.json. Required unless --dry-run.")
+    recipe: str = option(
+        "--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
+        help="How tensors are merged: bam, bam-shared-kv, btx, upcycle, or the path of a recipe file "
+             "(see recipes/README.md).")
+    ffn_top_k: int | None = option(
+        "--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
+        help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
+    # soft | topK
+    attention_routing: str | None = option(
+        "--attention-routing", metavar="soft|topK",
+        help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
+             "e.g. top2 (default: the recipe's).")
+    gate_norm: GateNorm | None = option(
+        "--gate-norm", type=click.Choice(GATE_NORMS),
+        help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
+             "over the chosen top-k.")
+    extra_ffn_experts: int | None = option(
+        "--extra-ffn-experts", type=click.IntRange(min=0, max=MAX_EXPERTS), metavar="N",
+        help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
+             "for upcycle, the number of copies besides the seed's own slot).")
+    seed_expert: bool | None = option(
+        "--seed-expert/--no-seed-expert", default=None,
+        help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
+             "still the reference for shapes and for --extra-ffn-experts.")
+    # W0,W1,... as given (plan_options reads the numbers)
+    weights: str | None = option(
+        "--weights", metavar="W0,W1,...",
+        help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
+             "order (seed first when it joins); normalized to sum 1. Default: uniform.")
+    shared_kv_rule: SharedKVRule | None = option(
+        "--shared-kv-rule", type=click.Choice(SHARED_KV_RULES),
+        help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
+             "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
+    router_seed: int = option(
+        "--router-seed", type=int, default=0, show_default=True, metavar="N",
+        help="Seed of the random router init; each router's generator is seeded from N and its tensor "
+             "name, so results do not depend on order.")
+    router_std: float | None = option(
+        "--router-std", type=click.FloatRange(min=0), metavar="X",
+        help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
+    router: Router | None = option(
+        "--router", type=click.Choice(ROUTERS),
+        help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
+             "default: the recipe's, linear).")
+    ffn_router: Router | None = option(
+        "--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
+    attn_router: Router | None = option(
+        "--attn-router", type=click.Choice(ROUTERS),
+        help="Router kind of the attention routers (overrides --router).")
+    router_hidden: int | None = option(
+        "--router-hidden", type=click.IntRange(min=1), metavar="N",
+        help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
+             "(default head_dim).")
+    router_temperature: float | None = option(
+        "--router-temperature", type=click.FloatRange(min=0, min_open=True), metavar="T",
+        help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
+             "default 0.1).")
+    # ROUTER_INITS
+    router_init: str = option(
+        "--router-init", type=click.Choice(ROUTER_INITS), default="random",
+        show_default=True,
+        help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
+             "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
+             "(profile); the warm starts need --calibration.")
+    calibration: str | None = option(
+        "--calibration", metavar="SPEC",
+        help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
+             "(NAME=SOURCE,...; domain-mean: one domain per expert, named like the expert; the seed's "
+             "domain is general).")
+    calibration_tokens: int = option(
+        "--calibration-tokens", type=click.IntRange(min=1), default=8192, show_default=True, metavar="N",
+        help="Calibration tokens per domain (the first N of its train split).")
+    tokenizer: str | None = option(
+        "--tokenizer", metavar="PATH|bytes",
+        help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
+             "vocabularies of at most 512).")
+    token_cache: str | None = option(
+        "--token-cache", metavar="DIR",
+        help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
+    lb_coef: float | None = option(
+        "--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
+        help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
+             "0.01).")
+    z_coef: float | None = option(
+        "--z-coef", type=click.FloatRange(min=0), metavar="BETA",
+        help="Router z-loss weight beta written into the output config (paper eq. 3; default 0.001).")
+    dtype: str | None = option(
+        "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+        help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
+             "float32 either way.")
+    max_shard_size: str | None = option(MAX_SHARD_SIZE)
+    fmt: str = option(format_option("Output format."))
+    dry_run: bool = option(
+        "--dry-run", is_flag=True,
+        help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
+             "write nothing.")
+    force: bool = option(OUT_FORCE)
+    allow_nonfinite: bool = option(
+        "--allow-nonfinite", is_flag=True,
+        help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
+    allow_pickle: bool = option(ALLOW_PICKLE)
+    quiet: bool = option(
+        "--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 
     @property
     def warm_start(self) -> WarmStart | None:
@@ -227,91 +300,7 @@ class MergeArgs:
 
 
 @cli.command()
-@click.option("--seed", "seed", required=True, metavar="[NAME=]CKPT",
-              help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
-                   "--no-seed-expert. Named 'seed' unless given NAME=CKPT.")
-@click.option("--experts", "experts", multiple=True, metavar="[NAME=]CKPT,...",
-              help="Dense expert checkpoints branched from the seed, as NAME=CKPT (e.g. code=ckpt/code) or CKPT "
-                   "(named after its file or folder), comma-separated or the option repeated (one each, for a "
-                   "path holding a comma); they become experts 1, 2, ... in this order.")
-@click.option("--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
-              help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
-                   "shards with an index and config.json. Required unless --dry-run.")
-@click.option("--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
-              help="How tensors are merged: bam, bam-shared-kv, btx, upcycle, or the path of a recipe file "
-                   "(see recipes/README.md).")
-@click.option("--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
-              help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
-@click.option("--attention-routing", metavar="soft|topK",
-              help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
-                   "e.g. top2 (default: the recipe's).")
-@click.option("--gate-norm", type=click.Choice(GATE_NORMS),
-              help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
-                   "over the chosen top-k.")
-@click.option("--extra-ffn-experts", type=click.IntRange(min=0, max=MAX_EXPERTS), metavar="N",
-              help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
-                   "for upcycle, the number of copies besides the seed's own slot).")
-@click.option("--seed-expert/--no-seed-expert", default=None,
-              help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
-                   "still the reference for shapes and for --extra-ffn-experts.")
-@click.option("--weights", metavar="W0,W1,...",
-              help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
-                   "order (seed first when it joins); normalized to sum 1. Default: uniform.")
-@click.option("--shared-kv-rule", type=click.Choice(SHARED_KV_RULES),
-              help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
-                   "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
-@click.option("--router-seed", type=int, default=0, show_default=True, metavar="N",
-              help="Seed of the random router init; each router's generator is seeded from N and its tensor "
-                   "name, so results do not depend on order.")
-@click.option("--router-std", type=click.FloatRange(min=0), metavar="X",
-              help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
-@click.option("--router", type=click.Choice(ROUTERS),
-              help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
-                   "default: the recipe's, linear).")
-@click.option("--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
-@click.option("--attn-router", type=click.Choice(ROUTERS),
-              help="Router kind of the attention routers (overrides --router).")
-@click.option("--router-hidden", type=click.IntRange(min=1), metavar="N",
-              help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
-                   "(default head_dim).")
-@click.option("--router-temperature", type=click.FloatRange(min=0, min_open=True), metavar="T",
-              help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
-                   "default 0.1).")
-@click.option("--router-init", type=click.Choice(ROUTER_INITS), default="random",
-              show_default=True,
-              help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
-                   "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
-                   "(profile); the warm starts need --calibration.")
-@click.option("--calibration", metavar="SPEC",
-              help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
-                   "(NAME=SOURCE,...; domain-mean: one domain per expert, named like the expert; the seed's "
-                   "domain is general).")
-@click.option("--calibration-tokens", type=click.IntRange(min=1), default=8192, show_default=True, metavar="N",
-              help="Calibration tokens per domain (the first N of its train split).")
-@click.option("--tokenizer", metavar="PATH|bytes",
-              help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
-                   "vocabularies of at most 512).")
-@click.option("--token-cache", metavar="DIR",
-              help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
-@click.option("--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
-              help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
-                   "0.01).")
-@click.option("--z-coef", type=click.FloatRange(min=0), metavar="BETA",
-              help="Router z-loss weight beta written into the output config (paper eq. 3; default 0.001).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
-                   "float32 either way.")
-@MAX_SHARD_SIZE
-@format_option("Output format.")
-@click.option("--dry-run", is_flag=True,
-              help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
-                   "write nothing.")
-@OUT_FORCE
-@click.option("--allow-nonfinite", is_flag=True,
-              help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
-@ALLOW_PICKLE
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
-@options_as(MergeArgs)
+@command_options(MergeArgs)
 def merge(args: MergeArgs) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
     # lazy: execute, output_path, branches and plan_reader pull in hashing (blake3), not needed for --help

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -23,6 +25,26 @@ OUT_FORCE = click.option("--force", is_flag=True, help="Replace OUT if it exists
 ALLOW_PICKLE = click.option("--allow-pickle", is_flag=True,
                             help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with "
                                  "weights_only=True).")
+
+
+def option(*decls, **attrs):
+    """A field of a command's options dataclass, declared with its click option: `option("--x", help=...)`, or
+    `option(SHARED)` for one of the shared options above. command_options turns the fields into the options."""
+    shared = len(decls) == 1 and callable(decls[0]) and not attrs
+    return dataclasses.field(metadata={"option": decls[0] if shared else click.option(*decls, **attrs)})
+
+
+def command_options(cls):
+    """A click command's options from the fields of `cls`, in field order, handed to the command as one `cls`
+    instance: `@cli.command() @command_options(MergeArgs) def merge(args: MergeArgs)`."""
+    def decorate(command):
+        @functools.wraps(command)
+        def with_options(**params):
+            return command(cls(**params))
+        for f in reversed(dataclasses.fields(cls)):
+            with_options = f.metadata["option"](with_options)
+        return with_options
+    return decorate
 
 
 def format_option(intro: str) -> callable:
