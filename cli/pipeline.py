@@ -18,8 +18,8 @@ import click
                    "interrupted training run continues from its last checkpoint. The pipeline must be the one "
                    "DIR was started with.")
 @click.option("--only", "only", metavar="STAGE,...",
-              help="Run only these stages (seed, branch, mix, train, eval, report); the stages before them must "
-                   "be complete in DIR.")
+              help="Run only these stages (tokenizer, seed, branch, mix, train, eval, report); the stages before "
+                   "them must be complete in DIR.")
 @click.option("--seed", type=click.IntRange(min=0), metavar="N",
               help="Replace the pipeline's seed (every run's init, data order and router init): the same "
                    "pipeline replicated with another seed.")

@@ -61,8 +61,9 @@ def training_curves(run: "PipelineRun", rep: dict[str, Any]) -> Path:
     if dense:
         groups.append(("seed and specialists", dense))
     for setting in run.spec.settings:
-        runs = [(m["label"], m["training"]["unit"]) for m in rep["models"]
-                if m["kind"] == "trained" and m["setting"] == setting]
+        runs = [(m["label"], m["training"]["unit"]) for m in rep["models"]  # the dense baseline first
+                if (m["kind"] == "dense" and setting in m["settings"]) or (m["kind"] == "trained"
+                                                                           and m["setting"] == setting)]
         if runs:
             groups.append((f"mixtures, {setting}", runs))
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)

@@ -24,7 +24,7 @@ from bam_surgery.converters import open_checkpoint
 from bam_surgery.surgery.audit import audit_checkpoint
 from bam_surgery.train import TrainConfig
 
-from .files import training_seconds, write_record
+from .files import provenance, training_seconds, write_record
 from .plots import draw_plots
 from .spec import STAGES, Mixture
 
@@ -59,7 +59,8 @@ def _run_training(run: "PipelineRun", unit: str) -> dict[str, Any]:
 
 
 def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
-    """One entry per evaluated model, in table order: seed, specialists, mixtures untrained, trained."""
+    """One entry per evaluated model, in table order: seed, specialists, mixtures untrained, the dense baselines,
+    the trained mixtures."""
     spec, ckpts = run.spec, run.eval_models()
     rows: list[dict[str, Any]] = []
 
@@ -86,6 +87,9 @@ def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
         add(f"branch-{d}", f"{d} specialist", "specialist", None, None, f"branch-{d}")
     for mix in spec.mixtures:
         add(f"mix-{mix.name}", f"{mix.name} (untrained)", "untrained", mix, "untrained", None)
+    for setting, unit in spec.dense_runs():
+        both = [s for s in spec.settings if spec.dense_unit(s) == unit]
+        add(unit, f"dense {' = '.join(SETTING_LABEL[s] for s in both)}", "dense", None, setting, unit, both)
     for setting, mix in spec.trained_mixtures():
         unit = spec.unit_name(setting, mix)
         both = [s for s in spec.settings if spec.unit_name(s, mix) == unit]
@@ -95,8 +99,14 @@ def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
 
 
 def _routing_table(rows: list[dict[str, Any]], spec, setting: str) -> list[dict[str, Any]]:
-    """The Table-3-style rows for one setting: the baseline, then the attention-routing mixtures."""
+    """The Table-3-style rows for one setting: the dense baseline (if trained), the baseline mixture, then the
+    attention-routing mixtures."""
     out = []
+    if spec.dense_baseline:
+        row = next(r for r in rows if r["id"] == spec.dense_unit(setting))
+        out.append({"id": row["id"], "mixture": "dense", "attention": "dense attention, no experts",
+                    "perplexity": row["perplexity"], "average_perplexity": row["average_perplexity"],
+                    "tokens": row["training"]["tokens"], "flops": row["training"]["flops"]})
     for name in [spec.report_baseline, *[n for n in spec.report_attention_routing if n != spec.report_baseline]]:
         mix = spec.mixture(name)
         unit = spec.unit_name(setting, mix)
@@ -118,6 +128,8 @@ def collect(run: "PipelineRun") -> dict[str, Any]:
         if run.marker(stage).is_file():
             m = _read_json(run.marker(stage))
             stages[stage] = {"tokens": m["tokens"], "wall_s": m["wall_s"], "cpu_s": m["cpu_s"],
+                             "commits": sorted({r["commit"] for r in m["units"].values() if r.get("commit")}),
+                             "machines": sorted({r["machine"] for r in m["units"].values() if r.get("machine")}),
                              "units": {u: {k: v for k, v in r.items() if k in ("tokens", "wall_s", "cpu_s", "train_s",
                                                                                "resumed")}
                                        for u, r in m["units"].items()}}
@@ -133,7 +145,7 @@ def collect(run: "PipelineRun") -> dict[str, Any]:
                     "reference_flops_per_token": ref.flops_per_token if ref else None,
                     "flops_per_token": {m.name: m.flops_per_token for m in spec.mixtures},
                     "steps": {m.name: {s: spec.train_steps(m, s) for s in spec.settings} for m in spec.mixtures}},
-        "models": rows, "attention_routing": routing, "stages": stages,
+        "models": rows, "attention_routing": routing, "stages": stages, "provenance": provenance(),
     }
 
 
@@ -229,12 +241,16 @@ def _stages_section(rep: dict[str, Any]) -> list[str]:
            "Wall and CPU time of the process (CPU time counts every thread; on a loaded machine it is the fairer "
            "measure). A unit resumed after an interrupt counts its last attempt; `train_s` in report.json is the "
            "training steps' time over every attempt.", ""]
-    srows = [[s, f"{len(v['units'])}", f"{v['tokens']:,}", _fmt_s(v["wall_s"]), _fmt_s(v["cpu_s"])]
-             for s, v in rep["stages"].items()]
+    srows = [[s, f"{len(v['units'])}", f"{v['tokens']:,}", _fmt_s(v["wall_s"]), _fmt_s(v["cpu_s"]),
+              ", ".join(v.get("commits") or ["n/a"])] for s, v in rep["stages"].items()]
     total = [sum(v["wall_s"] for v in rep["stages"].values()), sum(v["cpu_s"] for v in rep["stages"].values())]
     srows.append(["total", "", f"{sum(v['tokens'] for v in rep['stages'].values()):,}", _fmt_s(total[0]),
-                  _fmt_s(total[1])])
-    return out + [_table(["stage", "units", "tokens", "wall s", "CPU s"], srows), ""]
+                  _fmt_s(total[1]), ""])
+    machines = sorted({m for v in rep["stages"].values() for m in v.get("machines") or []})
+    prov = rep.get("provenance") or {}
+    return out + [_table(["stage", "units", "tokens", "wall s", "CPU s", "commit"], srows), "",
+                  f"Machine: {'; '.join(machines) or prov.get('machine', 'n/a')}. Report written at commit "
+                  f"{prov.get('commit', 'n/a')} (Python {prov.get('python')}, torch {prov.get('torch')}).", ""]
 
 
 def write_report(run: "PipelineRun") -> list[Path]:

@@ -7,10 +7,12 @@ Stages (STAGES), each a list of units run in order through the Python APIs (trai
 merge's compile_plan/execute_plan, train.evaluate), each unit recorded in DIR/commands.sh as the
 equivalent command line:
 
+    tokenizer  train a byte-level BPE on every source's train split (data.tokenizer.bpe) tokenizer/
     seed     train the dense seed on general text (or link the given checkpoint)      runs/seed, models/seed
     branch   one continued-pretraining run per domain from the seed                  runs/branch-D, models/D
     mix      every mixture of stages.mix, from the seed and the specialists          mixes/M.safetensors
     train    mixture training, data-matched and compute-matched                      runs/dm-M, runs/cm-M
+             (and the dense baselines: the seed trained on the same data)            runs/dense-dm, dense-cm
     eval     every model on each domain's held-out text (and the general text)       eval/MODEL.json
     report   report.md, report.json, plots/*.png                                     (report.py)
 
@@ -33,7 +35,7 @@ import shutil
 import sys
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -45,9 +47,11 @@ from bam_surgery.runtime.text import render_table
 from bam_surgery.surgery.execute import execute_plan
 from bam_surgery.surgery.plan import compile_plan
 from bam_surgery.train import TrainConfig, evaluate, load_run_config, train
+from bam_surgery.train.bpe import train_bpe
 from bam_surgery.train.checkpoints import latest_checkpoint, step_dir_name
+from bam_surgery.train.data import Domain, file_sha256, open_source
 
-from .files import training_seconds, write_record
+from .files import provenance, training_seconds, write_record
 from .report import write_report
 from .spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, dump_resolved, first_difference,
                    seed_config, train_config)
@@ -98,7 +102,10 @@ class PipelineRun:
     """One pipeline run into DIR: the units of every stage, their completion, the records."""
 
     def __init__(self, spec: PipelineSpec, out: Path, log: Log | None = None):
-        self.spec, self.dir = spec, Path(out).resolve()
+        self.dir = Path(out).resolve()
+        if spec.bpe:  # every stage reads the tokenizer the tokenizer stage writes
+            spec = replace(spec, tokenizer=str(self.tokenizer_file()))
+        self.spec = spec
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.runs, self.models, self.mixes = self.dir / "runs", self.dir / "models", self.dir / "mixes"
         self.configs, self.evals, self.stages = self.dir / "configs", self.dir / "eval", self.dir / "stages"
@@ -106,6 +113,9 @@ class PipelineRun:
     # ---- paths -----------------------------------------------------------------------------------
     def final_checkpoint(self, unit: str, steps: int) -> Path:
         return self.runs / unit / "checkpoints" / step_dir_name(steps)
+
+    def tokenizer_file(self) -> Path:
+        return self.dir / "tokenizer" / "tokenizer.json"
 
     def seed_checkpoint(self) -> str:
         return str(self.models / self._seed_link_name())
@@ -134,6 +144,8 @@ class PipelineRun:
             out["seed"] = seed_config(spec, str(self.runs / "seed"), str(self.configs / "seed-model.json"))
         for d in spec.domains:
             out[f"branch-{d}"] = branch_config(spec, d, self.seed_checkpoint(), str(self.runs / f"branch-{d}"))
+        for setting, name in spec.dense_runs():
+            out[name] = train_config(spec, None, setting, self.seed_checkpoint(), str(self.runs / name))
         for setting, mix in spec.trained_mixtures():
             name = spec.unit_name(setting, mix)
             out[name] = train_config(spec, mix, setting, str(self.mix_file(mix)), str(self.runs / name))
@@ -145,6 +157,8 @@ class PipelineRun:
         out = {"seed": self.seed_checkpoint()}
         out.update({f"branch-{d}": str(self.models / d) for d in spec.domains})
         out.update({f"mix-{m.name}": str(self.mix_file(m)) for m in spec.mixtures})
+        for _, name in spec.dense_runs():
+            out[name] = str(self.final_checkpoint(name, cfgs[name].steps))
         for setting, mix in spec.trained_mixtures():
             name = spec.unit_name(setting, mix)
             out[name] = str(self.final_checkpoint(name, cfgs[name].steps))
@@ -154,6 +168,9 @@ class PipelineRun:
     def units(self) -> list[Unit]:
         spec, cfgs = self.spec, self.train_configs()
         units: list[Unit] = []
+        if spec.bpe:
+            units.append(Unit("tokenizer", "tokenizer", [self._pipeline_command("tokenizer")],
+                              self.tokenizer_file().is_file, self._tokenizer))
         # seed
         if spec.seed_init is None:
             units.append(self._train_unit("seed", "seed", cfgs["seed"]))
@@ -170,17 +187,22 @@ class PipelineRun:
         # mix
         for mix in spec.mixtures:
             units.append(self._merge_unit(mix))
-        # train
+        # train: the dense baselines first, then the mixtures
+        for _, name in spec.dense_runs():
+            units.append(self._train_unit("train", name, cfgs[name]))
         for setting, mix in spec.trained_mixtures():
             name = spec.unit_name(setting, mix)
             units.append(self._train_unit("train", name, cfgs[name]))
         # eval
         for model, ckpt in self.eval_models().items():
             units.append(self._eval_unit(model, ckpt))
-        units.append(Unit("report", "report", [_quote(["bam-surgery", "pipeline", self.dir / RESOLVED, "--out",
-                                                       self.dir, "--resume", "--only", "report"])],
+        units.append(Unit("report", "report", [self._pipeline_command("report")],
                           lambda: (self.dir / "report.json").is_file(), self._report))
         return units
+
+    def _pipeline_command(self, stage: str) -> str:
+        """A stage with no command of its own: the pipeline itself, resumed for that stage."""
+        return _quote(["bam-surgery", "pipeline", self.dir / RESOLVED, "--out", self.dir, "--resume", "--only", stage])
 
     def _train_unit(self, stage: str, name: str, cfg) -> Unit:
         config_file = self.configs / f"{name}.yaml"
@@ -266,6 +288,15 @@ class PipelineRun:
         return {"tokens": result.tokens, "steps": result.steps, "checkpoint": str(result.checkpoint),
                 "resumed": resumed, "train_s": training_seconds(result.checkpoint)}
 
+    def _tokenizer(self) -> dict[str, Any]:
+        spec = self.spec
+        sources = [open_source(Domain(n, src, 1.0), "train", spec.text_field)
+                   for n, src in {"general": spec.general, **spec.domains}.items()]
+        path = train_bpe(sources, spec.bpe["vocab_size"], self.tokenizer_file().parent, spec.bpe["min_frequency"])
+        self.log(f"  byte-level BPE, {spec.bpe['vocab_size']:,} tokens, from the train split of "
+                 f"{', '.join(s.name for s in sources)}")
+        return {"tokens": 0, "file": str(path), "sha256": file_sha256(path)}
+
     def _merge(self, mix: Mixture) -> dict[str, Any]:
         specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
         with ExitStack() as opened:
@@ -315,15 +346,16 @@ class PipelineRun:
 
     def check_only(self, only: list[str] | None) -> list[str]:
         """The stages to run, in order; every earlier stage left out must be complete."""
+        names = self.spec.stage_names()
         if not only:
-            return list(STAGES)
+            return names
         self.check_only_names(only)
         for s in only:
             for before in STAGES[:STAGES.index(s)]:
-                if before not in only and not self.marker(before).is_file():
+                if before in names and before not in only and not self.marker(before).is_file():
                     raise PipelineError(f"--only {','.join(only)}: stage {before} is not complete in {self.dir}; "
                                         f"run it first (add it to --only, or leave --only out)")
-        return [s for s in STAGES if s in only]
+        return [s for s in names if s in only]
 
     @staticmethod
     def check_only_names(only: list[str]) -> None:
@@ -372,7 +404,7 @@ class PipelineRun:
             wall, cpu = time.perf_counter(), time.process_time()
             produced = u.work()
             rec = {"stage": stage, "unit": u.name, **produced, "wall_s": round(time.perf_counter() - wall, 3),
-                   "cpu_s": round(time.process_time() - cpu, 3)}
+                   "cpu_s": round(time.process_time() - cpu, 3), **provenance(short=True)}
             write_record(self.unit_record(u.name), json.dumps(rec, indent=1) + "\n")
             self.log(f"[{stage} {i}/{len(units)}] {u.name}: done in {rec['wall_s']:.1f} s")
         summary = {"stage": stage, "units": {}}

@@ -31,15 +31,18 @@ from bam_surgery.runtime.errors import printable
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
 from bam_surgery.surgery.plan import MergeOptions
 from bam_surgery.surgery.recipe import load_recipe, mixture_config
+from bam_surgery.train.bpe import MAX_VOCAB as BPE_MAX_VOCAB
+from bam_surgery.train.bpe import MIN_VOCAB as BPE_MIN_VOCAB
 from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.data import HUB_PREFIX, Domain, has_split
 from bam_surgery.train.errors import TrainError
 from bam_surgery.train.metrics import flops_per_token
 from bam_surgery.train.tokenize import checkpoint_tokenizer
 
-from .spec import (SCHEMA_VERSION, SETTINGS, STAGES, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
+from .spec import (SCHEMA_VERSION, SETTINGS, STAGE_FIELDS, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
                    seed_config, train_config)
 
+TRAINED_TOKENIZER = "(trained by the tokenizer stage: DIR/tokenizer/tokenizer.json)"  # PipelineRun sets the path
 MAX_THREADS = 1024  # intra-op threads: more than any CPU has; libgomp runs out of memory near 1e9
 TOP_LEVEL = ("schema", "name", "description", "seed", "threads", "data", "knobs", "stages")
 # Knobs the pipeline sets itself for every run (a stage's knobs may not name them).
@@ -149,15 +152,17 @@ class _Validator:
             self.typed(threads, "threads", (int,), lambda v: 1 <= v <= MAX_THREADS, f"in [1, {MAX_THREADS}]")
         data = self.data(doc["data"])
         knobs = self.knobs(doc.get("knobs"), "knobs")
-        stages = self.mapping(doc["stages"], "stages", STAGES, required=("seed", "branch", "mix", "train"))
+        stages = self.mapping(doc["stages"], "stages", STAGE_FIELDS, required=("seed", "branch", "mix", "train"))
         seed_init, seed_model, seed_knobs, dense = self.seed_stage(stages["seed"], data, knobs)
         seq_len = data["seq_len"] if data["seq_len"] is not None else dense.max_positions
         if seq_len > dense.max_positions:
             self.fail("data.seq_len", f"{seq_len} exceeds the seed's max_positions ({dense.max_positions})")
-        tokenizer = self.tokenizer(data["tokenizer"], dense, seed_init)
+        bpe = self.bpe(data["tokenizer"], dense, seed_init)
+        tokenizer = TRAINED_TOKENIZER if bpe else self.tokenizer(data["tokenizer"], dense, seed_init)
         b_share, lr_scale, b_knobs = self.branch_stage(stages["branch"], seed_init, {**knobs, **seed_knobs})
         mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len)
-        t_share, settings, ref, tolerance, t_knobs = self.train_stage(stages["train"], [m.name for m in mixtures])
+        t_share, settings, ref, tolerance, dense_baseline, t_knobs = self.train_stage(stages["train"],
+                                                                                      [m.name for m in mixtures])
         ev = self.mapping(stages.get("eval"), "stages.eval", ("max_tokens", "batch_size"))
         max_tokens = self.typed(ev.get("max_tokens", 0), "stages.eval.max_tokens", (int,), lambda v: v >= 0, ">= 0")
         batch = self.typed(ev.get("batch_size", 8), "stages.eval.batch_size", (int,), lambda v: v >= 1, ">= 1")
@@ -171,7 +176,7 @@ class _Validator:
             branch_lr_scale=lr_scale, branch_knobs=b_knobs, mixtures=mixtures, train_general_share=t_share,
             settings=settings, compute_reference=ref, compute_tolerance=tolerance, train_knobs=t_knobs,
             eval_max_tokens=max_tokens, eval_batch_size=batch, report_attention_routing=routing,
-            report_baseline=baseline)
+            report_baseline=baseline, bpe=bpe, dense_baseline=dense_baseline)
         self.check_runs(spec)
         spec.doc = resolved_doc(spec, doc)
         return spec
@@ -194,10 +199,10 @@ class _Validator:
                                                            lambda v: v > 0, "> 0")
         return share, lr_scale, {**knobs, "lr": float(seed_knobs.get("lr", TrainConfig().lr)) * lr_scale}
 
-    def train_stage(self, value: Any, names: list[str]) -> tuple[float, list[str], str | None, float, dict]:
-        """(general share, settings, compute reference, compute tolerance, knobs)."""
-        train = self.mapping(value, "stages.train",
-                             ("general_share", "settings", "compute_reference", "compute_tolerance", "knobs"))
+    def train_stage(self, value: Any, names: list[str]) -> tuple[float, list[str], str | None, float, bool, dict]:
+        """(general share, settings, compute reference, compute tolerance, dense baseline, knobs)."""
+        train = self.mapping(value, "stages.train", ("general_share", "settings", "compute_reference",
+                                                     "compute_tolerance", "dense_baseline", "knobs"))
         share = self.share(train.get("general_share", 0.25), "stages.train.general_share")
         settings = self.settings(train.get("settings", list(SETTINGS)))
         ref = train.get("compute_reference")
@@ -207,7 +212,8 @@ class _Validator:
         ref = ref or (names[0] if "compute-matched" in settings else None)
         tolerance = float(self.typed(train.get("compute_tolerance", 0.01), "stages.train.compute_tolerance",
                                      (float, int), lambda v: 0 <= v < 1, "in [0, 1)"))
-        return share, settings, ref, tolerance, self.knobs(train.get("knobs"), "stages.train.knobs")
+        dense = self.typed(train.get("dense_baseline", False), "stages.train.dense_baseline", (bool,))
+        return share, settings, ref, tolerance, dense, self.knobs(train.get("knobs"), "stages.train.knobs")
 
     def report_stage(self, value: Any, mixtures: list[Mixture], ref: str | None) -> tuple[list[str], str]:
         """(the attention-routing comparison's mixtures, its baseline)."""
@@ -245,7 +251,7 @@ class _Validator:
             cache = str(Path(self.typed(cache, "data.token_cache", (str,))).expanduser().resolve())
         tok = d.get("tokenizer")
         if tok is not None:
-            self.typed(tok, "data.tokenizer", (str,))
+            self.typed(tok, "data.tokenizer", (str, dict))
         return dict(general=general, domains=domains, tokenizer=tok, seq_len=seq_len, token_cache=cache,
                     text_field=self.typed(d.get("text_field", "text"), "data.text_field", (str,)))
 
@@ -325,6 +331,25 @@ class _Validator:
         if not local.exists():
             self.fail("stages.seed.init", f"{init}: not a local checkpoint the pipeline can link to")
         return str(local.expanduser().resolve()), None, {}, cfg
+
+    def bpe(self, tok: Any, dense: ModelConfig, seed_init: str | None) -> dict[str, int] | None:
+        """data.tokenizer: {bpe: {vocab_size: N, min_frequency: 2}}: the tokenizer stage trains one on the
+        train split of every source (train/bpe.py); None for a given tokenizer."""
+        if not isinstance(tok, dict):
+            return None
+        spec = self.mapping(tok, "data.tokenizer", ("bpe",), required=("bpe",))
+        bpe = self.mapping(spec["bpe"], "data.tokenizer.bpe", ("vocab_size", "min_frequency"), required=("vocab_size",))
+        vocab = self.typed(bpe["vocab_size"], "data.tokenizer.bpe.vocab_size", (int,),
+                           lambda v: BPE_MIN_VOCAB <= v <= BPE_MAX_VOCAB, f"in [{BPE_MIN_VOCAB}, {BPE_MAX_VOCAB}]")
+        min_freq = self.typed(bpe.get("min_frequency", 2), "data.tokenizer.bpe.min_frequency", (int,),
+                              lambda v: v >= 1, ">= 1")
+        if seed_init is not None:
+            self.fail("data.tokenizer.bpe", "a given seed (stages.seed.init) brings its own tokenizer; train one "
+                      "only for a seed the pipeline trains")
+        if vocab != dense.vocab_size:
+            self.fail("data.tokenizer.bpe.vocab_size", f"{vocab} differs from the seed model's vocab_size "
+                      f"({dense.vocab_size}, stages.seed.model); make them equal")
+        return {"vocab_size": vocab, "min_frequency": min_freq}
 
     def tokenizer(self, tok: str | None, dense: ModelConfig, seed_init: str | None) -> str:
         if tok is None:

@@ -31,7 +31,9 @@ from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.metrics import flops_per_token
 
 SCHEMA_VERSION = 1
-STAGES = ("seed", "branch", "mix", "train", "eval", "report")
+STAGES = ("tokenizer", "seed", "branch", "mix", "train", "eval", "report")
+STAGE_FIELDS = STAGES[1:]  # the YAML's stages: mapping (the tokenizer stage is data.tokenizer: {bpe: ...})
+DENSE = "dense"  # the dense baselines' units: dense-dm, dense-cm (the seed continued on the mixture data)
 SETTINGS = {"data-matched": "dm", "compute-matched": "cm"}
 
 
@@ -82,14 +84,24 @@ class PipelineSpec:
     eval_batch_size: int
     report_attention_routing: list[str]
     report_baseline: str | None
+    bpe: dict[str, int] | None = None  # a tokenizer trained by the pipeline: {vocab_size, min_frequency}
+    dense_baseline: bool = False  # train the seed on the mixture data too (dense-dm, dense-cm)
     doc: dict[str, Any] = field(default_factory=dict)  # the resolved YAML document
 
     # -- derived --------------------------------------------------------------------------------
+    def stage_names(self) -> list[str]:
+        """The stages this pipeline runs, in order: the tokenizer stage only when it trains one."""
+        return [s for s in STAGES if s != "tokenizer" or self.bpe]
+
+    @property
+    def dense_flops_per_token(self) -> float:
+        return flops_per_token(self.dense_config, self.seq_len)
+
     def unit_flops_per_token(self, unit: str) -> float:
-        """Training FLOPs per token of a unit's model: the dense seed's for `seed` and `branch-*`, else the
-        mixture's of `<setting>-<mixture>`."""
-        if unit == "seed" or unit.startswith("branch-"):
-            return flops_per_token(self.dense_config, self.seq_len)
+        """Training FLOPs per token of a unit's model: the dense seed's for `seed`, `branch-*` and the dense
+        baselines `dense-*`, else the mixture's of `<setting>-<mixture>`."""
+        if unit == "seed" or unit.startswith(("branch-", f"{DENSE}-")):
+            return self.dense_flops_per_token
         return self.mixture(unit.split("-", 1)[1]).flops_per_token
 
     def mixture(self, name: str) -> Mixture:
@@ -122,6 +134,36 @@ class PipelineSpec:
         """(setting, mixture) of every distinct mixture-training run, data-matched ones first."""
         return [(setting, mix) for setting in self.settings for mix in self.mixtures
                 if not (setting == "compute-matched" and self.same_as_data_matched(mix))]
+
+    def dense_runs(self) -> list[tuple[str, str]]:
+        """(setting, unit) of every distinct dense-baseline run: dense-dm trains the seed on the mixture data
+        for the data-matched mixtures' tokens; dense-cm for the compute reference's FLOPs, unless that is
+        dense-dm's within compute_tolerance (then dense-dm is both)."""
+        if not self.dense_baseline:
+            return []
+        out = []
+        for setting in self.settings:
+            unit = self.dense_unit(setting)
+            if unit not in [u for _, u in out]:
+                out.append((setting, unit))
+        return out
+
+    def dense_unit(self, setting: str) -> str:
+        if setting == "compute-matched" and self.dense_steps(setting) == self.dense_steps("data-matched") \
+                and "data-matched" in self.settings:
+            setting = "data-matched"
+        return f"{DENSE}-{SETTINGS[setting]}"
+
+    def dense_steps(self, setting: str) -> int:
+        """A dense baseline's steps: the mixtures' data-matched steps, or those times F_ref / F_dense for
+        compute-matched (unless F_dense is within compute_tolerance of F_ref)."""
+        steps = self.mixture_steps
+        if setting == "data-matched":
+            return steps
+        ref = self.mixture(self.compute_reference).flops_per_token
+        if abs(self.dense_flops_per_token / ref - 1) <= self.compute_tolerance:
+            return steps
+        return max(1, round(steps * ref / self.dense_flops_per_token))
 
     def unit_name(self, setting: str, mix: Mixture) -> str:
         """The run of (setting, mixture): dm-NAME or cm-NAME."""
@@ -163,10 +205,12 @@ def branch_config(spec: PipelineSpec, domain: str, init: str, out: str) -> Train
                        data=spec.data_spec({domain: 1 - g, "general": g}))
 
 
-def train_config(spec: PipelineSpec, mix: Mixture, setting: str, init: str, out: str) -> TrainConfig:
+def train_config(spec: PipelineSpec, mix: Mixture | None, setting: str, init: str, out: str) -> TrainConfig:
+    """A mixture-training run; mix None: the dense baseline (the seed on the same data, same knobs)."""
     g = spec.train_general_share
     weights = {d: (1 - g) / len(spec.domains) for d in spec.domains}
-    return _run_config(spec, {**spec.knobs, **spec.train_knobs, "steps": spec.train_steps(mix, setting)}, init=init,
+    steps = spec.dense_steps(setting) if mix is None else spec.train_steps(mix, setting)
+    return _run_config(spec, {**spec.knobs, **spec.train_knobs, "steps": steps}, init=init,
                        out=out, data=spec.data_spec({**weights, "general": g}))
 
 
@@ -178,7 +222,8 @@ def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
     return {
         "schema": SCHEMA_VERSION, "name": spec.name, "description": spec.description, "seed": spec.seed,
         "threads": spec.threads,
-        "data": {"general": spec.general, "domains": dict(spec.domains), "tokenizer": spec.tokenizer,
+        "data": {"general": spec.general, "domains": dict(spec.domains),
+                 "tokenizer": {"bpe": dict(spec.bpe)} if spec.bpe else spec.tokenizer,
                  "seq_len": spec.seq_len, "token_cache": spec.token_cache, "text_field": spec.text_field},
         "knobs": dict(spec.knobs),
         "stages": {
@@ -187,7 +232,7 @@ def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
             "mix": {"mixtures": [{"name": m.name, "recipe": m.recipe_spec, **m.given} for m in spec.mixtures]},
             "train": {"general_share": spec.train_general_share, "settings": list(spec.settings),
                       "compute_reference": spec.compute_reference, "compute_tolerance": spec.compute_tolerance,
-                      "knobs": dict(spec.train_knobs)},
+                      **({"dense_baseline": True} if spec.dense_baseline else {}), "knobs": dict(spec.train_knobs)},
             "eval": {"max_tokens": spec.eval_max_tokens, "batch_size": spec.eval_batch_size},
             "report": {"attention_routing": list(spec.report_attention_routing), "baseline": spec.report_baseline},
         },

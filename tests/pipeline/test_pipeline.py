@@ -299,7 +299,7 @@ def test_domain_without_held_out_split_and_bad_yaml(corpus, tmp_path):
     result = run_cli("pipeline", tmp_path / "broken.yaml", "--out", tmp_path / "out", code=2)
     assert result.stderr.startswith("bam-surgery: error: ") and "not valid YAML" in result.stderr
     result = run_cli("pipeline", "no-such-pipeline", "--out", tmp_path / "out", code=2)
-    assert "choose one of paper-small, tiny" in result.stderr
+    assert "choose one of paper-shape, paper-small, tiny" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -361,7 +361,7 @@ def test_a_full_disk_leaves_no_partial_file(corpus, tmp_path, monkeypatch):
 # ---- the shipped pipelines -------------------------------------------------------------------------
 def test_shipped_pipelines_validate(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the shipped pipelines' data paths are relative to the repository root
-    assert shipped_pipelines() == ["paper-small", "tiny"]
+    assert shipped_pipelines() == ["paper-shape", "paper-small", "tiny"]
     tiny = load_pipeline("tiny")  # the repository's corpus is there
     assert tiny.domains.keys() == {"code", "law", "math"} and tiny.tokenizer == "bytes"
     assert [m.name for m in tiny.mixtures][:3] == ["btx", "bam", "bam-shared-kv"]
