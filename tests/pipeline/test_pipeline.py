@@ -436,3 +436,142 @@ def test_a_given_seed_as_one_safetensors_file(micro, corpus, tmp_path):
     mine = load_checkpoint(tmp_path / "out" / "models" / "code")[1]
     theirs = load_checkpoint(out / "models" / "code")[1]
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+# ---- the tokenizer stage and the dense baseline -------------------------------------------------------
+BPE_VOCAB = 320
+
+
+def bpe_doc(corpus: Path, cache: Path) -> dict:
+    """The micro pipeline with a BPE trained by the pipeline, the dense baseline, and two mixtures."""
+    doc = micro_doc(corpus, cache)
+    doc["data"]["tokenizer"] = {"bpe": {"vocab_size": BPE_VOCAB}}
+    doc["stages"]["seed"]["model"]["vocab_size"] = BPE_VOCAB
+    doc["stages"]["mix"]["mixtures"] = doc["stages"]["mix"]["mixtures"][:2]  # btx, bam
+    doc["stages"]["train"]["dense_baseline"] = True
+    doc["stages"]["report"] = {"attention_routing": ["bam"], "baseline": "btx"}
+    return doc
+
+
+@pytest.fixture(scope="module")
+def micro_bpe(tmp_path_factory, corpus) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("micro-bpe")
+    path = write_doc(bpe_doc(corpus, root / "tokens"), root / "bpe.yaml")
+    run_cli("pipeline", path, "--out", root / "out")
+    return path, root / "out"
+
+
+@pytest.mark.slow
+def test_the_tokenizer_stage_learns_a_bpe_from_the_train_split_and_every_stage_uses_it(micro_bpe, corpus, tmp_path):
+    from bam_surgery.train.bpe import train_bpe
+    from bam_surgery.train.data import Domain, open_source
+
+    _, out = micro_bpe
+    tok = out / "tokenizer" / "tokenizer.json"
+    # the train split only, general first then the domains: the same bytes again (deterministic)
+    again = train_bpe([open_source(Domain(d, str(corpus / d), 1.0), "train") for d in DOMAINS], BPE_VOCAB, tmp_path)
+    assert again.read_bytes() == tok.read_bytes()
+    rec = json.loads((out / "stages" / "units" / "tokenizer.json").read_text())
+    assert rec["stage"] == "tokenizer" and len(rec["sha256"]) == 64
+    # the seed checkpoint carries it; eval without --tokenizer takes the checkpoint's and gives the report's numbers
+    seed_dir = (out / "models" / "seed").resolve()
+    assert (seed_dir / "tokenizer.json").read_bytes() == tok.read_bytes()
+    configs = {p.stem: yaml.safe_load(p.read_text()) for p in (out / "configs").glob("*.yaml")}
+    assert {c["tokenizer"] for c in configs.values()} == {str(tok)}
+    ev = json.loads(run_cli("eval", seed_dir, "--data", f"law={corpus / 'law'}", "--seq-len", 16, "--batch-size", 4,
+                            "--max-tokens", 192, "--json").stdout)
+    rep = json.loads((out / "report.json").read_text())
+    seed_row = next(m for m in rep["models"] if m["id"] == "seed")
+    assert ev["domains"]["law"]["perplexity"] == seed_row["perplexity"]["law"]
+    # generate finds no tokenizer for a 320-token vocabulary unless the checkpoint carries one (exit 2 otherwise)
+    assert run_cli("generate", seed_dir, "--prompt", "The court", "--max-new-tokens", 4, "--temperature", 0).stdout
+    # a second run's --only tokenizer finds it complete
+    assert "complete" in run_cli("pipeline", out / "pipeline.resolved.yaml", "--out", out, "--resume", "--only",
+                                 "tokenizer").stderr
+
+
+@pytest.mark.slow
+def test_the_dense_baseline_trains_the_seed_on_the_mixture_data_and_is_shown_first(micro_bpe):
+    _, out = micro_bpe
+    rep = json.loads((out / "report.json").read_text())
+    models = {m["id"]: m for m in rep["models"]}
+    dense = models["dense-dm"]
+    # the seed (dense FLOPs: within 1% of BTX's) trained like the data-matched mixtures: one run is DM and CM
+    assert "dense-cm" not in models and dense["settings"] == ["data-matched", "compute-matched"]
+    assert dense["label"] == "dense DM = CM" and dense["kind"] == "dense"
+    cfg = {n: yaml.safe_load((out / "configs" / f"{n}.yaml").read_text()) for n in ("dense-dm", "dm-btx")}
+    strip = lambda c: {k: v for k, v in c.items() if k not in ("init", "out")}  # noqa: E731
+    assert strip(cfg["dense-dm"]) == strip(cfg["dm-btx"])
+    assert Path(cfg["dense-dm"]["init"]) == out / "models" / "seed"
+    assert dense["training"]["tokens"] == models["dm-btx"]["training"]["tokens"]
+    # first among the trained models in the tables, and the first row of the attention-routing comparison
+    order = [m["id"] for m in rep["models"] if m["kind"] in ("dense", "trained")]
+    assert order[0] == "dense-dm"
+    assert rep["attention_routing"]["data-matched"][0]["id"] == "dense-dm"
+    md = (out / "report.md").read_text().splitlines()
+    assert md.index(next(ln for ln in md if ln.startswith("| dense DM = CM |"))) < \
+        md.index(next(ln for ln in md if ln.startswith("| btx DM = CM |")))
+
+
+@pytest.mark.slow
+def test_the_report_records_commit_machine_and_time_of_every_stage(micro_bpe):
+    from bam_surgery.pipeline.files import code_commit, machine
+
+    _, out = micro_bpe
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["provenance"]["commit"] == code_commit() and rep["provenance"]["machine"] == machine()
+    for stage in ("tokenizer", "seed", "branch", "mix", "train", "eval"):
+        s = rep["stages"][stage]
+        assert s["commits"] == [code_commit()] and s["machines"] == [machine()] and s["cpu_s"] >= 0
+    assert f"Machine: {machine()}" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_replication_summary_of_a_run(micro_bpe, tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import replication
+
+    _, out = micro_bpe
+    summary = replication.summarize([out])
+    assert summary["pipeline"] == "micro" and [r["seed"] for r in summary["runs"]] == [3]
+    text = replication.render(summary)
+    assert "| dense DM = CM |" in text and "bam beats the dense baseline, DM" in text
+    assert "**within noise**" in text and "| holds" not in text  # one seed never decides
+    doc = tmp_path / "doc.md"
+    doc.write_text("x\n<!-- replication:micro begin -->\nold\n<!-- replication:micro end -->\ny\n")
+    (tmp_path / "s.json").write_text(json.dumps(summary))
+    replication.write_doc(doc, [tmp_path / "s.json"])
+    assert replication.doc_blocks(doc.read_text()) == {"micro": text}
+
+
+def test_the_tokenizer_field_is_checked(corpus, tmp_path):
+    doc = bpe_doc(corpus, tmp_path / "tokens")
+    doc["stages"]["seed"]["model"]["vocab_size"] = 400
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "o", code=2).stderr
+    assert "data.tokenizer.bpe.vocab_size: 320 differs from the seed model's vocab_size (400" in err
+    doc["data"]["tokenizer"] = {"bpe": {"vocab_size": 100}}
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "o", code=2).stderr
+    assert "data.tokenizer.bpe.vocab_size: must be in [257, " in err
+    doc["data"]["tokenizer"] = {"bpe": {"vocab": 300}}
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "o", code=2).stderr
+    assert "data.tokenizer.bpe.vocab: unknown field (did you mean vocab_size?)" in err
+    assert not (tmp_path / "o").exists()
+    doc = bpe_doc(corpus, tmp_path / "tokens")
+    doc["data"]["tokenizer"] = {"bpe": {"vocab_size": 100000}}
+    doc["stages"]["seed"]["model"]["vocab_size"] = 100000
+    run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out", tmp_path / "o", "--only", "tokenizer", code=2)
+    assert "fewer than vocab_size 100000" in run_cli("pipeline", write_doc(doc, tmp_path / "p.yaml"), "--out",
+                                                     tmp_path / "o2", "--only", "tokenizer", code=2).stderr
+
+
+def test_replication_verdict_rule():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.replication import verdict
+
+    assert verdict([0.2, 0.25, 0.22])[0] == "holds"
+    assert verdict([-0.2, -0.25, -0.22])[0] == "does not hold"
+    assert verdict([0.2, 0.3, -0.1])[0] == "within noise"  # t = 1.1 < 2.92
+    assert verdict([0.1, 0.1, 0.1]) == ("holds", None)  # no spread: the sign decides
+    assert verdict([0.5]) == ("within noise", None)
+    v, t = verdict([0.1, 0.12, 0.2])
+    assert v == "holds" and t == pytest.approx(0.14 / (0.0529150262 / 3 ** 0.5), rel=1e-6)
