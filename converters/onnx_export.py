@@ -7,8 +7,11 @@ OUT (a folder, written atomically through runtime.atomic, with its marker):
     model.onnx        the graph (converters/onnx_graph: inputs, outputs, dynamic axes); the model's config is
                       in its metadata ("bam_config")
     model.onnx.data   the weights, when they pass EXTERNAL_DATA_BYTES (protobuf cannot hold 2 GB in one file)
-    README.md         how to run it with onnxruntime (greedy decoding through the KV cache, in numpy)
-    tokenizer files   copied from the input when it has them
+    README.md         how to run it with onnxruntime (greedy decoding through the KV cache, in numpy) and with
+                      ONNX Runtime GenAI
+    genai_config.json ONNX Runtime GenAI's description of the graph (converters/onnx_genai); with the KV cache only
+                      (GenAI's generator feeds the graph only the new tokens), options.log says so otherwise
+    tokenizer files   copied from the input when it has them (options.tokenizer_files)
 With options.verify the export is run in onnxruntime against the runtime (converters/onnx_runtime) before
 it is put in place; a mismatch leaves nothing at OUT.
 """
@@ -28,6 +31,7 @@ from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph
 from .onnx_runtime import verify_export
 
@@ -87,6 +91,7 @@ class OnnxExporter(Exporter):
             onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also reads external data
             for f in options.tokenizer_files:
                 shutil.copyfile(f, tmp / Path(f).name)
+            write_genai_config(cfg, tmp, options, log)
             (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
             if options.verify:
                 reference = reference or model_from_reader(reader, "cpu", torch.float32)
@@ -96,6 +101,16 @@ class OnnxExporter(Exporter):
                     raise VerificationError(f"{out}: the ONNX export does not match the runtime ({report.summary()}); "
                                             "nothing was written")
         return out
+
+
+def write_genai_config(cfg: ModelConfig, folder: Path, options: ExportOptions, log) -> None:
+    """genai_config.json for ONNX Runtime GenAI, whose generator needs the graph's KV cache."""
+    if not options.kv_cache:
+        log(f"bam-surgery: note: no {GENAI_CONFIG}: ONNX Runtime GenAI's generator feeds the graph only the new "
+            "tokens, so it needs the KV cache (export without --no-kv-cache)")
+        return
+    text = json.dumps(genai_config(cfg, options.generation, GRAPH_FILE), indent=2) + "\n"
+    (folder / GENAI_CONFIG).write_text(text, encoding="utf-8")
 
 
 def weight_bytes(graph) -> int:
@@ -132,7 +147,7 @@ Axes batch, sequence and past are dynamic.{_ffn_note(cfg)}
 Needs `numpy` and `onnxruntime` only:
 
 {snippet}
-"""
+{_genai_section(options) if options.kv_cache else ""}"""
 
 
 def _cached_graph(cfg: ModelConfig, np_dtype: str) -> tuple[str, str]:
@@ -163,6 +178,36 @@ for _ in range(8):  # greedy: the prompt once, then one token per step through t
 print(np.concatenate(new, axis=1))
 ```"""
     return io, snippet
+
+
+def _genai_section(options: ExportOptions) -> str:
+    """The card's ONNX Runtime GenAI part: its generator reads genai_config.json beside the graph."""
+    names = {Path(f).name for f in options.tokenizer_files}
+    text = ("" if "tokenizer.json" not in names or "tokenizer_config.json" not in names else
+            " With the tokenizer files here, `og.Tokenizer(model)` encodes text (`.encode(text)`) and decodes tokens.")
+    return f"""
+## Run it with ONNX Runtime GenAI
+
+`{GENAI_CONFIG}` describes the graph to ONNX Runtime GenAI's generator (`pip install onnxruntime-genai`); its
+`search` section sets the defaults (greedy here), and a sequence ends after the `eos_token_id` of its `model`
+section (0, end of text, where the checkpoint names none: GenAI always has one).{text}
+
+```python
+import numpy as np
+import onnxruntime_genai as og
+
+model = og.Model(".")  # this folder
+params = og.GeneratorParams(model)
+params.set_search_options(do_sample=False, max_length=3 + 8)  # greedy; prompt and new tokens
+generator = og.Generator(model, params)
+generator.append_tokens(np.array([[1, 2, 3]], dtype=np.int32))  # prompt token ids [batch, length]
+new = []
+while not generator.is_done():
+    generator.generate_next_token()
+    new.append(int(generator.get_next_tokens()[0]))
+print(new)
+```
+"""
 
 
 def _uncached_graph(cfg: ModelConfig) -> tuple[str, str]:

@@ -44,10 +44,15 @@ DEFAULT_OPSET = 17
 MAX_OPSET = 20
 
 
+# the cache's input and output names (ONNX Runtime GenAI's defaults too: converters/onnx_genai.py)
+PAST_NAME = "past_key_values.{layer}.{kind}"
+PRESENT_NAME = "present.{layer}.{kind}"
+
+
 def kv_names(n_layers: int) -> tuple[list[str], list[str]]:
     """(past input names, present output names), layer by layer, key before value."""
-    past = [f"past_key_values.{i}.{kind}" for i in range(n_layers) for kind in ("key", "value")]
-    present = [f"present.{i}.{kind}" for i in range(n_layers) for kind in ("key", "value")]
+    past = [PAST_NAME.format(layer=i, kind=kind) for i in range(n_layers) for kind in ("key", "value")]
+    present = [PRESENT_NAME.format(layer=i, kind=kind) for i in range(n_layers) for kind in ("key", "value")]
     return past, present
 
 

@@ -90,7 +90,7 @@ def test_every_kind_verifies_in_onnxruntime(kind, tmp_path):
     assert outputs["logits"] == ["batch", "sequence", cfg.vocab_size]
     assert outputs["present.1.key"] == ["batch", heads, "total_sequence", cfg.head_dim]
     assert len(inputs) == 3 + 2 * cfg.n_layers and len(outputs) == 1 + 2 * cfg.n_layers
-    assert json.loads((out / MARKER).read_text())["files"] == ["README.md", "model.onnx"]
+    assert json.loads((out / MARKER).read_text())["files"] == ["README.md", "genai_config.json", "model.onnx"]
 
 
 @pytest.mark.parametrize("router", list(ROUTER_KINDS))
@@ -140,7 +140,8 @@ def test_external_data_past_the_threshold(tmp_path, monkeypatch):
     out = export_model(model, tmp_path / "ext", verify=True)
     data = out / onnx_export.DATA_FILE
     assert data.stat().st_size > (out / "model.onnx").stat().st_size  # the weights left the graph file
-    assert json.loads((out / MARKER).read_text())["files"] == ["README.md", "model.onnx", "model.onnx.data"]
+    assert json.loads((out / MARKER).read_text())["files"] == ["README.md", "genai_config.json", "model.onnx",
+                                                              "model.onnx.data"]
     onnx.checker.check_model(str(out / "model.onnx"))
     assert verify_export(model, out / "model.onnx").ok
     assert "model.onnx.data" in (out / "README.md").read_text()
