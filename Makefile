@@ -63,6 +63,17 @@ $(COMPAT_VENVS)/transformers-%/.installed: requirements-compat.txt requirements-
 		--no-build-isolation -e .
 	touch $@
 
+# llama.cpp for the GGUF export checks: the compat pins, gguf, llama-cpp-python (an sdist: cmake and gcc compile
+# llama.cpp here, several minutes on 2 cores) and tokenizers (requirements-gguf.txt), and this package without its
+# dependencies
+$(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt setup.py
+	rm -rf $(COMPAT_VENVS)/gguf
+	$(PYTHON) -m venv $(COMPAT_VENVS)/gguf
+	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q -r requirements-compat.txt \
+		-r requirements-gguf.txt
+	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
@@ -76,11 +87,12 @@ test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
 
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
-		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed
+		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
+	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed

@@ -405,7 +405,8 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @cli.command()
 @click.argument("source", metavar="CKPT")
 @click.option("--out", required=True, type=click.Path(), metavar="OUT",
-              help="Output path: .safetensors file or directory (canonical), or a directory (hf, mixtral).")
+              help="Output path: .safetensors file or directory (canonical), a directory (hf, mixtral, onnx), or a "
+                   "FILE.gguf (gguf).")
 @format_option("Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral or HF "
                "BAM export).")
 @click.option("--architecture", metavar="MODEL_TYPE",
@@ -455,6 +456,9 @@ cli.add_command(generate_cmd)
 from .onnx import export_onnx_cmd  # noqa: E402
 
 cli.add_command(export_onnx_cmd)
+from .gguf import export_gguf_cmd  # noqa: E402
+
+cli.add_command(export_gguf_cmd)
 
 from .train import eval_cmd, plot_cmd, train_cmd  # noqa: E402
 

@@ -51,7 +51,7 @@ def format_option(intro: str) -> callable:
     """--format, its choices and help from the exporter table."""
     return click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
                         help=intro + " " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ". Formats other "
-                             "than canonical need a directory OUT.")
+                             "than canonical and gguf (one FILE.gguf) need a directory OUT.")
 
 
 def eval_input_options(fn):

@@ -38,6 +38,7 @@ class ExportOptions:
     opset: int | None = None  # onnx: the ONNX opset (None: the exporter's default)
     kv_cache: bool = True  # onnx: past key/values as graph inputs, present key/values as outputs
     verify: bool = False  # onnx: run the export in onnxruntime against the runtime before putting it in place
+    gguf_dtype: str | None = None  # gguf: f32, f16 or q8_0 matrices (None: from dtype, else from the weights)
     log: Callable[[str], None] | None = None  # progress and summary lines (the CLI prints them on stderr)
 
 

@@ -15,6 +15,8 @@ Formats:
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
+    gguf        one GGUF file for llama.cpp: Llama-shaped dense models, Mixtral-shaped mixtures, with the
+                tokenizer (converters/gguf_export.py)
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from .base import CapabilityError, Exporter, ExportOptions
+from .gguf_export import GGUFExporter
 from .hf_export import HFExporter
 from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
@@ -50,7 +53,7 @@ class CanonicalExporter(Exporter):
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter(), OnnxExporter())}
+    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:

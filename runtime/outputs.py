@@ -6,7 +6,8 @@ An output is recognised by our own marks, never by file names alone (a folder of
 `.safetensors` models looks like a checkpoint folder):
 
 * a file: a safetensors file whose header metadata says "format": "bam-surgery/1" (what every
-  canonical checkpoint carries);
+  canonical checkpoint carries), or a GGUF file whose first metadata entries say
+  "bam_surgery.format": "bam-surgery/1" (converters/gguf_export.py writes it second, after general.architecture);
 * a folder: it holds MARKER (written by runtime.atomic into every folder output: canonical
   checkpoints, merges, HF, Mixtral and HF BAM exports) and nothing that marker does not list, each
   a regular file; or, for folders written before the marker existed, a canonical checkpoint
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 from .errors import CheckpointError, printable
@@ -28,6 +30,7 @@ from .safetensors_file import read_header
 
 FORMAT = "bam-surgery/1"  # "format" in every canonical file's metadata and canonical config.json
 MARKER = ".bam-surgery.json"  # in every folder output: {"format": FORMAT, "files": [names]}
+GGUF_FORMAT_KEY = "bam_surgery.format"  # in every GGUF file this tool writes, among its first two entries
 _MAX_MARKER_BYTES = 1 << 20
 
 
@@ -70,7 +73,7 @@ def not_own_output(path: Path) -> str | None:
     if path.is_symlink():
         return "is a symbolic link"
     if path.is_file():
-        if _own_safetensors(path):
+        if _own_safetensors(path) or _own_gguf(path):
             return None
         return "is a file bam-surgery did not write (no \"format\": \"bam-surgery/1\" in its metadata)"
     if path.is_dir():
@@ -85,6 +88,39 @@ def _own_safetensors(file: Path) -> bool:
     except (CheckpointError, OSError):
         return False
     return header.metadata.get("format") == FORMAT
+
+
+def _own_gguf(file: Path) -> bool:
+    """A GGUF file (llama.cpp's format) whose first two metadata entries include GGUF_FORMAT_KEY = FORMAT; read
+    with struct from the file's first 64 KiB (magic, version, counts, then key/type/value entries)."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    if head[:4] != b"GGUF":
+        return False
+
+    def string(pos: int) -> tuple[bytes, int]:
+        (n,) = struct.unpack_from("<Q", head, pos)
+        if pos + 8 + n > len(head):
+            raise ValueError("past the bytes read")
+        return head[pos + 8:pos + 8 + n], pos + 8 + n
+
+    try:
+        _, _, n_kv = struct.unpack_from("<IQQ", head, 4)
+        pos = 24
+        for _ in range(min(n_kv, 2)):
+            key, pos = string(pos)
+            (value_type,) = struct.unpack_from("<I", head, pos)
+            if value_type != 8:  # both entries are strings
+                return False
+            value, pos = string(pos + 4)
+            if key == GGUF_FORMAT_KEY.encode():
+                return value == FORMAT.encode()
+    except (struct.error, ValueError):
+        return False
+    return False
 
 
 def _folder_reason(folder: Path) -> str | None:

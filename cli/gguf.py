@@ -1,0 +1,83 @@
+"""`bam-surgery export-gguf`: one GGUF file of a checkpoint for llama.cpp.
+
+    bam-surgery export-gguf seed.safetensors --out seed.gguf
+    bam-surgery export-gguf btx/ --out btx-q8.gguf --dtype q8_0
+    llama-cli -m btx-q8.gguf -p "def fib(n):"            # llama.cpp, or llama_cpp.Llama(model_path=...)
+
+The same exporter as `merge --format gguf` and `convert --format gguf` (converters/gguf_export.py), with the
+matrices' type as an option. What llama.cpp runs (Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX
+mixtures) is decided from the config before anything is read; a BAM mixture (attention experts) is refused in
+one line naming the formats that carry it. The tokenizer goes into the file: the checkpoint's tokenizer.json
+(byte-level BPE), or the byte tokenizer. Every bad input is one `bam-surgery: error:` line with exit status 2;
+the file appears at OUT only when it is complete.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from bam_surgery.converters import open_checkpoint
+from bam_surgery.converters.export import ExportOptions, check_export, export
+from bam_surgery.converters.gguf_export import GGUF_DTYPES, SUFFIX
+from bam_surgery.converters.hf.files import side_file
+from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
+
+from .options import ALLOW_PICKLE, OUT_FORCE, output_written
+
+
+@click.command("export-gguf")
+@click.argument("checkpoint", metavar="CKPT")
+@click.option("--out", required=True, type=click.Path(), metavar="FILE.gguf",
+              help="Output file (a name ending in .gguf): weights, tokenizer and model card in one file.")
+@click.option("--dtype", default=None, metavar="|".join(GGUF_DTYPES),
+              help="Type of the weight matrices: f32, f16 or q8_0 (8-bit blocks of 32); norms, biases and routers "
+                   "stay f32. Default: f32 for float32 checkpoints, f16 for 16-bit ones.")
+@OUT_FORCE
+@ALLOW_PICKLE
+def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
+    """Export a checkpoint as one GGUF file for llama.cpp (dense Llama-family models, BTX mixtures)."""
+    # lazy: card and output_path pull in hashing and blake3, 0.015 s more for --help
+    from bam_surgery.surgery.card import generation_config, tokenizer_files
+    from bam_surgery.surgery.output_path import check_output_path
+
+    if dtype is not None and dtype not in GGUF_DTYPES:
+        raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
+    out_path = Path(out)
+    if not out_path.name.endswith(SUFFIX) or out_path.name == SUFFIX:
+        raise BamSurgeryError(f"--out {out}: a GGUF file needs a name ending in {SUFFIX} (e.g. model{SUFFIX})")
+    try:
+        reader = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
+    except USER_ERRORS:
+        raise
+    except OSError as e:
+        raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
+    lines: list[str] = []
+    with reader:
+        check_export("gguf", reader.config)
+        check_output_path(out_path, force, [(str(checkpoint), reader)])
+        options = ExportOptions(tokenizer_files=_tokenizer(reader, tokenizer_files(reader)),
+                                generation=generation_config(reader),
+                                gguf_dtype=dtype, metadata={"bam_source": str(checkpoint)}, replace=force,
+                                log=lines.append)
+        export(reader, out_path, "gguf", options)
+        output_written(out_path)
+    for line in lines:
+        click.echo(line, err=True)
+    click.echo(f"wrote {out_path} (gguf)", err=True)
+
+
+def _tokenizer(reader, files: list[Path]) -> tuple[Path, ...]:
+    """The input's tokenizer files; for a canonical folder or a run checkpoint, the tokenizer.json it carries (and
+    tokenizer_config.json beside it), found as train finds it (train.tokenize.checkpoint_tokenizer)."""
+    # lazy: train.tokenize imports the tokenizers package, 0.02 s more for --help
+    from bam_surgery.train.tokenize import BYTES, checkpoint_tokenizer
+
+    if any(f.name == "tokenizer.json" for f in files):
+        return tuple(files)
+    carried = checkpoint_tokenizer(reader)
+    if carried is None or carried == BYTES:
+        return tuple(files)
+    path = Path(carried)
+    config = side_file(path.parent, "tokenizer_config.json")
+    return (*files, path, *([config] if config is not None and config.is_file() else []))

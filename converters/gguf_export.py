@@ -1,0 +1,630 @@
+"""The `gguf` format: one GGUF file for llama.cpp (llama-cli, llama-server, llama-cpp-python and what embeds them).
+
+    exporter("gguf").write(reader, Path("mix.gguf"), ExportOptions(gguf_dtype="q8_0", tokenizer_files=(...)))
+
+What llama.cpp runs, decided from the config alone (check_gguf: CapabilityError, one line, before any tensor is read):
+  dense    a Llama-shaped model: sequential pre-norm blocks, RMSNorm, RoPE over the whole head (halves or pairs),
+           SwiGLU FFN, a final norm, no logit scale, no lm_head bias; GQA, any head_dim, tied embeddings and q/k/v/o
+           and FFN biases are fine. Written as llama.cpp's `qwen2` architecture when it has Qwen2's shape (q/k/v
+           biases only, rotate-halves RoPE, H * head_dim = d_model), otherwise as `llama` (llama.cpp runs Mistral
+           as `llama` too).
+  mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
+           that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
+           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral.
+  refused  attention experts (BAM) and every other block: the canonical, hf and onnx formats carry them.
+
+Tensors take llama.cpp's names (gguf.TENSOR_NAMES: token_embd, blk.N.attn_q, blk.N.ffn_gate_exps, ...), checked
+against the architecture's list (gguf.MODEL_TENSORS); experts go stacked [E, ...] as they are. The `llama`
+architecture rotates pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are
+permuted per head as convert_hf_to_gguf.py does (LlamaModel.permute); `qwen2` rotates halves and takes them as
+they are. Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32
+weights and f16 for 16-bit ones); 1-D tensors (norms, biases) and the routers stay f32, and a q8_0 matrix whose
+rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter does. One tensor is in memory
+at a time: the header is written from the shapes, then each tensor is read, converted and appended.
+
+The tokenizer goes into tokenizer.ggml.*, as the gpt2 (byte-level BPE) model of llama.cpp:
+  * the input's tokenizer.json, when it is a byte-level BPE whose pre-tokenizer llama.cpp implements (gpt-2,
+    llama-bpe, qwen2; PRE_TOKENIZERS): tokens, token types (special added tokens CONTROL, other added tokens
+    USER_DEFINED, ids past the tokenizer's [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the
+    generation config's, else tokenizer_config.json's, else <|endoftext|>), add_bos/add_eos from its
+    post-processor (what `tokenizers` adds on encode), the chat template of tokenizer_config.json;
+  * the project's byte tokenizer (train/tokenize.py ByteTokenizer) when there is no tokenizer.json and the
+    checkpoint says `bam_tokenizer: bytes` or its vocabulary has 256 to 512 tokens (train's rule): token i is
+    GPT-2's byte-to-unicode character of byte i (1..255), token 0 the end-of-text token, no merges, so
+    llama.cpp encodes text to its UTF-8 bytes as the runtime does (NUL bytes dropped by both).
+Anything else is refused in one line naming why.
+
+The model card is GGUF metadata: general.name (OUT's stem), general.description (what the model is, how it was
+made), general.base_model.* (the merge's inputs from the provenance record, or the converted source),
+general.license when the input's README.md front matter names one, general.file_type; and bam_surgery.format
+(the mark by which --force recognises the file as ours, runtime/outputs.py), bam_surgery.version,
+bam_surgery.config (the ModelConfig as JSON), bam_surgery.provenance (a merge's record, when there is one).
+The file is written under a temporary name beside OUT and renamed at the end (runtime/atomic.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from bam_surgery import __version__
+from bam_surgery.runtime.atomic import atomic_path
+from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.dtypes import main_dtype
+from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.jsonfile import parse_json, read_json
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
+from bam_surgery.runtime.reader import Reader, check_layout
+
+from .base import CapabilityError, ExportOptions, Exporter
+from .hf.mixtral_config import mixtral_problems
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+SUFFIX = ".gguf"
+CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
+# train/tokenize.py's byte-tokenizer rule, restated here (converters sit below train; a test holds them equal)
+BYTES = "bytes"
+TOKENIZER_KEY = "bam_tokenizer"
+BYTE_VOCAB = 256
+BYTE_FALLBACK_MAX_VOCAB = 512
+EOS_TEXT = "<|endoftext|>"
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
+# tokenizer.json pre-tokenizer regexes -> the llama.cpp pre-tokenizer that splits text the same way
+# (llama.cpp's src/llama-vocab.cpp quotes each original regex beside its own)
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"gpt-2": "ByteLevel (GPT-2's regex)", "llama-bpe": "Split (Llama 3's regex) + ByteLevel",
+                  "qwen2": "Split (Qwen2's regex) + ByteLevel"}
+_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
+
+
+def _gguf():
+    import gguf  # lazy: only writing a file needs it; the CLI loads this module for --help and every format
+
+    return gguf
+
+
+# ---- what llama.cpp can run ----------------------------------------------------------------------------
+def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(what llama.cpp needs, what this model has) for every feature its llama / qwen2 architectures lack."""
+    if cfg.attn_experts:
+        return [("dense attention (llama.cpp has no attention experts)", f"{cfg.attn_experts} attention experts")]
+    if cfg.ffn_experts:
+        return mixtral_problems(cfg)
+    out: list[tuple[str, str]] = []
+
+    def need(ok: bool, needs: str, has: str) -> None:
+        if not ok:
+            out.append((needs, has))
+
+    need(cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}")
+    need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
+    need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")
+    need(cfg.position == "rope", "RoPE", f"position {cfg.position}")
+    need(cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}")
+    need(not cfg.lm_head_bias, "no lm_head bias", "an lm_head bias")
+    need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
+    need(cfg.final_norm, "a final norm", "no final norm")
+    return out
+
+
+def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
+    """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
+    problems = gguf_problems(cfg)
+    if problems:
+        who = f"recipe {recipe}" if recipe else "the model"
+        raise CapabilityError(f"gguf export (llama.cpp) needs {' and '.join(n for n, _ in problems)}; {who} has "
+                              f"{', '.join(h for _, h in problems)}; the {CARRIED_BY} formats carry it")
+
+
+def gguf_architecture(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture for a model check_gguf accepts: qwen2 for Qwen2's shape, else llama."""
+    qwen2 = (not cfg.ffn_experts and cfg.qkv_bias and not cfg.o_bias and not cfg.ffn_bias
+             and not cfg.rope_interleaved and cfg.n_heads * cfg.head_dim == cfg.d_model)
+    return "qwen2" if qwen2 else "llama"
+
+
+def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
+    """The matrices' type: options.gguf_dtype, else options.dtype (float32 / float16), else f32 for float32
+    weights and f16 for 16-bit ones."""
+    if options.gguf_dtype is not None:
+        if options.gguf_dtype not in GGUF_DTYPES:
+            raise CapabilityError(f"gguf dtype {options.gguf_dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+        return options.gguf_dtype
+    if options.dtype is not None:
+        named = {torch.float32: "f32", torch.float16: "f16"}
+        if options.dtype not in named:
+            raise CapabilityError(f"gguf export writes f32, f16 or q8_0 matrices, not {str(options.dtype)[6:]}")
+        return named[options.dtype]
+    entries = [(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
+    return "f32" if main_dtype(entries) == torch.float32 else "f16"
+
+
+# ---- tensors ---------------------------------------------------------------------------------------------
+_NAMES = [  # canonical name pattern -> (gguf.MODEL_TENSOR member, suffix)
+    (re.compile(r"embed\.weight"), "TOKEN_EMBD", "weight"),
+    (re.compile(r"final_norm\.weight"), "OUTPUT_NORM", "weight"),
+    (re.compile(r"lm_head\.weight"), "OUTPUT", "weight"),
+    (re.compile(r"layers\.(\d+)\.attn_norm\.weight"), "ATTN_NORM", "weight"),
+    (re.compile(r"layers\.(\d+)\.ffn_norm\.weight"), "FFN_NORM", "weight"),
+    *[(re.compile(rf"layers\.(\d+)\.attn\.{c}\.(weight|bias)"), m, None)
+      for c, m in (("q", "ATTN_Q"), ("k", "ATTN_K"), ("v", "ATTN_V"), ("o", "ATTN_OUT"))],
+    *[(re.compile(rf"layers\.(\d+)\.ffn\.{c}\.(weight|bias)"), m, None)
+      for c, m in (("gate", "FFN_GATE"), ("up", "FFN_UP"), ("down", "FFN_DOWN"))],
+    (re.compile(r"layers\.(\d+)\.ffn_router\.weight"), "FFN_GATE_INP", "weight"),
+    *[(re.compile(rf"layers\.(\d+)\.ffn_experts\.{c}\.weight"), m, "weight")
+      for c, m in (("gate", "FFN_GATE_EXP"), ("up", "FFN_UP_EXP"), ("down", "FFN_DOWN_EXP"))],
+]
+
+
+def gguf_name(canonical: str, arch: str) -> str:
+    """llama.cpp's name of a canonical tensor ("layers.3.attn.q.weight" -> "blk.3.attn_q.weight")."""
+    g = _gguf()
+    arch_id = next(a for a, n in g.MODEL_ARCH_NAMES.items() if n == arch)
+    for pattern, member, suffix in _NAMES:
+        m = pattern.fullmatch(canonical)
+        if m is None:
+            continue
+        tensor = getattr(g.MODEL_TENSOR, member)
+        if tensor not in g.MODEL_TENSORS[arch_id]:
+            break
+        bid = int(m.group(1)) if m.groups() else None
+        base = g.TENSOR_NAMES[tensor].format(bid=bid)
+        return f"{base}.{suffix or m.group(m.lastindex)}"
+    raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
+
+
+def rope_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a rotate-halves projection (weight [heads * Dh, D] or bias [heads * Dh]) reordered per head so that
+    llama.cpp's pair rotation computes the same (convert_hf_to_gguf.py's LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_QK = re.compile(r"layers\.\d+\.attn\.([qk])\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    canonical: str
+    name: str  # llama.cpp's
+    shape: tuple[int, ...]
+    qtype: Any  # gguf.GGMLQuantizationType
+    heads: int | None  # rope_pairs over this many heads, or None
+
+
+def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
+    """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation."""
+    g = _gguf()
+    qt = g.GGMLQuantizationType
+    matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
+    block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
+    out = []
+    for canonical, shape in tensor_shapes(cfg).items():
+        if len(shape) < 2 or "_router." in canonical:
+            qtype = qt.F32
+        elif matrix_type == qt.Q8_0 and shape[-1] % block:
+            qtype = qt.F16
+        else:
+            qtype = matrix_type
+        heads = None
+        qk = _QK.fullmatch(canonical)
+        if qk and arch == "llama" and not cfg.rope_interleaved:  # llama rotates pairs: permute rotate-halves rows
+            heads = cfg.n_heads if qk.group(1) == "q" else cfg.n_kv_heads
+        out.append(TensorPlan(canonical, gguf_name(canonical, arch), shape, qtype, heads))
+    return out
+
+
+def _encoded(t: TensorPlan, w: torch.Tensor) -> np.ndarray:
+    if t.heads is not None:
+        w = rope_pairs(w, t.heads)
+    return _gguf().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
+
+
+def _byte_shape(t: TensorPlan) -> tuple[tuple[int, ...], int, Any]:
+    """(shape to declare, bytes, numpy dtype) of a tensor in its type, for the header written before the data."""
+    g = _gguf()
+    qt = g.GGMLQuantizationType
+    if t.qtype in (qt.F32, qt.F16):
+        dtype = np.float32 if t.qtype == qt.F32 else np.float16
+        return t.shape, int(np.prod(t.shape)) * np.dtype(dtype).itemsize, dtype
+    shape = g.quant_shape_to_byte_shape(t.shape, t.qtype)
+    return shape, int(np.prod(shape)), np.uint8
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------------
+@dataclass
+class Vocabulary:
+    """What goes into tokenizer.ggml.* (llama.cpp's gpt2 model)."""
+
+    source: str  # for the card: "tokenizer.json" or "bytes"
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    eos: int | None
+    bos: int | None = None
+    pad: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable character for each byte (what byte-level BPE vocabularies spell tokens with)."""
+    printable_bytes = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable_bytes:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_vocabulary(vocab_size: int) -> Vocabulary:
+    """The runtime's byte tokenizer as a gpt2 vocabulary: 0 end of text, 1..255 the bytes, no merges."""
+    g = _gguf()
+    chars = byte_to_unicode()
+    tokens = [EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)] + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)]
+    types = ([g.TokenType.CONTROL] + [g.TokenType.NORMAL] * (BYTE_VOCAB - 1)
+             + [g.TokenType.UNUSED] * (vocab_size - BYTE_VOCAB))
+    return Vocabulary(BYTES, "gpt-2", tokens, [int(t) for t in types], [], eos=0)
+
+
+def pre_tokenizer_name(pre: Any, where: str) -> str:
+    """The llama.cpp pre-tokenizer equal to a tokenizer.json pre_tokenizer, or CapabilityError."""
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or [None]]
+
+    def byte_level(step: dict, regex: bool) -> bool:
+        return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True)
+                and bool(step.get("use_regex", True)) == regex)
+
+    if kinds == ["ByteLevel"] and byte_level(steps[0], True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and byte_level(steps[1], False):
+        split = steps[0]
+        regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
+        if regex in _SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return _SPLIT_REGEXES[regex]
+    shown = json.dumps(pre, sort_keys=True)[:120]
+    raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
+                          f"(supported: {'; '.join(f'{k}: {v}' for k, v in PRE_TOKENIZERS.items())}, without a "
+                          "prefix space)")
+
+
+def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
+    """(the special token a tokenizer.json post-processor puts first, last) on a single sequence."""
+    if post is None or (isinstance(post, dict) and post.get("type") == "ByteLevel"):
+        return None, None
+    if isinstance(post, dict) and post.get("type") == "Sequence":
+        ends = [_special_ends(p, where) for p in post.get("processors") or []]
+        return (next((a for a, _ in ends if a), None), next((b for _, b in ends if b), None))
+    if isinstance(post, dict) and post.get("type") == "TemplateProcessing" and isinstance(post.get("single"), list):
+        single = post["single"]
+
+        def special(item) -> str | None:
+            return item["SpecialToken"].get("id") if isinstance(item, dict) and "SpecialToken" in item else None
+        return (special(single[0]) if single else None, special(single[-1]) if len(single) > 1 else None)
+    kind = post.get("type") if isinstance(post, dict) else type(post).__name__
+    raise CapabilityError(f"{where}: post-processor {str(kind)[:40]!r} is not one this export maps to llama.cpp "
+                          "(ByteLevel, TemplateProcessing)")
+
+
+def _vocab_entries(body: dict, where: str) -> dict[int, tuple[str, str]]:
+    """id -> (token text, kind: normal | control | user) from tokenizer.json's model.vocab and added_tokens."""
+    vocab = body["model"].get("vocab")
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and 0 <= i < 2**31 for i in vocab.values()):
+        raise CheckpointError(f"{where}: model.vocab is not an object of token -> id")
+    out = {i: (t, "normal") for t, i in vocab.items()}
+    for a in body.get("added_tokens") or []:
+        if not (isinstance(a, dict) and isinstance(a.get("id"), int) and isinstance(a.get("content"), str)):
+            raise CheckpointError(f"{where}: added_tokens holds an entry without an integer id and a content string")
+        special = a.get("special") or (a["content"].startswith("<|") and a["content"].endswith("|>"))
+        out[a["id"]] = (a["content"], "control" if special else "user")
+    return out
+
+
+def _merges(model: dict, where: str) -> list[str]:
+    merges = model.get("merges") or []
+    out = []
+    for m in merges:
+        if isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
+            m = " ".join(m)
+        if not isinstance(m, str) or " " not in m[1:]:
+            raise CheckpointError(f"{where}: model.merges holds {str(m)[:40]!r}, not a pair of tokens")
+        out.append(m)
+    return out
+
+
+def _check_bpe_model(body: dict, where: str) -> dict:
+    model = body.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise CapabilityError(f"{where}: a {str(kind)[:30]} tokenizer; the gguf export embeds byte-level BPE "
+                              "tokenizers (GPT-2, Llama 3, Qwen2 kinds) and the byte tokenizer")
+    for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+        if model.get(key):
+            raise CapabilityError(f"{where}: BPE with {key} {str(model[key])[:30]!r} is not llama.cpp's byte-level "
+                                  "BPE")
+    normalizer = body.get("normalizer")
+    if normalizer is not None and not (isinstance(normalizer, dict) and normalizer.get("type") == "NFC"):
+        raise CapabilityError(f"{where}: normalizer {json.dumps(normalizer)[:80]} is not applied by llama.cpp's "
+                              "byte-level BPE")
+    return model
+
+
+def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
+                   tokenizer_config: Mapping[str, Any]) -> Vocabulary:
+    """tokenizer.json (a byte-level BPE) as llama.cpp's gpt2 vocabulary of exactly vocab_size tokens."""
+    g = _gguf()
+    where = str(path)
+    body = read_json(path, expect=dict)
+    model = _check_bpe_model(body, where)
+    pre = pre_tokenizer_name(body.get("pre_tokenizer"), where)
+    if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
+        raise CapabilityError(f"{where}: ignore_merges {bool(model.get('ignore_merges'))} with a {pre} pre-tokenizer; "
+                              f"llama.cpp's {pre} {'ignores' if pre == 'llama-bpe' else 'applies'} merges on whole words")
+    entries = _vocab_entries(body, where)
+    if max(entries, default=-1) >= vocab_size:
+        raise CapabilityError(f"{where}: token id {max(entries)} is outside the model's vocabulary "
+                              f"(vocab_size {vocab_size})")
+    kinds = {"normal": g.TokenType.NORMAL, "control": g.TokenType.CONTROL, "user": g.TokenType.USER_DEFINED}
+    tokens = [entries[i][0] if i in entries else f"[PAD{i}]" for i in range(vocab_size)]
+    types = [int(kinds[entries[i][1]]) if i in entries else int(g.TokenType.UNUSED) for i in range(vocab_size)]
+    ids = {t: i for i, t in enumerate(tokens)}
+    first, last = _special_ends(body.get("post_processor"), where)
+    vocab = Vocabulary("tokenizer.json", pre, tokens, types, _merges(model, where),
+                       eos=_token_id(generation, "eos", tokenizer_config, ids, EOS_CANDIDATES),
+                       bos=ids.get(first) if first else _token_id(generation, "bos", tokenizer_config, ids, ()),
+                       pad=_token_id(generation, "pad", tokenizer_config, ids, ()),
+                       add_bos=first is not None, add_eos=last is not None)
+    template = tokenizer_config.get("chat_template")
+    vocab.chat_template = template if isinstance(template, str) else None
+    if isinstance(body.get("normalizer"), dict):
+        vocab.notes.append("tokenizer.json's NFC normalizer is not applied by llama.cpp (text already in NFC "
+                           "tokenizes the same)")
+    return vocab
+
+
+def _token_id(generation: Mapping[str, Any], kind: str, tokenizer_config: Mapping[str, Any], ids: dict[str, int],
+              candidates: tuple[str, ...]) -> int | None:
+    """A special token's id: the generation config's {kind}_token_id, else tokenizer_config.json's
+    {kind}_token, else the first of `candidates` in the vocabulary."""
+    value = generation.get(f"{kind}_token_id")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(ids):
+        return value
+    text = tokenizer_config.get(f"{kind}_token")
+    if isinstance(text, dict):
+        text = text.get("content")
+    if isinstance(text, str) and text in ids:
+        return ids[text]
+    return next((ids[c] for c in candidates if c in ids), None)
+
+
+def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
+    """The tokenizer the file embeds (module docstring), or CapabilityError naming why there is none."""
+    cfg = reader.config
+    files = {Path(f).name: Path(f) for f in options.tokenizer_files}
+    generation = dict(options.generation or {})
+    if "tokenizer.json" in files:
+        tok_config = {}
+        if "tokenizer_config.json" in files:
+            tok_config = read_json(files["tokenizer_config.json"], expect=dict)
+        return bpe_vocabulary(files["tokenizer.json"], cfg.vocab_size, generation, tok_config)
+    says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES
+    if (says_bytes or cfg.vocab_size <= BYTE_FALLBACK_MAX_VOCAB) and cfg.vocab_size >= BYTE_VOCAB:
+        return byte_vocabulary(cfg.vocab_size)
+    if files:
+        raise CapabilityError(f"gguf export: the input's tokenizer ({', '.join(sorted(files))}) has no tokenizer.json; "
+                              "llama.cpp needs its vocabulary (save a fast tokenizer's tokenizer.json beside it)")
+    raise CapabilityError(f"gguf export: the input carries no tokenizer.json and its vocabulary ({cfg.vocab_size} "
+                          f"tokens) is not the byte tokenizer's ({BYTE_VOCAB} to {BYTE_FALLBACK_MAX_VOCAB}); llama.cpp "
+                          "needs the vocabulary in the file")
+
+
+# ---- the card --------------------------------------------------------------------------------------------
+def _license(reader: Reader) -> str | None:
+    """`license:` of the input's README.md front matter (a Hugging Face model card), if it has one."""
+    readme = reader.source_dir / "README.md" if reader.source_dir is not None else None
+    try:
+        if readme is None or not readme.is_file() or readme.stat().st_size > 1 << 20:
+            return None
+        text = readme.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    if not text.startswith("---"):
+        return None
+    front = text[3:].split("\n---", 1)[0]
+    m = re.search(r"^license:\s*['\"]?([^'\"\n#]+?)['\"]?\s*$", front, re.M)
+    return m.group(1) if m else None
+
+
+def _provenance(reader: Reader) -> dict | None:
+    raw = reader.metadata.get(PROVENANCE_KEY)
+    if not raw:
+        return None
+    try:
+        value = parse_json(raw, PROVENANCE_KEY, expect=dict)
+    except CheckpointError:
+        return None
+    return value
+
+
+def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, vocab: Vocabulary) -> dict[str, Any]:
+    """general.* and bam_surgery.* entries: {key: value} (strings, or lists for base models)."""
+    cfg = reader.config
+    prov = _provenance(reader)
+    if cfg.ffn_experts:
+        kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
+                "top-k, Mixtral's layout)")
+    else:
+        kind = "dense model"
+    made = ""
+    bases: list[tuple[str, str]] = []
+    if prov is not None:
+        recipe = (prov.get("recipe") or {}).get("name") if isinstance(prov.get("recipe"), dict) else None
+        inputs = [i for i in prov.get("inputs") or [] if isinstance(i, dict)]
+        bases = [(str(i.get("name")), f"{i.get('role')} ({i.get('path')})") for i in inputs]
+        made = f" Merged with recipe {recipe} from {', '.join(n for n, _ in bases)}." if recipe else ""
+    else:
+        source = options.metadata.get("bam_source") or (str(reader.path) if reader.path else None)
+        if source:
+            bases = [(source, "converted source")]
+            made = f" Converted from {source}."
+    description = (f"A {kind}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
+                   f"({cfg.n_kv_heads} KV), vocab {cfg.vocab_size}, as llama.cpp's {arch} architecture; tokenizer: "
+                   f"{'the byte tokenizer (UTF-8 bytes, 0 = end of text)' if vocab.source == BYTES else vocab.pre + ' BPE'}."
+                   f"{made} Written by bam-surgery {__version__}.")
+    entries: dict[str, Any] = {"name": out.name.removesuffix(SUFFIX), "description": description, "bases": bases,
+                               "license": _license(reader), "config": json.dumps(cfg.to_dict(), sort_keys=True),
+                               "provenance": reader.metadata.get(PROVENANCE_KEY) if prov is not None else None}
+    return entries
+
+
+# ---- the writer ------------------------------------------------------------------------------------------
+def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabulary, card: Mapping[str, Any]) -> None:
+    g = _gguf()
+    w.add_string(GGUF_FORMAT_KEY, FORMAT)  # second entry, after general.architecture: runtime/outputs.py reads it
+    w.add_string("bam_surgery.version", __version__)
+    w.add_type(g.GGUFType.MODEL)
+    w.add_name(card["name"])
+    w.add_description(card["description"])
+    if card["license"]:
+        w.add_license(card["license"])
+    if card["bases"]:
+        w.add_base_model_count(len(card["bases"]))
+        for i, (name, description) in enumerate(card["bases"]):
+            w.add_base_model_name(i, name)
+            w.add_base_model_description(i, description)
+    w.add_tags(["bam-surgery", "mixture-of-experts" if cfg.ffn_experts else "dense"])
+    w.add_file_type({"f32": g.LlamaFileType.ALL_F32, "f16": g.LlamaFileType.MOSTLY_F16,
+                     "q8_0": g.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    if dtype == "q8_0":
+        w.add_quantization_version(g.GGML_QUANT_VERSION)
+    _write_hparams(w, cfg)
+    _write_vocabulary(w, vocab)
+    w.add_string("bam_surgery.config", card["config"])
+    if card["provenance"]:
+        w.add_string("bam_surgery.provenance", card["provenance"])
+
+
+def _write_hparams(w, cfg: ModelConfig) -> None:
+    """The architecture's keys llama.cpp reads ({arch}.context_length, ...), as convert_hf_to_gguf.py writes them."""
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_positions)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.ffn_hidden)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rotary_dim)
+    w.add_rope_freq_base(float(cfg.rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    if cfg.ffn_experts:
+        w.add_expert_count(cfg.ffn_experts)
+        w.add_expert_used_count(cfg.ffn_top_k)
+
+
+def _write_vocabulary(w, vocab: Vocabulary) -> None:
+    g = _gguf()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    # llama.cpp requires the merges key; GGUFWriter.add_array skips an empty list, so it is set directly
+    w.add_key_value(g.Keys.Tokenizer.MERGES, vocab.merges, g.GGUFValueType.ARRAY, sub_type=g.GGUFValueType.STRING)
+    for key, value in (("eos", vocab.eos), ("bos", vocab.bos), ("pad", vocab.pad)):
+        if value is not None:
+            getattr(w, f"add_{key}_token_id")(value)
+    w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(vocab.add_eos)
+    if vocab.chat_template:
+        w.add_chat_template(vocab.chat_template)
+
+
+def _writer_class():
+    g = _gguf()
+
+    class Writer(g.GGUFWriter):
+        """GGUFWriter that also packs an empty array (the byte tokenizer's merges), which it refuses."""
+
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == g.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
+def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabulary, card: Mapping[str, Any],
+               log: Callable[[str], None]) -> int:
+    """Write the GGUF file at `path` (a temporary name), one tensor in memory at a time; returns its bytes."""
+    cfg = reader.config
+    tensors = plan_tensors(cfg, arch, dtype)
+    w = _writer_class()(path, arch)
+    try:
+        _write_metadata(w, cfg, arch, dtype, vocab, card)
+        for t in tensors:
+            shape, nbytes, np_dtype = _byte_shape(t)
+            w.add_tensor_info(t.name, shape, np.dtype(np_dtype), nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tensors:
+            w.write_tensor_data(_encoded(t, reader.get(t.canonical)))
+        fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == _gguf().GGMLQuantizationType.F16]
+        if fallbacks:
+            log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
+    finally:
+        w.close()
+    reader.check_unchanged()
+    return path.stat().st_size
+
+
+class GGUFExporter(Exporter):
+    name = "gguf"
+    summary = ("one GGUF file for llama.cpp: Llama/Mistral/Qwen2-shaped dense models and Mixtral-shaped BTX mixtures "
+               "(bam-surgery export-gguf has its options)")
+    writes_directory = False
+
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        check_gguf(cfg, recipe)
+
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        cfg = reader.config
+        check_gguf(cfg, options.recipe)
+        if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
+            raise CapabilityError(f"--format gguf writes one file named *{SUFFIX}; {printable(str(out))} is not")
+        dtype = resolve_dtype(reader, options)
+        arch = gguf_architecture(cfg)
+        vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
+        check_layout(reader)
+        card = card_entries(reader, out, options, arch, vocab)
+        log = options.log or (lambda line: None)
+        for note in vocab.notes:
+            log(f"gguf: {note}")
+        with atomic_path(out, replace=options.replace) as tmp:
+            size = write_gguf(reader, tmp, arch, dtype, vocab, card, log)
+        log(f"gguf: {arch} architecture, {dtype}, {vocab.pre if vocab.source != BYTES else 'byte'} tokenizer "
+            f"({len(vocab.tokens)} tokens), {size:,} bytes")
+        return out
+
+
+__all__ = ["CapabilityError", "GGUFExporter", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]

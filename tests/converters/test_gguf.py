@@ -1,0 +1,515 @@
+"""GGUF export (converters/gguf_export.py, bam-surgery export-gguf, --format gguf), checked by llama.cpp itself.
+
+Two kinds of test:
+* the writer (wherever the `gguf` package is installed): metadata, tensor names and types, the Q/K permutation,
+  the byte and BPE vocabularies, the card, refusals from the config alone, one-line errors, atomic writes, --force;
+* llama.cpp (llama-cpp-python, installed by `make test-compat` into .venv-compat/gguf; skipped elsewhere): it loads
+  each file, its logits for a prompt equal the runtime's (f32 within F32_TOL, f16 within F16_TOL; the KV cache in
+  f32 so that only the weights' type differs), q8_0 is measured as a perplexity delta on held-out text, its greedy
+  tokens equal runtime.generate's, and its tokenizer encodes text to the runtime's ids: a dense Llama with a
+  byte-level BPE tokenizer.json (built here with train/bpe.py), a dense model with the byte tokenizer, a BTX
+  mixture merged by `merge --recipe btx --gate-norm topk_softmax --format gguf`, Qwen2- and bias-carrying shapes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bam_surgery.converters.base import CapabilityError, ExportOptions
+from bam_surgery.converters.export import check_export, exporter
+from bam_surgery.runtime import Model, generate, load_model, save_model
+from bam_surgery.runtime.checkpoint import save_checkpoint
+from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.reader import StateReader
+from conftest import WrappedReader, cli_error_line, error_line, merge_family, random_state, run_cli, seed_and_experts
+
+gguf = pytest.importorskip("gguf")
+from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
+
+F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured ~1e-6)
+F16_TOL = 5e-2  # f16 weights (measured ~1e-2 on logits of magnitude ~4)
+Q8_PPL_REL_TOL = 0.05  # q8_0: |perplexity delta| / perplexity on held-out text (measured ~0.5%)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs on.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Merging dense checkpoints into a mixture of experts: the experts are branched from one seed.",
+    "Numbers 1234 and 56789, prices $3.50 and 12%, dates 2024-01-31 and times 10:45.",
+    "Tokenizers split text into words, then merge the most frequent pairs of symbols, again and again.",
+] * 6
+HELD_OUT = ("The fox and the dog merge their experts; numbers 42 and 2024 follow the seed.\n"
+            "    return the most frequent pairs of symbols, again.")
+TRICKY = ["Hello, world!  \n\n  trailing   ", "café naïve — 日本語 🦙🦙 x", "it's I'll we'VE 3.14159 100000",
+          "\t\tdef f():\n\treturn 1\r\n", "<|endoftext|> after the end", "a\x00b"]
+
+
+def llama_config(**overrides) -> ModelConfig:
+    """A tiny Llama-shaped model with GQA; widths multiples of 32 so that q8_0 quantizes every matrix."""
+    fields = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                  max_positions=128, rope_theta=10000.0, norm_eps=1e-6, name="tiny-llama")
+    return ModelConfig(**{**fields, **overrides})
+
+
+def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
+    return exporter("gguf").write(StateReader(state, cfg), out, ExportOptions(**options))
+
+
+def fields(path: Path) -> dict:
+    reader = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def tensors(path: Path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+# ---- the writer ---------------------------------------------------------------------------------------------
+def test_metadata_names_and_types(tmp_path):
+    cfg = llama_config(head_dim=24)
+    out = write(cfg, random_state(cfg), tmp_path / "m.gguf", gguf_dtype="f16")
+    f = fields(out)
+    assert f["general.architecture"] == "llama" and f["general.name"] == "m" and f["general.file_type"] == 1
+    expected = {"context_length": 128, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+                "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 24,
+                "attention.value_length": 24, "rope.dimension_count": 24, "vocab_size": 256}
+    assert {k: f[f"llama.{k}"] for k in expected} == expected
+    assert f["llama.rope.freq_base"] == 10000.0 and math.isclose(f["llama.attention.layer_norm_rms_epsilon"], 1e-6,
+                                                                 rel_tol=1e-6)
+    assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg
+    assert f["bam_surgery.format"] == "bam-surgery/1"
+    t = tensors(out)
+    names = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
+                                                           "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    assert set(t) == names
+    assert t["blk.0.attn_norm.weight"].tensor_type.name == "F32" and t["blk.0.attn_q.weight"].tensor_type.name == "F16"
+    assert list(t["blk.0.attn_q.weight"].shape) == [64, 4 * 24]  # ggml order: [in, out]
+
+
+def test_rope_rows_permuted_for_llama_only(tmp_path):
+    cfg = llama_config()
+    state = random_state(cfg)
+    t = tensors(write(cfg, state, tmp_path / "llama.gguf"))
+    q = torch.from_numpy(np.array(t["blk.1.attn_q.weight"].data)).reshape(cfg.q_dim, cfg.d_model)
+    k = torch.from_numpy(np.array(t["blk.1.attn_k.weight"].data)).reshape(cfg.kv_dim, cfg.d_model)
+    assert torch.equal(q, ge.rope_pairs(state["layers.1.attn.q.weight"], 4))
+    assert torch.equal(k, ge.rope_pairs(state["layers.1.attn.k.weight"], 2))
+    assert not torch.equal(q, state["layers.1.attn.q.weight"])
+    # pairs already (rope_interleaved), or qwen2 (rotates halves): rows as they are
+    for shape, arch in ((dict(rope_interleaved=True), "llama"), (dict(qkv_bias=True), "qwen2")):
+        c = llama_config(**shape)
+        s = random_state(c)
+        out = write(c, s, tmp_path / f"{arch}-{len(shape)}.gguf")
+        assert fields(out)["general.architecture"] == arch
+        q = np.array(tensors(out)["blk.0.attn_q.weight"].data)
+        assert np.array_equal(q, s["layers.0.attn.q.weight"].numpy())
+
+
+def test_rope_pairs_is_a_row_permutation_per_head():
+    w = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # 2 heads of head_dim 8
+    rows = ge.rope_pairs(w, 2)[:, 0].long().tolist()
+    assert rows == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]  # (i, i + Dh/2) become neighbours
+
+
+def test_q8_0_keeps_vectors_and_routers_f32_and_odd_rows_f16(tmp_path):
+    cfg = llama_config(ffn_hidden=48, ffn_experts=2, ffn_top_k=2, gate_norm="topk_softmax")
+    lines = []
+    out = write(cfg, random_state(cfg), tmp_path / "q.gguf", gguf_dtype="q8_0", log=lines.append)
+    t = tensors(out)
+    assert t["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert t["blk.0.ffn_norm.weight"].tensor_type.name == "F32"
+    assert t["blk.0.attn_q.weight"].tensor_type.name == "Q8_0"
+    assert t["blk.0.ffn_down_exps.weight"].tensor_type.name == "F16"  # rows of 48 values: not blocks of 32
+    assert t["blk.0.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+    assert list(t["blk.0.ffn_up_exps.weight"].shape) == [64, 48, 2]
+    f = fields(out)
+    assert f["llama.expert_count"] == 2 and f["llama.expert_used_count"] == 2 and f["general.file_type"] == 7
+    assert any("f16" in line for line in lines)
+
+
+def test_byte_vocabulary_is_gpt2_bytes_and_end_of_text(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg = llama_config(vocab_size=300)
+    f = fields(write(cfg, random_state(cfg), tmp_path / "b.gguf"))
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    assert len(tokens) == 300 and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
+    assert tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ" and tokens[ord("a")] == "a"
+    assert set(tokens[1:256]) | {ge.byte_to_unicode()[0]} == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    assert tokens[256:] == [f"[PAD{i}]" for i in range(256, 300)] and set(types[256:]) == {gguf.TokenType.UNUSED}
+    assert f["tokenizer.ggml.merges"] == [] and f["tokenizer.ggml.eos_token_id"] == 0
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"
+    assert f["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_byte_tokenizer_rule_is_train_s():
+    from bam_surgery.train import provenance, tokenize
+
+    assert (ge.BYTES, ge.BYTE_VOCAB, ge.BYTE_FALLBACK_MAX_VOCAB) == (
+        tokenize.BYTES, tokenize.BYTE_VOCAB, tokenize.BYTE_FALLBACK_MAX_VOCAB)
+    assert ge.TOKENIZER_KEY == provenance.TOKENIZER_KEY and ge.EOS_CANDIDATES == tokenize.EOS_CANDIDATES
+
+
+def save_bpe(folder: Path, vocab_size: int = 300, pre_tokenizer=None, ignore_merges: bool = False) -> Path:
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE learnt from CORPUS (train/bpe.py's kind, or
+    another pre-tokenizer)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from bam_surgery.train.bpe import EOS_TOKEN, build_bpe
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if pre_tokenizer is None:
+        tok = build_bpe(CORPUS, vocab_size)
+    else:
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(ignore_merges=ignore_merges))
+        tok.pre_tokenizer = pre_tokenizer
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                                 initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "bos_token": EOS_TOKEN,
+                                                              "chat_template": "{{ messages }}"}))
+    return folder / "tokenizer.json"
+
+
+def test_bpe_vocabulary_from_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    path = save_bpe(tmp_path / "tok")
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    cfg = llama_config(vocab_size=310)
+    out = write(cfg, random_state(cfg), tmp_path / "bpe.gguf",
+                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"))
+    f = fields(out)
+    assert f["tokenizer.ggml.tokens"][:300] == [tok.id_to_token(i) for i in range(300)]
+    assert f["tokenizer.ggml.tokens"][300:] == [f"[PAD{i}]" for i in range(300, 310)]
+    body = json.loads(path.read_text())
+    assert f["tokenizer.ggml.merges"] == [m if isinstance(m, str) else " ".join(m) for m in body["model"]["merges"]]
+    assert f["tokenizer.ggml.pre"] == "gpt-2" and f["tokenizer.ggml.eos_token_id"] == 0
+    assert f["tokenizer.ggml.token_type"][0] == gguf.TokenType.CONTROL
+    assert f["tokenizer.chat_template"] == "{{ messages }}"
+
+
+def test_pre_tokenizers_llama_cpp_implements():
+    tokenizers = pytest.importorskip("tokenizers")
+    pre = tokenizers.pre_tokenizers
+
+    def as_json(p) -> dict:
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+        tok.pre_tokenizer = p
+        return json.loads(tok.to_str())["pre_tokenizer"]
+
+    assert ge.pre_tokenizer_name(as_json(pre.ByteLevel(add_prefix_space=False)), "t") == "gpt-2"
+    for regex, name in ((ge.LLAMA3_REGEX, "llama-bpe"), (ge.QWEN2_REGEX, "qwen2")):
+        split = pre.Sequence([pre.Split(tokenizers.Regex(regex), behavior="isolated"),
+                              pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+        assert ge.pre_tokenizer_name(as_json(split), "t") == name
+    for other in (pre.ByteLevel(add_prefix_space=True), pre.Whitespace(), pre.Metaspace()):
+        with pytest.raises(CapabilityError, match="pre-tokenizer"):
+            ge.pre_tokenizer_name(as_json(other), "t")
+
+
+def test_canonical_folder_carries_its_tokenizer(tmp_path):
+    cfg = llama_config(vocab_size=300)
+    folder = save_checkpoint(random_state(cfg), cfg, tmp_path / "ckpt")
+    save_bpe(folder)
+    run_cli("export-gguf", folder, "--out", tmp_path / "c.gguf")
+    f = fields(tmp_path / "c.gguf")
+    assert len(f["tokenizer.ggml.merges"]) > 0 and f["tokenizer.ggml.pre"] == "gpt-2"
+    assert f["general.base_model.0.name"] == str(folder)
+
+
+# ---- refusals, errors, atomic writes ---------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(attn_experts=2, ffn_experts=2), "attention experts"),
+    (dict(activation="gelu"), "activation gelu"),
+    (dict(norm="layernorm"), "norm layernorm"),
+    (dict(block="parallel"), "block parallel"),
+    (dict(rotary_fraction=0.5), "rotary_fraction 0.5"),
+    (dict(position="learned"), "position learned"),
+    (dict(logit_scale=0.5), "logit_scale"),
+    (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
+    (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
+])
+def test_capability_refused_from_config_alone(overrides, needle):
+    cfg = llama_config(**overrides)
+    with pytest.raises(CapabilityError) as e:
+        check_export("gguf", cfg, recipe="bam")
+    message = str(e.value)
+    assert needle in message and "canonical, hf or onnx" in message and "\n" not in message
+
+
+class NoReads(WrappedReader):
+    source_dir = None
+
+    def get(self, name):
+        raise AssertionError(f"read {name}")
+
+
+def test_refusal_reads_no_tensor(tmp_path):
+    cfg = llama_config(attn_experts=2, ffn_experts=2)
+    reader = NoReads(StateReader(random_state(cfg), cfg))
+    with pytest.raises(CapabilityError, match="attention experts"):
+        exporter("gguf").write(reader, tmp_path / "x.gguf", ExportOptions())
+    cfg = llama_config(vocab_size=1000)  # no tokenizer: refused before reading too
+    with pytest.raises(CapabilityError, match="no tokenizer.json"):
+        exporter("gguf").write(NoReads(StateReader(random_state(cfg), cfg)), tmp_path / "x.gguf", ExportOptions())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bam_mixture_refused_in_one_line(tmp_path):
+    paths = seed_and_experts(tmp_path, llama_config())
+    line = error_line(merge_family(paths, tmp_path / "bam.gguf", "--format", "gguf", code=2), "attention experts",
+                      "recipe bam", "canonical, hf or onnx")
+    assert "llama.cpp" in line
+    merge_family(paths, tmp_path / "bam.safetensors")
+    cli_error_line("export-gguf", tmp_path / "bam.safetensors", "--out", tmp_path / "b.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bam.safetensors", "code.safetensors", "math.safetensors",
+                                                          "seed.safetensors"]
+
+
+def test_one_line_errors_and_force(tmp_path):
+    cfg = llama_config()
+    ckpt = save_checkpoint(random_state(cfg), cfg, tmp_path / "d.safetensors")
+    out = tmp_path / "d.gguf"
+    cli_error_line("export-gguf", ckpt, "--out", tmp_path / "d.bin")
+    cli_error_line("export-gguf", ckpt, "--out", out, "--dtype", "q4_0")
+    cli_error_line("export-gguf", tmp_path / "missing.safetensors", "--out", out)
+    assert error_line(run_cli("convert", ckpt, "--out", tmp_path / "c", "--format", "gguf", code=2), ".gguf")
+    run_cli("export-gguf", ckpt, "--out", out)
+    first = out.read_bytes()
+    assert "already exists" in cli_error_line("export-gguf", ckpt, "--out", out)
+    run_cli("export-gguf", ckpt, "--out", out, "--force", "--dtype", "f16")  # our own file: replaced
+    assert out.read_bytes() != first and fields(out)["general.file_type"] == 1
+    foreign = tmp_path / "foreign.gguf"
+    w = gguf.GGUFWriter(str(foreign), "llama")  # a GGUF file someone else wrote
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    before = foreign.read_bytes()
+    assert "did not write" in cli_error_line("export-gguf", ckpt, "--out", foreign, "--force")
+    assert foreign.read_bytes() == before
+
+
+class FailsLate(WrappedReader):
+    source_dir = None
+
+    def get(self, name):
+        if name.startswith("layers.1."):
+            raise OSError(5, "Input/output error", "d.safetensors")
+        return self._r.get(name)
+
+
+def test_nothing_half_written(tmp_path):
+    cfg = llama_config()
+    with pytest.raises(OSError):
+        exporter("gguf").write(FailsLate(StateReader(random_state(cfg), cfg)), tmp_path / "x.gguf", ExportOptions())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_gguf_package_is_one_line(tmp_path, monkeypatch):
+    cfg = llama_config()
+    ckpt = save_checkpoint(random_state(cfg), cfg, tmp_path / "d.safetensors")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    line = cli_error_line("export-gguf", ckpt, "--out", tmp_path / "d.gguf")
+    assert "'gguf'" in line and "pip install gguf" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
+
+
+def test_merge_format_gguf_card(tmp_path):
+    paths = seed_and_experts(tmp_path, llama_config())
+    merge_family(paths, tmp_path / "btx.gguf", "--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2",
+                 "--format", "gguf")
+    f = fields(tmp_path / "btx.gguf")
+    assert f["llama.expert_count"] == 3 and f["llama.expert_used_count"] == 2
+    assert [f[f"general.base_model.{i}.name"] for i in range(3)] == ["seed", "code", "math"]
+    assert "recipe btx" in f["general.description"] and json.loads(f["bam_surgery.provenance"])["recipe"]["name"] == "btx"
+
+
+# ---- llama.cpp itself ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp")
+
+
+def llama(llama_cpp, path: Path, **kw):
+    """The file loaded by llama.cpp, its KV cache in f32 (so that only the weights' type differs from the runtime)."""
+    options = dict(logits_all=True, n_ctx=128, n_threads=1, n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F32,
+                   type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
+    return llama_cpp.Llama(model_path=str(path), **{**options, **kw})
+
+
+def llama_logits(llm, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[:len(ids)], dtype=np.float64)
+
+
+def runtime_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def llama_greedy(llm, ids: list[int], n: int) -> list[int]:
+    out = []
+    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(token)
+        if len(out) == n:
+            return out
+    return out
+
+
+def cfg_vocab(model) -> int:
+    return model.config.vocab_size
+
+
+def perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    logp = torch.log_softmax(torch.from_numpy(logits[:-1]), -1)
+    return math.exp(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
+
+
+def check_against_runtime(llm, model, prompt: list[int], tol: float, n_new: int = 12) -> float:
+    """llama.cpp's logits for prompt within tol of the runtime's, and the same greedy tokens; the largest difference."""
+    diff = float(np.abs(llama_logits(llm, prompt) - runtime_logits(model, prompt)).max())
+    assert diff <= tol, diff
+    expected = generate(model, torch.tensor([prompt]), n_new)[0].tolist()
+    assert llama_greedy(llm, prompt, n_new) == expected
+    return diff
+
+
+def trained(cfg: ModelConfig, ids: list[int], steps: int = 60, seed: int = 3) -> Model:
+    """A model fitted for a few steps to `ids` (windows of 48 tokens), so that held-out perplexity means something
+    and the q8_0 delta is measured on a model that predicts, not on a uniform guess."""
+    torch.manual_seed(seed)
+    model = Model(cfg)
+    model.load_state_dict(random_state(cfg, seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.tensor(ids)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 49, (8,), generator=gen)
+        batch = torch.stack([data[s:s + 49] for s in starts.tolist()])
+        logits = model(batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def bpe_llama(tmp_path_factory, one_thread):
+    """A dense Llama (fitted a little to CORPUS) as an HF folder (convert --format hf) with a byte-level BPE
+    tokenizer.json, exported in each dtype; and the runtime's model."""
+    tokenizers = pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("bpe")
+    cfg = llama_config(vocab_size=300)
+    save_bpe(root / "tok")
+    tok = tokenizers.Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    with torch.random.fork_rng():  # trained() seeds torch's generator for Model's init; the tests' stays as it was
+        model = trained(cfg, tok.encode("\n".join(CORPUS)).ids)
+    canonical = save_model(model, root / "llama.safetensors")
+    run_cli("convert", canonical, "--out", root / "hf", "--format", "hf", "--architecture", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(root / "tok" / name, root / "hf" / name)
+    for dtype in ("f32", "f16", "q8_0"):
+        run_cli("export-gguf", root / "hf", "--out", root / f"llama-{dtype}.gguf", "--dtype", dtype)
+    return root, load_model(canonical)
+
+
+@pytest.mark.slow
+def test_llama_cpp_bpe_llama_logits_greedy_and_tokens(llama_cpp, bpe_llama, one_thread):
+    tokenizers = pytest.importorskip("tokenizers")
+    root, model = bpe_llama
+    tok = tokenizers.Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+    llm = llama(llama_cpp, root / "llama-f32.gguf")
+    for text in TRICKY + [HELD_OUT]:  # the runtime's encoding (cli/generate.py: tokenizers' encode)
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok.encode(text).ids, text
+    prompt = tok.encode("The quick brown fox merges the experts").ids
+    diff32 = check_against_runtime(llm, model, prompt, F32_TOL)
+    f16 = llama(llama_cpp, root / "llama-f16.gguf")
+    diff16 = float(np.abs(llama_logits(f16, prompt) - runtime_logits(model, prompt)).max())
+    assert diff16 <= F16_TOL, diff16
+    held = tok.encode(HELD_OUT).ids
+    ppl = perplexity(runtime_logits(model, held), held)
+    q8 = llama_logits(llama(llama_cpp, root / "llama-q8_0.gguf"), held)
+    ppl_f16, ppl_q8 = perplexity(llama_logits(f16, held), held), perplexity(q8, held)
+    diff8 = float(np.abs(q8 - runtime_logits(model, held)).max())
+    print(f"\nbpe llama: max|dlogit| f32 {diff32:.2e}, f16 {diff16:.2e}, q8_0 {diff8:.2e}; perplexity on {len(held)} "
+          f"held-out tokens: runtime {ppl:.4f}, f16 {ppl_f16:.4f} ({ppl_f16 - ppl:+.4f}), q8_0 {ppl_q8:.4f} "
+          f"(delta {ppl_q8 - ppl:+.4f}, {(ppl_q8 / ppl - 1):+.3%})")
+    assert ppl < 0.5 * cfg_vocab(model)  # the model predicts: far below a uniform guess
+    assert abs(ppl_q8 / ppl - 1) <= Q8_PPL_REL_TOL
+
+
+@pytest.mark.slow
+def test_llama_cpp_byte_tokenizer_model(llama_cpp, tmp_path, one_thread):
+    from bam_surgery.train.tokenize import ByteTokenizer
+
+    cfg = llama_config(rope_theta=1e6, norm_eps=1e-5)  # Mistral's RoPE base: llama in llama.cpp too
+    ckpt = save_checkpoint(random_state(cfg, 5), cfg, tmp_path / "bytes.safetensors")
+    run_cli("export-gguf", ckpt, "--out", tmp_path / "bytes.gguf")
+    llm = llama(llama_cpp, tmp_path / "bytes.gguf")
+    runtime_tok = ByteTokenizer()
+    for text in TRICKY + [HELD_OUT]:  # special=False: the byte tokenizer spells <|endoftext|> out in bytes
+        ids = [int(i) for i in runtime_tok.encode_batch([text])[0]]
+        assert llm.tokenize(text.encode(), add_bos=True, special=False) == ids, text
+        assert llm.detokenize(ids) == text.replace("\x00", "").encode()
+    prompt = [int(i) for i in runtime_tok.encode_batch(["def fib(n):"])[0]]
+    diff = check_against_runtime(llm, load_model(ckpt), prompt, F32_TOL, n_new=16)
+    print(f"\nbyte tokenizer: max|dlogit| f32 {diff:.2e}")
+
+
+@pytest.mark.slow
+def test_llama_cpp_btx_mixture(llama_cpp, tmp_path, one_thread):
+    paths = seed_and_experts(tmp_path, llama_config())
+    btx = ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2", "--router-std", "0.5")
+    merge_family(paths, tmp_path / "btx.gguf", *btx, "--format", "gguf")
+    merge_family(paths, tmp_path / "btx.safetensors", *btx)
+    model = load_model(tmp_path / "btx.safetensors")
+    prompt = list(range(40, 60))
+    with torch.no_grad():  # the routers spread tokens over all experts
+        chosen = next(iter(model(torch.tensor([prompt])).routing.values())).probs.topk(2, -1).indices
+    assert chosen.unique().numel() == 3
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, prompt, F32_TOL)
+    print(f"\nbtx mixture: max|dlogit| f32 {diff:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [
+    dict(qkv_bias=True),  # Qwen2: llama.cpp's qwen2 architecture
+    dict(qkv_bias=True, o_bias=True, ffn_bias=True, rope_interleaved=True, tie_embeddings=True, head_dim=24),
+    dict(tie_embeddings=True, n_kv_heads=1, head_dim=8),
+], ids=["qwen2", "llama-biases-pairs-tied-headdim", "mqa-tied"])
+def test_llama_cpp_dense_shapes(llama_cpp, tmp_path, shape, one_thread):
+    cfg = llama_config(**shape)
+    state = random_state(cfg, 7)
+    ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
+    run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
+    prompt = [3, 100, 17, 255, 1, 64, 128, 9, 33, 200]
+    check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre, regex, ignore_merges", [
+    ("llama-bpe", ge.LLAMA3_REGEX, True), ("qwen2", ge.QWEN2_REGEX, False)])
+def test_llama_cpp_split_pre_tokenizers_encode_like_tokenizers(llama_cpp, tmp_path, pre, regex, ignore_merges):
+    tokenizers = pytest.importorskip("tokenizers")
+    p = tokenizers.pre_tokenizers
+    path = save_bpe(tmp_path / "tok", 300, p.Sequence([p.Split(tokenizers.Regex(regex), behavior="isolated"),
+                                                       p.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                    ignore_merges=ignore_merges)
+    cfg = llama_config(vocab_size=300)
+    out = write(cfg, random_state(cfg), tmp_path / "t.gguf", tokenizer_files=(path,))
+    assert fields(out)["tokenizer.ggml.pre"] == pre
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    llm = llama(llama_cpp, out, vocab_only=True)
+    for text in TRICKY + [HELD_OUT, "x\n\n\ny  \n z 1234567 '''"]:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text).ids, text
