@@ -26,12 +26,13 @@ The tokenizer goes into tokenizer.ggml.*, as the gpt2 (byte-level BPE) model of 
   * the input's tokenizer.json, when it is a byte-level BPE whose pre-tokenizer llama.cpp implements (gpt-2,
     llama-bpe, qwen2; PRE_TOKENIZERS): tokens, token types (special added tokens CONTROL, other added tokens
     USER_DEFINED, ids past the tokenizer's [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the
-    generation config's, else tokenizer_config.json's, else <|endoftext|>), add_bos/add_eos from its
-    post-processor (what `tokenizers` adds on encode), the chat template of tokenizer_config.json;
+    generation config's, else tokenizer_config.json's, else <|endoftext|>; bos defaults to eos), add_bos and
+    add_eos from its post-processor (what `tokenizers` adds on encode), tokenizer_config.json's chat template;
   * the project's byte tokenizer (train/tokenize.py ByteTokenizer) when there is no tokenizer.json and the
     checkpoint says `bam_tokenizer: bytes` or its vocabulary has 256 to 512 tokens (train's rule): token i is
-    GPT-2's byte-to-unicode character of byte i (1..255), token 0 the end-of-text token, no merges, so
-    llama.cpp encodes text to its UTF-8 bytes as the runtime does (NUL bytes dropped by both).
+    GPT-2's byte-to-unicode character of byte i (1..255), token 0 the end-of-text token (eos and bos; no BOS is
+    added, as the runtime adds none), ids from 256 up [PADn], no merges, so llama.cpp encodes text to its UTF-8
+    bytes as the runtime does (NUL bytes dropped by both).
 Anything else is refused in one line naming why.
 
 The model card is GGUF metadata: general.name (OUT's stem), general.description (what the model is, how it was
@@ -262,7 +263,8 @@ class Vocabulary:
 
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable character for each byte (what byte-level BPE vocabularies spell tokens with)."""
-    printable_bytes = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable_bytes = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                       *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable_bytes:
@@ -277,10 +279,11 @@ def byte_vocabulary(vocab_size: int) -> Vocabulary:
     """The runtime's byte tokenizer as a gpt2 vocabulary: 0 end of text, 1..255 the bytes, no merges."""
     g = _gguf()
     chars = byte_to_unicode()
-    tokens = [EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)] + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)]
+    tokens = ([EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)]
+              + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)])
     types = ([g.TokenType.CONTROL] + [g.TokenType.NORMAL] * (BYTE_VOCAB - 1)
              + [g.TokenType.UNUSED] * (vocab_size - BYTE_VOCAB))
-    return Vocabulary(BYTES, "gpt-2", tokens, [int(t) for t in types], [], eos=0)
+    return Vocabulary(BYTES, "gpt-2", tokens, [int(t) for t in types], [], eos=0, bos=0)
 
 
 def pre_tokenizer_name(pre: Any, where: str) -> str:
@@ -375,8 +378,9 @@ def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
     model = _check_bpe_model(body, where)
     pre = pre_tokenizer_name(body.get("pre_tokenizer"), where)
     if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
+        how = "ignores" if pre == "llama-bpe" else "applies"
         raise CapabilityError(f"{where}: ignore_merges {bool(model.get('ignore_merges'))} with a {pre} pre-tokenizer; "
-                              f"llama.cpp's {pre} {'ignores' if pre == 'llama-bpe' else 'applies'} merges on whole words")
+                              f"llama.cpp's {pre} {how} merges on whole words")
     entries = _vocab_entries(body, where)
     if max(entries, default=-1) >= vocab_size:
         raise CapabilityError(f"{where}: token id {max(entries)} is outside the model's vocabulary "
@@ -386,9 +390,10 @@ def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
     types = [int(kinds[entries[i][1]]) if i in entries else int(g.TokenType.UNUSED) for i in range(vocab_size)]
     ids = {t: i for i, t in enumerate(tokens)}
     first, last = _special_ends(body.get("post_processor"), where)
-    vocab = Vocabulary("tokenizer.json", pre, tokens, types, _merges(model, where),
-                       eos=_token_id(generation, "eos", tokenizer_config, ids, EOS_CANDIDATES),
-                       bos=ids.get(first) if first else _token_id(generation, "bos", tokenizer_config, ids, ()),
+    eos = _token_id(generation, "eos", tokenizer_config, ids, EOS_CANDIDATES)
+    bos = ids.get(first) if first else _token_id(generation, "bos", tokenizer_config, ids, ())
+    vocab = Vocabulary("tokenizer.json", pre, tokens, types, _merges(model, where), eos=eos,
+                       bos=bos if bos is not None else eos,  # GPT-2's convention; llama.cpp's default (11) is a token
                        pad=_token_id(generation, "pad", tokenizer_config, ids, ()),
                        add_bos=first is not None, add_eos=last is not None)
     template = tokenizer_config.get("chat_template")
@@ -486,9 +491,10 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
         if source:
             bases = [(source, "converted source")]
             made = f" Converted from {source}."
+    tokenizer = "the byte tokenizer (UTF-8 bytes, 0 = end of text)" if vocab.source == BYTES else f"{vocab.pre} BPE"
     description = (f"A {kind}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
                    f"({cfg.n_kv_heads} KV), vocab {cfg.vocab_size}, as llama.cpp's {arch} architecture; tokenizer: "
-                   f"{'the byte tokenizer (UTF-8 bytes, 0 = end of text)' if vocab.source == BYTES else vocab.pre + ' BPE'}."
+                   f"{tokenizer}."
                    f"{made} Written by bam-surgery {__version__}.")
     entries: dict[str, Any] = {"name": out.name.removesuffix(SUFFIX), "description": description, "bases": bases,
                                "license": _license(reader), "config": json.dumps(cfg.to_dict(), sort_keys=True),

@@ -146,7 +146,8 @@ def test_byte_vocabulary_is_gpt2_bytes_and_end_of_text(tmp_path):
     assert tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ" and tokens[ord("a")] == "a"
     assert set(tokens[1:256]) | {ge.byte_to_unicode()[0]} == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
     assert tokens[256:] == [f"[PAD{i}]" for i in range(256, 300)] and set(types[256:]) == {gguf.TokenType.UNUSED}
-    assert f["tokenizer.ggml.merges"] == [] and f["tokenizer.ggml.eos_token_id"] == 0
+    assert f["tokenizer.ggml.merges"] == []
+    assert f["tokenizer.ggml.eos_token_id"] == f["tokenizer.ggml.bos_token_id"] == 0
     assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"
     assert f["tokenizer.ggml.add_bos_token"] is False
 
@@ -333,7 +334,8 @@ def test_merge_format_gguf_card(tmp_path):
     f = fields(tmp_path / "btx.gguf")
     assert f["llama.expert_count"] == 3 and f["llama.expert_used_count"] == 2
     assert [f[f"general.base_model.{i}.name"] for i in range(3)] == ["seed", "code", "math"]
-    assert "recipe btx" in f["general.description"] and json.loads(f["bam_surgery.provenance"])["recipe"]["name"] == "btx"
+    assert "recipe btx" in f["general.description"]
+    assert json.loads(f["bam_surgery.provenance"])["recipe"]["name"] == "btx"
 
 
 # ---- llama.cpp itself ------------------------------------------------------------------------------------
