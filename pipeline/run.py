@@ -28,6 +28,7 @@ progress since its last checkpoint, and `--resume` picks up there.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -109,6 +110,7 @@ class PipelineRun:
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.runs, self.models, self.mixes = self.dir / "runs", self.dir / "models", self.dir / "mixes"
         self.configs, self.evals, self.stages = self.dir / "configs", self.dir / "eval", self.dir / "stages"
+        self.grown: list[str] | None = None  # what --resume adds to DIR's pipeline (check_out), None: nothing
 
     # ---- paths -----------------------------------------------------------------------------------
     def final_checkpoint(self, unit: str, steps: int) -> Path:
@@ -332,10 +334,13 @@ class PipelineRun:
                 raise PipelineError(f"--out {d}: holds a pipeline run; pass --resume to continue it, or choose a new "
                                     "--out (nothing was changed)")
             old = read_yaml(saved, error=PipelineError)  # bounded: converters/yamlfile.py
-            diff = first_difference(_without_cache(old), _without_cache(self.spec.doc))
-            if diff:
-                raise PipelineError(f"--resume: {d} was run with another pipeline: {diff} differs from {saved}; a run "
-                                    "continues with the pipeline it started with (choose a new --out)")
+            if first_difference(_without_cache(old), _without_cache(self.spec.doc)):
+                added, diff = grown_by(old, self.spec.doc)
+                if diff:
+                    raise PipelineError(f"--resume: {d} was run with another pipeline: {diff} differs from {saved}; "
+                                        "a run continues with its pipeline, grown only by mixtures appended to "
+                                        "stages.mix.mixtures or dense_baseline: true (or choose a new --out)")
+                self.grown = added
             return True
         if d.exists() and any(d.iterdir()):
             raise PipelineError(f"--out {d}: exists and holds no pipeline run ({RESOLVED}); choose a new --out "
@@ -363,10 +368,20 @@ class PipelineRun:
             if s not in STAGES:
                 raise PipelineError(f"--only: {s!r} is not a stage; stages are {', '.join(STAGES)}")
 
+    def _grow(self) -> None:
+        """DIR's pipeline grown by units (grown_by): the stages that gain units (and the report) run again, their
+        complete units skipped. Their markers and the report go first, the new resolved pipeline last (prepare),
+        so an interrupt in between leaves a run that the same --resume grows again."""
+        self.log(f"pipeline {self.spec.name}: {self.dir} grows by {', '.join(self.grown) or 'report settings'}; "
+                 f"stages {', '.join(GROWN_STAGES)} run again for the new units (complete units are skipped)")
+        for stage in GROWN_STAGES:
+            self.marker(stage).unlink(missing_ok=True)
+        (self.dir / "report.json").unlink(missing_ok=True)
+
     def prepare(self) -> None:
         """DIR's resolved pipeline, training configs and commands.sh (every one written atomically)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not (self.dir / RESOLVED).is_file():
+        if self.grown is not None or not (self.dir / RESOLVED).is_file():
             write_record(self.dir / RESOLVED, dump_resolved(self.spec))
         if self.spec.seed_init is None:
             write_record(self.configs / "seed-model.json", json.dumps(self.spec.seed_model, indent=1) + "\n")
@@ -379,6 +394,8 @@ class PipelineRun:
         input (OUT policy, --only). prepare_only: write DIR's files (resolved pipeline, configs,
         commands.sh) and run no stage."""
         existed = self.check_out(resume)
+        if self.grown is not None:
+            self._grow()
         stages = self.check_only(only)
         self.prepare()
         if prepare_only:
@@ -429,6 +446,31 @@ class PipelineRun:
         total = sum(float(r[4]) for r in rows)
         return "\n".join([render_table(("training run", "steps", "tokens", "MFLOP/token", "FLOPs"), rows),
                           f"total training FLOPs {total:.3e}", "", self.commands_text()])
+
+
+GROWN_STAGES = ("mix", "train", "eval", "report")  # the stages a grown pipeline adds units to
+
+
+def grown_by(old: Any, new: Any) -> tuple[list[str], str | None]:
+    """(what `new` adds to `old`, the first other difference or None) for two resolved pipelines. A run of `old`
+    continues as `new` when the only differences are mixtures appended to stages.mix.mixtures, the dense baseline
+    turned on and report settings: every unit of `old` is then a unit of `new` with the same config
+    (compute-matched steps depend on the compute reference only, which stays)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [], "(document)"
+    try:
+        a, b = copy.deepcopy(_without_cache(old)), copy.deepcopy(_without_cache(new))
+        added: list[str] = []
+        mixes_a, mixes_b = a["stages"]["mix"]["mixtures"], b["stages"]["mix"]["mixtures"]
+        if len(mixes_b) > len(mixes_a) and mixes_b[:len(mixes_a)] == mixes_a:
+            added += [f"mixture {m['name']}" for m in mixes_b[len(mixes_a):]]
+            b["stages"]["mix"]["mixtures"] = mixes_a
+        if b["stages"]["train"].pop("dense_baseline", False) and not a["stages"]["train"].pop("dense_baseline", False):
+            added.append("the dense baseline")
+        a["stages"].pop("report", None), b["stages"].pop("report", None)
+    except (KeyError, TypeError, AttributeError):
+        return [], first_difference(_without_cache(old), _without_cache(new)) or "(document)"
+    return added, first_difference(a, b)
 
 
 def _without_cache(doc: Any) -> Any:

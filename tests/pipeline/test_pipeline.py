@@ -575,3 +575,40 @@ def test_replication_verdict_rule():
     assert verdict([0.5]) == ("within noise", None)
     v, t = verdict([0.1, 0.12, 0.2])
     assert v == "holds" and t == pytest.approx(0.14 / (0.0529150262 / 3 ** 0.5), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_finished_run_grows_by_a_mixture_and_the_dense_baseline(micro, corpus, tmp_path):
+    """--resume with mixtures appended and dense_baseline turned on runs only the new units; every product of
+    the old run is kept as it was; any other change is still refused."""
+    import shutil
+
+    path, out = micro
+    grown = tmp_path / "out"
+    shutil.copytree(out, grown, symlinks=True)
+    before = {p: p.stat().st_mtime_ns for p in grown.rglob("*") if p.is_file() and "stages" not in p.parts
+              and p.name not in ("report.json", "report.md", "pipeline.resolved.yaml", "commands.sh")
+              and "plots" not in p.parts and "configs" not in p.parts}
+    doc = yaml.safe_load(Path(path).read_text())
+    doc["stages"]["mix"]["mixtures"].append({"name": "btx-topk", "recipe": "btx", "gate_norm": "topk_softmax"})
+    doc["stages"]["train"]["dense_baseline"] = True
+    changed = copy.deepcopy(doc)
+    changed["stages"]["train"]["knobs"]["lr"] = 1.0e-3
+    err = run_cli("pipeline", write_doc(changed, tmp_path / "changed.yaml"), "--out", grown, "--resume",
+                  code=2).stderr
+    assert "stages.train.knobs.lr differs" in err
+    result = run_cli("pipeline", write_doc(doc, tmp_path / "grown.yaml"), "--out", grown, "--resume")
+    assert "grows by mixture btx-topk, the dense baseline" in result.stderr
+    ran = [ln.split("] ")[1] for ln in result.stderr.splitlines() if ln.startswith("[") and ": done in" in ln]
+    # the new units only (btx-topk and the dense model have BTX's FLOPs per token: one run each is DM and CM)
+    assert sorted(u.split(":")[0] for u in ran) == sorted(["mix-btx-topk", "dense-dm", "dm-btx-topk",
+                                                           "eval-mix-btx-topk", "eval-dense-dm", "eval-dm-btx-topk",
+                                                           "report"])
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # nothing of the old run was redone
+    rep = json.loads((grown / "report.json").read_text())
+    ids = {m["id"] for m in rep["models"]}
+    assert {"dense-dm", "dm-btx-topk"} <= ids and {m["id"] for m in json.loads((out / "report.json").read_text())[
+        "models"]} < ids
+    # the grown run is the grown pipeline: resuming it again does nothing
+    again = run_cli("pipeline", tmp_path / "grown.yaml", "--out", grown, "--resume")
+    assert "grows by" not in again.stderr and again.stderr.count("complete, skipped") == 6
