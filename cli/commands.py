@@ -186,8 +186,8 @@ class MergeArgs:
              "shards with an index and config.json. Required unless --dry-run.")
     recipe: str = option(
         "--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
-        help="How tensors are merged: bam, bam-shared-kv, btx, upcycle, or the path of a recipe file "
-             "(see recipes/README.md).")
+        help="How tensors are merged: bam, bam-shared-kv, btx, btx-shared-expert, upcycle, or the path of a recipe "
+             "file (see recipes/README.md).")
     ffn_top_k: int | None = option(
         "--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
         help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
@@ -367,7 +367,8 @@ def _print_dry_run(plan, args: MergeArgs) -> None:
 
 def _print_merge_summary(plan, path: Path) -> None:
     cfg = plan.config
-    click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts, {cfg.attn_experts} attention "
+    shared = " (and a shared expert)" if cfg.ffn_shared_hidden else ""
+    click.echo(f"wrote {path}: {cfg.name}, {cfg.ffn_experts} FFN experts{shared}, {cfg.attn_experts} attention "
                f"experts, {len(plan.tensors)} tensors, {plan.total_bytes:,} bytes", err=True)
     note = untrained_gate_note(cfg)
     if note:
@@ -379,10 +380,12 @@ def untrained_gate_note(cfg) -> str | None:
     each FFN expert's output is multiplied by its p_i from the full softmax, about 1/E while the
     routers are random, so the merged model's loss before training says little about it."""
     E, k = cfg.ffn_experts, cfg.ffn_top_k
-    if not E or cfg.gate_norm != "softmax" or k >= E:
+    shared = " and the shared expert's by sigmoid(0) = 0.5" if cfg.ffn_shared_hidden else ""
+    if not E or (cfg.gate_norm != "softmax" or k >= E) and not shared:
         return None
-    return (f"until the routers are trained each FFN output is scaled by its gate, about 1/{E} = {1 / E:.2g} "
-            f"(softmax gates, top-{k} of {E}), so perplexity before training is not representative")
+    scaled = (f"each FFN output is scaled by its gate, about 1/{E} = {1 / E:.2g} (softmax gates, top-{k} of {E})"
+              if cfg.gate_norm == "softmax" and k < E else "the routed experts' gates are random")
+    return f"until the routers are trained {scaled}{shared}, so perplexity before training is not representative"
 
 
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:

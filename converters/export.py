@@ -12,6 +12,7 @@ Formats:
     canonical   our own safetensors (file or directory); a merge writes it itself (surgery.execute),
                 with its provenance
     mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models)
+    qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures with a shared expert: recipe btx-shared-expert)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
@@ -34,6 +35,7 @@ from .gguf_export import GGUFExporter
 from .hf_export import HFExporter
 from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
+from .qwen2_moe import Qwen2MoeExporter
 
 
 class CanonicalExporter(Exporter):
@@ -53,7 +55,8 @@ class CanonicalExporter(Exporter):
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
+    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), HFExporter(),
+                                OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:

@@ -76,12 +76,14 @@ class ForcedRouting:
     expert=i       every router (attention and FFN) sends every token to expert i with gate 1.
     ffn_gates      Tensor [E]: the FFN gate values for every token (experts with gate 0 are skipped).
     attn_gates     Tensor [E]: the attention gate values for every token.
+    shared_gate    the shared FFN expert's gate (in place of sigmoid(x . w)) for every token; 0: off.
     Unset parts keep the learned routers.
     """
 
     expert: Optional[int] = None
     ffn_gates: Optional[Tensor] = None
     attn_gates: Optional[Tensor] = None
+    shared_gate: Optional[float] = None
 
     def gates(self, kind: str, n_experts: int) -> Optional[Tensor]:
         if self.expert is not None:
@@ -412,6 +414,8 @@ class Block(nn.Module):
       attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
       attn_router   a Router of kind cfg.attn_router_kind (runtime/routers.py): [N, D] -> logits [N, E]
       ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router: kind cfg.ffn_router_kind
+      ffn_shared    beside ffn_experts, the always-on shared expert (gate/up/down of width ffn_shared_hidden),
+                    its output times sigmoid(ffn_shared_gate(x)) (Qwen2-MoE's shared_expert and its gate)
     """
 
     def __init__(self, cfg, index: int):
@@ -444,6 +448,11 @@ class Block(nn.Module):
             self.ffn_experts = Projections(ffn, cfg.ffn_experts)
         else:
             self.ffn = Projections(ffn)
+        if cfg.ffn_shared_hidden:
+            Fs = cfg.ffn_shared_hidden
+            shared = {"gate": (D, Fs, cfg.ffn_bias)} if self.gated else {}
+            self.ffn_shared = Projections({**shared, "up": (D, Fs, cfg.ffn_bias), "down": (Fs, D, cfg.ffn_bias)})
+            self.ffn_shared_gate = nn.Linear(D, 1, bias=False)
         self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
@@ -483,10 +492,20 @@ class Block(nn.Module):
             return self.ffn_expert(x, None)
         r = self._route("ffn", x, step)
         if step.impl == "reference":
-            return self._ffn_reference(x, r)
-        if step.impl == "export":
-            return self._ffn_export(x, r, step)
-        return self._ffn_fused(x, r, step)
+            out = self._ffn_reference(x, r)
+        elif step.impl == "export":
+            out = self._ffn_export(x, r, step)
+        else:
+            out = self._ffn_fused(x, r, step)
+        return out + self.shared_expert(x, step) if self.cfg.ffn_shared_hidden else out
+
+    def shared_expert(self, x: Tensor, step: ForwardPass) -> Tensor:
+        """The shared FFN expert, on every token, times its gate sigmoid(x . w) (or the forced gate)."""
+        y = self._mlp(self.ffn_shared, x, None)
+        forced = step.forced.shared_gate if step.forced is not None else None
+        if forced is not None:
+            return y * forced
+        return torch.sigmoid(self.ffn_shared_gate(x)) * y
 
     # -- reference: one expert at a time ---------------------------------------------------
     def _attn_proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
@@ -535,7 +554,9 @@ class Block(nn.Module):
 
     def ffn_expert(self, x: Tensor, e: Optional[int]) -> Tensor:
         """FFN_e(x): [..., D] -> [..., D] (e=None: dense FFN)."""
-        p = self.ffn_experts if self.cfg.ffn_experts else self.ffn
+        return self._mlp(self.ffn_experts if self.cfg.ffn_experts else self.ffn, x, e)
+
+    def _mlp(self, p: Projections, x: Tensor, e: Optional[int]) -> Tensor:
         h = p.proj("up", x, e)
         h = self.act(p.proj("gate", x, e)) * h if self.gated else self.act(h)
         return p.proj("down", h, e)

@@ -43,7 +43,8 @@ GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(R
 # Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
 # so that every config that does not use them serializes to the same bytes as before they were added.
 WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
-                    "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay")
+                    "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay",
+                    "ffn_shared_hidden")
 
 
 class ConfigError(ValueError):
@@ -112,6 +113,9 @@ class ModelConfig(ConfigRules):
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
     gate_norm: GateNorm = "softmax"  # softmax: p_i from the full softmax (paper); topk_softmax: renormalized over top-k (Mixtral/BTX)
+    # an always-on shared FFN expert of this width beside the routed ones (Qwen2-MoE, DeepSeek-MoE), its output
+    # scaled by sigmoid(x . w) with w = ffn_shared_gate.weight [1, D]; 0: none. Needs ffn_experts > 0.
+    ffn_shared_hidden: int = 0
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
@@ -198,6 +202,10 @@ class ModelConfig(ConfigRules):
         if self.ffn_experts:
             _need(1 <= self.ffn_top_k <= self.ffn_experts, "ffn_top_k",
                   f"top-k={self.ffn_top_k} must be between 1 and ffn_experts={self.ffn_experts}")
+        _need(0 <= self.ffn_shared_hidden <= MAX_DIM, "ffn_shared_hidden",
+              f"must be an integer from 0 (no shared expert) to {MAX_DIM}, got {self.ffn_shared_hidden!r}")
+        _need(not self.ffn_shared_hidden or self.ffn_experts > 0, "ffn_shared_hidden",
+              "a shared FFN expert sits beside routed FFN experts: needs ffn_experts > 0")
         _need(self.gate_norm in GATE_NORMS, "gate_norm",
               f"unknown gate normalization {self.gate_norm!r}; choose one of {', '.join(GATE_NORMS)}")
         if self.attn_top_k is not None:
@@ -257,8 +265,8 @@ class ModelConfig(ConfigRules):
 
     def dense(self) -> "ModelConfig":
         """The dense config with the same shapes (mixture fields reset)."""
-        return self.replace(ffn_experts=0, ffn_top_k=1, attn_experts=0, attn_top_k=None, kv_mode="expert",
-                            attn_router=None)
+        return self.replace(ffn_experts=0, ffn_top_k=1, ffn_shared_hidden=0, attn_experts=0, attn_top_k=None,
+                            kv_mode="expert", attn_router=None)
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

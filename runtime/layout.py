@@ -23,6 +23,9 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     FFN experts (ffn_experts == E > 0):
     layers.{i}.ffn_router.*                   the router's tensors (runtime/routers.py; linear: weight [E, D])
     layers.{i}.ffn_experts.{gate,up,down}.weight   [E, F, D] / [E, D, F]; biases [E, *]
+    shared FFN expert (ffn_shared_hidden == Fs > 0, beside the FFN experts):
+    layers.{i}.ffn_shared.{gate,up,down}.weight    [Fs, D] / [Fs, D] / [D, Fs]; biases iff ffn_bias
+    layers.{i}.ffn_shared_gate.weight         [1, D]        its output scaled by sigmoid(x . w)
     final_norm.weight / .bias                 [D]           iff final_norm
     lm_head.weight                            [V, D]        absent iff tie_embeddings
     lm_head.bias                              [V]           iff lm_head_bias
@@ -106,6 +109,13 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{fp}.gate", F, D, cfg.ffn_bias, E)
     _linear(out, f"{fp}.up", F, D, cfg.ffn_bias, E)
     _linear(out, f"{fp}.down", D, F, cfg.ffn_bias, E)
+    if cfg.ffn_shared_hidden:
+        Fs = cfg.ffn_shared_hidden
+        if cfg.gated_ffn:
+            _linear(out, f"{p}.ffn_shared.gate", Fs, D, cfg.ffn_bias)
+        _linear(out, f"{p}.ffn_shared.up", Fs, D, cfg.ffn_bias)
+        _linear(out, f"{p}.ffn_shared.down", D, Fs, cfg.ffn_bias)
+        _linear(out, f"{p}.ffn_shared_gate", 1, D, False)
     return out
 
 
@@ -131,11 +141,11 @@ GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", 
 _GROUP_RULES = [
     (re.compile(r"^(embed|pos_embed|lm_head)\."), "embeddings"),
     (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm)\."), "norms"),
-    (re.compile(r"\.(attn_router|ffn_router)\."), "routers"),
+    (re.compile(r"\.(attn_router|ffn_router|ffn_shared_gate)\."), "routers"),
     (re.compile(r"\.attn_experts\."), "attention_experts"),
     (re.compile(r"\.attn\."), "attention"),
     (re.compile(r"\.ffn_experts\."), "ffn_experts"),
-    (re.compile(r"\.ffn\."), "ffn"),
+    (re.compile(r"\.(ffn|ffn_shared)\."), "ffn"),  # the shared expert runs on every token: dense FFN
 ]
 
 

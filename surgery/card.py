@@ -110,7 +110,8 @@ tags: [mixture-of-experts, bam-surgery, {plan.recipe.name}]
 # {Path(out).name}
 
 A mixture built by **bam-surgery** with recipe **{plan.recipe.name}** from {len(plan.inputs)} dense
-checkpoints: {cfg.ffn_experts} FFN experts (top-{cfg.ffn_top_k}, gates `{cfg.gate_norm}`),
+checkpoints: {cfg.ffn_experts} FFN experts (top-{cfg.ffn_top_k}, gates `{cfg.gate_norm}`){
+", an always-on shared FFN expert with a sigmoid gate" if cfg.ffn_shared_hidden else ""},
 {cfg.attn_experts} attention experts ({"dense attention" if not cfg.attn_experts else
 ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing") + f", KV {cfg.kv_mode}"}).
 Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg.lb_coef} * load balancing

@@ -33,6 +33,8 @@ def describe_kind(cfg: ModelConfig) -> str:
     if cfg.ffn_experts:
         router = f", key-store router at temperature {cfg.router_temperature:g}" if cfg.router == "key_store" else ""
         parts.append(f"{cfg.ffn_experts} FFN experts, top-{cfg.ffn_top_k} ({cfg.gate_norm}){router}")
+        if cfg.ffn_shared_hidden:
+            parts.append(f"a shared FFN expert of width {cfg.ffn_shared_hidden} (sigmoid gate)")
     if cfg.attn_experts:
         routing = "soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k}"
         kv = "shared K/V" if cfg.kv_mode == "shared" else "expert K/V"

@@ -53,6 +53,7 @@ from .recipe import (SHARED_KV_RULES, WARM_STARTS, MixtureOptions, Recipe, Share
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).
 STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\.(?P<rest>(q|k|v|o|gate|up|down)\.(weight|bias))$")
+SHARED = re.compile(r"^(?P<layer>layers\.\d+)\.ffn_shared(?P<gate>_gate)?\.(?P<rest>.+)$")  # the shared FFN expert
 
 
 # The ops of a plan's tensors (the module docstring; surgery/kernels.py computes them)
@@ -269,6 +270,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
                    dtype, router_std, shared_rule)  # everything but the tensors
     routers = router_tensors(out_cfg)
     return dataclasses.replace(choices, tensors=[_router_op(choices, name, routers[name]) if name in routers
+                                                 else _shared_op(choices, layout, name, shape) if SHARED.match(name)
                                                  else _tensor_op(choices, layout, name, shape)
                                                  for name, shape in tensor_shapes(out_cfg).items()])
 
@@ -343,6 +345,18 @@ def _check_shared_kv_rule(recipe: Recipe, rule: SharedKVRule | None) -> None:
     if not recipe.shared_kv:
         raise BamSurgeryError(f"--shared-kv-rule: recipe {recipe.name} has no shared K/V (it needs "
                               "tensors.attn.q: stack and tensors.attn.k: mean or seed)")
+
+
+def _shared_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...]) -> TensorOp:
+    """The shared FFN expert (recipe shared_expert: seed): a copy of the seed's FFN; its gate's weight starts at
+    zero, so the shared expert's output is scaled by sigmoid(0) = 1/2 for every token until training moves it."""
+    m = SHARED.match(name)
+    if m["gate"]:
+        return TensorOp(name, "zeros", shape, plan.dtype)
+    src = f"{m['layer']}.ffn.{m['rest']}"
+    if tuple(layout[src]) != tuple(shape):
+        raise AssertionError(f"{name}: planned shape {layout[src]} != layout shape {shape}")
+    return TensorOp(name, "copy", shape, plan.dtype, (Source(0, src),))
 
 
 def _tensor_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...]) -> TensorOp:

@@ -10,6 +10,8 @@ and the field, and says what to change. recipes/README.md documents the format w
     routers:             routers are new tensors: their kind (runtime/routers.py), init normal(0, std) or zeros
     defaults:            option defaults (top-k, gate normalization, alpha/beta, ...); CLI overrides
     experts: {min, max}  how many --experts the recipe accepts
+    shared_expert: seed  an always-on shared FFN expert beside the routed ones, copied from the seed's FFN, with
+                         its own gate sigmoid(x . w), w starting at zero (Qwen2-MoE's shared expert)
 
 Which experts exist follows from the ops: ffn.* stacked -> FFN experts; attn.q/o stacked -> attention
 experts, with attn.k/v stacked (kv_mode "expert") or made once (kv_mode "shared").
@@ -43,14 +45,16 @@ FFN_KINDS = ("ffn.gate", "ffn.up", "ffn.down")
 Op = Literal["stack", "mean", "seed"]  # a recipe's tensor ops
 RouterInit = Literal["normal", "zeros"]
 SharedKVRule = Literal["mean", "seed"]  # how a shared K/V is made
+SharedExpert = Literal["seed"]  # where a recipe's shared FFN expert comes from
 WarmStart = Literal["domain-mean", "profile"]  # merge --router-init besides random (surgery/warm_start.py)
 OPS, ROUTER_INITS, SHARED_KV_RULES = get_args(Op), get_args(RouterInit), get_args(SharedKVRule)
+SHARED_EXPERTS = get_args(SharedExpert)
 WARM_STARTS = get_args(WarmStart)
 
 # Built-in defaults for fields a recipe leaves out of `defaults:`.
 DEFAULTS: dict[str, Any] = dict(seed_expert=True, extra_ffn_experts=0, ffn_top_k=1, gate_norm="softmax",
                                 attention_routing="soft", lb_coef=0.01, z_coef=0.001)
-TOP_LEVEL = ("schema", "name", "description", "experts", "defaults", "routers", "tensors")
+TOP_LEVEL = ("schema", "name", "description", "experts", "defaults", "routers", "tensors", "shared_expert")
 
 _DENSE_NAME = re.compile(
     r"^(?P<prefix>layers\.\d+\.)?(?P<kind>embed|pos_embed|attn_norm|ffn_norm|final_norm|lm_head|"
@@ -95,6 +99,7 @@ class Recipe:
     attn_router: Router = "linear"
     router_hidden: int | None = None  # routers.hidden (None: each kind's default)
     router_temperature: float | None = None  # routers.temperature (None: the config's default)
+    shared_expert: SharedExpert | None = None  # an always-on shared FFN expert, from the seed's FFN
 
     # -- structure implied by the ops ---------------------------------------------------------
     @property
@@ -122,6 +127,8 @@ class Recipe:
     def summary(self) -> str:
         parts = []
         parts.append("FFN experts" if self.ffn_experts else f"FFN {self.tensors['ffn.up']}")
+        if self.shared_expert:
+            parts.append(f"a shared FFN expert ({self.shared_expert}'s)")
         if self.attention_experts:
             parts.append(f"attention experts (kv {self.kv_mode}"
                          + (f", K/V {self.tensors['attn.k']})" if self.shared_kv else ")"))
@@ -181,9 +188,15 @@ def validate_recipe(doc: Any, origin: str = "<recipe>", text: str = "") -> Recip
     routers = _validate_routers(doc.get("routers", {}), fail)
     if defaults["extra_ffn_experts"] and tensors["ffn.up"] != "stack":
         raise fail("defaults.extra_ffn_experts", "needs FFN experts (tensors.ffn.*: stack)")
+    shared = doc.get("shared_expert")
+    if shared is not None and shared not in SHARED_EXPERTS:
+        raise fail("shared_expert", f"unknown source {shown(shared)}; choose {', '.join(SHARED_EXPERTS)} (the seed's "
+                                    "FFN) or leave it out")
+    if shared is not None and tensors["ffn.up"] != "stack":
+        raise fail("shared_expert", "a shared expert sits beside routed FFN experts: needs tensors.ffn.*: stack")
     return Recipe(name=name, description=" ".join(description.split()), tensors=tensors,
                   min_experts=min_experts, max_experts=max_experts, defaults=defaults,
-                  text=text, path=origin, **routers)
+                  text=text, path=origin, shared_expert=shared, **routers)
 
 
 def _validate_tensors(section: Any, fail) -> dict[str, str]:
@@ -447,6 +460,7 @@ def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: Mixtur
     return dense_cfg.replace(
         ffn_experts=n_ffn,
         ffn_top_k=shape.ffn_top_k if n_ffn else 1,
+        ffn_shared_hidden=dense_cfg.ffn_hidden if recipe.shared_expert and n_ffn else 0,
         gate_norm=d["gate_norm"] if options.gate_norm is None else options.gate_norm,
         attn_experts=n_attn,
         attn_top_k=shape.attn_top_k if n_attn else None,

@@ -264,8 +264,12 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
     def ffn(p, n):
         if not cfg.ffn_experts:
             return ref_ffn(cfg, sub(s, f"{p}.ffn"), n)
-        return mix("ffn", n, p, cfg.ffn_experts, cfg.ffn_top_k, ffn_gates,
-                   lambda e: ref_ffn(cfg, sub(s, f"{p}.ffn_experts", e), n))
+        routed = mix("ffn", n, p, cfg.ffn_experts, cfg.ffn_top_k, ffn_gates,
+                     lambda e: ref_ffn(cfg, sub(s, f"{p}.ffn_experts", e), n))
+        if not cfg.ffn_shared_hidden:
+            return routed
+        gate = torch.sigmoid(n @ s[f"{p}.ffn_shared_gate.weight"].T)  # [B, T, 1]
+        return routed + gate * ref_ffn(cfg, sub(s, f"{p}.ffn_shared"), n)
 
     for i in range(cfg.n_layers):
         p = f"layers.{i}"

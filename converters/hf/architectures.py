@@ -22,6 +22,7 @@ from bam_surgery.runtime.layout import tensor_shapes
 from ..base import CapabilityError
 from . import config_map as cm
 from .mixtral_config import MIXTRAL
+from .qwen2_moe_config import QWEN2_MOE
 from .ops import CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_QKV, SPLIT_QKV_PER_HEAD, STACK, TRANSPOSE, ReshapeOp
 
 
@@ -175,6 +176,26 @@ _MIXTRAL_WEIGHTS = (
     lm_head(),
 )
 
+# Qwen2-MoE: the Llama names with q/k/v biases, a routed FFN (mlp.experts.{e}) and an always-on shared expert with
+# its sigmoid gate. The exporter gives models without q/k/v biases zero ones (converters/qwen2_moe.py).
+_QWEN2_MOE_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    *qkv("model.layers.{}.self_attn"),
+    w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight"),
+    w("model.layers.{}.mlp.gate.weight", "layers.{}.ffn_router.weight"),
+    w("model.layers.{}.mlp.experts.{e}.gate_proj.weight", "layers.{}.ffn_experts.gate.weight", STACK),
+    w("model.layers.{}.mlp.experts.{e}.up_proj.weight", "layers.{}.ffn_experts.up.weight", STACK),
+    w("model.layers.{}.mlp.experts.{e}.down_proj.weight", "layers.{}.ffn_experts.down.weight", STACK),
+    w("model.layers.{}.mlp.shared_expert.gate_proj.weight", "layers.{}.ffn_shared.gate.weight"),
+    w("model.layers.{}.mlp.shared_expert.up_proj.weight", "layers.{}.ffn_shared.up.weight"),
+    w("model.layers.{}.mlp.shared_expert.down_proj.weight", "layers.{}.ffn_shared.down.weight"),
+    w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"),
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+)
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),
     Architecture("mistral", "MistralForCausalLM", "model.", _LLAMA_WEIGHTS, cm.MISTRAL),
@@ -185,6 +206,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("cohere", "CohereForCausalLM", "model.", _COHERE_WEIGHTS, cm.COHERE),
     Architecture("phi", "PhiForCausalLM", "model.", _PHI_WEIGHTS, cm.PHI),
     Architecture("mixtral", "MixtralForCausalLM", "model.", _MIXTRAL_WEIGHTS, MIXTRAL),
+    Architecture("qwen2_moe", "Qwen2MoeForCausalLM", "model.", _QWEN2_MOE_WEIGHTS, QWEN2_MOE),
 )}
 
 

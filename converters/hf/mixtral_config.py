@@ -53,6 +53,7 @@ def mixtral_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     need(cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}")
     need(cfg.attn_experts == 0, "dense attention", f"{cfg.attn_experts} attention experts")
     need(cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)")
+    need(not cfg.ffn_shared_hidden, "no shared expert (--format qwen2_moe carries one)", "a shared FFN expert")
     need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
     need(not cfg.norm_bias, "norms without bias", "norm biases")
     need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")

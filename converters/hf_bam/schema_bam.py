@@ -28,7 +28,7 @@ FIELDS = {
     "position": "rope", "rope_theta": 10000.0, "rotary_fraction": 1.0, "rope_interleaved": False,
     "max_positions": 2048, "block": "sequential", "tie_embeddings": False, "logit_scale": 1.0, "final_norm": True,
     # ---- mixture ----
-    "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax",
+    "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax", "ffn_shared_hidden": 0,
     "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",
     "router": "linear", "attn_router": None, "router_hidden": None, "router_temperature": 0.1,
     # key_store: the update rules' knobs matter only to training; kept so a config.json read back gives the

@@ -43,6 +43,9 @@ VARIANTS = {
                                position="learned", attn_experts=2, ffn_experts=2, ffn_top_k=1,
                                tie_embeddings=True),
     "dense": dict(block="parallel", norm="rmsnorm", activation="silu", position="none", lm_head_bias=True),
+    # a shared FFN expert beside routed ones (recipe btx-shared-expert), with BAM attention experts and FFN biases
+    "shared_expert": dict(block="parallel", norm="layernorm", activation="gelu", ffn_bias=True, attn_experts=2,
+                          ffn_experts=3, ffn_top_k=1, ffn_shared_hidden=24),
     # router kinds (runtime/routers.py, shipped as routers.py)
     "router_mlp": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, attn_experts=2,
                        ffn_experts=3, ffn_top_k=2, router="mlp", router_hidden=24),

@@ -37,6 +37,7 @@ KINDS = {
     "dense_gpt2": dict(position="learned", norm="layernorm", activation="gelu_tanh", tie_embeddings=True,
                        lm_head_bias=True),
     "btx_top2": dict(ffn_experts=4, ffn_top_k=2, gate_norm="topk_softmax"),
+    "btx_shared_expert": dict(ffn_experts=3, ffn_top_k=1, ffn_shared_hidden=24),
     "bam_expert_kv": dict(attn_experts=3, ffn_experts=3, n_kv_heads=2, block="parallel", activation="silu"),
     "bam_shared_kv": dict(attn_experts=3, kv_mode="shared", ffn_experts=3, n_kv_heads=1, rope_interleaved=True,
                           qkv_bias=True, o_bias=True, logit_scale=0.5),

@@ -567,7 +567,7 @@ OPTION_ERRORS = [
     (["--weights", "1,2"], "--weights"),
     (["--weights", "1,x,2"], "--weights"),
     (["--max-shard-size", "2GB"], "--max-shard-size"),
-    (["--recipe", "no-such-recipe"], "choose one of bam, bam-shared-kv, btx, upcycle"),
+    (["--recipe", "no-such-recipe"], "choose one of bam, bam-shared-kv, btx, btx-shared-expert, upcycle"),
     (["--recipe", "bam-shared-kv", "--extra-ffn-experts", "1", "--no-seed-expert", "--ffn-top-k", "9"], "ffn_top_k"),
 ]
 

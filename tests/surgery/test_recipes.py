@@ -131,7 +131,7 @@ def test_bad_yaml_and_unknown_names(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(RecipeError, match=f"recipe {bad}: not valid YAML"):
         load_recipe(bad)
-    with pytest.raises(RecipeError, match="no such recipe; choose one of bam, bam-shared-kv, btx, upcycle"):
+    with pytest.raises(RecipeError, match="no such recipe; choose one of bam, bam-shared-kv, btx, btx-shared-expert, upcycle"):
         load_recipe("bamm")
     with pytest.raises(RecipeError, match="file not found"):
         load_recipe(tmp_path / "absent.yaml")
