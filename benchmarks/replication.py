@@ -137,6 +137,8 @@ def claims(runs: list[dict]) -> list[tuple[str, str, str, list[float]]]:
     add("BAM shared KV beats BTX, CM", _cm(first, "bam-shared-kv"), _cm(first, "btx"))
     add("expert KV beats shared KV, DM", "dm-bam", "dm-bam-shared-kv")
     add("expert KV beats shared KV, CM", _cm(first, "bam"), _cm(first, "bam-shared-kv"))
+    add("the seed as a shared expert beats BTX, DM", "dm-btx-shared", "dm-btx")
+    add("the seed as a shared expert beats BTX, CM", _cm(first, "btx-shared"), _cm(first, "btx"))
     for k in (1, 2):
         add(f"soft beats top-{k} attention, DM", "dm-bam", f"dm-bam-top{k}")
         add(f"soft beats top-{k} attention, CM", _cm(first, "bam"), _cm(first, f"bam-top{k}"))
