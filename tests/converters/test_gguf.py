@@ -36,9 +36,9 @@ from conftest import WrappedReader, cli_error_line, error_line, merge_family, ra
 gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
 
-F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured ~1e-6)
-F16_TOL = 5e-2  # f16 weights (measured ~1e-2 on logits of magnitude ~4)
-Q8_PPL_REL_TOL = 0.05  # q8_0: |perplexity delta| / perplexity on held-out text (measured ~0.5%)
+F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 3.3e-6)
+F16_TOL = 5e-2  # f16 weights (measured 5.9e-3)
+Q8_PPL_REL_TOL = 0.05  # q8_0: |perplexity delta| / perplexity on held-out text (measured +0.06%: 30.973 vs 30.954)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs on.",
