@@ -239,6 +239,7 @@ def test_canonical_folder_carries_its_tokenizer(tmp_path):
     (dict(logit_scale=0.5), "logit_scale"),
     (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
+    (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "a shared FFN expert"),
 ])
 def test_capability_refused_from_config_alone(overrides, needle):
     cfg = llama_config(**overrides)
