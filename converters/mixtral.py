@@ -20,7 +20,6 @@ config.json map and capability check in hf/mixtral_config.py. Export runs the ta
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -33,10 +32,9 @@ from bam_surgery.runtime.reader import Reader
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES
-from .hf.files import GENERATION_CONFIG
 from .hf.mixtral_config import MODEL_TYPE, check_mixtral
 from .hf.reader import HFCheckpointReader
-from .hf.writer import TOKEN_ID_KEYS, export_architecture
+from .hf.writer import export_native_mixture
 
 __all__ = ["CapabilityError", "MixtralExporter", "check_mixtral", "export_mixtral", "import_mixtral", "load_state"]
 
@@ -51,14 +49,10 @@ class MixtralExporter(Exporter):
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         """Shards always carry shard names and an index (as save_pretrained writes them); config.json
         gets the generation config's token ids, None where it has none (not MixtralConfig's 1, 2)."""
-        generation = dict(options.generation or {})
-        texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"}
-        if options.model_card is not None:
-            texts["README.md"] = options.model_card
-        return export_architecture(reader, out, ARCHITECTURES[MODEL_TYPE],
-                                   token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS}, texts=texts,
-                                   copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
-                                   dtype=options.dtype, single_file=None, always_index=True, replace=options.replace)
+        return export_native_mixture(reader, out, ARCHITECTURES[MODEL_TYPE], generation=options.generation,
+                                     model_card=options.model_card, copies=options.tokenizer_files,
+                                     max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
+                                     replace=options.replace)
 
 
 def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[str | os.PathLike] = (),

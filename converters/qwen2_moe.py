@@ -15,7 +15,6 @@ hf/qwen2_moe_config.py. Qwen2-MoE always has q/k/v biases: a model without them 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -26,9 +25,8 @@ from bam_surgery.runtime.reader import Reader
 
 from .base import ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES
-from .hf.files import GENERATION_CONFIG
 from .hf.qwen2_moe_config import MODEL_TYPE, check_qwen2_moe
-from .hf.writer import TOKEN_ID_KEYS, export_architecture
+from .hf.writer import export_native_mixture
 
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
@@ -90,14 +88,11 @@ class Qwen2MoeExporter(Exporter):
         check_qwen2_moe(cfg, recipe)
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
-        """Like the Mixtral export: shards with an index, config.json with the generation config's token ids."""
+        """Like the Mixtral export (hf/writer.py:export_native_mixture), through WithZeroQKVBias when the model has
+        no q/k/v biases."""
         self.check(reader.config, recipe=options.recipe)
-        generation = dict(options.generation or {})
-        texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"}
-        if options.model_card is not None:
-            texts["README.md"] = options.model_card
         source = reader if reader.config.qkv_bias else WithZeroQKVBias(reader)
-        return export_architecture(source, out, ARCHITECTURES[MODEL_TYPE],
-                                   token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS}, texts=texts,
-                                   copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
-                                   dtype=options.dtype, single_file=None, always_index=True, replace=options.replace)
+        return export_native_mixture(source, out, ARCHITECTURES[MODEL_TYPE], generation=options.generation,
+                                     model_card=options.model_card, copies=options.tokenizer_files,
+                                     max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
+                                     replace=options.replace)

@@ -289,6 +289,18 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
     return logits * cfg.logit_scale, routers
 
 
+def load_hf_native(class_name: str, path):
+    """transformers' `class_name` (e.g. MixtralForCausalLM) from an export folder, fp32, eager attention; the load
+    must report no missing, unexpected or mismatched keys."""
+    import transformers
+
+    model, info = getattr(transformers, class_name).from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[kind], f"{kind}: {info[kind]}"
+    return model.eval()
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 

@@ -162,39 +162,38 @@ _PHI_WEIGHTS = (
     w("lm_head.bias", "lm_head.bias"),
 )
 
+def _moe_weights(attention: list[WeightRule], moe: str, router: str, expert: tuple[str, str, str],
+                 shared: tuple[WeightRule, ...] = ()) -> tuple[WeightRule, ...]:
+    """A Llama-family mixture's table: the Llama trunk with `attention`'s rows, the router at MLP.ROUTER and the
+    experts at MLP.experts.{e}.NAME (gate, up, down names), then any shared-expert rows."""
+    m = f"model.layers.{{}}.{moe}"
+    return (
+        w("model.embed_tokens.weight", "embed.weight"),
+        w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+        w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+        *attention,
+        w(f"{m}.{router}.weight", "layers.{}.ffn_router.weight"),
+        *[w(f"{m}.experts.{{e}}.{name}.weight", f"layers.{{}}.ffn_experts.{proj}.weight", STACK)
+          for name, proj in zip(expert, ("gate", "up", "down"))],
+        *shared,
+        w("model.norm.weight", "final_norm.weight"),
+        lm_head(),
+    )
+
+
 # Mixtral: the Llama names, with a routed FFN of E experts (w1 = gate, w3 = up, w2 = down), no biases.
-_MIXTRAL_WEIGHTS = (
-    w("model.embed_tokens.weight", "embed.weight"),
-    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
-    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
-    *[w(f"model.layers.{{}}.self_attn.{p}_proj.weight", f"layers.{{}}.attn.{p}.weight") for p in "qkvo"],
-    w("model.layers.{}.block_sparse_moe.gate.weight", "layers.{}.ffn_router.weight"),
-    w("model.layers.{}.block_sparse_moe.experts.{e}.w1.weight", "layers.{}.ffn_experts.gate.weight", STACK),
-    w("model.layers.{}.block_sparse_moe.experts.{e}.w3.weight", "layers.{}.ffn_experts.up.weight", STACK),
-    w("model.layers.{}.block_sparse_moe.experts.{e}.w2.weight", "layers.{}.ffn_experts.down.weight", STACK),
-    w("model.norm.weight", "final_norm.weight"),
-    lm_head(),
-)
+_MIXTRAL_WEIGHTS = _moe_weights(
+    [w(f"model.layers.{{}}.self_attn.{p}_proj.weight", f"layers.{{}}.attn.{p}.weight") for p in "qkvo"],
+    "block_sparse_moe", "gate", ("w1", "w3", "w2"))
 
 # Qwen2-MoE: the Llama names with q/k/v biases, a routed FFN (mlp.experts.{e}) and an always-on shared expert with
 # its sigmoid gate. The exporter gives models without q/k/v biases zero ones (converters/qwen2_moe.py).
-_QWEN2_MOE_WEIGHTS = (
-    w("model.embed_tokens.weight", "embed.weight"),
-    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
-    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
-    *qkv("model.layers.{}.self_attn"),
-    w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight"),
-    w("model.layers.{}.mlp.gate.weight", "layers.{}.ffn_router.weight"),
-    w("model.layers.{}.mlp.experts.{e}.gate_proj.weight", "layers.{}.ffn_experts.gate.weight", STACK),
-    w("model.layers.{}.mlp.experts.{e}.up_proj.weight", "layers.{}.ffn_experts.up.weight", STACK),
-    w("model.layers.{}.mlp.experts.{e}.down_proj.weight", "layers.{}.ffn_experts.down.weight", STACK),
-    w("model.layers.{}.mlp.shared_expert.gate_proj.weight", "layers.{}.ffn_shared.gate.weight"),
-    w("model.layers.{}.mlp.shared_expert.up_proj.weight", "layers.{}.ffn_shared.up.weight"),
-    w("model.layers.{}.mlp.shared_expert.down_proj.weight", "layers.{}.ffn_shared.down.weight"),
-    w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"),
-    w("model.norm.weight", "final_norm.weight"),
-    lm_head(),
-)
+_QWEN2_MOE_WEIGHTS = _moe_weights(
+    [*qkv("model.layers.{}.self_attn"), w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight")],
+    "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+    shared=(*[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{}}.ffn_shared.{p}.weight")
+              for p in ("gate", "up", "down")],
+            w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight")))
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),

@@ -32,7 +32,7 @@ from bam_surgery.runtime.shards import INDEX_NAME, total_size, write_index, writ
 from .architectures import Architecture, BoundRule
 from .architectures import architecture as lookup_architecture
 from .architectures import bind
-from .files import CONFIG_FILE, SINGLE_FILE, read_hf_config, tokenizer_files_in
+from .files import CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, read_hf_config, tokenizer_files_in
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained puts in each weight file
@@ -130,6 +130,21 @@ def export_architecture(reader: Reader, out_dir: str | os.PathLike, arch: Archit
                               texts={CONFIG_FILE: config_json(hf_config), **texts}, copies=copies,
                               max_shard_bytes=max_shard_bytes, single_file=single_file, always_index=always_index,
                               replace=replace)
+
+
+def export_native_mixture(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, *,
+                          generation: Mapping[str, Any] | None, model_card: str | None, copies: Sequence[Path],
+                          max_shard_bytes: int | None, dtype: torch.dtype | None, replace: bool) -> Path:
+    """A mixture as a native HF MoE architecture (Mixtral, Qwen2-MoE): shards always with shard names and an index
+    (as save_pretrained writes them); generation_config.json, and its token ids in config.json (None where it has
+    none, not the config class's own defaults); the card as README.md."""
+    generation = dict(generation or {})
+    texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"}
+    if model_card is not None:
+        texts["README.md"] = model_card
+    return export_architecture(reader, out_dir, arch, token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS},
+                               texts=texts, copies=copies, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                               single_file=None, always_index=True, replace=replace)
 
 
 def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import load_hf_native
 from bam_surgery.converters.hf.architectures import ARCHITECTURES, bind
 from bam_surgery.converters.hf.ops import STACK
 from bam_surgery.converters.mixtral import CapabilityError, check_mixtral, export_mixtral, import_mixtral, load_state
@@ -47,11 +48,7 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
 
 
 def hf_mixtral(path):
-    model, info = transformers.MixtralForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[kind], f"{kind}: {info[kind]}"
-    return model.eval()
+    return load_hf_native("MixtralForCausalLM", path)
 
 
 def tokens(cfg: ModelConfig, seed: int = 1) -> torch.Tensor:

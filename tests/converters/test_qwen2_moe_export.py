@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import (cli_error_line, dense_family, max_diff, merge_family, random_state, seed_and_experts,
-                      tiny_config, tokens_for)
+from conftest import (cli_error_line, dense_family, load_hf_native, max_diff, merge_family, random_state,
+                      seed_and_experts, tiny_config, tokens_for)
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.export import exporter
 from bam_surgery.converters.hf.qwen2_moe_config import check_qwen2_moe
@@ -24,11 +24,7 @@ LLAMA = dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads
 
 
 def hf_qwen2_moe(path):
-    model, info = transformers.Qwen2MoeForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[kind], f"{kind}: {info[kind]}"
-    return model.eval()
+    return load_hf_native("Qwen2MoeForCausalLM", path)
 
 
 def random_shared_mixture(tmp_path, **overrides):

@@ -1,0 +1,162 @@
+"""What the Llama-family mixture architectures (Mixtral, Qwen2-MoE) share: the trunk they compute, the
+config.json entries they write alike, and the checks of reading one back.
+
+Both are a sequential pre-norm block with RMSNorm (no bias), half-split RoPE over the whole head, dense GQA
+attention and SwiGLU FFN experts behind a linear router, a final norm and an unscaled head. mixtral_config.py
+and qwen2_moe_config.py add what differs (biases, gate normalization, the shared expert).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from bam_surgery.runtime.config import ConfigError, ModelConfig
+
+from ..base import CapabilityError
+from .config_map import model_config, wrong_values
+
+Problems = list[tuple[str, str]]  # (what the architecture needs, what the model has)
+
+# canonical field -> config.json key, the same in Mixtral and Qwen2-MoE; each adds its expert count and width keys
+TRUNK_FIELDS: dict[str, str] = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps", "max_positions": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings",
+    "ffn_top_k": "num_experts_per_tok", "lb_coef": "router_aux_loss_coef",
+}
+
+
+def trunk_problems(cfg: ModelConfig) -> Problems:
+    """Every feature of `cfg` the Llama-family mixture trunk cannot express (from the config alone)."""
+    checks = [
+        (cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}"),
+        (cfg.attn_experts == 0, "dense attention", f"{cfg.attn_experts} attention experts"),
+        (cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)"),
+        (cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}"),
+        (not cfg.norm_bias, "norms without bias", "norm biases"),
+        (cfg.block == "sequential", "sequential blocks", f"block {cfg.block}"),
+        (cfg.position == "rope", "RoPE", f"position {cfg.position}"),
+        (not cfg.rope_interleaved, "half-split RoPE", "interleaved RoPE"),
+        (cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}"),
+        (cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}"),
+        (cfg.ffn_router_kind == "linear", "linear routers", f"router {cfg.ffn_router_kind}"),
+        (cfg.final_norm, "a final norm", "no final norm"),
+    ]
+    return [(needs, has) for ok, needs, has in checks if not ok]
+
+
+def bias_problem(cfg: ModelConfig, allowed: tuple[str, ...], needs: str) -> Problems:
+    """The biases of `cfg` outside `allowed` (of q/k/v, o, ffn, lm_head), as one problem."""
+    biases = [n for n, on in (("q/k/v", cfg.qkv_bias), ("o", cfg.o_bias), ("ffn", cfg.ffn_bias),
+                              ("lm_head", cfg.lm_head_bias)) if on and n not in allowed]
+    return [(needs, f"{', '.join(biases)} biases")] if biases else []
+
+
+def raise_problems(problems: Problems, fmt: str, recipe: str | None) -> None:
+    """CapabilityError (one line) listing every problem, when there is one."""
+    if problems:
+        who = f"recipe {recipe}" if recipe else "the model"
+        raise CapabilityError(f"{fmt} export needs {' and '.join(n for n, _ in problems)}; "
+                              f"{who} has {', '.join(h for _, h in problems)}")
+
+
+def rope_entries(cfg: ModelConfig) -> dict[str, Any]:
+    """The RoPE keys: transformers >= 5 reads rope_parameters; older readers read rope_theta."""
+    return {"rope_parameters": {"rope_theta": float(cfg.rope_theta), "rope_type": "default"},
+            "rope_theta": float(cfg.rope_theta)}
+
+
+def reader_of(hf: Mapping[str, Any], defaults: Mapping[str, Any]) -> Callable[[str], Any]:
+    """get(key): config.json's value, else the config class's default, else a ConfigError naming the key."""
+    def get(key: str) -> Any:
+        if key in hf:
+            return hf[key]
+        if key in defaults:
+            return defaults[key]
+        raise ConfigError(f"{key}: required key is missing from config.json")
+    return get
+
+
+def check_trunk_keys(hf: Mapping[str, Any], get: Callable[[str], Any], architecture: str, model_type: str) -> float:
+    """The checks of reading a Llama-family mixture's config.json: its architectures entry, silu experts, default
+    RoPE, no sliding window shorter than the context. Returns rope_theta."""
+    arch = hf.get("architectures") or [architecture]
+    if architecture not in arch:
+        raise CapabilityError(f"architectures={arch} is not supported for model_type {model_type!r} "
+                              f"(supported: {architecture})")
+    if get("hidden_act") != "silu":
+        raise CapabilityError(f"hidden_act {get('hidden_act')!r} is not supported (the experts use silu)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"rope_parameters: expected an object, got {str(rope)[:60]}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CapabilityError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window is not None and not (isinstance(window, int) and isinstance(get("max_position_embeddings"), int)):
+        raise ConfigError(f"sliding_window, max_position_embeddings: expected integers, got {window!r}, "
+                          f"{get('max_position_embeddings')!r}")
+    if window is not None and window < get("max_position_embeddings"):
+        raise CapabilityError(f"sliding_window={window} is not supported (the runtime attends to all previous "
+                              "tokens)")
+    return float(rope.get("rope_theta", get("rope_theta")))
+
+
+def numbers(fields: dict[str, Any], keys: tuple[str, ...], hf_key: Mapping[str, str]) -> None:
+    """Turn the fields `keys` into floats in place; a non-number is a ConfigError naming its config.json key."""
+    for key in keys:
+        if not isinstance(fields[key], (int, float)) or isinstance(fields[key], bool):
+            raise ConfigError(f"{hf_key[key]}: expected a number, got {str(fields[key])[:60]}")
+        fields[key] = float(fields[key])
+
+
+class MoeConfigMap:
+    """config.json <-> ModelConfig for a Llama-family mixture architecture (the interface of config_map.ConfigSpec).
+    A subclass names the architecture and says what it adds: its problems, its config.json entries, and the
+    canonical fields it reads (checking what only it has)."""
+
+    architecture: str  # config.json "architectures" entry
+    model_type: str
+    fields: Mapping[str, str]  # canonical field -> config.json key
+    defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) for keys a config.json may omit
+    typed_keys: tuple[str, ...] = ()  # config.json keys whose wrong type read_fields would trip on
+
+    def problems(self, cfg: ModelConfig) -> Problems:
+        raise NotImplementedError
+
+    def entries(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The architecture's own config.json entries."""
+        return {}
+
+    def read_fields(self, hf: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, Any]:
+        """The canonical fields only this architecture decides (after its own checks)."""
+        return {}
+
+    def check(self, cfg: ModelConfig, recipe: str | None = None) -> None:
+        """Raise CapabilityError (one line) if the architecture cannot compute exactly what this model computes."""
+        raise_problems(self.problems(cfg), self.model_type, recipe)
+
+    def write(self, cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+        """The config.json entries (the exporter adds architectures, model_type, dtype and token ids)."""
+        self.check(cfg)
+        body: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in self.fields.items()}
+        body.update(hidden_act="silu", **rope_entries(cfg), attention_dropout=0.0, output_router_logits=False,
+                    use_cache=True, initializer_range=0.02, **self.entries(cfg))
+        return body
+
+    def read(self, hf: Mapping[str, Any], name: str | None = None) -> tuple[ModelConfig, list[str]]:
+        """ModelConfig from a config.json body; refuses features the runtime does not compute. A value of the wrong
+        type is a ConfigError naming its config.json key."""
+        with wrong_values(hf, ("rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "architectures",
+                               *self.typed_keys)):
+            get = reader_of(hf, self.defaults)
+            rope_theta = check_trunk_keys(hf, get, self.architecture, self.model_type)
+            own = self.read_fields(hf, get)
+            fields = {ours: get(theirs) for ours, theirs in self.fields.items()}
+            numbers(fields, ("norm_eps", "lb_coef"), self.fields)
+            cfg = model_config(dict(
+                **fields, rope_theta=rope_theta, activation="swiglu", norm="rmsnorm", position="rope",
+                block="sequential", attn_experts=0, **own,
+                z_coef=0.0,  # the architecture's training objective has no router z-loss
+                name=str(hf.get("_name_or_path") or name or self.model_type),
+            ), self.fields)
+        return cfg, []
