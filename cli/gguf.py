@@ -6,10 +6,10 @@
 
 The same exporter as `merge --format gguf` and `convert --format gguf` (converters/gguf_export.py), with the
 matrices' type as an option. What llama.cpp runs (Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX
-mixtures) is decided from the config before anything is read; a BAM mixture (attention experts) is refused in
-one line naming the formats that carry it. The tokenizer goes into the file: the checkpoint's tokenizer.json
-(byte-level BPE), or the byte tokenizer. Every bad input is one `bam-surgery: error:` line with exit status 2;
-the file appears at OUT only when it is complete.
+mixtures, btx-shared-expert mixtures with softmax gates as qwen2moe) is decided from the config before anything is
+read; a BAM mixture (attention experts) is refused in one line naming the formats that carry it. The tokenizer
+goes into the file: the checkpoint's tokenizer.json (byte-level BPE), or the byte tokenizer. Every bad input is
+one `bam-surgery: error:` line with exit status 2; the file appears at OUT only when it is complete.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 @OUT_FORCE
 @ALLOW_PICKLE
 def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
-    """Export a checkpoint as one GGUF file for llama.cpp (dense Llama-family models, BTX mixtures)."""
+    """Export a checkpoint as one GGUF file for llama.cpp (Llama-family models and their BTX mixtures)."""
     # lazy: card and output_path pull in hashing and blake3, 0.015 s more for --help
     from bam_surgery.surgery.card import generation_config, tokenizer_files
     from bam_surgery.surgery.output_path import check_output_path

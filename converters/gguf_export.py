@@ -11,16 +11,30 @@ What llama.cpp runs, decided from the config alone (check_gguf: CapabilityError,
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
            with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral.
+  shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
+           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes
+           (qwen2moe_problems): routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
+           expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
+           gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
+           read for qwen2moe), so gate_norm softmax, the recipe's default, is written and topk_softmax refused (unless
+           top-k is every expert); its attention tensors are [d_model, d_model], so n_heads * head_dim = d_model.
+           q/k/v biases are always written (zeros for a model without: what convert_hf_to_gguf.py's Qwen2-MoE files
+           hold; llama.cpp 0.3.36 also loads a file without them), and a tied embedding once more as output.weight
+           (qwen2moe requires that tensor). llama.cpp computes the shared gate's sigmoid(y) as silu(y) / y, NaN at
+           y = 0: a gate weight of all zeros (btx-shared-expert as merged: 1/2 for every token) is written as
+           SHEXP_GATE_EPS everywhere, which gives exactly 1/2 in f32.
   refused  attention experts (BAM) and every other block: the canonical, hf and onnx formats carry them.
 
 Tensors take llama.cpp's names (gguf.TENSOR_NAMES: token_embd, blk.N.attn_q, blk.N.ffn_gate_exps, ...), checked
-against the architecture's list (gguf.MODEL_TENSORS); experts go stacked [E, ...] as they are. The `llama`
-architecture rotates pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are
-permuted per head as convert_hf_to_gguf.py does (LlamaModel.permute); `qwen2` rotates halves and takes them as
+against the architecture's list (gguf.MODEL_TENSORS); experts go stacked [E, ...] as they are, the shared expert
+as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` architecture rotates pairs of
+dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
+convert_hf_to_gguf.py does (LlamaModel.permute); `qwen2` and `qwen2moe` rotate halves (NEOX) and take them as
 they are. Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32
-weights and f16 for 16-bit ones); 1-D tensors (norms, biases) and the routers stay f32, and a q8_0 matrix whose
-rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter does. One tensor is in memory
-at a time: the header is written from the shapes, then each tensor is read, converted and appended.
+weights and f16 for 16-bit ones); 1-D tensors (norms, biases), the routers and the shared expert's gate stay
+f32, and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
+does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
+converted and appended.
 
 The tokenizer goes into tokenizer.ggml.*, as the gpt2 (byte-level BPE) model of llama.cpp:
   * the input's tokenizer.json, when it is a byte-level BPE whose pre-tokenizer llama.cpp implements (gpt-2,
@@ -39,7 +53,8 @@ The model card is GGUF metadata: general.name (OUT's stem), general.description 
 made), general.base_model.* (the merge's inputs from the provenance record, or the converted source),
 general.license when the input's README.md front matter names one, general.file_type; and bam_surgery.format
 (the mark by which --force recognises the file as ours, runtime/outputs.py), bam_surgery.version,
-bam_surgery.config (the ModelConfig as JSON), bam_surgery.provenance (a merge's record, when there is one).
+bam_surgery.config (the ModelConfig of the tensors written, as JSON: qkv_bias true where zero biases were added),
+bam_surgery.provenance (a merge's record, when there is one).
 The file is written under a temporary name beside OUT and renamed at the end (runtime/atomic.py).
 """
 from __future__ import annotations
@@ -66,6 +81,8 @@ from bam_surgery.runtime.reader import Reader, check_layout
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.mixtral_config import mixtral_problems
+from .hf.qwen2_moe_config import qwen2_moe_problems
+from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
@@ -97,9 +114,12 @@ def _gguf():
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
 def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(what llama.cpp needs, what this model has) for every feature its llama / qwen2 architectures lack."""
+    """(what llama.cpp needs, what this model has) for every feature its llama / qwen2 / qwen2moe architectures
+    lack."""
     if cfg.attn_experts:
         return [("dense attention (llama.cpp has no attention experts)", f"{cfg.attn_experts} attention experts")]
+    if cfg.ffn_experts and cfg.ffn_shared_hidden:
+        return qwen2moe_problems(cfg)
     if cfg.ffn_experts:
         return mixtral_problems(cfg)
     out: list[tuple[str, str]] = []
@@ -119,17 +139,40 @@ def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+def qwen2moe_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """A mixture with a shared expert: what HF Qwen2-MoE takes (hf/qwen2_moe_config.py:qwen2_moe_problems), and
+    what llama.cpp's qwen2moe adds: the gates p_i of the softmax over all experts as they are (its graph never
+    renormalizes the top-k; Qwen2-MoE's norm_topk_prob false), and q as wide as the model (n_heads * head_dim =
+    d_model: the tensors' shapes it loads)."""
+    out = qwen2_moe_problems(cfg)
+    # topk_softmax agrees only when every expert is selected (the top-k probabilities then sum to 1 already)
+    if cfg.gate_norm != "softmax" and cfg.ffn_top_k != cfg.ffn_experts:
+        out.append(("gates p_i of the softmax over all experts, not renormalized over the top-k (llama.cpp's "
+                    "qwen2moe; rebuild the mixture with --gate-norm softmax)",
+                    f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts"))
+    if cfg.n_heads * cfg.head_dim != cfg.d_model:
+        out.append(("n_heads * head_dim = d_model (llama.cpp's qwen2moe)",
+                    f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}"))
+    return out
+
+
 def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
     """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
     problems = gguf_problems(cfg)
     if problems:
         who = f"recipe {recipe}" if recipe else "the model"
+        carried = CARRIED_BY
+        if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
+            carried = "canonical, hf, qwen2_moe or onnx"
         raise CapabilityError(f"gguf export (llama.cpp) needs {' and '.join(n for n, _ in problems)}; {who} has "
-                              f"{', '.join(h for _, h in problems)}; the {CARRIED_BY} formats carry it")
+                              f"{', '.join(h for _, h in problems)}; the {carried} formats carry it")
 
 
 def gguf_architecture(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for a model check_gguf accepts: qwen2 for Qwen2's shape, else llama."""
+    """llama.cpp's architecture for a model check_gguf accepts: qwen2moe for a mixture with a shared expert,
+    qwen2 for Qwen2's shape, else llama."""
+    if cfg.ffn_shared_hidden:
+        return "qwen2moe"
     qwen2 = (not cfg.ffn_experts and cfg.qkv_bias and not cfg.o_bias and not cfg.ffn_bias
              and not cfg.rope_interleaved and cfg.n_heads * cfg.head_dim == cfg.d_model)
     return "qwen2" if qwen2 else "llama"
@@ -165,6 +208,9 @@ _NAMES = [  # canonical name pattern -> (gguf.MODEL_TENSOR member, suffix)
     (re.compile(r"layers\.(\d+)\.ffn_router\.weight"), "FFN_GATE_INP", "weight"),
     *[(re.compile(rf"layers\.(\d+)\.ffn_experts\.{c}\.weight"), m, "weight")
       for c, m in (("gate", "FFN_GATE_EXP"), ("up", "FFN_UP_EXP"), ("down", "FFN_DOWN_EXP"))],
+    *[(re.compile(rf"layers\.(\d+)\.ffn_shared\.{c}\.weight"), m, "weight")
+      for c, m in (("gate", "FFN_GATE_SHEXP"), ("up", "FFN_UP_SHEXP"), ("down", "FFN_DOWN_SHEXP"))],
+    (re.compile(r"layers\.(\d+)\.ffn_shared_gate\.weight"), "FFN_GATE_INP_SHEXP", "weight"),
 ]
 
 
@@ -204,14 +250,15 @@ class TensorPlan:
 
 
 def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
-    """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation."""
+    """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation; for qwen2moe with
+    tied embeddings, the embedding once more as output.weight (llama.cpp's qwen2moe loads no tied head)."""
     g = _gguf()
     qt = g.GGMLQuantizationType
     matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
     block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
     out = []
     for canonical, shape in tensor_shapes(cfg).items():
-        if len(shape) < 2 or "_router." in canonical:
+        if len(shape) < 2 or "_router." in canonical or "_shared_gate." in canonical:
             qtype = qt.F32
         elif matrix_type == qt.Q8_0 and shape[-1] % block:
             qtype = qt.F16
@@ -222,12 +269,24 @@ def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
         if qk and arch == "llama" and not cfg.rope_interleaved:  # llama rotates pairs: permute rotate-halves rows
             heads = cfg.n_heads if qk.group(1) == "q" else cfg.n_kv_heads
         out.append(TensorPlan(canonical, gguf_name(canonical, arch), shape, qtype, heads))
+        if canonical == "embed.weight" and arch == "qwen2moe" and cfg.tie_embeddings:
+            out.append(TensorPlan(canonical, gguf_name("lm_head.weight", arch), shape, qtype, None))
     return out
+
+
+# llama.cpp's qwen2moe computes the shared expert's gate sigmoid(y), y = x . w, as silu(y) / y: 0 / 0 = NaN for
+# every token when w is all zeros, as btx-shared-expert merges it (the gate at 1/2). Such a w is written as this
+# value everywhere (kept f32): |y| stays many orders of magnitude below f32's resolution at 1/2, so llama.cpp gets
+# silu(y) / y = 1/2 for every token, which is what w = 0 computes.
+SHEXP_GATE_EPS = 1e-20
+_SHARED_GATE = re.compile(r"layers\.\d+\.ffn_shared_gate\.weight")
 
 
 def _encoded(t: TensorPlan, w: torch.Tensor) -> np.ndarray:
     if t.heads is not None:
         w = rope_pairs(w, t.heads)
+    if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
+        w = torch.full(w.shape, SHEXP_GATE_EPS, dtype=torch.float32)
     return _gguf().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
 
 
@@ -474,7 +533,12 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     """general.* and bam_surgery.* entries: {key: value} (strings, or lists for base models)."""
     cfg = reader.config
     prov = _provenance(reader)
-    if cfg.ffn_experts:
+    if cfg.ffn_shared_hidden:
+        kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
+                f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
+                f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout"
+                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
+    elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 "top-k, Mixtral's layout)")
     else:
@@ -546,6 +610,9 @@ def _write_hparams(w, cfg: ModelConfig) -> None:
     if cfg.ffn_experts:
         w.add_expert_count(cfg.ffn_experts)
         w.add_expert_used_count(cfg.ffn_top_k)
+    if cfg.ffn_shared_hidden:  # qwen2moe, as convert_hf_to_gguf.py writes Qwen2-MoE
+        w.add_expert_feed_forward_length(cfg.ffn_hidden)
+        w.add_expert_shared_feed_forward_length(cfg.ffn_shared_hidden)
 
 
 def _write_vocabulary(w, vocab: Vocabulary) -> None:
@@ -606,8 +673,8 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 
 class GGUFExporter(Exporter):
     name = "gguf"
-    summary = ("one GGUF file for llama.cpp: Llama/Mistral/Qwen2-shaped dense models and Mixtral-shaped BTX mixtures "
-               "(bam-surgery export-gguf has its options)")
+    summary = ("one GGUF file for llama.cpp: Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX mixtures and "
+               "shared-expert mixtures as qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
@@ -622,6 +689,8 @@ class GGUFExporter(Exporter):
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
+        if arch == "qwen2moe" and not cfg.qkv_bias:  # Qwen2-MoE files carry q/k/v biases: zeros add nothing
+            reader = WithZeroQKVBias(reader)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
         for note in vocab.notes:

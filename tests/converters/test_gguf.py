@@ -10,7 +10,9 @@ Two kinds of test:
   runtime.generate's, and its tokenizer encodes text to the runtime's ids: a dense Llama with a byte-level BPE
   tokenizer.json (built here with train/bpe.py), a dense model with the byte tokenizer, a BTX mixture merged by
   `merge --recipe btx --gate-norm topk_softmax --format gguf`, Qwen2- and bias-carrying shapes, and BPEs with
-  Llama 3's and Qwen2's pre-tokenizers.
+  Llama 3's and Qwen2's pre-tokenizers; a shared-expert mixture (`merge --recipe btx-shared-expert --format gguf`
+  from HF Llama folders with a BPE tokenizer.json: llama.cpp's qwen2moe) with the softmax gates it computes, with
+  trained shared gates and in other shapes, and the topk_softmax one it would compute as softmax (hence refused).
 """
 from __future__ import annotations
 
@@ -58,6 +60,12 @@ def llama_config(**overrides) -> ModelConfig:
     fields = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                   max_positions=128, rope_theta=10000.0, norm_eps=1e-6, name="tiny-llama")
     return ModelConfig(**{**fields, **overrides})
+
+
+def shared_config(**overrides) -> ModelConfig:
+    """A tiny mixture with a shared expert (btx-shared-expert's shape): 3 routed experts, top-2 of the softmax."""
+    return llama_config(**{"ffn_experts": 3, "ffn_top_k": 2, "ffn_shared_hidden": 96, "gate_norm": "softmax",
+                           **overrides})
 
 
 def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
@@ -135,6 +143,63 @@ def test_q8_0_keeps_vectors_and_routers_f32_and_odd_rows_f16(tmp_path):
     f = fields(out)
     assert f["llama.expert_count"] == 2 and f["llama.expert_used_count"] == 2 and f["general.file_type"] == 7
     assert any("f16" in line for line in lines)
+
+
+def test_shared_expert_mixture_as_qwen2moe(tmp_path):
+    cfg = shared_config(tie_embeddings=True)
+    state = random_state(cfg)
+    state["layers.0.ffn_shared_gate.weight"].zero_()  # as btx-shared-expert merges it
+    out = write(cfg, state, tmp_path / "s.gguf")
+    f, t = fields(out), tensors(out)
+    assert f["general.architecture"] == "qwen2moe"
+    expected = {"expert_count": 3, "expert_used_count": 2, "expert_feed_forward_length": 128,
+                "expert_shared_feed_forward_length": 96, "feed_forward_length": 128, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "rope.dimension_count": 16}
+    assert {k: f[f"qwen2moe.{k}"] for k in expected} == expected
+    layer = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+             "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+    assert set(t) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in layer} | {f"blk.{i}.attn_{c}.bias" for i in range(2)
+                                                                   for c in "qkv"}
+
+    def data(name: str) -> np.ndarray:
+        return np.array(t[name].data)
+
+    for c, width in (("q", cfg.q_dim), ("k", cfg.kv_dim), ("v", cfg.kv_dim)):  # zeros: the model has no biases
+        assert data(f"blk.1.attn_{c}.bias").shape == (width,) and not data(f"blk.1.attn_{c}.bias").any()
+    assert np.array_equal(data("blk.1.attn_q.weight"), state["layers.1.attn.q.weight"].numpy())  # halves: as is
+    assert np.array_equal(data("blk.1.ffn_up_shexp.weight"), state["layers.1.ffn_shared.up.weight"].numpy())
+    assert np.array_equal(data("blk.1.ffn_down_exps.weight"), state["layers.1.ffn_experts.down.weight"].numpy())
+    assert list(t["blk.1.ffn_gate_inp_shexp.weight"].shape) == [64, 1]
+    assert np.array_equal(data("blk.1.ffn_gate_inp_shexp.weight").reshape(1, 64),
+                          state["layers.1.ffn_shared_gate.weight"].numpy())
+    # all zeros: llama.cpp's silu(y) / y would be 0 / 0; a tiny constant gives the same sigmoid 1/2
+    assert np.array_equal(data("blk.0.ffn_gate_inp_shexp.weight"), np.full((1, 64), ge.SHEXP_GATE_EPS, np.float32))
+    assert np.array_equal(data("output.weight"), data("token_embd.weight"))  # tied: qwen2moe loads output.weight
+    assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg.replace(qkv_bias=True)
+    assert "shared expert" in f["general.description"] and "zeros" in f["general.description"]
+    t = tensors(write(cfg, state, tmp_path / "q.gguf", gguf_dtype="q8_0"))
+    assert t["blk.0.ffn_gate_inp_shexp.weight"].tensor_type.name == "F32"
+    assert t["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert t["blk.0.ffn_up_shexp.weight"].tensor_type.name == "Q8_0"
+    assert t["output.weight"].tensor_type.name == "Q8_0"
+    cfg = shared_config(qkv_bias=True)  # biases of its own: written as they are, no zeros described
+    state = random_state(cfg)
+    f, t = fields(out := write(cfg, state, tmp_path / "b.gguf")), tensors(out)
+    assert np.array_equal(np.array(t["blk.0.attn_k.bias"].data), state["layers.0.attn.k.bias"].numpy())
+    assert "output.weight" in t and "zeros" not in f["general.description"]
+
+
+def test_shared_expert_topk_softmax_refused_in_one_line(tmp_path):
+    paths = seed_and_experts(tmp_path, llama_config(), names=("seed", "code", "law", "math"))
+    args = ("--recipe", "btx-shared-expert", "--gate-norm", "topk_softmax", "--ffn-top-k", "2", "--format", "gguf")
+    line = error_line(merge_family(paths, tmp_path / "s.gguf", *args, code=2), "recipe btx-shared-expert",
+                      "not renormalized over the top-k", "--gate-norm softmax",
+                      "gate_norm topk_softmax with top-2 of 3", "qwen2_moe")
+    assert "llama.cpp" in line
+    assert not (tmp_path / "s.gguf").exists()
+    # top-k over every expert: renormalizing changes nothing, so it is written
+    check_export("gguf", shared_config(gate_norm="topk_softmax", ffn_top_k=3))
 
 
 def test_byte_vocabulary_is_gpt2_bytes_and_end_of_text(tmp_path):
@@ -239,14 +304,18 @@ def test_canonical_folder_carries_its_tokenizer(tmp_path):
     (dict(logit_scale=0.5), "logit_scale"),
     (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
-    (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "a shared FFN expert"),
+    (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "--gate-norm softmax"),
+    (dict(ffn_experts=2, ffn_shared_hidden=32, head_dim=24), "4 heads of 24 in d_model 64"),
+    (dict(ffn_experts=2, ffn_shared_hidden=32, o_bias=True), "o biases"),
+    (dict(ffn_experts=2, ffn_shared_hidden=32, rope_interleaved=True), "interleaved RoPE"),
 ])
 def test_capability_refused_from_config_alone(overrides, needle):
     cfg = llama_config(**overrides)
     with pytest.raises(CapabilityError) as e:
         check_export("gguf", cfg, recipe="bam")
     message = str(e.value)
-    assert needle in message and "canonical, hf or onnx" in message and "\n" not in message
+    assert needle in message and "\n" not in message
+    assert "canonical, hf or onnx formats" in message or "canonical, hf, qwen2_moe or onnx formats" in message
 
 
 class NoReads(WrappedReader):
@@ -491,6 +560,100 @@ def test_llama_cpp_btx_mixture(llama_cpp, tmp_path, one_thread):
     assert chosen.unique().numel() == 3
     diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, prompt, F32_TOL)
     print(f"\nbtx mixture: max|dlogit| f32 {diff:.2e}")
+
+
+@pytest.fixture(scope="module")
+def shared_family(tmp_path_factory, one_thread):
+    """A seed and three specialists (seed_and_experts) as HF Llama folders carrying a byte-level BPE tokenizer.json,
+    which a merge carries into the GGUF file; and that tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("shared")
+    save_bpe(root / "tok")
+    folders = []
+    for path in seed_and_experts(root, llama_config(vocab_size=300), names=("seed", "code", "law", "math")):
+        folder = root / path.stem
+        run_cli("convert", path, "--out", folder, "--format", "hf", "--architecture", "llama")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(root / "tok" / name, folder / name)
+        folders.append(folder)
+    return folders, tokenizers.Tokenizer.from_file(str(root / "tok" / "tokenizer.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate_norm", ["softmax", "topk_softmax"])
+def test_llama_cpp_shared_expert_mixture(llama_cpp, shared_family, tmp_path, gate_norm, monkeypatch, one_thread):
+    """btx-shared-expert as llama.cpp's qwen2moe. softmax: merge --format gguf, logits and greedy tokens equal the
+    runtime's, as merged (shared gate 1/2) and with trained shared gates (export-gguf). topk_softmax: refused, because
+    llama.cpp's qwen2moe never renormalizes: written anyway, it computes the same weights with softmax gates."""
+    folders, tok = shared_family
+    args = ("--recipe", "btx-shared-expert", "--gate-norm", gate_norm, "--ffn-top-k", "2", "--router-std", "0.5")
+    merge_family(folders, tmp_path / "mix.safetensors", *args)
+    model = load_model(tmp_path / "mix.safetensors")
+    prompt = tok.encode("The quick brown fox merges the experts; numbers 42 and 2024 follow the seed.").ids
+    with torch.no_grad():
+        routing = next(iter(model(torch.tensor([prompt])).routing.values()))
+    assert routing.topk.unique().numel() == 3  # the routers spread tokens over all routed experts
+    if gate_norm == "topk_softmax":
+        error_line(merge_family(folders, tmp_path / "mix.gguf", *args, "--format", "gguf", code=2),
+                   "--gate-norm softmax")
+        assert not (tmp_path / "mix.gguf").exists()
+        monkeypatch.setattr(ge, "check_gguf", lambda cfg, recipe=None: None)
+        state = model.state_dict()
+        write(model.config, state, tmp_path / "forced.gguf")
+        llm = llama(llama_cpp, tmp_path / "forced.gguf")
+        off = float(np.abs(llama_logits(llm, prompt) - runtime_logits(model, prompt)).max())
+        assert off > 100 * F32_TOL, off
+        as_softmax = Model(model.config.replace(gate_norm="softmax"))
+        as_softmax.load_state_dict(state)
+        diff = check_against_runtime(llm, as_softmax.eval(), prompt, F32_TOL)
+        print(f"\nshared expert, topk_softmax written anyway: max|dlogit| {off:.2e} from the model, {diff:.2e} from "
+              "the same weights with softmax gates")
+        return
+    assert float(routing.gates.sum(-1).min()) < 0.95  # the top-2 gates p_i do not sum to 1: not renormalized
+    merge_family(folders, tmp_path / "mix.gguf", *args, "--format", "gguf")
+    f = fields(tmp_path / "mix.gguf")
+    assert f["general.architecture"] == "qwen2moe" and f["tokenizer.ggml.pre"] == "gpt-2"
+    assert "recipe btx-shared-expert" in f["general.description"]
+    llm = llama(llama_cpp, tmp_path / "mix.gguf")
+    assert llm.tokenize(HELD_OUT.encode(), add_bos=True, special=True) == tok.encode(HELD_OUT).ids
+    diff = check_against_runtime(llm, model, prompt, F32_TOL)
+    # trained shared gates (merged at w = 0, sigmoid 1/2 for every token): a canonical folder through export-gguf
+    state = model.state_dict()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(model.config.n_layers):
+        state[f"layers.{i}.ffn_shared_gate.weight"] = torch.randn(1, model.config.d_model, generator=gen)
+    folder = save_checkpoint(state, model.config, tmp_path / "trained")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(folders[0] / name, folder / name)
+    run_cli("export-gguf", folder, "--out", tmp_path / "trained.gguf")
+    trained_model = load_model(folder)
+    gates = []
+    hook = trained_model.layers[0].ffn_shared_gate.register_forward_hook(lambda m, i, o: gates.append(o.sigmoid()))
+    with torch.no_grad():
+        trained_model(torch.tensor([prompt]))
+    hook.remove()
+    assert float(gates[0].max() - gates[0].min()) > 0.1  # the shared gates differ across tokens
+    assert float(np.abs(runtime_logits(trained_model, prompt) - runtime_logits(model, prompt)).max()) > 1e-2
+    diff_trained = check_against_runtime(llama(llama_cpp, tmp_path / "trained.gguf"), trained_model, prompt, F32_TOL)
+    run_cli("export-gguf", folder, "--out", tmp_path / "trained-f16.gguf", "--dtype", "f16")
+    f16 = llama_logits(llama(llama_cpp, tmp_path / "trained-f16.gguf"), prompt)
+    diff16 = float(np.abs(f16 - runtime_logits(trained_model, prompt)).max())
+    assert diff16 <= F16_TOL, diff16
+    print(f"\nshared expert (qwen2moe): max|dlogit| f32 {diff:.2e} as merged, {diff_trained:.2e} with trained gates, "
+          f"f16 {diff16:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [dict(qkv_bias=True), dict(tie_embeddings=True, n_kv_heads=1),
+                                   dict(ffn_top_k=1, n_heads=2, n_kv_heads=2, head_dim=32)],
+                         ids=["qkv-bias", "tied-mqa", "top1-headdim32"])
+def test_llama_cpp_shared_expert_shapes(llama_cpp, tmp_path, shape, one_thread):
+    cfg = shared_config(**shape)
+    ckpt = save_checkpoint(random_state(cfg, 7), cfg, tmp_path / "m.safetensors")
+    run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
+    prompt = [3, 100, 17, 255, 1, 64, 128, 9, 33, 200]
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+    print(f"\nshared expert {shape}: max|dlogit| f32 {diff:.2e}")
 
 
 @pytest.mark.slow
