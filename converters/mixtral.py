@@ -36,23 +36,30 @@ from .hf.mixtral_config import MODEL_TYPE, check_mixtral
 from .hf.reader import HFCheckpointReader
 from .hf.writer import export_native_mixture
 
-__all__ = ["CapabilityError", "MixtralExporter", "check_mixtral", "export_mixtral", "import_mixtral", "load_state"]
+__all__ = ["CapabilityError", "MixtralExporter", "NativeMixtureExporter", "check_mixtral", "export_mixtral",
+           "import_mixtral", "load_state"]
 
 
-class MixtralExporter(Exporter):
-    name = "mixtral"
-    summary = "HF Mixtral directory, btx/upcycle of Llama-family inputs"
+class NativeMixtureExporter(Exporter):
+    """A mixture as a native HF MoE architecture (its table in hf/architectures.py, its config map's capability
+    check); the folder as hf/writer.py:export_native_mixture writes it. `source` may present the reader otherwise."""
+
+    model_type: str
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-        check_mixtral(cfg, recipe)
+        ARCHITECTURES[self.model_type].config.check(cfg, recipe)
+
+    def source(self, reader: Reader) -> Reader:
+        return reader
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
-        """Shards always carry shard names and an index (as save_pretrained writes them); config.json
-        gets the generation config's token ids, None where it has none (not MixtralConfig's 1, 2)."""
-        return export_native_mixture(reader, out, ARCHITECTURES[MODEL_TYPE], generation=options.generation,
-                                     model_card=options.model_card, copies=options.tokenizer_files,
-                                     max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
-                                     replace=options.replace)
+        self.check(reader.config, recipe=options.recipe)
+        return export_native_mixture(self.source(reader), out, ARCHITECTURES[self.model_type], options)
+
+
+class MixtralExporter(NativeMixtureExporter):
+    name, model_type = "mixtral", MODEL_TYPE
+    summary = "HF Mixtral directory, btx/upcycle of Llama-family inputs"
 
 
 def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[str | os.PathLike] = (),

@@ -23,10 +23,8 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader
 
-from .base import ExportOptions, Exporter
-from .hf.architectures import ARCHITECTURES
-from .hf.qwen2_moe_config import MODEL_TYPE, check_qwen2_moe
-from .hf.writer import export_native_mixture
+from .hf.qwen2_moe_config import MODEL_TYPE
+from .mixtral import NativeMixtureExporter
 
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
@@ -80,19 +78,10 @@ class WithZeroQKVBias(Reader):
         self.inner.check_unchanged()
 
 
-class Qwen2MoeExporter(Exporter):
-    name = "qwen2_moe"
+class Qwen2MoeExporter(NativeMixtureExporter):
+    name, model_type = "qwen2_moe", MODEL_TYPE
     summary = "HF Qwen2-MoE directory, btx-shared-expert of Llama-family inputs"
 
-    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-        check_qwen2_moe(cfg, recipe)
-
-    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
-        """Like the Mixtral export (hf/writer.py:export_native_mixture), through WithZeroQKVBias when the model has
-        no q/k/v biases."""
-        self.check(reader.config, recipe=options.recipe)
-        source = reader if reader.config.qkv_bias else WithZeroQKVBias(reader)
-        return export_native_mixture(source, out, ARCHITECTURES[MODEL_TYPE], generation=options.generation,
-                                     model_card=options.model_card, copies=options.tokenizer_files,
-                                     max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
-                                     replace=options.replace)
+    def source(self, reader: Reader) -> Reader:
+        """Qwen2-MoE always has q/k/v biases: a model without them is seen through WithZeroQKVBias."""
+        return reader if reader.config.qkv_bias else WithZeroQKVBias(reader)

@@ -29,6 +29,7 @@ from bam_surgery.runtime.reader import Reader, StateReader, check_layout
 from bam_surgery.runtime.safetensors_file import Entry
 from bam_surgery.runtime.shards import INDEX_NAME, total_size, write_index, write_shards
 
+from ..base import ExportOptions
 from .architectures import Architecture, BoundRule
 from .architectures import architecture as lookup_architecture
 from .architectures import bind
@@ -132,19 +133,18 @@ def export_architecture(reader: Reader, out_dir: str | os.PathLike, arch: Archit
                               replace=replace)
 
 
-def export_native_mixture(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, *,
-                          generation: Mapping[str, Any] | None, model_card: str | None, copies: Sequence[Path],
-                          max_shard_bytes: int | None, dtype: torch.dtype | None, replace: bool) -> Path:
+def export_native_mixture(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, options: ExportOptions
+                          ) -> Path:
     """A mixture as a native HF MoE architecture (Mixtral, Qwen2-MoE): shards always with shard names and an index
     (as save_pretrained writes them); generation_config.json, and its token ids in config.json (None where it has
     none, not the config class's own defaults); the card as README.md."""
-    generation = dict(generation or {})
+    generation = dict(options.generation or {})
     texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"}
-    if model_card is not None:
-        texts["README.md"] = model_card
+    if options.model_card is not None:
+        texts["README.md"] = options.model_card
     return export_architecture(reader, out_dir, arch, token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS},
-                               texts=texts, copies=copies, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                               single_file=None, always_index=True, replace=replace)
+                               texts=texts, copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
+                               dtype=options.dtype, single_file=None, always_index=True, replace=options.replace)
 
 
 def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:
