@@ -17,11 +17,11 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.converters.gguf_export import GGUF_DTYPES, SUFFIX
 from bam_surgery.converters.hf.files import side_file
-from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
+from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.open_input import open_input
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -46,12 +46,7 @@ def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
     out_path = Path(out)
     if not out_path.name.endswith(SUFFIX) or out_path.name == SUFFIX:
         raise BamSurgeryError(f"--out {out}: a GGUF file needs a name ending in {SUFFIX} (e.g. model{SUFFIX})")
-    try:
-        reader = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
-    except USER_ERRORS:
-        raise
-    except OSError as e:
-        raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
+    reader = open_input(checkpoint, allow_pickle)  # a run folder stands for its latest checkpoint
     lines: list[str] = []
     with reader:
         check_export("gguf", reader.config)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.converters.hf.files import side_file
 from bam_surgery.converters.onnx_export import DTYPES, check_opset
 from bam_surgery.converters.onnx_genai import GENAI_CONFIG, byte_tokenizer_files
 from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
-from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
+from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.open_input import open_input
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -61,12 +61,7 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
     opset_number = DEFAULT_OPSET if opset is None else _integer("--opset", opset)
     check_opset(opset_number)
     out_path = Path(out)
-    try:
-        reader = open_checkpoint(checkpoint, allow_pickle=allow_pickle)
-    except USER_ERRORS:
-        raise
-    except OSError as e:
-        raise BamSurgeryError(f"{checkpoint}: cannot open ({e.strerror or e})") from e
+    reader = open_input(checkpoint, allow_pickle)  # a run folder stands for its latest checkpoint
     with reader, tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
         check_export("onnx", reader.config)
         check_output_path(out_path, force, [(str(checkpoint), reader)])
