@@ -16,8 +16,8 @@ files); the routes are fed token ids, so no tokenizer runs inside a timed region
                        copies (every matrix + 0.2 x its std x N(0, 1)): 4 FFN experts, top-2, dense attention
     bam                `merge --recipe bam`: 4 FFN experts top-2 (softmax gates, the recipe's) and 4 soft-routed
                        attention experts (expert KV)
-    btx-shared-expert  `merge --recipe btx-shared-expert --gate-norm topk_softmax` (--shared-gate-norm): the copies'
-                       FFNs routed, top-2 of 3, the seed's FFN as an always-on shared expert (Qwen2-MoE's shape)
+    btx-shared-expert  `merge --recipe btx-shared-expert --gate-norm softmax` (--shared-gate-norm; llama.cpp's
+                       qwen2moe takes softmax gates only): the copies' FFNs routed, top-2 of 3, the seed's FFN as an always-on shared expert (Qwen2-MoE's shape)
 Every merge takes --router-std 0.5 (as tests/converters/test_gguf.py), so that tokens spread over the experts.
 The head's row of token 0 (end of text, where GenAI stops) is zero in every input: its logit is 0 while the other
 255 are ~N(0, 1), so no route ever picks it and every route decodes exactly --new-tokens tokens.
@@ -87,7 +87,7 @@ MERGES = {  # model -> the merge's recipe options (None: the dense seed itself)
     "dense": None,
     "btx": ("--recipe", "btx", "--gate-norm", "topk_softmax"),
     "bam": ("--recipe", "bam"),
-    "btx-shared-expert": ("--recipe", "btx-shared-expert", "--gate-norm", "topk_softmax"),  # --shared-gate-norm
+    "btx-shared-expert": ("--recipe", "btx-shared-expert", "--gate-norm", "softmax"),  # --shared-gate-norm
 }
 HF_FORMATS = {"dense": ("--format", "hf", "--architecture", "llama"), "btx": ("--format", "mixtral"),
               "bam": ("--format", "hf"), "btx-shared-expert": ("--format", "qwen2_moe")}
@@ -155,7 +155,7 @@ def bam_surgery(*args) -> None:
 
 
 def build_models(folder: Path, size: dict, new_tokens: int, top_k: int, seed: int,
-                 shared_gate_norm: str = "topk_softmax", wanted=tuple(MERGES)) -> dict[str, Path]:
+                 shared_gate_norm: str = "softmax", wanted=tuple(MERGES)) -> dict[str, Path]:
     """The dense seed, its perturbed copies, and the mixtures merged from them: model name -> canonical file."""
     import torch
 
@@ -565,7 +565,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="threads of torch, onnxruntime, GenAI and llama.cpp (and the CLI's OMP_NUM_THREADS)")
     parser.add_argument("--top-k", type=int, default=2, help="FFN experts per token of the mixtures")
-    parser.add_argument("--shared-gate-norm", choices=("topk_softmax", "softmax"), default="topk_softmax",
+    parser.add_argument("--shared-gate-norm", choices=("topk_softmax", "softmax"), default="softmax",
                         help="--gate-norm of the btx-shared-expert merge (softmax: Qwen2-MoE's norm_topk_prob false, "
                              "what llama.cpp's qwen2moe computes)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the routers")
