@@ -16,8 +16,8 @@ Formats:
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
-    gguf        one GGUF file for llama.cpp: Llama-shaped dense models, Mixtral-shaped mixtures, with the
-                tokenizer (converters/gguf_export.py)
+    gguf        one GGUF file for llama.cpp: Llama-shaped dense models, Mixtral-shaped mixtures, shared-expert
+                mixtures (qwen2moe), with the tokenizer (converters/gguf_export.py)
 """
 from __future__ import annotations
 
