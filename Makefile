@@ -37,7 +37,7 @@ COMPAT_OLDEST := 4.57.6
 COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
-		 tests/converters/test_export_clients.py
+		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
 
 .PHONY: demo test test-fast test-compat reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
