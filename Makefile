@@ -4,9 +4,10 @@
 #   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
 #                   pipelines); under a minute on a quiet 2-core machine
 #   make test-compat  the exports in the clients users run: one venv per end of the transformers range the
-#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM and
-#                   Mixtral export checks in each, lm-evaluation-harness with the newest, and the wheel installed
-#                   into a fresh venv
+#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
+#                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
+#                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
+#                   export, and the wheel installed into a fresh venv
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
