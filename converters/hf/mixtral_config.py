@@ -44,7 +44,7 @@ def mixtral_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 class MixtralConfigMap(MoeConfigMap):
-    architecture, model_type, fields, defaults = ARCHITECTURE, MODEL_TYPE, CONFIG_FIELDS, MIXTRAL_DEFAULTS
+    architecture, model_type, key_of, defaults = ARCHITECTURE, MODEL_TYPE, CONFIG_FIELDS, MIXTRAL_DEFAULTS
 
     def problems(self, cfg: ModelConfig) -> Problems:
         return mixtral_problems(cfg)

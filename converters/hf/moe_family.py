@@ -116,7 +116,7 @@ class MoeConfigMap:
 
     architecture: str  # config.json "architectures" entry
     model_type: str
-    fields: Mapping[str, str]  # canonical field -> config.json key
+    key_of: Mapping[str, str]  # canonical field -> config.json key
     defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) for keys a config.json may omit
     typed_keys: tuple[str, ...] = ()  # config.json keys whose wrong type read_fields would trip on
 
@@ -138,7 +138,7 @@ class MoeConfigMap:
     def write(self, cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
         """The config.json entries (the exporter adds architectures, model_type, dtype and token ids)."""
         self.check(cfg)
-        body: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in self.fields.items()}
+        body: dict[str, Any] = {hf: getattr(cfg, ours) for ours, hf in self.key_of.items()}
         body.update(hidden_act="silu", **rope_entries(cfg), attention_dropout=0.0, output_router_logits=False,
                     use_cache=True, initializer_range=0.02, **self.entries(cfg))
         return body
@@ -151,12 +151,12 @@ class MoeConfigMap:
             get = reader_of(hf, self.defaults)
             rope_theta = check_trunk_keys(hf, get, self.architecture, self.model_type)
             own = self.read_fields(hf, get)
-            fields = {ours: get(theirs) for ours, theirs in self.fields.items()}
-            numbers(fields, ("norm_eps", "lb_coef"), self.fields)
+            fields = {ours: get(theirs) for ours, theirs in self.key_of.items()}
+            numbers(fields, ("norm_eps", "lb_coef"), self.key_of)
             cfg = model_config(dict(
                 **fields, rope_theta=rope_theta, activation="swiglu", norm="rmsnorm", position="rope",
                 block="sequential", attn_experts=0, **own,
                 z_coef=0.0,  # the architecture's training objective has no router z-loss
                 name=str(hf.get("_name_or_path") or name or self.model_type),
-            ), self.fields)
+            ), self.key_of)
         return cfg, []

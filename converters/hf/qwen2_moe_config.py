@@ -42,7 +42,7 @@ def qwen2_moe_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 class Qwen2MoeConfigMap(MoeConfigMap):
-    architecture, model_type, fields, defaults = ARCHITECTURE, MODEL_TYPE, CONFIG_FIELDS, QWEN2_MOE_DEFAULTS
+    architecture, model_type, key_of, defaults = ARCHITECTURE, MODEL_TYPE, CONFIG_FIELDS, QWEN2_MOE_DEFAULTS
     typed_keys = ("mlp_only_layers", "decoder_sparse_step", "norm_topk_prob")
 
     def problems(self, cfg: ModelConfig) -> Problems:
