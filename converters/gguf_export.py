@@ -80,20 +80,17 @@ from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
+                             byte_symbols)
 from .hf.mixtral_config import mixtral_problems
+from .hf.moe_family import raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
 CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
-# train/tokenize.py's byte-tokenizer rule, restated here (converters sit below train; a test holds them equal)
-BYTES = "bytes"
-TOKENIZER_KEY = "bam_tokenizer"
-BYTE_VOCAB = 256
-BYTE_FALLBACK_MAX_VOCAB = 512
 EOS_TEXT = "<|endoftext|>"
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 
 # tokenizer.json pre-tokenizer regexes -> the llama.cpp pre-tokenizer that splits text the same way
 # (llama.cpp's src/llama-vocab.cpp quotes each original regex beside its own)
@@ -160,12 +157,10 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
     """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
     problems = gguf_problems(cfg)
     if problems:
-        who = f"recipe {recipe}" if recipe else "the model"
         carried = CARRIED_BY
         if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
             carried = "canonical, hf, qwen2_moe or onnx"
-        raise CapabilityError(f"gguf export (llama.cpp) needs {' and '.join(n for n, _ in problems)}; {who} has "
-                              f"{', '.join(h for _, h in problems)}; the {carried} formats carry it")
+        raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
 
 
 def gguf_architecture(cfg: ModelConfig) -> str:
@@ -320,24 +315,10 @@ class Vocabulary:
     notes: list[str] = field(default_factory=list)
 
 
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable character for each byte (what byte-level BPE vocabularies spell tokens with)."""
-    printable_bytes = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                       *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable_bytes:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_vocabulary(vocab_size: int) -> Vocabulary:
     """The runtime's byte tokenizer as a gpt2 vocabulary: 0 end of text, 1..255 the bytes, no merges."""
     g = _gguf()
-    chars = byte_to_unicode()
+    chars = byte_symbols()
     tokens = ([EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)]
               + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)])
     types = ([g.TokenType.CONTROL] + [g.TokenType.NORMAL] * (BYTE_VOCAB - 1)

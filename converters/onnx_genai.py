@@ -44,13 +44,14 @@ from typing import Any, Mapping
 from bam_surgery.runtime.blocks import ModelKVCache
 from bam_surgery.runtime.config import ModelConfig
 
+from .byte_tokenizer import BYTE_VOCAB, byte_symbols
 from .onnx_graph import PAST_NAME, PRESENT_NAME
 
 GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "decoder"  # GenAI's generic decoder-only LLM
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # a tokenizer.json read as it is
 DEFAULT_EOS = 0  # end of text for train/tokenize.py's byte-level tokenizer and train/bpe.py's BPE
-BYTE_IDS = range(1, 256)  # the byte-level tokenizer's byte tokens: id = byte value (0 is end of text)
+BYTE_IDS = range(1, BYTE_VOCAB)  # the byte-level tokenizer's byte tokens: id = byte value (0 is end of text)
 
 
 def genai_config(cfg: ModelConfig, generation: Mapping[str, Any] | None = None, graph_file: str = "model.onnx"
@@ -100,7 +101,7 @@ def token_ids(vocab_size: int, generation: Mapping[str, Any]) -> dict[str, Any]:
 
 def byte_tokenizer_files() -> dict[str, str]:
     """{file name: text} of the byte-level tokenizer for GenAI (see the module docstring)."""
-    symbols = _byte_symbols()
+    symbols = byte_symbols()
     level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
@@ -113,11 +114,3 @@ def byte_tokenizer_files() -> dict[str, str]:
     config = {"tokenizer_class": TOKENIZER_CLASS, "clean_up_tokenization_spaces": False}
     return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False, indent=2) + "\n",
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
-
-
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: each byte as one printable character (printable Latin-1 bytes as themselves,
-    the others from U+0100 on, in byte order), the symbols a ByteLevel pre-tokenizer and decoder use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bam_surgery.converters.byte_tokenizer import TOKENIZER_KEY
 from bam_surgery.runtime.config import ModelConfig
 
 PROVENANCE_KEY = "bam_provenance"
-TOKENIZER_KEY = "bam_tokenizer"
 
 
 def read_provenance(metadata: dict[str, str] | None) -> dict[str, Any] | None:

@@ -31,6 +31,8 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
+from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES,
+                                                   TOKENIZER_KEY)
 from bam_surgery.converters.hf.files import side_file
 
 from .data import Source, file_sha256
@@ -39,11 +41,7 @@ from .errors import TrainError
 if TYPE_CHECKING:
     from bam_surgery.runtime.reader import Reader
 
-BYTES = "bytes"
-BYTE_VOCAB = 256
-BYTE_FALLBACK_MAX_VOCAB = 512
 CACHE_VERSION = 1
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 _BATCH_DOCS = 512
 
 
@@ -147,7 +145,7 @@ def checkpoint_tokenizer(reader: Reader) -> str | None:
         carried = side_file(Path(path), "tokenizer.json")
         if carried is not None and carried.is_file():
             return str(carried)
-    if reader.metadata.get("bam_tokenizer") == BYTES:
+    if reader.metadata.get(TOKENIZER_KEY) == BYTES:
         return BYTES
     return None
 

@@ -51,12 +51,13 @@ def bias_problem(cfg: ModelConfig, allowed: tuple[str, ...], needs: str) -> Prob
     return [(needs, f"{', '.join(biases)} biases")] if biases else []
 
 
-def raise_problems(problems: Problems, fmt: str, recipe: str | None) -> None:
-    """CapabilityError (one line) listing every problem, when there is one."""
+def raise_problems(problems: Problems, subject: str, recipe: str | None, tail: str = "") -> None:
+    """CapabilityError (one line) listing every problem, when there is one: `SUBJECT needs A and B; recipe R has
+    a, b` and `tail` (e.g. the formats that do carry the model)."""
     if problems:
         who = f"recipe {recipe}" if recipe else "the model"
-        raise CapabilityError(f"{fmt} export needs {' and '.join(n for n, _ in problems)}; "
-                              f"{who} has {', '.join(h for _, h in problems)}")
+        raise CapabilityError(f"{subject} needs {' and '.join(n for n, _ in problems)}; "
+                              f"{who} has {', '.join(h for _, h in problems)}{tail}")
 
 
 def rope_entries(cfg: ModelConfig) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class MoeConfigMap:
 
     def check(self, cfg: ModelConfig, recipe: str | None = None) -> None:
         """Raise CapabilityError (one line) if the architecture cannot compute exactly what this model computes."""
-        raise_problems(self.problems(cfg), self.model_type, recipe)
+        raise_problems(self.problems(cfg), f"{self.model_type} export", recipe)
 
     def write(self, cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
         """The config.json entries (the exporter adds architectures, model_type, dtype and token ids)."""

@@ -209,7 +209,7 @@ def test_byte_vocabulary_is_gpt2_bytes_and_end_of_text(tmp_path):
     tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
     assert len(tokens) == 300 and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
     assert tokens[ord(" ")] == "Ġ" and tokens[ord("\n")] == "Ċ" and tokens[ord("a")] == "a"
-    assert set(tokens[1:256]) | {ge.byte_to_unicode()[0]} == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    assert set(tokens[1:256]) | {ge.byte_symbols()[0]} == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
     assert tokens[256:] == [f"[PAD{i}]" for i in range(256, 300)] and set(types[256:]) == {gguf.TokenType.UNUSED}
     assert f["tokenizer.ggml.merges"] == []
     assert f["tokenizer.ggml.eos_token_id"] == f["tokenizer.ggml.bos_token_id"] == 0

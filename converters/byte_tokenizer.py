@@ -1,0 +1,24 @@
+"""The project's tokenizer facts the exports need, defined once at the lowest layer that uses them (train, above,
+imports them from here; train/tokenize.py:ByteTokenizer runs the byte tokenizer).
+
+The byte tokenizer: ids 1..255 are the UTF-8 bytes, id 0 ends a document (NUL bytes are dropped), so a model
+needs vocab_size >= BYTE_VOCAB. A checkpoint trained with it says so in its metadata (TOKENIZER_KEY: BYTES); a
+model with no tokenizer and at most BYTE_FALLBACK_MAX_VOCAB tokens is taken to use it. `byte_symbols` spells
+each byte as GPT-2's byte-level BPE does, which is how the GGUF and ONNX Runtime GenAI exports write it as a
+byte-level BPE vocabulary without merges.
+"""
+from __future__ import annotations
+
+BYTES = "bytes"
+TOKENIZER_KEY = "bam_tokenizer"  # checkpoint metadata: the tokenizer a run trained with, when it is BYTES
+BYTE_VOCAB = 256
+BYTE_FALLBACK_MAX_VOCAB = 512
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
+
+def byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character (printable Latin-1 bytes as themselves,
+    the others from U+0100 on, in byte order), the symbols a ByteLevel pre-tokenizer and decoder use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
