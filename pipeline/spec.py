@@ -108,27 +108,35 @@ class PipelineSpec:
         return next(m for m in self.mixtures if m.name == name)
 
     def train_steps(self, mix: Mixture, setting: str) -> int:
-        """Mixture-training steps: the knob for data-matched; FLOPs-matched to the reference for
-        compute-matched (at least 1)."""
+        """Mixture-training steps (matched_steps at the mixture's FLOPs per token)."""
+        return self.matched_steps(mix.flops_per_token, setting)
+
+    def matched_steps(self, flops_per_token: float, setting: str) -> int:
+        """Training steps of a mixture-training run (a mixture's, or the dense baseline's) whose model has these
+        FLOPs per token: the knob for data-matched; FLOPs-matched to the reference for compute-matched (at
+        least 1)."""
         steps = self.mixture_steps
-        if setting == "data-matched" or self.same_as_data_matched(mix):
+        if setting == "data-matched" or self.trained_once(flops_per_token):
             return steps
         ref = self.mixture(self.compute_reference)
-        return max(1, round(steps * ref.flops_per_token / mix.flops_per_token))
+        return max(1, round(steps * ref.flops_per_token / flops_per_token))
 
     @property
     def mixture_steps(self) -> int:
         """The data-matched mixture-training steps."""
         return {**self.knobs, **self.train_knobs}.get("steps", TrainConfig().steps)
 
-    def same_as_data_matched(self, mix: Mixture) -> bool:
-        """A mixture whose FLOPs per token are within compute_tolerance of the reference's (the reference
-        itself; BTX with more experts at top-1; top-1 attention routing) has its data-matched run as its
-        compute-matched run: it is trained once."""
+    def trained_once(self, flops_per_token: float) -> bool:
+        """A model whose FLOPs per token are within compute_tolerance of the reference's (the reference itself;
+        BTX with more experts at top-1; top-1 attention routing; the dense baseline beside BTX) has its
+        data-matched run as its compute-matched run: it is trained once."""
         if "data-matched" not in self.settings or "compute-matched" not in self.settings:
             return False
         ref = self.mixture(self.compute_reference)
-        return abs(mix.flops_per_token / ref.flops_per_token - 1) <= self.compute_tolerance
+        return abs(flops_per_token / ref.flops_per_token - 1) <= self.compute_tolerance
+
+    def same_as_data_matched(self, mix: Mixture) -> bool:
+        return self.trained_once(mix.flops_per_token)
 
     def trained_mixtures(self) -> list[tuple[str, Mixture]]:
         """(setting, mixture) of every distinct mixture-training run, data-matched ones first."""
@@ -137,39 +145,28 @@ class PipelineSpec:
 
     def dense_runs(self) -> list[tuple[str, str]]:
         """(setting, unit) of every distinct dense-baseline run: dense-dm trains the seed on the mixture data
-        for the data-matched mixtures' tokens; dense-cm for the compute reference's FLOPs, unless that is
-        dense-dm's within compute_tolerance (then dense-dm is both)."""
+        for the data-matched mixtures' tokens; dense-cm for the compute reference's FLOPs, unless the dense
+        model is trained once (trained_once: then dense-dm is both)."""
         if not self.dense_baseline:
             return []
-        out = []
-        for setting in self.settings:
-            unit = self.dense_unit(setting)
-            if unit not in [u for _, u in out]:
-                out.append((setting, unit))
-        return out
+        return [(setting, self.dense_unit(setting)) for setting in self.settings
+                if not (setting == "compute-matched" and self.trained_once(self.dense_flops_per_token))]
 
     def dense_unit(self, setting: str) -> str:
-        if setting == "compute-matched" and self.dense_steps(setting) == self.dense_steps("data-matched") \
-                and "data-matched" in self.settings:
-            setting = "data-matched"
-        return f"{DENSE}-{SETTINGS[setting]}"
+        """The dense baseline's run of a setting: dense-dm or dense-cm."""
+        return f"{DENSE}-{SETTINGS[self._run_setting(self.dense_flops_per_token, setting)]}"
 
     def dense_steps(self, setting: str) -> int:
-        """A dense baseline's steps: the mixtures' data-matched steps, or those times F_ref / F_dense for
-        compute-matched (unless F_dense is within compute_tolerance of F_ref)."""
-        steps = self.mixture_steps
-        if setting == "data-matched":
-            return steps
-        ref = self.mixture(self.compute_reference).flops_per_token
-        if abs(self.dense_flops_per_token / ref - 1) <= self.compute_tolerance:
-            return steps
-        return max(1, round(steps * ref / self.dense_flops_per_token))
+        """A dense baseline's steps (matched_steps at the dense model's FLOPs per token)."""
+        return self.matched_steps(self.dense_flops_per_token, setting)
 
     def unit_name(self, setting: str, mix: Mixture) -> str:
         """The run of (setting, mixture): dm-NAME or cm-NAME."""
-        if setting == "compute-matched" and self.same_as_data_matched(mix):
-            setting = "data-matched"
-        return f"{SETTINGS[setting]}-{mix.name}"
+        return f"{SETTINGS[self._run_setting(mix.flops_per_token, setting)]}-{mix.name}"
+
+    def _run_setting(self, flops_per_token: float, setting: str) -> str:
+        """The setting whose run serves `setting`: data-matched for a compute-matched model trained once."""
+        return "data-matched" if setting == "compute-matched" and self.trained_once(flops_per_token) else setting
 
     def data_spec(self, weights: dict[str, float]) -> str:
         """A train SPEC over the named sources ('general' or a domain) with these weights (0 left out)."""
