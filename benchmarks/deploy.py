@@ -525,21 +525,15 @@ def venv_label() -> str:
         return sys.prefix
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip() or "?"
-    except OSError:
-        return "?"
-
-
 def run_record(args, rows: list[Row], argv: list[str]) -> dict:
+    # lazy: the pipeline's provenance imports torch, which --merge-json does without
+    from bam_surgery.pipeline.files import code_commit, machine
+
     size = SIZES[args.size]
     return dict(run=venv_label(), command=shlex.join([os.path.relpath(sys.executable, ROOT) if
                                                       sys.executable.startswith(str(ROOT)) else sys.executable,
                                                       "-m", "benchmarks.deploy", *argv]),
-                commit=commit(), machine=f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
-                                         f"Python {platform.python_version()}",
+                commit=code_commit(), machine=f"{machine()}, Python {platform.python_version()}",
                 versions=versions(), size=args.size, shape=", ".join(f"{k} {size[k]}" for k in (
                     "d_model", "n_layers", "n_heads", "ffn_hidden")) + f", vocab {VOCAB}, top-{args.top_k}, "
                 f"btx-shared-expert --gate-norm {args.shared_gate_norm}",
