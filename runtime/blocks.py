@@ -157,21 +157,38 @@ def router_losses(trace: dict[str, Routing], device: torch.device) -> tuple[Tens
 
 # ---- building blocks ------------------------------------------------------------------------
 class Norm(nn.Module):
-    """LayerNorm (optional bias) in the input dtype, or RMSNorm computed in float32."""
+    """LayerNorm (optional bias) in the input dtype, or RMSNorm computed in float32, over the last `width` dims
+    (default d_model). With experts > 0, E norms stacked (weight [E, width]): forward(x, e) applies expert e's,
+    all_experts(x) expert e's to x[..., e, :, :] (a QK-norm of every attention expert at once)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, width: Optional[int] = None, experts: int = 0):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.shape = (cfg.d_model,)  # a constant, not x.shape[-1]: graph exporters trace x's sizes as tensors
-        self.weight = nn.Parameter(torch.ones(cfg.d_model))
-        self.bias = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.norm_bias else None
+        width = width or cfg.d_model
+        self.shape = (width,)  # a constant, not x.shape[-1]: graph exporters trace x's sizes as tensors
+        lead = (experts,) if experts else ()
+        self.weight = nn.Parameter(torch.ones(*lead, width))
+        self.bias = nn.Parameter(torch.zeros(*lead, width)) if cfg.norm_bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, e: Optional[int] = None) -> Tensor:
+        if self.weight.dim() == 1:
+            return self._normed(x, self.weight, self.bias)
+        return self._normed(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def all_experts(self, x: Tensor) -> Tensor:
+        """x [..., E, n, width] -> the same shape, x[..., e, :, :] normed with expert e's weights."""
+        view = (self.weight.shape[0], 1) + self.shape
+        return self._normed(x, self.weight.view(view), None if self.bias is None else self.bias.view(view))
+
+    def _normed(self, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         if self.kind == "layernorm":
-            return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+            if weight.dim() == 1:
+                return F.layer_norm(x, self.shape, weight, bias, self.eps)
+            y = F.layer_norm(x, self.shape, None, None, self.eps) * weight
+            return y if bias is None else y + bias
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * weight.float()).to(x.dtype)
 
 
 class StackedLinear(nn.Module):
@@ -209,18 +226,97 @@ class Projections(nn.Module):
 
 def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
     """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
-    in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there)."""
-    dim = cfg.rotary_dim
-    device = positions.device
-    # float64 then float32 (not a buffer, so casting the model to bf16 never rounds it); MPS has no float64
-    where = device if device.type != "mps" else torch.device("cpu")
-    exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=where) / dim
-    inv_freq = (1.0 / cfg.rope_theta ** exponent).float().to(device)
+    in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there). Scaled RoPE
+    (cfg.scaled_rope) changes the frequencies and may scale both tables (rope_frequencies)."""
+    needs_length = cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] in ("dynamic", "longrope")
+    inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None)
     angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     if cfg.rope_interleaved:  # pairs (2i, 2i+1)
         return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
     return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # pairs (i, i + rot/2)
+
+
+def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies [rotary_dim/2] (float32, not a buffer, so casting the model to bf16 never
+    rounds them) and the factor on cos and sin, computed as transformers computes them (modeling_rope_utils),
+    op for op in float32 so that angles at long positions agree to the last bit:
+        plain     theta^(-2i/d)
+        linear    divided by factor
+        dynamic   NTK: theta grows with the sequence length (seq_len: the largest position + 1) past max_positions
+        yarn      interpolation blended with extrapolation by a linear ramp over the dims; cos, sin times mscale
+        longrope  divided by per-pair short factors, or long ones once seq_len passes the original length; cos,
+                  sin times sqrt(1 + ln(factor) / ln(original))
+        llama3    low frequencies divided by factor, high ones kept, a smooth ramp between
+    """
+    dim, base, s = cfg.rotary_dim, cfg.rope_theta, cfg.scaled_rope
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    kind = None if s is None else s["rope_type"]
+    if kind == "dynamic":
+        seq = torch.clamp(seq_len, min=cfg.max_positions)
+        base = base * ((s["factor"] * seq / cfg.max_positions) - (s["factor"] - 1)) ** (dim / (dim - 2))
+    powers = base ** exponent
+    inv_freq = 1.0 / powers
+    if kind == "linear":
+        return inv_freq / s["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, s), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(cfg, powers, s)
+    if kind == "longrope":
+        original = s["original_max_position_embeddings"]
+        factor = s.get("factor") or cfg.max_positions / original
+        scale = s.get("attention_factor")
+        if scale is None:
+            scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        long, short = (torch.tensor(s[k], dtype=torch.float32, device=device) for k in ("long_factor", "short_factor"))
+        return 1.0 / (torch.where(seq_len > original, long, short) * powers), scale
+    return inv_freq, 1.0
+
+
+def _llama3_frequencies(inv_freq: Tensor, s: dict) -> Tensor:
+    """Llama 3.1's rule: wavelengths past original / low_freq_factor divided by factor, below original /
+    high_freq_factor kept, a linear blend in between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(cfg, powers: Tensor, s: dict) -> tuple[Tensor, float]:
+    """YaRN: dims rotating fewer than beta_slow times over the original length are interpolated (divided by
+    factor), those rotating more than beta_fast times extrapolated (kept), a linear ramp between; cos and sin
+    scaled by 0.1 ln(factor) + 1 (or DeepSeek's mscale ratio), unless attention_factor says otherwise."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or cfg.max_positions / original
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    scale = s.get("attention_factor")
+    if scale is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        scale = float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).to(powers.device)
+    return (1.0 / (factor * powers)) * (1 - extrapolation) + (1.0 / powers) * extrapolation, scale
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -422,9 +518,14 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.index = cfg, index
         D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.attn_norm = Norm(cfg)
-        if cfg.block != "parallel":
-            self.ffn_norm = Norm(cfg)
+        self.post_norms = cfg.norm_position == "post"
+        if self.post_norms:  # OLMo 2: each sublayer's output normed before the residual add
+            self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
+        else:
+            self.attn_norm = Norm(cfg)
+            if cfg.block != "parallel":
+                self.ffn_norm = Norm(cfg)
+        self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
         q = {"q": (D, H * Dh, cfg.qkv_bias)}
         kv = {"k": (D, G * Dh, cfg.qkv_bias), "v": (D, G * Dh, cfg.qkv_bias)}
         o = {"o": (H * Dh, D, cfg.o_bias)}
@@ -440,6 +541,12 @@ class Block(nn.Module):
             self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
             self.attn = Projections(kv)
             self.attn_experts = Projections({**q, **o}, Ea)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm != "none":  # a norm per projection, owned like the projection (an expert's, or shared)
+            width = {"q": Dh, "k": Dh} if self.qk_norm == "head" else {"q": H * Dh, "k": G * Dh}
+            for name in "qk":
+                owner, experts = (self.attn_experts, Ea) if self._expert_owned(name) else (self.attn, 0)
+                owner.add_module(f"{name}_norm", Norm(cfg, width[name], experts))
         self.gated = cfg.activation == "swiglu"
         ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
         ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
@@ -457,6 +564,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
         style = self.cfg.block
+        if self.post_norms:
+            h = x + self.attn_post_norm(self.attention(x, step))
+            return h + self.ffn_post_norm(self.feed_forward(h, step))
         if style == "sequential":
             h = x + self.attention(self.attn_norm(x), step)
             return h + self.feed_forward(self.ffn_norm(h), step)
@@ -480,7 +590,28 @@ class Block(nn.Module):
         return (k, v) if step.cache is None else step.cache.update(self.index, step.input_pos, k, v)
 
     def _rope(self, x: Tensor, step: ForwardPass) -> Tensor:
-        return x if step.rope is None else apply_rotary(x, *step.rope, self.cfg.rope_interleaved)
+        if step.rope is None or not self.use_rope:
+            return x
+        return apply_rotary(x, *step.rope, self.cfg.rope_interleaved)
+
+    def _qk(self, name: str, y: Tensor, e: Optional[int]) -> Tensor:
+        """Projection q or k of expert e (None: dense or shared), y [B, T, heads*Dh], through its QK-norm: over
+        each head (Qwen3) or the full width (OLMo 2); unchanged without one."""
+        if self.qk_norm == "none":
+            return y
+        norm = getattr(self.attn_experts if self._expert_owned(name) else self.attn, f"{name}_norm")
+        if self.qk_norm == "full":
+            return norm(y, e)
+        return norm(y.unflatten(-1, (-1, self.cfg.head_dim)), e).flatten(-2)
+
+    def _qk_all(self, name: str, y: Tensor, n_experts: int) -> Tensor:
+        """Projection q or k of every expert at once, y [B, T, E*heads*Dh] expert-major, through each expert's
+        QK-norm."""
+        if self.qk_norm == "none":
+            return y
+        norm = getattr(self.attn_experts, f"{name}_norm")
+        width = self.cfg.head_dim if self.qk_norm == "head" else norm.shape[0]
+        return norm.all_experts(y.unflatten(-1, (n_experts, -1, width))).flatten(-3)
 
     def attention(self, x: Tensor, step: ForwardPass) -> Tensor:
         if step.impl == "reference":
@@ -508,9 +639,13 @@ class Block(nn.Module):
         return torch.sigmoid(self.ffn_shared_gate(x)) * y
 
     # -- reference: one expert at a time ---------------------------------------------------
+    def _expert_owned(self, name: str) -> bool:
+        """Is projection `name` (q, k, v, o) one per attention expert, or the block's one (dense, shared K/V)?"""
+        return bool(self.cfg.attn_experts) and (name in ("q", "o") or self.expert_kv)
+
     def _attn_proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
-        expert_owned = self.cfg.attn_experts and (name in ("q", "o") or self.expert_kv)
-        return (self.attn_experts if expert_owned else self.attn).proj(name, x, e)
+        y = (self.attn_experts if self._expert_owned(name) else self.attn).proj(name, x, e)
+        return self._qk(name, y, e if self._expert_owned(name) else None) if name in "qk" else y
 
     def keys_values(self, x: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
         """K (after RoPE) and V of the new tokens, expert by expert: each [B, kv_heads, T, Dh], expert-major."""
@@ -586,14 +721,17 @@ class Block(nn.Module):
         cfg, (B, T, D) = self.cfg, x.shape
         E, H, G, Dh = cfg.attn_experts, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if not E:
-            q = self.attn.q(x).view(B, T, H, Dh)
-            k = self.attn.k(x).view(B, T, G, Dh)
+            q = self._qk("q", self.attn.q(x), None).view(B, T, H, Dh)
+            k = self._qk("k", self.attn.k(x), None).view(B, T, G, Dh)
             v = self.attn.v(x).view(B, T, G, Dh)
         else:
-            q = self.attn_experts.q.all_experts(x).view(B, T, E * H, Dh)  # heads expert-major: e*H + h
-            kv = self.attn_experts if self.expert_kv else self.attn
-            k = (kv.k.all_experts(x) if self.expert_kv else kv.k(x)).view(B, T, self.kv_heads, Dh)
-            v = (kv.v.all_experts(x) if self.expert_kv else kv.v(x)).view(B, T, self.kv_heads, Dh)
+            q = self._qk_all("q", self.attn_experts.q.all_experts(x), E).view(B, T, E * H, Dh)  # expert-major e*H + h
+            if self.expert_kv:
+                k = self._qk_all("k", self.attn_experts.k.all_experts(x), E).view(B, T, self.kv_heads, Dh)
+                v = self.attn_experts.v.all_experts(x).view(B, T, self.kv_heads, Dh)
+            else:
+                k = self._qk("k", self.attn.k(x), None).view(B, T, self.kv_heads, Dh)
+                v = self.attn.v(x).view(B, T, self.kv_heads, Dh)
             if not self.expert_kv:
                 # Shared KV: query head (e, h) reads kv head h // rep for every e. Order the E*H query heads
                 # (g, e, r), h = g*rep + r, so that GQA's j // (E*rep) picks g.

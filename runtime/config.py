@@ -31,12 +31,17 @@ Activation = Literal["swiglu", "gelu", "gelu_tanh", "relu", "silu"]
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["rope", "learned", "none"]
 Block = Literal["sequential", "parallel", "parallel_two_norms"]
+NormPosition = Literal["pre", "post"]  # pre: norm, sublayer, add (Llama); post: sublayer, norm, add (OLMo 2)
+QKNorm = Literal["none", "head", "full"]  # RMS/layer norm of queries and keys: per head (Qwen3) or full width (OLMo 2)
+# scaled RoPE, as transformers computes it (scaled_rope holds its rope_parameters; docs/runtime.md)
+RopeType = Literal["linear", "dynamic", "yarn", "longrope", "llama3"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
 # The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
 # tests/runtime/test_routers.py holds the two lists together).
 Router = Literal["linear", "mlp", "attention", "expert_embedding", "key_store"]
 ACTIVATIONS, NORMS, POSITIONS, BLOCKS = get_args(Activation), get_args(Norm), get_args(Position), get_args(Block)
+NORM_POSITIONS, QK_NORMS, ROPE_TYPES = get_args(NormPosition), get_args(QKNorm), get_args(RopeType)
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
@@ -44,7 +49,7 @@ GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(R
 # so that every config that does not use them serializes to the same bytes as before they were added.
 WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
                     "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay",
-                    "ffn_shared_hidden")
+                    "ffn_shared_hidden", "scaled_rope", "nope_layers", "qk_norm", "norm_position")
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,10 @@ def _type_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
     string here: validate() names the allowed values."""
     if get_origin(hint) is Literal:
         return (lambda v: isinstance(v, str)), "str"
+    if get_origin(hint) is list:
+        (item,) = get_args(hint)
+        check_item, item_name = _type_check(item)
+        return (lambda v: isinstance(v, list) and all(check_item(x) for x in v)), f"list of {item_name}"
     if get_origin(hint) in (Union, types.UnionType):
         parts = [_type_check(a) for a in get_args(hint)]
         return (lambda v: any(check(v) for check, _ in parts)), " | ".join(name for _, name in parts)
@@ -72,6 +81,7 @@ def _type_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
         float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         bool: lambda v: isinstance(v, bool),
         str: lambda v: isinstance(v, str),
+        dict: lambda v: isinstance(v, dict),
         type(None): lambda v: v is None,
     }
     return checks[hint], "None" if hint is type(None) else hint.__name__
@@ -109,6 +119,12 @@ class ModelConfig(ConfigRules):
     tie_embeddings: bool = False
     logit_scale: float = 1.0  # multiplies the logits (Cohere)
     final_norm: bool = True  # False: the last block's output goes to the head without a norm
+    # scaled RoPE: transformers' rope_parameters less rope_theta and partial_rotary_factor ({"rope_type": "llama3",
+    # "factor": 32.0, ...}; ROPE_KEYS lists each type's keys); None: plain RoPE
+    scaled_rope: dict | None = None
+    nope_layers: list[int] | None = None  # layers that apply no RoPE (SmolLM3's every fourth layer); None: none
+    qk_norm: QKNorm = "none"  # a norm on queries and keys before RoPE: per head [Dh] or over the full width [H*Dh]
+    norm_position: NormPosition = "pre"  # post: each sublayer's output is normed before the residual add
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
@@ -159,6 +175,7 @@ class ModelConfig(ConfigRules):
     def validate(self) -> None:
         """Every field's value and their agreement; ConfigError naming the field."""
         self._validate_trunk()
+        self._validate_positions()
         self._validate_mixture()
 
     def _validate_trunk(self) -> None:
@@ -192,6 +209,23 @@ class ModelConfig(ConfigRules):
             _need(rot % 2 == 0 and rot > 0, "rotary_fraction",
                   f"rotary dims head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be a positive even integer")
         _need(self.block in BLOCKS, "block", f"unknown block style {self.block!r}; choose one of {', '.join(BLOCKS)}")
+
+    def _validate_positions(self) -> None:
+        """Scaled RoPE, layers without RoPE, the QK-norm and where the norms sit."""
+        _need(self.qk_norm in QK_NORMS, "qk_norm", f"unknown QK-norm {self.qk_norm!r}; choose one of {', '.join(QK_NORMS)}")
+        _need(self.norm_position in NORM_POSITIONS, "norm_position",
+              f"unknown norm position {self.norm_position!r}; choose one of {', '.join(NORM_POSITIONS)}")
+        _need(self.norm_position == "pre" or self.block == "sequential", "norm_position",
+              f"post-norms need sequential blocks, the config has block={self.block!r}")
+        if self.nope_layers is not None:
+            _need(self.position == "rope", "nope_layers", "layers without RoPE need position: rope")
+            _need(all(0 <= i < self.n_layers for i in self.nope_layers), "nope_layers",
+                  f"layer indices must be in [0, {self.n_layers}), got {self.nope_layers[:8]}")
+            _need(self.nope_layers == sorted(set(self.nope_layers)), "nope_layers",
+                  "layer indices must be increasing, without repeats")
+        if self.scaled_rope is not None:
+            _need(self.position == "rope", "scaled_rope", "scaled RoPE needs position: rope")
+            _validate_scaled_rope(self.scaled_rope, self.rotary_dim // 2)
 
     def _validate_mixture(self) -> None:
         """Experts, routing, router kinds and the router losses."""
@@ -300,6 +334,50 @@ class ModelConfig(ConfigRules):
     @classmethod
     def from_json(cls, s: str) -> "ModelConfig":
         return cls.from_dict(parse_json(s, "config JSON", error=ConfigError))
+
+
+# Each scaled RoPE type's keys in scaled_rope (transformers' rope_parameters names): (required, optional).
+# yarn and longrope derive a missing factor as max_positions / original_max_position_embeddings.
+ROPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (("original_max_position_embeddings",),
+             ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+}
+
+
+def _validate_scaled_rope(d: dict, half_dim: int) -> None:
+    """scaled_rope: a known rope_type, its required keys, no unknown ones, finite positive numbers, factor
+    lists of one entry per rotated pair (half_dim)."""
+    kind = d.get("rope_type")
+    _need(kind in ROPE_TYPES, "scaled_rope.rope_type",
+          f"unknown scaled RoPE {str(kind)[:40]!r}; choose one of {', '.join(ROPE_TYPES)}")
+    required, optional = ROPE_KEYS[kind]
+    for key in required:
+        _need(key in d, f"scaled_rope.{key}", f"required by rope_type {kind!r}")
+    for key, v in d.items():
+        if key == "rope_type":
+            continue
+        _need(key in required + optional, f"scaled_rope.{str(key)[:40]}",
+              f"not a key of rope_type {kind!r} (its keys: {', '.join(required + optional)})")
+        if key == "truncate":
+            _need(isinstance(v, bool), f"scaled_rope.{key}", f"expected true or false, got {str(v)[:40]}")
+        elif key in ("short_factor", "long_factor"):
+            _need(isinstance(v, list) and len(v) == half_dim and all(_positive(x) for x in v), f"scaled_rope.{key}",
+                  f"expected {half_dim} positive numbers (one per rotated pair), got {str(v)[:60]}")
+        elif key == "original_max_position_embeddings":
+            _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_DIM, f"scaled_rope.{key}",
+                  f"expected a positive integer, got {str(v)[:40]}")
+        elif key in ("mscale", "mscale_all_dim"):  # 0 turns the mscale ratio off, as in transformers
+            _need(_positive(v) or v == 0, f"scaled_rope.{key}", f"expected a finite number >= 0, got {str(v)[:40]}")
+        else:
+            _need(_positive(v), f"scaled_rope.{key}", f"expected a finite number > 0, got {str(v)[:40]}")
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 _FIELD_TYPES: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}

@@ -6,16 +6,22 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     embed.weight                              [V, D]
     pos_embed.weight                          [P, D]        position == "learned"
     layers.{i}.attn_norm.weight / .bias       [D]           bias iff norm_bias
-    layers.{i}.ffn_norm.weight / .bias        [D]           block != "parallel"
+    layers.{i}.ffn_norm.weight / .bias        [D]           block != "parallel"; both absent iff norm_position post
+    layers.{i}.attn_post_norm.weight / .bias  [D]           norm_position == "post" (OLMo 2): the attention's
+    layers.{i}.ffn_post_norm.weight / .bias   [D]           and the FFN's output normed before the residual add
     dense attention (attn_experts == 0):
     layers.{i}.attn.q.weight                  [H*Dh, D]     .bias [H*Dh] iff qkv_bias
     layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     .bias iff qkv_bias
     layers.{i}.attn.o.weight                  [D, H*Dh]     .bias [D] iff o_bias
+    layers.{i}.attn.q_norm.weight             [Dh] or [H*Dh]  qk_norm head / full (norm_bias: .bias)
+    layers.{i}.attn.k_norm.weight             [Dh] or [G*Dh]  qk_norm head / full
     attention experts (attn_experts == E > 0):
     layers.{i}.attn_router.*                  the router's tensors (runtime/routers.py; linear: weight [E, D])
     layers.{i}.attn_experts.q.weight          [E, H*Dh, D]  (and o: [E, D, H*Dh]; biases [E, *])
     layers.{i}.attn_experts.k.weight / .v     [E, G*Dh, D]  kv_mode == "expert"
     layers.{i}.attn.k.weight / attn.v.weight  [G*Dh, D]     kv_mode == "shared" (one K, V)
+    layers.{i}.attn_experts.q_norm.weight     [E, Dh or H*Dh]  each expert's own QK-norm; k_norm [E, ...] with
+                                                            expert KV, attn.k_norm (shared like K) with shared KV
     dense FFN (ffn_experts == 0):
     layers.{i}.ffn.gate.weight                [F, D]        swiglu only
     layers.{i}.ffn.up.weight                  [F, D]        .bias [F] iff ffn_bias
@@ -50,10 +56,18 @@ def _linear(out: dict[str, Shape], prefix: str, n_out: int, n_in: int, bias: boo
         out[f"{prefix}.bias"] = lead + (n_out,)
 
 
-def _norm(out: dict[str, Shape], prefix: str, cfg: ModelConfig) -> None:
-    out[f"{prefix}.weight"] = (cfg.d_model,)
+def _norm(out: dict[str, Shape], prefix: str, cfg: ModelConfig, width: int | None = None, experts: int = 0) -> None:
+    lead: Shape = (experts,) if experts else ()
+    out[f"{prefix}.weight"] = lead + (width or cfg.d_model,)
     if cfg.norm_bias:
-        out[f"{prefix}.bias"] = (cfg.d_model,)
+        out[f"{prefix}.bias"] = lead + (width or cfg.d_model,)
+
+
+def qk_norm_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """The widths of the query and key norms: one head (Qwen3) or every head at once (OLMo 2)."""
+    if cfg.qk_norm == "head":
+        return cfg.head_dim, cfg.head_dim
+    return cfg.q_dim, cfg.kv_dim
 
 
 def router_tensors(cfg: ModelConfig) -> dict[str, RouterTensor]:
@@ -81,26 +95,40 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     D, F = cfg.d_model, cfg.ffn_hidden
     out: dict[str, Shape] = {}
     p = f"layers.{i}"
-    _norm(out, f"{p}.attn_norm", cfg)
-    if cfg.has_ffn_norm:
-        _norm(out, f"{p}.ffn_norm", cfg)
+    if cfg.norm_position == "pre":
+        _norm(out, f"{p}.attn_norm", cfg)
+        if cfg.has_ffn_norm:
+            _norm(out, f"{p}.ffn_norm", cfg)
     E = cfg.attn_experts
+    qn, kn = qk_norm_widths(cfg)
+    qk = cfg.qk_norm != "none"
     if E:
         _router(out, f"{p}.attn_router", cfg.attn_router_kind, cfg, E)
         if cfg.kv_mode == "expert":
             _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
             _linear(out, f"{p}.attn_experts.k", cfg.kv_dim, D, cfg.qkv_bias, E)
             _linear(out, f"{p}.attn_experts.v", cfg.kv_dim, D, cfg.qkv_bias, E)
+            if qk:
+                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
+                _norm(out, f"{p}.attn_experts.k_norm", cfg, kn, E)
         else:  # shared KV: one K and V for all experts
             _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
             _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
             _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
+            if qk:
+                _norm(out, f"{p}.attn.k_norm", cfg, kn)
+                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
         _linear(out, f"{p}.attn_experts.o", D, cfg.q_dim, cfg.o_bias, E)
     else:
         _linear(out, f"{p}.attn.q", cfg.q_dim, D, cfg.qkv_bias)
         _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
         _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
         _linear(out, f"{p}.attn.o", D, cfg.q_dim, cfg.o_bias)
+        if qk:
+            _norm(out, f"{p}.attn.q_norm", cfg, qn)
+            _norm(out, f"{p}.attn.k_norm", cfg, kn)
+    if cfg.norm_position == "post":
+        _norm(out, f"{p}.attn_post_norm", cfg)
     E = cfg.ffn_experts
     fp = f"{p}.ffn_experts" if E else f"{p}.ffn"
     if E:
@@ -116,6 +144,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{p}.ffn_shared.up", Fs, D, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared.down", D, Fs, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared_gate", 1, D, False)
+    if cfg.norm_position == "post":
+        _norm(out, f"{p}.ffn_post_norm", cfg)
     return out
 
 
@@ -140,7 +170,7 @@ GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", 
 
 _GROUP_RULES = [
     (re.compile(r"^(embed|pos_embed|lm_head)\."), "embeddings"),
-    (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm)\."), "norms"),
+    (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm|attn_post_norm|ffn_post_norm|q_norm|k_norm)\."), "norms"),
     (re.compile(r"\.(attn_router|ffn_router|ffn_shared_gate)\."), "routers"),
     (re.compile(r"\.attn_experts\."), "attention_experts"),
     (re.compile(r"\.attn\."), "attention"),

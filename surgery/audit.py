@@ -41,7 +41,7 @@ CONVENTIONS = ("exact", "paper")
 
 # layers.{i}.{module}[.{proj}].{weight|bias}, or a top-level {module}.{weight|bias}
 _CANONICAL = re.compile(
-    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z]+))?\.(?P<param>weight|bias)$"
+    r"^(?:layers\.(?P<layer>\d+)\.)?(?P<module>[a-z_]+)(?:\.(?P<proj>[a-z_]+))?\.(?P<param>weight|bias)$"
     # router tensors of any kind: layers.{i}.ffn_router.log_temperature, ...ffn_router.hidden.bias
     r"|^layers\.(?P<rlayer>\d+)\.(?P<router>attn_router|ffn_router)\.(?P<rest>[a-z_.]+)$")
 
@@ -167,7 +167,8 @@ def apply_paper_deviations(cfg: ModelConfig, counts: list[TensorCount]
 # shapes); the others are whole-model. The paper's rows are active counts: its ffn_exp for BTX top-3
 # is 3 experts' worth, its BAM attn_out all 4 experts' (soft routing).
 TABLE5_ROWS: tuple[tuple[str, bool, Callable[[TensorRole], bool]], ...] = (
-    ("layernorm / Block", True, lambda r: r.module in ("attn_norm", "ffn_norm")),
+    ("layernorm / Block", True, lambda r: r.module in ("attn_norm", "ffn_norm", "attn_post_norm", "ffn_post_norm")
+     or r.proj in ("q_norm", "k_norm")),
     ("attn_out / Block", True, lambda r: r.module in ("attn", "attn_experts") and r.proj == "o"),
     ("qkv_proj / Block", True, lambda r: r.module in ("attn", "attn_experts") and r.proj in ("q", "k", "v")),
     ("ffn_exp / Block", True, lambda r: r.module in ("ffn", "ffn_experts") and r.proj in ("gate", "up")),

@@ -27,6 +27,7 @@ FIELDS = {
     "qkv_bias": False, "o_bias": False, "ffn_bias": False, "lm_head_bias": False,
     "position": "rope", "rope_theta": 10000.0, "rotary_fraction": 1.0, "rope_interleaved": False,
     "max_positions": 2048, "block": "sequential", "tie_embeddings": False, "logit_scale": 1.0, "final_norm": True,
+    "scaled_rope": None, "nope_layers": None, "qk_norm": "none", "norm_position": "pre",
     # ---- mixture ----
     "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax", "ffn_shared_hidden": 0,
     "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",
@@ -45,6 +46,8 @@ SUPPORTED = {
     "norm": ("layernorm", "rmsnorm"),
     "position": ("rope", "learned", "none"),
     "block": ("sequential", "parallel", "parallel_two_norms"),
+    "qk_norm": ("none", "head", "full"),
+    "norm_position": ("pre", "post"),
     "gate_norm": ("softmax", "topk_softmax"),
     "kv_mode": ("expert", "shared"),
     "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
