@@ -75,6 +75,10 @@ def is_norm_or_embedding(name: str) -> bool:
     return name.startswith(("embed.", "pos_embed.", "lm_head.", "final_norm.")) or "_norm." in name
 
 
+def is_qk_norm(name: str) -> bool:
+    return ".q_norm." in name or ".k_norm." in name
+
+
 def dense_family(cfg: ModelConfig, n: int, seed: int = 0, share_kv: bool = False,
                  share_attention: bool = False) -> list[dict[str, torch.Tensor]]:
     """n different dense states that share norms and embeddings (as after branching from one seed and
@@ -84,8 +88,8 @@ def dense_family(cfg: ModelConfig, n: int, seed: int = 0, share_kv: bool = False
     for j in range(1, n):
         other = random_state(cfg, seed + 101 * j)
         for name in other:
-            shared = is_norm_or_embedding(name)
-            shared |= share_kv and (".attn.k." in name or ".attn.v." in name)
+            shared = is_norm_or_embedding(name) and not is_qk_norm(name)  # a QK-norm belongs to its attention
+            shared |= share_kv and (".attn.k." in name or ".attn.v." in name or ".attn.k_norm." in name)
             shared |= share_attention and ".attn." in name
             if shared:
                 other[name] = base[name].clone()
@@ -160,14 +164,20 @@ def _lin(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor
     return y + b if b is not None else y
 
 
-def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """One multi-head attention; w has q/k/v/o .weight (and .bias) of one dense attention; x [B, T, D]."""
+def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    """One multi-head attention of layer `layer`; w has q/k/v/o .weight (and .bias) of one dense attention, and
+    q_norm/k_norm with a QK-norm; x [B, T, D]. Plain RoPE only (scaled RoPE is held to transformers)."""
+    assert cfg.scaled_rope is None
     B, T, _ = x.shape
     H, G, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q = _lin(x, w, "q").reshape(B, T, H, Dh)
-    k = _lin(x, w, "k").reshape(B, T, G, Dh)
+    q, k = _lin(x, w, "q"), _lin(x, w, "k")
+    if cfg.qk_norm != "none":  # per head: over the last Dh values of each head; full: over the whole projection
+        per_head = cfg.qk_norm == "head"
+        q = ref_norm(cfg, q.reshape(B, T, H, Dh) if per_head else q, w["q_norm.weight"], w.get("q_norm.bias"))
+        k = ref_norm(cfg, k.reshape(B, T, G, Dh) if per_head else k, w["k_norm.weight"], w.get("k_norm.bias"))
+    q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, G, Dh)
     v = _lin(x, w, "v").reshape(B, T, G, Dh)
-    if cfg.position == "rope":
+    if cfg.position == "rope" and layer not in (cfg.nope_layers or ()):
         q, k = ref_rope(cfg, q), ref_rope(cfg, k)
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
     heads = []
@@ -252,13 +262,13 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
 
     def attention(p, n):
         if not cfg.attn_experts:
-            return ref_attention(cfg, sub(s, f"{p}.attn"), n)
+            return ref_attention(cfg, sub(s, f"{p}.attn"), n, layer)
 
         def expert(e):
             w = sub(s, f"{p}.attn_experts", e)
             if cfg.kv_mode == "shared":
                 w.update(sub(s, f"{p}.attn"))
-            return ref_attention(cfg, w, n)
+            return ref_attention(cfg, w, n, layer)
         return mix("attn", n, p, cfg.attn_experts, cfg.attn_top_k, attn_gates, expert)
 
     def ffn(p, n):
@@ -272,8 +282,11 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
         return routed + gate * ref_ffn(cfg, sub(s, f"{p}.ffn_shared"), n)
 
     for i in range(cfg.n_layers):
-        p = f"layers.{i}"
-        if cfg.block == "sequential":
+        p, layer = f"layers.{i}", i
+        if cfg.norm_position == "post":  # OLMo 2: the sublayer's output normed, then added
+            h = x + norm(f"{p}.attn_post_norm", attention(p, x))
+            x = h + norm(f"{p}.ffn_post_norm", ffn(p, h))
+        elif cfg.block == "sequential":
             h = x + attention(p, norm(f"{p}.attn_norm", x))
             x = h + ffn(p, norm(f"{p}.ffn_norm", h))
         elif cfg.block == "parallel":

@@ -47,6 +47,15 @@ def dense_variant(i: int, block: str, pos: dict) -> dict:
 
 DENSE_CASES = [(f"{b}-{p}", dense_variant(i, b, pos))
                for i, (b, (p, pos)) in enumerate((b, pp) for b in BLOCKS for pp in POSITIONS.items())]
+# the newer families' features: QK-norm per head (Qwen3) or full width with post-norms (OLMo 2), layers
+# without RoPE (SmolLM3); each with GQA and a norm kind of its own
+FAMILY_FEATURES = {
+    "qk_head": dict(qk_norm="head", n_kv_heads=2, head_dim=16),
+    "qk_full_post": dict(qk_norm="full", norm_position="post", n_kv_heads=2),
+    "qk_head_layernorm_bias": dict(qk_norm="head", norm="layernorm", norm_bias=True, n_kv_heads=2, n_heads=2),
+    "nope_layer": dict(nope_layers=[1], n_kv_heads=2),
+}
+DENSE_CASES += [(f"family-{n}", f) for n, f in FAMILY_FEATURES.items()]
 
 MIXTURES = {
     "soft_moa_expert_kv": dict(attn_experts=3),
@@ -66,6 +75,8 @@ ROUTER_KIND_MIXTURES = {
     "mixed": dict(ffn_experts=3, ffn_top_k=2, attn_experts=3, router="mlp", attn_router="expert_embedding",
                   router_hidden=16, gate_norm="topk_softmax"),
 }
+MIXTURE_CASES += [(f"{m}-family-{n}", dict(mix, **f)) for n, f in FAMILY_FEATURES.items()
+                  for m, mix in MIXTURES.items() if m in ("soft_moa_shared_kv", "bam")]
 MIXTURE_CASES += [(f"router_{m}-{b}", dict(mix, **dense_variant(j, b, list(POSITIONS.values())[j % 6])))
                   for j, ((m, mix), b) in enumerate(zip(ROUTER_KIND_MIXTURES.items(), BLOCKS * 2))]
 
@@ -169,6 +180,19 @@ IDENTITY_MIXTURES = {
 }
 
 
+@pytest.mark.parametrize("feature", list(FAMILY_FEATURES))
+@pytest.mark.parametrize("name", ["soft_moa_expert_kv", "soft_moa_shared_kv", "bam_soft_moa_ffn_top2"])
+def test_identical_copies_equal_dense_family_features(name, feature):
+    dense_cfg = tiny_config(**FAMILY_FEATURES[feature])
+    mix_cfg = dense_cfg.replace(**IDENTITY_MIXTURES[name])
+    dense = random_state(dense_cfg, 5)
+    tokens = tokens_for(dense_cfg, 5)
+    with torch.no_grad():
+        want = build_model(dense_cfg, dense)(tokens).logits
+        got = build_model(mix_cfg, mixture_state(mix_cfg, [dense] * 3, router_seed=11))(tokens).logits
+    assert max_diff(got, want) < TOL
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("name", list(IDENTITY_MIXTURES))
 def test_identical_copies_equal_dense(name, block):
@@ -206,11 +230,12 @@ FORCED_MIXTURES = {
 }
 
 
-@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("block", BLOCKS + tuple(f"family-{n}" for n in FAMILY_FEATURES))
 @pytest.mark.parametrize("name", list(FORCED_MIXTURES))
 def test_forced_expert_reproduces_dense_model(name, block):
     mix, share = FORCED_MIXTURES[name]
-    dense_cfg = tiny_config(block=block, n_kv_heads=2, qkv_bias=True, o_bias=True)
+    trunk = FAMILY_FEATURES[block[7:]] if block.startswith("family-") else dict(block=block)
+    dense_cfg = tiny_config(**{**dict(n_kv_heads=2, qkv_bias=True, o_bias=True), **trunk})
     mix_cfg = dense_cfg.replace(**mix)
     family = dense_family(dense_cfg, 3, seed=21, **share)
     tokens = tokens_for(dense_cfg, 2)
