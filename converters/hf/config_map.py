@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.config import ROPE_KEYS, ConfigError, ModelConfig
 
 from ..base import CapabilityError
 
@@ -194,21 +194,30 @@ class DerivedEqual(Field):
 
 @dataclass
 class Rope(Field):
-    """RoPE base and rotated fraction, from transformers 5 `rope_parameters` or the older top-level keys.
+    """RoPE base, rotated fraction and scaling, from transformers 5 `rope_parameters` or the older top-level
+    `rope_theta` / `rope_scaling` keys.
 
-    Only plain RoPE is supported (rope_type "default"); scaled variants are a capability error.
-    HF rotates int(head_dim * factor) dims, so the canonical fraction is that count / head_dim.
+    Scaled RoPE (rope_type linear, dynamic, yarn, longrope, llama3) becomes the canonical `scaled_rope`: the
+    type's keys (runtime/config.py ROPE_KEYS) taken as transformers standardizes them (llama3, yarn and
+    longrope default original_max_position_embeddings to max_position_embeddings; Phi-3 keeps it at the top
+    level, where it wins). `aliases` renames legacy types (Phi-3: su and yarn are longrope). Per-layer-type
+    RoPE is refused unless every type has the same. HF rotates int(head_dim * factor) dims, so the canonical
+    fraction is that count / head_dim.
     """
 
     default_theta: float
     default_fraction: float | None = None  # None: the architecture has no partial rotary
     legacy_theta_key: str = "rope_theta"
     legacy_fraction_key: str = "partial_rotary_factor"
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    original_key: str | None = None  # a top-level original_max_position_embeddings that wins (Phi-3)
 
     def __post_init__(self):
         self.hf_keys = ("rope_parameters", "rope_scaling", "rope_theta", self.legacy_theta_key) + (
-            (self.legacy_fraction_key,) if self.default_fraction is not None else ())
-        self.canonical = ("rope_theta",) + (("rotary_fraction",) if self.default_fraction is not None else ())
+            (self.legacy_fraction_key,) if self.default_fraction is not None else ()) + (
+            (self.original_key,) if self.original_key else ())
+        self.canonical = ("rope_theta", "scaled_rope") + (
+            ("rotary_fraction",) if self.default_fraction is not None else ())
 
     def read(self, hf, out, notes):
         # transformers 4 wrote rope_scaling (None for plain RoPE), 5 writes rope_parameters, which may
@@ -219,18 +228,16 @@ class Rope(Field):
                 raise CapabilityError(f"rope_parameters differ between layer types ({', '.join(params)}); "
                                       "one RoPE for all layers is supported")
             params = next(iter(params.values()))
-        dicts = [d for d in (hf.get("rope_scaling"), params) if isinstance(d, dict)]
-        for key, d in zip(("rope_scaling", "rope_parameters"), dicts):
-            rope_type = d.get("rope_type", d.get("type", "default"))
-            if rope_type != "default":
-                raise CapabilityError(f"{key}: rope_type={rope_type!r} (scaled RoPE) is not supported; "
-                                      "only plain RoPE")
+        named = [(k, d) for k, d in (("rope_scaling", hf.get("rope_scaling")), ("rope_parameters", params))
+                 if isinstance(d, dict)]
+        dicts = [d for _, d in named]
 
         def first(key: str, *fallbacks):
             vals = [d.get(key) for d in dicts] + [hf.get(key), *fallbacks]
             return next((v for v in vals if v is not None), None)
 
         out["rope_theta"] = float(first("rope_theta", hf.get(self.legacy_theta_key), self.default_theta))
+        out["scaled_rope"] = self._scaled(hf, named)
         frac = first("partial_rotary_factor", hf.get(self.legacy_fraction_key), self.default_fraction, 1.0)
         if self.default_fraction is None:
             if float(frac) != 1.0:
@@ -242,14 +249,37 @@ class Rope(Field):
         head_dim = out.get("head_dim") or d_model // n_heads
         out["rotary_fraction"] = int(head_dim * float(frac)) / head_dim
 
+    def _scaled(self, hf: Mapping[str, Any], named: list[tuple[str, dict]]) -> dict[str, Any] | None:
+        """The canonical scaled_rope from the first RoPE dict naming a type other than default, or None."""
+        for key, d in named:
+            rope_type = d.get("rope_type", d.get("type", "default"))
+            rope_type = self.aliases.get(rope_type, rope_type)
+            if rope_type == "default":
+                continue
+            if rope_type not in ROPE_KEYS:
+                raise CapabilityError(f"{key}: rope_type={str(rope_type)[:40]!r} is not supported "
+                                      f"(supported: default, {', '.join(ROPE_KEYS)})")
+            required, optional = ROPE_KEYS[rope_type]
+            scaled = {"rope_type": rope_type, **{k: d[k] for k in required + optional if d.get(k) is not None}}
+            if "original_max_position_embeddings" in required:
+                top = hf.get(self.original_key) if self.original_key else None
+                scaled["original_max_position_embeddings"] = (
+                    top or scaled.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+            return scaled
+        return None
+
     def write(self, cfg, model_type):
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.scaled_rope is not None:
+            params.update(cfg.scaled_rope)
         body: dict[str, Any] = {"rope_theta": cfg.rope_theta}  # read by transformers < 5
         if self.legacy_theta_key != "rope_theta":
             body[self.legacy_theta_key] = cfg.rope_theta
         if self.default_fraction is not None:
             params["partial_rotary_factor"] = cfg.rotary_fraction
             body[self.legacy_fraction_key] = cfg.rotary_fraction
+        if self.original_key and cfg.scaled_rope and "original_max_position_embeddings" in cfg.scaled_rope:
+            body[self.original_key] = cfg.scaled_rope["original_max_position_embeddings"]
         body["rope_parameters"] = params
         return body
 
@@ -275,6 +305,37 @@ class SlidingWindow(Field):
     def write(self, cfg, model_type):
         # the canonical model attends to the whole causal prefix: no window
         return {self.hf_key: None, **({self.enabled_key: False} if self.enabled_key else {})}
+
+
+@dataclass
+class NoRopeLayers(Field):
+    """SmolLM3's no_rope_layers (1: the layer applies RoPE, 0: it does not; default: every no_rope_layer_interval-th
+    layer has none) <-> the canonical nope_layers (the indices of the layers without RoPE)."""
+
+    hf_key: str = "no_rope_layers"
+    interval_key: str = "no_rope_layer_interval"
+    default_interval: int = 4
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key, self.interval_key), ("nope_layers",)
+
+    def read(self, hf, out, notes):
+        n_layers = out.get("n_layers")
+        if not isinstance(n_layers, int) or n_layers <= 0:
+            return  # ModelConfig names the bad layer count
+        flags = hf.get(self.hf_key)
+        if flags is None:
+            interval = int(_value(hf, self.interval_key, self.default_interval))
+            if interval <= 0:
+                raise ConfigError(f"{self.interval_key}: must be a positive integer, got {interval}")
+            flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) for f in flags):
+            raise ConfigError(f"{self.hf_key}: expected {n_layers} flags of 0 or 1 (one per layer), got {str(flags)[:60]}")
+        out["nope_layers"] = [i for i, f in enumerate(flags) if not f] or None
+
+    def write(self, cfg, model_type):
+        nope = set(cfg.nope_layers or ())
+        return {self.hf_key: [int(i not in nope) for i in range(cfg.n_layers)]}
 
 
 @dataclass
@@ -386,19 +447,24 @@ def model_config_to_hf(cfg: ModelConfig, spec: ConfigSpec, model_type: str) -> d
 
 
 # ---- the specs ------------------------------------------------------------------------------
-def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool = False) -> tuple[Field, ...]:
+def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool = False,
+           head_dim_default: int | None = None) -> tuple[Field, ...]:
     """The Llama-style size keys shared by llama, mistral, qwen2, gpt_neox, cohere, phi."""
     out: list[Field] = [Same("vocab_size", "vocab_size"), Same("hidden_size", "d_model"),
                         Same("num_hidden_layers", "n_layers"), Same("num_attention_heads", "n_heads"),
                         Same("intermediate_size", "ffn_hidden"),
                         Same("max_position_embeddings", "max_positions", max_positions_default)]
     out.append(Same("num_key_value_heads", "n_kv_heads", None) if kv_heads else DerivedEqual("n_kv_heads", "n_heads"))
-    out.append(Same("head_dim", "head_dim", None) if head_dim_key else DerivedEqual("head_dim", "d_model/n_heads"))
+    out.append(Same("head_dim", "head_dim", head_dim_default) if head_dim_key
+               else DerivedEqual("head_dim", "d_model/n_heads"))
     return tuple(out)
 
 
 # every dense architecture here ends with a norm before its head (final_norm: fixed True)
-_ROPE_ONLY = dict(position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0, final_norm=True)
+# the trunk features of the newer families, off (each family's spec fixes or reads its own)
+_PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None)
+_ROPE_ONLY = dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0,
+                  final_norm=True)
 _LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
 
 LLAMA = ConfigSpec(
@@ -445,7 +511,8 @@ GPT2 = ConfigSpec(
             Same("layer_norm_epsilon", "norm_eps", 1e-5), Same("tie_word_embeddings", "tie_embeddings", True),
             Require("scale_attn_weights", True, "attention is scaled by 1/sqrt(head_dim)"),
             Require("scale_attn_by_inverse_layer_idx", False), Require("add_cross_attention", False)),
-    fixed=dict(norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0, rotary_fraction=1.0,
+    fixed=dict(_PLAIN_TRUNK, norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0,
+               rotary_fraction=1.0, scaled_rope=None,
                rope_interleaved=False, block="sequential", qkv_bias=True, o_bias=True, ffn_bias=True,
                lm_head_bias=False, logit_scale=1.0, final_norm=True),
 )
@@ -457,7 +524,7 @@ COHERE = ConfigSpec(
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("logit_scale", "logit_scale", 0.0625),
         Require("use_qk_norm", False, "per-head QK layernorm is not modelled")),
     # one bias-free layernorm shared by attention and FFN; RoPE on interleaved pairs
-    fixed=dict(position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
+    fixed=dict(_PLAIN_TRUNK, position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
                block="parallel", ffn_bias=False, lm_head_bias=False, final_norm=True),
 )
 
@@ -466,6 +533,49 @@ PHI = ConfigSpec(
         Activation("hidden_act", gated=False, default="gelu_new"), Same("layer_norm_eps", "norm_eps", 1e-5),
         Rope(default_theta=10000.0, default_fraction=0.5), Same("tie_word_embeddings", "tie_embeddings", False),
         Require("qk_layernorm", False, "per-head QK layernorm is not modelled")),
-    fixed=dict(position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
+    fixed=dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
                qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0, final_norm=True),
+)
+
+# ---- the families of 2024-25 -----------------------------------------------------------------
+# Qwen3: Llama with a per-head RMS QK-norm, an explicit head_dim and no q/k/v biases by default.
+QWEN3 = ConfigSpec(
+    fields=_sizes(32768, head_dim_key=True, head_dim_default=128) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
+        SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+    fixed=dict(_LLAMA_FIXED, qk_norm="head", ffn_bias=False),
+)
+
+# Phi-3 / Phi-3.5 / Phi-4-mini: Llama with fused qkv and gate_up projections, partial rotary (Phi-4-mini), longrope
+# (the 128k models: its legacy names su and yarn mean longrope), original_max_position_embeddings at the top level.
+PHI3 = ConfigSpec(
+    fields=_sizes(4096) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
+        Rope(default_theta=10000.0, default_fraction=1.0, aliases={"su": "longrope", "yarn": "longrope"},
+             original_key="original_max_position_embeddings"),
+        Same("tie_word_embeddings", "tie_embeddings", False), SlidingWindow("sliding_window")),
+    fixed=dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", qkv_bias=False, o_bias=False,
+               ffn_bias=False),
+)
+
+# OLMo 2: no norm before the sublayers; each sublayer's output RMS-normed before the residual add, and an RMS
+# QK-norm over the full q and k width.
+OLMO2 = ConfigSpec(
+    fields=_sizes(2048) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
+        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
+    fixed=dict(_LLAMA_FIXED, qk_norm="full", norm_position="post", ffn_bias=False),
+)
+
+# SmolLM3: Llama with no RoPE in every fourth layer (no_rope_layers), tied embeddings by default.
+SMOLLM3 = ConfigSpec(
+    fields=_sizes(32768) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=2000000.0), Same("tie_word_embeddings", "tie_embeddings", True),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False),
+        NoRopeLayers(), SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+    fixed={k: v for k, v in _LLAMA_FIXED.items() if k != "nope_layers"},
 )

@@ -97,6 +97,20 @@ class SplitQKV(ReshapeOp):
         return [torch.cat(list(canonical), dim=0)]
 
 
+class SplitGateUp(ReshapeOp):
+    """Phi-3's gate_up_proj: rows [gate; up] [2F, D] <-> gate [F, D], up [F, D] (transformers chunks it in two)."""
+
+    name = "split_gate_up"
+
+    def forward(self, hf, cfg):
+        if hf[0].shape[0] != 2 * cfg.ffn_hidden:
+            raise ValueError(f"fused gate_up has {hf[0].shape[0]} rows, config implies 2*ffn_hidden = {2 * cfg.ffn_hidden}")
+        return list(torch.split(hf[0], cfg.ffn_hidden, dim=0))
+
+    def inverse(self, canonical, cfg):
+        return [torch.cat(list(canonical), dim=0)]
+
+
 class SplitQKVPerHead(ReshapeOp):
     """GPT-NeoX query_key_value: rows laid out per head as (q, k, v), i.e. [H, 3, Dh, ...] flattened.
 
@@ -162,5 +176,6 @@ DROP = Drop()
 TRANSPOSE = Transpose()
 SPLIT_QKV = SplitQKV()
 SPLIT_QKV_PER_HEAD = SplitQKVPerHead()
+SPLIT_GATE_UP = SplitGateUp()
 CONV1D_SPLIT_QKV = Chain(TRANSPOSE, SPLIT_QKV)  # GPT-2 c_attn.weight [D, 3D] -> q, k, v [D, D]
 STACK = Stack()

@@ -167,7 +167,7 @@ def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathL
 
     architecture: the HF model_type to write (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi).
     tokenizer_from: a reader (an HF input) or a directory; its tokenizer files and generation config
-    are copied and its config's bos/eos/pad token ids carried over.
+    are copied and its config's bos/eos/pad token ids carried over (null where it has none).
     model_card: markdown written as README.md.
     """
     if isinstance(source, Mapping):
@@ -176,7 +176,7 @@ def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathL
         source = StateReader(source, config)
     arch = lookup_architecture(architecture)
     tok_files, tok_config = _tokenizer_source(tokenizer_from)
-    return export_architecture(source, out_dir, arch, token_ids={k: tok_config[k] for k in TOKEN_ID_KEYS
-                                                                 if k in tok_config},
+    # None where the source has none, not the config class's defaults (Phi-3's pad 32000 is past a small vocabulary)
+    return export_architecture(source, out_dir, arch, token_ids={k: tok_config.get(k) for k in TOKEN_ID_KEYS},
                                texts={} if model_card is None else {"README.md": model_card}, copies=tok_files,
                                max_shard_bytes=max_shard_bytes, dtype=dtype, replace=replace)

@@ -31,6 +31,54 @@ from bam_surgery.runtime.model import Model  # noqa: E402
 
 TOL = 1e-4
 SMALL = dict(vocab_size=100, num_hidden_layers=2)
+# The families of 2024-25, shrunk from the real configs (their RoPE parameters, GQA, head_dim, ties, norms as
+# published; widths and depths tiny): tests/converters/test_hf_families.py adds long positions and decoding.
+LLAMA32_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=4096,
+                short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.0 + 2.5 * i for i in range(8)])
+FAMILY_CASES = {
+    "llama3.2": ("LlamaConfig", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA32_ROPE)),
+    "llama-linear": ("LlamaConfig", dict(SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "llama-dynamic": ("LlamaConfig", dict(SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                          max_position_embeddings=64,
+                                          rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "llama-yarn": ("LlamaConfig", dict(SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                       max_position_embeddings=131072,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                                            original_max_position_embeddings=32768))),
+    "llama-longrope": ("LlamaConfig", dict(SMALL, hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                                           max_position_embeddings=131072, rope_parameters=LONGROPE)),
+    "qwen3": ("Qwen3Config", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                  max_position_embeddings=40960, rope_parameters=dict(rope_type="default",
+                                                                                      rope_theta=1000000.0))),
+    "qwen3-yarn": ("Qwen3Config", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                       max_position_embeddings=131072,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                                            original_max_position_embeddings=32768))),
+    "phi3": ("Phi3Config", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                num_key_value_heads=4, max_position_embeddings=131072,
+                                original_max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, rope_parameters={k: v for k, v in LONGROPE.items()
+                                                                 if k != "original_max_position_embeddings"})),
+    "phi4-mini": ("Phi3Config", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                          partial_rotary_factor=0.75))),
+    "olmo2": ("Olmo2Config", dict(SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                                  pad_token_id=0, eos_token_id=2,
+                                  rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
+}
 
 # name -> (config class, kwargs). GQA where the architecture has it, partial rotary where it has it,
 # tie flags explicit; variants exercise the optional bias / tie / block paths.
@@ -58,6 +106,7 @@ CASES = {
                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "phi": ("PhiConfig", dict(SMALL, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                               num_key_value_heads=2, partial_rotary_factor=0.5, tie_word_embeddings=False)),
+    **FAMILY_CASES,
 }
 
 
@@ -123,7 +172,7 @@ def test_logits_match_transformers(saved, case):
 def test_export_reproduces_hf_state_dict_and_loads_in_transformers(saved, tmp_path, case):
     hf, d = saved[case]
     reader = open_checkpoint(str(d))
-    out = save_hf(reader, tmp_path / "out", hf.config.model_type)
+    out = save_hf(reader, tmp_path / "out", hf.config.model_type, tokenizer_from=reader)
     original, exported = safetensors_state(d / "model.safetensors"), safetensors_state(out / "model.safetensors")
     assert sorted(exported) == sorted(original)
     for k in original:
@@ -254,8 +303,9 @@ def test_unknown_model_type_is_a_capability_error(saved, tmp_path):
 @pytest.mark.parametrize("case,change,message", [
     ("cohere", dict(use_qk_norm=True), r"use_qk_norm=True is not supported"),
     ("phi", dict(qk_layernorm=True), r"qk_layernorm=True is not supported"),
-    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), r"rope_type='llama3'"),
-    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}), r"rope_type='linear'"),
+    ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 8.0}),
+     r"rope_parameters: rope_type='proportional' is not supported \(supported: default, linear, dynamic, yarn"),
+    ("llama", dict(rope_scaling={"type": "xpos", "factor": 2.0}), r"rope_scaling: rope_type='xpos' is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=True"),
     ("llama", dict(hidden_act="gelu"), r"gated FFN is supported only with SiLU"),
     ("qwen2", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
@@ -286,7 +336,8 @@ def test_export_capability_errors_before_any_io(tmp_path):
 
 # ---- config map: defaults and coverage --------------------------------------------------------
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig"}
+                "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
+                "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
     "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",

@@ -1,0 +1,87 @@
+"""The families of 2024-25 (Llama 3.x with every RoPE type, Qwen3, Phi-3, OLMo 2, SmolLM3) against transformers'
+own classes past the short positions test_hf_import.py covers: logits at positions past
+original_max_position_embeddings (where llama3, yarn and longrope change frequencies and dynamic NTK starts
+scaling), and cached decoding step by step through the same positions, against transformers' own cached forward.
+
+Tolerance 1e-4 on fp32 logits, as everywhere: RoPE frequencies are computed op for op as transformers does, so
+angles agree to the bit even at position 131,000; a wrong frequency rule moves logits by > 1e-2 there.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_import import FAMILY_CASES, TOL, canonical_model, hf_model  # noqa: E402
+from bam_surgery.converters import open_checkpoint  # noqa: E402
+from bam_surgery.runtime.model import Model  # noqa: E402
+
+# where each case's RoPE changes: positions starting before and ending past it
+START = {"llama3.2": 8180, "llama-linear": 500, "llama-dynamic": 50, "llama-yarn": 32760, "llama-longrope": 4090,
+         "qwen3": 40950, "qwen3-yarn": 32760, "phi3": 4090, "phi4-mini": 4000, "olmo2": 4000, "smollm3": 65000}
+LENGTH = 16
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = {}
+    for case in FAMILY_CASES:
+        d = tmp_path_factory.mktemp(case)
+        model = hf_model(case)
+        model.save_pretrained(d)
+        out[case] = (model, canonical_model(open_checkpoint(str(d))))
+    return out
+
+
+def _inputs(vocab: int, start: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (batch, LENGTH), generator=torch.Generator().manual_seed(3))
+    return tokens, torch.arange(start, start + LENGTH)[None].expand(batch, LENGTH)
+
+
+def test_every_case_crosses_its_rope_threshold():
+    """The start positions put the last position past the original length of every scaled case."""
+    for case, (_, kwargs) in FAMILY_CASES.items():
+        rope = kwargs.get("rope_parameters", {})
+        original = rope.get("original_max_position_embeddings", kwargs.get("original_max_position_embeddings"))
+        if rope.get("rope_type") == "dynamic":
+            original = kwargs["max_position_embeddings"]
+        if original:
+            assert START[case] < original < START[case] + LENGTH, case
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_logits_at_long_positions(saved, case):
+    hf, ours = saved[case]
+    tokens, positions = _inputs(hf.config.vocab_size, START[case])
+    with torch.no_grad():
+        ref = hf(tokens, position_ids=positions).logits
+        got = ours(tokens, positions=positions).logits
+    assert (got - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_cached_decoding_past_the_threshold(saved, case):
+    """Prefill the first 10 tokens, then decode one at a time through the threshold, in both: the runtime's static
+    cache against transformers' DynamicCache (dynamic NTK and longrope re-derive frequencies per step in both)."""
+    hf, ours = saved[case]
+    tokens, positions = _inputs(hf.config.vocab_size, START[case], batch=1)
+    cache = ours.new_cache(1, LENGTH)
+    hf_cache = transformers.DynamicCache(config=hf.config)
+    steps = [(0, 10)] + [(t, t + 1) for t in range(10, LENGTH)]
+    with torch.no_grad():
+        for a, b in steps:
+            ref = hf(tokens[:, a:b], position_ids=positions[:, a:b], past_key_values=hf_cache, use_cache=True).logits
+            got = ours(tokens[:, a:b], positions=positions[:, a:b], input_pos=torch.arange(a, b), cache=cache).logits
+            assert (got - ref).abs().max().item() <= TOL, (a, b)
+
+
+def test_scaled_rope_really_differs_from_plain_past_the_original(saved):
+    """Control: the same weights with plain RoPE give other logits at long positions (the check can fail)."""
+    _, scaled = saved["llama3.2"]
+    plain = Model(scaled.config.replace(scaled_rope=None)).eval()
+    plain.load_state_dict(scaled.state_dict())
+    tokens, positions = _inputs(scaled.config.vocab_size, START["llama3.2"])
+    with torch.no_grad():
+        diff = (plain(tokens, positions=positions).logits - scaled(tokens, positions=positions).logits).abs().max()
+    assert diff > 1e-2
