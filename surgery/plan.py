@@ -52,7 +52,8 @@ from .recipe import (SHARED_KV_RULES, WARM_STARTS, MixtureOptions, Recipe, Share
 
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).
-STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\.(?P<rest>(q|k|v|o|gate|up|down)\.(weight|bias))$")
+STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\."
+                     r"(?P<rest>(q|k|v|o|q_norm|k_norm|gate|up|down)\.(weight|bias))$")
 SHARED = re.compile(r"^(?P<layer>layers\.\d+)\.ffn_shared(?P<gate>_gate)?\.(?P<rest>.+)$")  # the shared FFN expert
 
 

@@ -59,14 +59,22 @@ TOP_LEVEL = ("schema", "name", "description", "experts", "defaults", "routers", 
 _DENSE_NAME = re.compile(
     r"^(?P<prefix>layers\.\d+\.)?(?P<kind>embed|pos_embed|attn_norm|ffn_norm|final_norm|lm_head|"
     r"attn\.[qkvo]|ffn\.(?:gate|up|down))\.(?P<param>weight|bias)$")
+# tensors without a kind of their own: a QK-norm (attn.q_norm) and a post-norm (attn_post_norm, ffn_post_norm)
+_FOLLOWER = re.compile(r"^layers\.\d+\.(?:(?P<qk>attn\.[qk])_norm|(?P<post>attn|ffn)_post_norm)\.(?:weight|bias)$")
 
 
 def dense_kind(name: str) -> str:
-    """The kind of a canonical dense tensor name: 'layers.3.attn.q.bias' -> 'attn.q'."""
+    """The kind of a canonical dense tensor name: 'layers.3.attn.q.bias' -> 'attn.q'. Tensors without a kind of
+    their own take the op of the kind they belong to: a QK-norm its projection's ('attn.q_norm' -> 'attn.q', so
+    an attention expert keeps its own and a shared K keeps one shared k norm), a post-norm the pre-norm kind of
+    its sublayer ('attn_post_norm' -> 'attn_norm': averaged, like every norm)."""
     m = _DENSE_NAME.match(name)
-    if not m:
-        raise KeyError(f"{name}: not a canonical dense tensor name")
-    return m.group("kind")
+    if m:
+        return m.group("kind")
+    f = _FOLLOWER.match(name)
+    if f:
+        return f["qk"] or f"{f['post']}_norm"
+    raise KeyError(f"{name}: not a canonical dense tensor name")
 
 
 def parse_attention_routing(value: Any) -> int | None:

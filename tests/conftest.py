@@ -535,3 +535,74 @@ class WrappedReader:
 
     def dtype(self, name):
         return self._r.dtype(name)
+
+
+# ---- Hugging Face models of the families users branch from --------------------------------------------------
+# The families of 2024-25, shrunk from the real configs (their RoPE parameters, GQA, head_dim, ties, norms as
+# published; widths and depths tiny). tests/converters/test_hf_import.py, test_hf_families.py and
+# tests/surgery/test_merge_families.py use them.
+HF_SMALL = dict(vocab_size=100, num_hidden_layers=2)
+LLAMA32_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=4096,
+                short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.0 + 2.5 * i for i in range(8)])
+FAMILY_CASES = {
+    "llama3.2": ("LlamaConfig", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                     max_position_embeddings=131072, rope_parameters=LLAMA32_ROPE)),
+    "llama-linear": ("LlamaConfig", dict(HF_SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
+    "llama-dynamic": ("LlamaConfig", dict(HF_SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                          max_position_embeddings=64,
+                                          rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "llama-yarn": ("LlamaConfig", dict(HF_SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                       max_position_embeddings=131072,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                                            original_max_position_embeddings=32768))),
+    "llama-longrope": ("LlamaConfig", dict(HF_SMALL, hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                                           max_position_embeddings=131072, rope_parameters=LONGROPE)),
+    "qwen3": ("Qwen3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                  max_position_embeddings=40960, rope_parameters=dict(rope_type="default",
+                                                                                      rope_theta=1000000.0))),
+    "qwen3-yarn": ("Qwen3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                       max_position_embeddings=131072,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                                                            original_max_position_embeddings=32768))),
+    "phi3": ("Phi3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                num_key_value_heads=4, max_position_embeddings=131072,
+                                original_max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, rope_parameters={k: v for k, v in LONGROPE.items()
+                                                                 if k != "original_max_position_embeddings"})),
+    "phi4-mini": ("Phi3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                          partial_rotary_factor=0.75))),
+    "olmo2": ("Olmo2Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                                  pad_token_id=0, eos_token_id=2,
+                                  rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+    "smollm3": ("SmolLM3Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
+}
+
+
+def random_hf_model(cls_name: str, kwargs: dict, seed: int = 0, **overrides):
+    """A transformers model of config class `cls_name` with every parameter random (transformers initializes norms
+    to 1 and biases to 0; randomized, a dropped or misplaced norm or bias shows up in the logits), fp32, eval."""
+    import transformers
+
+    hf_cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn_like(p)
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
+            else:
+                p.copy_(r / p.shape[-1] ** 0.5 if "wte" not in name and "embed" not in name else r)
+    return model

@@ -13,7 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_import import FAMILY_CASES, TOL, canonical_model, hf_model  # noqa: E402
+from conftest import FAMILY_CASES  # noqa: E402
+from test_hf_import import TOL, canonical_model, hf_model  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime.model import Model  # noqa: E402
 
