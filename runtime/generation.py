@@ -79,6 +79,7 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
     if compile:  # whole-graph whenever the expert kernel needs no host sync (see blocks.expert_kernel)
         step = torch.compile(decode_step, mode="reduce-overhead" if device.type == "cuda" else None)
     out = torch.full((B, max_new_tokens), fill, dtype=torch.long, device=device)
+    refill_at = _longrope_refill(model.config, T)
     if not max_new_tokens:
         return out
     logits = model(tokens, attention_mask=mask, input_pos=torch.arange(T, device=device), cache=cache,
@@ -93,8 +94,25 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
         if i == max_new_tokens - 1 or (eos is not None and bool(done.all())):
             return out[:, :i + 1]
         pos = torch.tensor([T + i], device=device)
+        if T + i == refill_at:  # the sequence passes longrope's original length: every key with long factors
+            so_far = torch.cat((tokens, out[:, :i + 1]), dim=1)
+            logits = model(so_far, attention_mask=mask, input_pos=torch.arange(T + i + 1, device=device),
+                           cache=cache, logits_to_keep=1).logits[:, -1]
+            token = sample_next(logits, temperature, top_p, uniform())
+            continue
         token = step(model, cache, token[:, None], pos, mask, temperature, top_p, uniform()).clone()
     return out
+
+
+def _longrope_refill(cfg, prompt_len: int) -> int | None:
+    """The slot whose decode step recomputes the whole cache instead: longrope switches every frequency once the
+    sequence passes original_max_position_embeddings, so keys cached before then (short factors) are computed
+    again with the long ones, as transformers' Phi-3 generation does (it drops its cache there). None: never."""
+    s = cfg.scaled_rope
+    if s is None or s["rope_type"] != "longrope":
+        return None
+    original = s["original_max_position_embeddings"]
+    return original if original >= prompt_len else None
 
 
 def _check_generate_args(tokens: Tensor, max_new_tokens: int, temperature: float, top_p: float) -> None:

@@ -58,6 +58,22 @@ VARIANTS = {
     "key_store": dict(block="sequential", norm="layernorm", norm_bias=True, activation="gelu", qkv_bias=True,
                       o_bias=True, ffn_bias=True, lm_head_bias=True, final_norm=False, ffn_experts=6, ffn_top_k=3,
                       gate_norm="topk_softmax", router="key_store", router_temperature=0.1),
+    # the families of 2024-25: Qwen3's per-head QK-norm with YaRN, OLMo 2's post-norms and full-width QK-norm with
+    # shared K/V, Phi-3's longrope (original length 16: generation crosses it), SmolLM3's layer without RoPE with
+    # Llama 3's scaled RoPE
+    "qwen3_yarn": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, head_dim=16,
+                       qk_norm="head", attn_experts=3, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax",
+                       scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+    "olmo2_shared_kv": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, qk_norm="full",
+                            norm_position="post", attn_experts=2, kv_mode="shared", ffn_experts=2, ffn_top_k=1),
+    "phi3_longrope": dict(block="sequential", norm="rmsnorm", activation="swiglu", attn_experts=2, ffn_experts=3,
+                          ffn_top_k=2, gate_norm="topk_softmax",
+                          scaled_rope=dict(rope_type="longrope", original_max_position_embeddings=16,
+                                           short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[1.0, 2.0, 4.0, 8.0])),
+    "smollm3_llama3": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, nope_layers=[1],
+                           attn_experts=2, ffn_experts=2, ffn_top_k=1,
+                           scaled_rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position_embeddings=16)),
 }
 
 
@@ -156,7 +172,8 @@ def test_generate_with_cache_matches_runtime(exported, variant):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("variant", ["bam_expert_kv", "topk_attention", "sequential_learned", "btx"])
+@pytest.mark.parametrize("variant", ["bam_expert_kv", "topk_attention", "sequential_learned", "btx", "olmo2_shared_kv",
+                                     "phi3_longrope"])
 def test_left_padded_batch(exported, variant):
     model, _, hf = exported(variant)
     gen = torch.Generator().manual_seed(5)

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import FAMILY_CASES  # noqa: E402
+from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
 from test_hf_import import TOL, canonical_model, hf_model  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime.model import Model  # noqa: E402
@@ -86,3 +86,23 @@ def test_scaled_rope_really_differs_from_plain_past_the_original(saved):
     with torch.no_grad():
         diff = (plain(tokens, positions=positions).logits - scaled(tokens, positions=positions).logits).abs().max()
     assert diff > 1e-2
+
+
+@pytest.mark.parametrize("case", ["phi3", "llama3.2", "qwen3", "olmo2", "smollm3"])
+def test_greedy_generation_equals_transformers(tmp_path, case):
+    """runtime.generate against transformers' generate, greedy, through the threshold: Phi-3's longrope with its
+    original length shrunk to 32 (transformers' Phi-3 drops its cache where the frequencies switch; the runtime
+    computes its cache again there), the others at their real parameters."""
+    from bam_surgery.runtime.generation import generate
+
+    cls_name, kwargs = FAMILY_CASES[case]
+    if case == "phi3":
+        kwargs = dict(kwargs, original_max_position_embeddings=32, max_position_embeddings=1024)
+    hf = random_hf_model(cls_name, kwargs, seed=5)
+    hf.save_pretrained(tmp_path)
+    ours = canonical_model(open_checkpoint(str(tmp_path)))
+    prompt = torch.randint(3, hf.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=14, do_sample=False, eos_token_id=None, pad_token_id=0)[:, 26:]
+    got = generate(ours, prompt, 14)
+    assert torch.equal(got, want), (got, want)

@@ -43,6 +43,16 @@ KINDS = {
                           qkv_bias=True, o_bias=True, logit_scale=0.5),
     "bam_topk_attention": dict(attn_experts=3, attn_top_k=1, gate_norm="topk_softmax", ffn_experts=4, ffn_top_k=2,
                                activation="relu", position="none"),
+    # the families of 2024-25: QK-norm per head with Llama 3's RoPE; post-norms, full QK-norm and a layer without
+    # RoPE with longrope crossing its original length (8) inside the traced and the decoded lengths; dynamic NTK
+    "bam_qwen3_llama3": dict(attn_experts=3, ffn_experts=3, n_kv_heads=2, qk_norm="head",
+                             scaled_rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=8)),
+    "bam_olmo2_longrope": dict(attn_experts=2, kv_mode="shared", ffn_experts=2, n_kv_heads=2, qk_norm="full",
+                               norm_position="post", nope_layers=[0],
+                               scaled_rope=dict(rope_type="longrope", original_max_position_embeddings=8,
+                                                short_factor=[1.0, 1.2, 1.4, 1.6], long_factor=[1.0, 3.0, 9.0, 27.0])),
+    "dense_dynamic": dict(n_kv_heads=2, scaled_rope=dict(rope_type="dynamic", factor=4.0)),
 }
 
 
