@@ -85,6 +85,7 @@ from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CAN
 from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
+from .gguf_table import ARCHS, hparams, rope_heads, rope_pairs, tensor_names
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -190,51 +191,6 @@ def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------
-_NAMES = [  # canonical name pattern -> (gguf.MODEL_TENSOR member, suffix)
-    (re.compile(r"embed\.weight"), "TOKEN_EMBD", "weight"),
-    (re.compile(r"final_norm\.weight"), "OUTPUT_NORM", "weight"),
-    (re.compile(r"lm_head\.weight"), "OUTPUT", "weight"),
-    (re.compile(r"layers\.(\d+)\.attn_norm\.weight"), "ATTN_NORM", "weight"),
-    (re.compile(r"layers\.(\d+)\.ffn_norm\.weight"), "FFN_NORM", "weight"),
-    *[(re.compile(rf"layers\.(\d+)\.attn\.{c}\.(weight|bias)"), m, None)
-      for c, m in (("q", "ATTN_Q"), ("k", "ATTN_K"), ("v", "ATTN_V"), ("o", "ATTN_OUT"))],
-    *[(re.compile(rf"layers\.(\d+)\.ffn\.{c}\.(weight|bias)"), m, None)
-      for c, m in (("gate", "FFN_GATE"), ("up", "FFN_UP"), ("down", "FFN_DOWN"))],
-    (re.compile(r"layers\.(\d+)\.ffn_router\.weight"), "FFN_GATE_INP", "weight"),
-    *[(re.compile(rf"layers\.(\d+)\.ffn_experts\.{c}\.weight"), m, "weight")
-      for c, m in (("gate", "FFN_GATE_EXP"), ("up", "FFN_UP_EXP"), ("down", "FFN_DOWN_EXP"))],
-    *[(re.compile(rf"layers\.(\d+)\.ffn_shared\.{c}\.weight"), m, "weight")
-      for c, m in (("gate", "FFN_GATE_SHEXP"), ("up", "FFN_UP_SHEXP"), ("down", "FFN_DOWN_SHEXP"))],
-    (re.compile(r"layers\.(\d+)\.ffn_shared_gate\.weight"), "FFN_GATE_INP_SHEXP", "weight"),
-]
-
-
-def gguf_name(canonical: str, arch: str) -> str:
-    """llama.cpp's name of a canonical tensor ("layers.3.attn.q.weight" -> "blk.3.attn_q.weight")."""
-    g = _gguf()
-    arch_id = next(a for a, n in g.MODEL_ARCH_NAMES.items() if n == arch)
-    for pattern, member, suffix in _NAMES:
-        m = pattern.fullmatch(canonical)
-        if m is None:
-            continue
-        tensor = getattr(g.MODEL_TENSOR, member)
-        if tensor not in g.MODEL_TENSORS[arch_id]:
-            break
-        bid = int(m.group(1)) if m.groups() else None
-        base = g.TENSOR_NAMES[tensor].format(bid=bid)
-        return f"{base}.{suffix or m.group(m.lastindex)}"
-    raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
-
-
-def rope_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a rotate-halves projection (weight [heads * Dh, D] or bias [heads * Dh]) reordered per head so that
-    llama.cpp's pair rotation computes the same (convert_hf_to_gguf.py's LlamaModel.permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_QK = re.compile(r"layers\.\d+\.attn\.([qk])\.(weight|bias)")
-
-
 @dataclass(frozen=True)
 class TensorPlan:
     canonical: str
@@ -251,21 +207,20 @@ def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
     qt = g.GGMLQuantizationType
     matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
     block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
+    names = tensor_names(arch, cfg.n_layers)
     out = []
     for canonical, shape in tensor_shapes(cfg).items():
+        if canonical not in names:
+            raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
         if len(shape) < 2 or "_router." in canonical or "_shared_gate." in canonical:
             qtype = qt.F32
         elif matrix_type == qt.Q8_0 and shape[-1] % block:
             qtype = qt.F16
         else:
             qtype = matrix_type
-        heads = None
-        qk = _QK.fullmatch(canonical)
-        if qk and arch == "llama" and not cfg.rope_interleaved:  # llama rotates pairs: permute rotate-halves rows
-            heads = cfg.n_heads if qk.group(1) == "q" else cfg.n_kv_heads
-        out.append(TensorPlan(canonical, gguf_name(canonical, arch), shape, qtype, heads))
-        if canonical == "embed.weight" and arch == "qwen2moe" and cfg.tie_embeddings:
-            out.append(TensorPlan(canonical, gguf_name("lm_head.weight", arch), shape, qtype, None))
+        out.append(TensorPlan(canonical, names[canonical], shape, qtype, rope_heads(canonical, cfg, arch)))
+        if canonical == "embed.weight" and ARCHS[arch].output_always and cfg.tie_embeddings:
+            out.append(TensorPlan(canonical, names["lm_head.weight"], shape, qtype, None))
     return out
 
 
@@ -575,25 +530,14 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 
 
 def _write_hparams(w, cfg: ModelConfig) -> None:
-    """The architecture's keys llama.cpp reads ({arch}.context_length, ...), as convert_hf_to_gguf.py writes them."""
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_context_length(cfg.max_positions)
-    w.add_embedding_length(cfg.d_model)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.ffn_hidden)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.rotary_dim)
-    w.add_rope_freq_base(float(cfg.rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg.norm_eps))
-    if cfg.ffn_experts:
-        w.add_expert_count(cfg.ffn_experts)
-        w.add_expert_used_count(cfg.ffn_top_k)
-    if cfg.ffn_shared_hidden:  # qwen2moe, as convert_hf_to_gguf.py writes Qwen2-MoE
-        w.add_expert_feed_forward_length(cfg.ffn_hidden)
-        w.add_expert_shared_feed_forward_length(cfg.ffn_shared_hidden)
+    """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order."""
+    for h in hparams():
+        if h.when(cfg):
+            value = getattr(cfg, h.field)
+            if h.kind == "f32":
+                w.add_float32(h.key.format(arch=w.arch), float(value))
+            else:
+                w.add_uint32(h.key.format(arch=w.arch), value)
 
 
 def _write_vocabulary(w, vocab: Vocabulary) -> None:
