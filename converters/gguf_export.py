@@ -85,24 +85,15 @@ from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CAN
 from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
+from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
 from .gguf_table import ARCHS, hparams, rope_heads, rope_pairs, tensor_names
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
+_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
-
-# tokenizer.json pre-tokenizer regexes -> the llama.cpp pre-tokenizer that splits text the same way
-# (llama.cpp's src/llama-vocab.cpp quotes each original regex beside its own)
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {"gpt-2": "ByteLevel (GPT-2's regex)", "llama-bpe": "Split (Llama 3's regex) + ByteLevel",
-                  "qwen2": "Split (Qwen2's regex) + ByteLevel"}
-_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
-
 
 def _gguf():
     import gguf  # lazy: only writing a file needs it; the CLI loads this module for --help and every format
@@ -297,9 +288,11 @@ def pre_tokenizer_name(pre: Any, where: str) -> str:
         regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
         if regex in _SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
             return _SPLIT_REGEXES[regex]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(steps[1], True):
+        return "smollm"
     shown = json.dumps(pre, sort_keys=True)[:120]
     raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
-                          f"(supported: {'; '.join(f'{k}: {v}' for k, v in PRE_TOKENIZERS.items())}, without a "
+                          f"(supported: {'; '.join(f'{k}: {v[1]}' for k, v in PRE_TOKENIZERS.items())}, without a "
                           "prefix space)")
 
 
@@ -372,8 +365,8 @@ def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
     body = read_json(path, expect=dict)
     model = _check_bpe_model(body, where)
     pre = pre_tokenizer_name(body.get("pre_tokenizer"), where)
-    if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
-        how = "ignores" if pre == "llama-bpe" else "applies"
+    if bool(model.get("ignore_merges")) != PRE_TOKENIZERS[pre][2]:
+        how = "ignores" if PRE_TOKENIZERS[pre][2] else "applies"
         raise CapabilityError(f"{where}: ignore_merges {bool(model.get('ignore_merges'))} with a {pre} pre-tokenizer; "
                               f"llama.cpp's {pre} {how} merges on whole words")
     entries = _vocab_entries(body, where)

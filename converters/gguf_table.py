@@ -120,13 +120,16 @@ class GGUFArch:
     name: str
     rope_pairs: bool  # rotates pairs of dimensions (LLAMA_ROPE_TYPE_NORM): rotate-halves Q/K rows permuted
     gate_norm: str | None  # the mixture gates its graph computes; None: no mixture
+    hf_dense: str | None  # the HF model_type of a dense model of this architecture (converters/hf/architectures.py)
+    hf_mixture: str | None  # ... of a mixture
     output_always: bool = False  # loads output.weight even for tied embeddings
 
 
 ARCHS = {
-    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax"),
-    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None),
-    "qwen2moe": GGUFArch("qwen2moe", rope_pairs=False, gate_norm="softmax", output_always=True),
+    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax", hf_dense="llama", hf_mixture="mixtral"),
+    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None, hf_dense="qwen2", hf_mixture=None),
+    "qwen2moe": GGUFArch("qwen2moe", rope_pairs=False, gate_norm="softmax", hf_dense=None, hf_mixture="qwen2_moe",
+                         output_always=True),
 }
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)
 
