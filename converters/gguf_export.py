@@ -86,7 +86,7 @@ from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import ARCHS, hparams, rope_heads, rope_pairs, tensor_names
+from .gguf_table import ARCHS, gguf_module, hparams, rope_heads, rope_pairs, tensor_names
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -94,12 +94,6 @@ SUFFIX = ".gguf"
 _SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
-
-def _gguf():
-    import gguf  # lazy: only writing a file needs it; the CLI loads this module for --help and every format
-
-    return gguf
-
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
 def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -194,7 +188,7 @@ class TensorPlan:
 def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
     """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation; for qwen2moe with
     tied embeddings, the embedding once more as output.weight (llama.cpp's qwen2moe loads no tied head)."""
-    g = _gguf()
+    g = gguf_module()
     qt = g.GGMLQuantizationType
     matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
     block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
@@ -228,12 +222,12 @@ def _encoded(t: TensorPlan, w: torch.Tensor) -> np.ndarray:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
         w = torch.full(w.shape, SHEXP_GATE_EPS, dtype=torch.float32)
-    return _gguf().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
+    return gguf_module().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
 
 
 def _byte_shape(t: TensorPlan) -> tuple[tuple[int, ...], int, Any]:
     """(shape to declare, bytes, numpy dtype) of a tensor in its type, for the header written before the data."""
-    g = _gguf()
+    g = gguf_module()
     qt = g.GGMLQuantizationType
     if t.qtype in (qt.F32, qt.F16):
         dtype = np.float32 if t.qtype == qt.F32 else np.float16
@@ -263,7 +257,7 @@ class Vocabulary:
 
 def byte_vocabulary(vocab_size: int) -> Vocabulary:
     """The runtime's byte tokenizer as a gpt2 vocabulary: 0 end of text, 1..255 the bytes, no merges."""
-    g = _gguf()
+    g = gguf_module()
     chars = byte_symbols()
     tokens = ([EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)]
               + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)])
@@ -360,7 +354,7 @@ def _check_bpe_model(body: dict, where: str) -> dict:
 def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
                    tokenizer_config: Mapping[str, Any]) -> Vocabulary:
     """tokenizer.json (a byte-level BPE) as llama.cpp's gpt2 vocabulary of exactly vocab_size tokens."""
-    g = _gguf()
+    g = gguf_module()
     where = str(path)
     body = read_json(path, expect=dict)
     model = _check_bpe_model(body, where)
@@ -497,7 +491,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
 
 # ---- the writer ------------------------------------------------------------------------------------------
 def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabulary, card: Mapping[str, Any]) -> None:
-    g = _gguf()
+    g = gguf_module()
     w.add_string(GGUF_FORMAT_KEY, FORMAT)  # second entry, after general.architecture: runtime/outputs.py reads it
     w.add_string("bam_surgery.version", __version__)
     w.add_type(g.GGUFType.MODEL)
@@ -534,7 +528,7 @@ def _write_hparams(w, cfg: ModelConfig) -> None:
 
 
 def _write_vocabulary(w, vocab: Vocabulary) -> None:
-    g = _gguf()
+    g = gguf_module()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
@@ -551,7 +545,7 @@ def _write_vocabulary(w, vocab: Vocabulary) -> None:
 
 
 def _writer_class():
-    g = _gguf()
+    g = gguf_module()
 
     class Writer(g.GGUFWriter):
         """GGUFWriter that also packs an empty array (the byte tokenizer's merges), which it refuses."""
@@ -580,7 +574,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         w.write_ti_data_to_file()
         for t in tensors:
             w.write_tensor_data(_encoded(t, reader.get(t.canonical)))
-        fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == _gguf().GGMLQuantizationType.F16]
+        fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
     finally:

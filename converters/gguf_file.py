@@ -30,6 +30,8 @@ import numpy as np
 
 from bam_surgery.runtime.errors import CheckpointError, printable
 
+from .gguf_table import gguf_module
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 had 32-bit counts and is gone from llama.cpp
 DEFAULT_ALIGNMENT = 32
@@ -127,9 +129,7 @@ def _value(cur: _Cursor, vtype: int, key: str, nested: bool = False) -> tuple[An
 
 
 def _quant_sizes() -> dict[int, tuple[int, int]]:
-    import gguf  # lazy: the CLI loads converters for --help
-
-    return {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+    return {int(k): v for k, v in gguf_module().GGML_QUANT_SIZES.items()}
 
 
 def parse_gguf(path: Path) -> GGUFFile:
@@ -186,6 +186,14 @@ def _parse(path: Path, buf, size: int) -> GGUFFile:
         offset = cur.unpack("<Q", f"{where}'s offset")
         raw.append((name, dims, qtype, offset))
     data_start = -(-cur.pos // alignment) * alignment
+    tensors = _tensors(path, raw, data_start, size, alignment, sizes)
+    return GGUFFile(path, version, fields, types, tensors, data_start, size)
+
+
+def _tensors(path: Path, raw: list, data_start: int, size: int, alignment: int,
+             sizes: dict[int, tuple[int, int]]) -> list[TensorInfo]:
+    """The tensor directory's entries, each checked against the file: known type, dimensions, aligned data inside the
+    file, no name twice, no overlap."""
     tensors, seen = [], set()
     for name, dims, qtype, offset in raw:
         where = f"{path}: tensor {printable(name)}"
@@ -211,7 +219,7 @@ def _parse(path: Path, buf, size: int) -> GGUFFile:
         if previous is not None and t.start < previous.start + previous.nbytes:
             raise CheckpointError(f"{path}: tensor {printable(t.name)} overlaps tensor {printable(previous.name)}")
         previous = t
-    return GGUFFile(path, version, fields, types, tensors, data_start, size)
+    return tensors
 
 
 def split_files(path: Path) -> list[Path]:

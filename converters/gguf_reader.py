@@ -33,7 +33,7 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
-from .gguf_table import ARCHS, GGUFArch, hparams, rope_halves, rope_heads, tensor_names
+from .gguf_table import ARCHS, GGUFArch, gguf_module, hparams, rope_halves, rope_heads, tensor_names
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -43,8 +43,7 @@ _KEPT = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantiza
 @lru_cache(maxsize=None)
 def dequantizable(qtype: int) -> bool:
     """Whether the installed gguf dequantizes this type (tried on one zero block)."""
-    import gguf
-
+    gguf = gguf_module()
     if qtype in _KEPT:
         return True
     try:
@@ -57,8 +56,7 @@ def dequantizable(qtype: int) -> bool:
 
 
 def _type_name(qtype: int) -> str:
-    import gguf
-
+    gguf = gguf_module()
     try:
         return gguf.GGMLQuantizationType(qtype).name
     except ValueError:
@@ -234,8 +232,7 @@ class GGUFCheckpointReader(Reader):
 def read_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
     """Tensor `t` from a file's bytes (a memory map), in memory of its own: F32 / F16 / BF16 as they are, any other
     type dequantized to float32 by gguf.quants.dequantize; shaped as the file declares it."""
-    import gguf
-
+    gguf = gguf_module()
     raw = data[t.start:t.start + t.nbytes]
     if t.qtype in _KEPT:
         view = raw.view(np.int16 if t.qtype == 30 else np.float32 if t.qtype == 0 else np.float16)

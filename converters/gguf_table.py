@@ -26,8 +26,10 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 
 
-def _gguf():
-    import gguf  # lazy: the CLI loads the converters for --help
+def gguf_module():
+    """The gguf package, imported on first use: the CLI loads the converters for --help and every format, and only
+    reading or writing a GGUF needs it (a missing package is then one line: surgery/errors.py)."""
+    import gguf  # lazy: see the docstring
 
     return gguf
 
@@ -62,7 +64,7 @@ TENSORS = (
 def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
     """canonical name -> llama.cpp's name, for every tensor the architecture has ("layers.3.attn.q.weight" ->
     "blk.3.attn_q.weight")."""
-    g = _gguf()
+    g = gguf_module()
     arch_id = next(a for a, n in g.MODEL_ARCH_NAMES.items() if n == arch)
     known = g.MODEL_TENSORS[arch_id]
     out = {}
@@ -87,7 +89,7 @@ class HParam:
 
 
 def _keys():
-    g = _gguf()
+    g = gguf_module()
     return g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
 
 

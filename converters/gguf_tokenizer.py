@@ -124,6 +124,17 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": ignore_merges, "vocab": vocab, "merges": pairs}}
+    config, generation = _configs(fields, tokens, ids, add_bos, add_eos, context_length)
+
+    def dump(value) -> str:
+        return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
+    return {"tokenizer.json": json.dumps(body, ensure_ascii=False), "tokenizer_config.json": dump(config),
+            "generation_config.json": dump(generation)}
+
+
+def _configs(fields: Mapping[str, Any], tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool,
+             context_length: int | None) -> tuple[dict, dict]:
+    """(tokenizer_config.json, generation_config.json) bodies."""
     names = {"bos": "bos_token", "eos": "eos_token", "padding": "pad_token", "unknown": "unk_token"}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
                               "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
@@ -136,10 +147,7 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
     generation = {f"{k}_token_id": ids[g] for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
                   if ids[g] is not None}
 
-    def dump(value) -> str:
-        return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
-    return {"tokenizer.json": json.dumps(body, ensure_ascii=False), "tokenizer_config.json": dump(config),
-            "generation_config.json": dump(generation)}
+    return config, generation
 
 
 def _post_processor(tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool) -> dict:
