@@ -38,9 +38,9 @@ converted and appended.
 
 The tokenizer goes into tokenizer.ggml.*, as the gpt2 (byte-level BPE) model of llama.cpp:
   * the input's tokenizer.json, when it is a byte-level BPE whose pre-tokenizer llama.cpp implements (gpt-2,
-    llama-bpe, qwen2; PRE_TOKENIZERS): tokens, token types (special added tokens CONTROL, other added tokens
-    USER_DEFINED, ids past the tokenizer's [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the
-    generation config's, else tokenizer_config.json's, else <|endoftext|>; bos defaults to eos), add_bos and
+    llama-bpe, qwen2, smollm; gguf_tokenizer.PRE_TOKENIZERS, the table the GGUF reader rebuilds tokenizers from):
+    tokens, token types (special added tokens CONTROL, other added tokens USER_DEFINED, ids past the tokenizer's
+    [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the generation config's, else tokenizer_config.json's, else <|endoftext|>; bos defaults to eos), add_bos and
     add_eos from its post-processor (what `tokenizers` adds on encode), tokenizer_config.json's chat template;
   * the project's byte tokenizer (train/tokenize.py ByteTokenizer) when there is no tokenizer.json and the
     checkpoint says `bam_tokenizer: bytes` or its vocabulary has 256 to 512 tokens (train's rule): token i is

@@ -279,7 +279,10 @@ def test_pre_tokenizers_llama_cpp_implements():
         split = pre.Sequence([pre.Split(tokenizers.Regex(regex), behavior="isolated"),
                               pre.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert ge.pre_tokenizer_name(as_json(split), "t") == name
-    for other in (pre.ByteLevel(add_prefix_space=True), pre.Whitespace(), pre.Metaspace()):
+    smollm = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
+    assert ge.pre_tokenizer_name(as_json(smollm), "t") == "smollm"
+    for other in (pre.ByteLevel(add_prefix_space=True), pre.Whitespace(), pre.Metaspace(),
+                  pre.Sequence([pre.Digits(individual_digits=False), pre.ByteLevel(add_prefix_space=False)])):
         with pytest.raises(CapabilityError, match="pre-tokenizer"):
             ge.pre_tokenizer_name(as_json(other), "t")
 
