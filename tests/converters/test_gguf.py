@@ -248,13 +248,19 @@ def save_bpe(folder: Path, vocab_size: int = 300, pre_tokenizer=None, ignore_mer
     return folder / "tokenizer.json"
 
 
+def write_bpe(cfg: ModelConfig, state, out: Path, **options) -> Path:
+    """A GGUF embedding the BPE of save_bpe (learnt once per folder, in OUT's folder / tok)."""
+    folder = out.parent / "tok"
+    path = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else save_bpe(folder)
+    return write(cfg, state, out, tokenizer_files=(path, folder / "tokenizer_config.json"), **options)
+
+
 def test_bpe_vocabulary_from_tokenizer_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     path = save_bpe(tmp_path / "tok")
     tok = tokenizers.Tokenizer.from_file(str(path))
     cfg = llama_config(vocab_size=310)
-    out = write(cfg, random_state(cfg), tmp_path / "bpe.gguf",
-                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"))
+    out = write_bpe(cfg, random_state(cfg), tmp_path / "bpe.gguf")
     f = fields(out)
     assert f["tokenizer.ggml.tokens"][:300] == [tok.id_to_token(i) for i in range(300)]
     assert f["tokenizer.ggml.tokens"][300:] == [f"[PAD{i}]" for i in range(300, 310)]

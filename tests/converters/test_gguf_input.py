@@ -27,7 +27,7 @@ from bam_surgery.runtime.config import ModelConfig
 from conftest import cli_error_line, random_state, run_cli
 
 gguf = pytest.importorskip("gguf")
-from test_gguf import TRICKY, llama_config, save_bpe, shared_config, write  # noqa: E402
+from test_gguf import TRICKY, llama_config, save_bpe, shared_config, write, write_bpe  # noqa: E402
 
 F16_LOGIT_TOL = 5e-2  # f16 weights, max |logit difference| (measured 4.1e-3)
 Q8_LOGIT_TOL = 1e-1  # q8_0 (measured 1.7e-2)
@@ -127,10 +127,8 @@ def test_every_dequantizable_type_matches_gguf(tmp_path):
 
 
 def test_parser_agrees_with_gguf_reader(tmp_path):
-    path = save_bpe(tmp_path / "tok")
     cfg = shared_config(vocab_size=310)
-    out = write(cfg, random_state(cfg), tmp_path / "m.gguf", gguf_dtype="q8_0",
-                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"))
+    out = write_bpe(cfg, random_state(cfg), tmp_path / "m.gguf", gguf_dtype="q8_0")
     ours = parse_gguf(out)
     theirs = gguf.GGUFReader(str(out))
     expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
@@ -147,8 +145,7 @@ def test_rebuilt_tokenizer_encodes_like_the_embedded_one(tmp_path):
     path = save_bpe(tmp_path / "tok")
     original = tokenizers.Tokenizer.from_file(str(path))
     cfg = llama_config(vocab_size=310)
-    out = write(cfg, random_state(cfg), tmp_path / "bpe.gguf",
-                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"), generation={"eos_token_id": 0})
+    out = write_bpe(cfg, random_state(cfg), tmp_path / "bpe.gguf", generation={"eos_token_id": 0})
     with open_checkpoint(out) as r:
         files = {f.name: f for f in r.tokenizer_files()}
         assert set(files) == {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
@@ -162,11 +159,9 @@ def test_rebuilt_tokenizer_encodes_like_the_embedded_one(tmp_path):
 
 
 def test_tokenizer_travels_into_convert_outputs(tmp_path):
-    path = save_bpe(tmp_path / "tok")
     cfg = llama_config(vocab_size=310)
     state = random_state(cfg, seed=5)
-    out = write(cfg, state, tmp_path / "bpe.gguf", gguf_dtype="f32",
-                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"), generation={"eos_token_id": 0})
+    out = write_bpe(cfg, state, tmp_path / "bpe.gguf", gguf_dtype="f32", generation={"eos_token_id": 0})
     run_cli("convert", out, "--format", "hf", "--out", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "tokenizer_config.json").is_file()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0
@@ -179,8 +174,8 @@ def test_tokenizer_travels_into_convert_outputs(tmp_path):
                 "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
         assert first[key] == again[key], key
     # a BTX merge of GGUF inputs carries the rebuilt tokenizer into its Mixtral folder
-    expert = write(cfg, random_state(cfg, seed=7), tmp_path / "code.gguf", gguf_dtype="f32",
-                   tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"), generation={"eos_token_id": 0})
+    expert = write_bpe(cfg, random_state(cfg, seed=7), tmp_path / "code.gguf", gguf_dtype="f32",
+                       generation={"eos_token_id": 0})
     run_cli("merge", "--seed", out, "--experts", f"code={expert}", "--recipe", "btx", "--gate-norm", "topk_softmax",
             "--format", "mixtral", "--out", tmp_path / "btx")
     assert (tmp_path / "btx" / "tokenizer.json").read_text() == (
