@@ -29,8 +29,8 @@ from conftest import cli_error_line, random_state, run_cli
 gguf = pytest.importorskip("gguf")
 from test_gguf import TRICKY, llama_config, save_bpe, shared_config, write, write_bpe  # noqa: E402
 
-F16_LOGIT_TOL = 5e-2  # f16 weights, max |logit difference| (measured 4.1e-3)
-Q8_LOGIT_TOL = 1e-1  # q8_0 (measured 1.7e-2)
+F16_LOGIT_TOL = 5e-2  # f16 weights, max |logit difference| of a random tiny model (measured 4.2e-3)
+Q8_LOGIT_TOL = 0.25  # q8_0 (measured 7.3e-2)
 
 
 def logits(cfg_or_reader, state=None) -> torch.Tensor:
