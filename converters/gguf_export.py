@@ -38,9 +38,9 @@ converted and appended.
 
 The tokenizer goes into tokenizer.ggml.*, as the gpt2 (byte-level BPE) model of llama.cpp:
   * the input's tokenizer.json, when it is a byte-level BPE whose pre-tokenizer llama.cpp implements (gpt-2,
-    llama-bpe, qwen2; PRE_TOKENIZERS): tokens, token types (special added tokens CONTROL, other added tokens
-    USER_DEFINED, ids past the tokenizer's [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the
-    generation config's, else tokenizer_config.json's, else <|endoftext|>; bos defaults to eos), add_bos and
+    llama-bpe, qwen2, smollm; gguf_tokenizer.PRE_TOKENIZERS, the table the GGUF reader rebuilds tokenizers from):
+    tokens, token types (special added tokens CONTROL, other added tokens USER_DEFINED, ids past the tokenizer's
+    [PADn] UNUSED up to vocab_size), merges, eos/bos/pad ids (the generation config's, else tokenizer_config.json's, else <|endoftext|>; bos defaults to eos), add_bos and
     add_eos from its post-processor (what `tokenizers` adds on encode), tokenizer_config.json's chat template;
   * the project's byte tokenizer (train/tokenize.py ByteTokenizer) when there is no tokenizer.json and the
     checkpoint says `bam_tokenizer: bytes` or its vocabulary has 256 to 512 tokens (train's rule): token i is
@@ -85,29 +85,15 @@ from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CAN
 from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
+from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
+from .gguf_table import ARCHS, gguf_module, hparams, rope_heads, rope_pairs, tensor_names
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
+_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
-
-# tokenizer.json pre-tokenizer regexes -> the llama.cpp pre-tokenizer that splits text the same way
-# (llama.cpp's src/llama-vocab.cpp quotes each original regex beside its own)
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {"gpt-2": "ByteLevel (GPT-2's regex)", "llama-bpe": "Split (Llama 3's regex) + ByteLevel",
-                  "qwen2": "Split (Qwen2's regex) + ByteLevel"}
-_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
-
-
-def _gguf():
-    import gguf  # lazy: only writing a file needs it; the CLI loads this module for --help and every format
-
-    return gguf
-
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
 def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -190,51 +176,6 @@ def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------
-_NAMES = [  # canonical name pattern -> (gguf.MODEL_TENSOR member, suffix)
-    (re.compile(r"embed\.weight"), "TOKEN_EMBD", "weight"),
-    (re.compile(r"final_norm\.weight"), "OUTPUT_NORM", "weight"),
-    (re.compile(r"lm_head\.weight"), "OUTPUT", "weight"),
-    (re.compile(r"layers\.(\d+)\.attn_norm\.weight"), "ATTN_NORM", "weight"),
-    (re.compile(r"layers\.(\d+)\.ffn_norm\.weight"), "FFN_NORM", "weight"),
-    *[(re.compile(rf"layers\.(\d+)\.attn\.{c}\.(weight|bias)"), m, None)
-      for c, m in (("q", "ATTN_Q"), ("k", "ATTN_K"), ("v", "ATTN_V"), ("o", "ATTN_OUT"))],
-    *[(re.compile(rf"layers\.(\d+)\.ffn\.{c}\.(weight|bias)"), m, None)
-      for c, m in (("gate", "FFN_GATE"), ("up", "FFN_UP"), ("down", "FFN_DOWN"))],
-    (re.compile(r"layers\.(\d+)\.ffn_router\.weight"), "FFN_GATE_INP", "weight"),
-    *[(re.compile(rf"layers\.(\d+)\.ffn_experts\.{c}\.weight"), m, "weight")
-      for c, m in (("gate", "FFN_GATE_EXP"), ("up", "FFN_UP_EXP"), ("down", "FFN_DOWN_EXP"))],
-    *[(re.compile(rf"layers\.(\d+)\.ffn_shared\.{c}\.weight"), m, "weight")
-      for c, m in (("gate", "FFN_GATE_SHEXP"), ("up", "FFN_UP_SHEXP"), ("down", "FFN_DOWN_SHEXP"))],
-    (re.compile(r"layers\.(\d+)\.ffn_shared_gate\.weight"), "FFN_GATE_INP_SHEXP", "weight"),
-]
-
-
-def gguf_name(canonical: str, arch: str) -> str:
-    """llama.cpp's name of a canonical tensor ("layers.3.attn.q.weight" -> "blk.3.attn_q.weight")."""
-    g = _gguf()
-    arch_id = next(a for a, n in g.MODEL_ARCH_NAMES.items() if n == arch)
-    for pattern, member, suffix in _NAMES:
-        m = pattern.fullmatch(canonical)
-        if m is None:
-            continue
-        tensor = getattr(g.MODEL_TENSOR, member)
-        if tensor not in g.MODEL_TENSORS[arch_id]:
-            break
-        bid = int(m.group(1)) if m.groups() else None
-        base = g.TENSOR_NAMES[tensor].format(bid=bid)
-        return f"{base}.{suffix or m.group(m.lastindex)}"
-    raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
-
-
-def rope_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a rotate-halves projection (weight [heads * Dh, D] or bias [heads * Dh]) reordered per head so that
-    llama.cpp's pair rotation computes the same (convert_hf_to_gguf.py's LlamaModel.permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_QK = re.compile(r"layers\.\d+\.attn\.([qk])\.(weight|bias)")
-
-
 @dataclass(frozen=True)
 class TensorPlan:
     canonical: str
@@ -247,25 +188,24 @@ class TensorPlan:
 def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
     """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation; for qwen2moe with
     tied embeddings, the embedding once more as output.weight (llama.cpp's qwen2moe loads no tied head)."""
-    g = _gguf()
+    g = gguf_module()
     qt = g.GGMLQuantizationType
     matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
     block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
+    names = tensor_names(arch, cfg.n_layers)
     out = []
     for canonical, shape in tensor_shapes(cfg).items():
+        if canonical not in names:
+            raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
         if len(shape) < 2 or "_router." in canonical or "_shared_gate." in canonical:
             qtype = qt.F32
         elif matrix_type == qt.Q8_0 and shape[-1] % block:
             qtype = qt.F16
         else:
             qtype = matrix_type
-        heads = None
-        qk = _QK.fullmatch(canonical)
-        if qk and arch == "llama" and not cfg.rope_interleaved:  # llama rotates pairs: permute rotate-halves rows
-            heads = cfg.n_heads if qk.group(1) == "q" else cfg.n_kv_heads
-        out.append(TensorPlan(canonical, gguf_name(canonical, arch), shape, qtype, heads))
-        if canonical == "embed.weight" and arch == "qwen2moe" and cfg.tie_embeddings:
-            out.append(TensorPlan(canonical, gguf_name("lm_head.weight", arch), shape, qtype, None))
+        out.append(TensorPlan(canonical, names[canonical], shape, qtype, rope_heads(canonical, cfg, arch)))
+        if canonical == "embed.weight" and ARCHS[arch].output_always and cfg.tie_embeddings:
+            out.append(TensorPlan(canonical, names["lm_head.weight"], shape, qtype, None))
     return out
 
 
@@ -282,12 +222,12 @@ def _encoded(t: TensorPlan, w: torch.Tensor) -> np.ndarray:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
         w = torch.full(w.shape, SHEXP_GATE_EPS, dtype=torch.float32)
-    return _gguf().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
+    return gguf_module().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
 
 
 def _byte_shape(t: TensorPlan) -> tuple[tuple[int, ...], int, Any]:
     """(shape to declare, bytes, numpy dtype) of a tensor in its type, for the header written before the data."""
-    g = _gguf()
+    g = gguf_module()
     qt = g.GGMLQuantizationType
     if t.qtype in (qt.F32, qt.F16):
         dtype = np.float32 if t.qtype == qt.F32 else np.float16
@@ -317,7 +257,7 @@ class Vocabulary:
 
 def byte_vocabulary(vocab_size: int) -> Vocabulary:
     """The runtime's byte tokenizer as a gpt2 vocabulary: 0 end of text, 1..255 the bytes, no merges."""
-    g = _gguf()
+    g = gguf_module()
     chars = byte_symbols()
     tokens = ([EOS_TEXT] + [chars[b] for b in range(1, BYTE_VOCAB)]
               + [f"[PAD{i}]" for i in range(BYTE_VOCAB, vocab_size)])
@@ -342,9 +282,11 @@ def pre_tokenizer_name(pre: Any, where: str) -> str:
         regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
         if regex in _SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
             return _SPLIT_REGEXES[regex]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(steps[1], True):
+        return "smollm"
     shown = json.dumps(pre, sort_keys=True)[:120]
     raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
-                          f"(supported: {'; '.join(f'{k}: {v}' for k, v in PRE_TOKENIZERS.items())}, without a "
+                          f"(supported: {'; '.join(f'{k}: {v[1]}' for k, v in PRE_TOKENIZERS.items())}, without a "
                           "prefix space)")
 
 
@@ -412,13 +354,13 @@ def _check_bpe_model(body: dict, where: str) -> dict:
 def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
                    tokenizer_config: Mapping[str, Any]) -> Vocabulary:
     """tokenizer.json (a byte-level BPE) as llama.cpp's gpt2 vocabulary of exactly vocab_size tokens."""
-    g = _gguf()
+    g = gguf_module()
     where = str(path)
     body = read_json(path, expect=dict)
     model = _check_bpe_model(body, where)
     pre = pre_tokenizer_name(body.get("pre_tokenizer"), where)
-    if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
-        how = "ignores" if pre == "llama-bpe" else "applies"
+    if bool(model.get("ignore_merges")) != PRE_TOKENIZERS[pre][2]:
+        how = "ignores" if PRE_TOKENIZERS[pre][2] else "applies"
         raise CapabilityError(f"{where}: ignore_merges {bool(model.get('ignore_merges'))} with a {pre} pre-tokenizer; "
                               f"llama.cpp's {pre} {how} merges on whole words")
     entries = _vocab_entries(body, where)
@@ -549,7 +491,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
 
 # ---- the writer ------------------------------------------------------------------------------------------
 def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabulary, card: Mapping[str, Any]) -> None:
-    g = _gguf()
+    g = gguf_module()
     w.add_string(GGUF_FORMAT_KEY, FORMAT)  # second entry, after general.architecture: runtime/outputs.py reads it
     w.add_string("bam_surgery.version", __version__)
     w.add_type(g.GGUFType.MODEL)
@@ -575,29 +517,18 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 
 
 def _write_hparams(w, cfg: ModelConfig) -> None:
-    """The architecture's keys llama.cpp reads ({arch}.context_length, ...), as convert_hf_to_gguf.py writes them."""
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_context_length(cfg.max_positions)
-    w.add_embedding_length(cfg.d_model)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.ffn_hidden)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.rotary_dim)
-    w.add_rope_freq_base(float(cfg.rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg.norm_eps))
-    if cfg.ffn_experts:
-        w.add_expert_count(cfg.ffn_experts)
-        w.add_expert_used_count(cfg.ffn_top_k)
-    if cfg.ffn_shared_hidden:  # qwen2moe, as convert_hf_to_gguf.py writes Qwen2-MoE
-        w.add_expert_feed_forward_length(cfg.ffn_hidden)
-        w.add_expert_shared_feed_forward_length(cfg.ffn_shared_hidden)
+    """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order."""
+    for h in hparams():
+        if h.when(cfg):
+            value = getattr(cfg, h.field)
+            if h.kind == "f32":
+                w.add_float32(h.key.format(arch=w.arch), float(value))
+            else:
+                w.add_uint32(h.key.format(arch=w.arch), value)
 
 
 def _write_vocabulary(w, vocab: Vocabulary) -> None:
-    g = _gguf()
+    g = gguf_module()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
@@ -614,7 +545,7 @@ def _write_vocabulary(w, vocab: Vocabulary) -> None:
 
 
 def _writer_class():
-    g = _gguf()
+    g = gguf_module()
 
     class Writer(g.GGUFWriter):
         """GGUFWriter that also packs an empty array (the byte tokenizer's merges), which it refuses."""
@@ -643,7 +574,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         w.write_ti_data_to_file()
         for t in tensors:
             w.write_tensor_data(_encoded(t, reader.get(t.canonical)))
-        fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == _gguf().GGMLQuantizationType.F16]
+        fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
     finally:

@@ -5,6 +5,8 @@ Accepted specs (everything that reads a checkpoint goes through `open_checkpoint
     mix/                       canonical directory (config.json has "bam_config")
     path/to/llama/             Hugging Face model directory (config.json has "model_type")
     path/to/export/            our Mixtral (model_type mixtral) or HF BAM (bam_mixture) exports
+    model.gguf                 a GGUF file (llama.cpp, Ollama; gguf_reader.py), or any part of a split GGUF
+                               (model-00001-of-00003.gguf); a folder holding one GGUF (no config.json) too
     org/name  org/name@rev     Hugging Face hub id: resolved with huggingface_hub.snapshot_download
                                (uses the local cache; honours HF_HUB_OFFLINE, HF_HOME, HF_HUB_CACHE)
 Pickle weights (.bin) are read only with allow_pickle=True (the CLI's --allow-pickle).
@@ -20,6 +22,8 @@ from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.shards import INDEX_NAME
 
+from .gguf_file import SPLIT
+from .gguf_reader import GGUFCheckpointReader
 from .hf.files import TOKENIZER_FILES, read_hf_config
 from .hf.reader import HFCheckpointReader
 from .hf_bam.reader import BamHFReader
@@ -30,7 +34,8 @@ HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<re
 HUB_PATTERNS = ["config.json", "model*.safetensors", INDEX_NAME, *TOKENIZER_FILES]
 HUB_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
-FILE_SUFFIXES = (".safetensors", ".json", *PICKLE_SUFFIXES)  # a spec ending so is a path, never a hub id
+GGUF_SUFFIX = ".gguf"
+FILE_SUFFIXES = (".safetensors", ".json", GGUF_SUFFIX, *PICKLE_SUFFIXES)  # a spec ending so is a path, never a hub id
 HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 
@@ -48,8 +53,10 @@ def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Read
                 return _open_directory(path.parent, allow_pickle)
             raise CheckpointError(f"{path}: a pickle file needs its model directory (with config.json); "
                                   "pass the directory")
+        if path.suffix == GGUF_SUFFIX:
+            return GGUFCheckpointReader(path)
         if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors or a model directory)")
+            raise CheckpointError(f"{path}: not a checkpoint (expected .safetensors, .gguf or a model directory)")
         if HF_WEIGHT_FILE.match(path.name) and _is_hf_directory(path.parent):
             return _open_directory(path.parent, allow_pickle)  # a weight file of an HF model: open the model
         return CheckpointReader(path)
@@ -65,7 +72,14 @@ def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Read
 
 def _open_directory(path: Path, allow_pickle: bool) -> Reader:
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (neither a canonical nor a Hugging Face model directory)")
+        models = _gguf_models(path)
+        if len(models) == 1:
+            return GGUFCheckpointReader(models[0])
+        if models:
+            raise CheckpointError(f"{path}: holds {len(models)} GGUF models ({', '.join(p.name for p in models[:4])}"
+                                  f"{', ...' if len(models) > 4 else ''}); pass one of them")
+        raise CheckpointError(f"{path}: no config.json (neither a canonical nor a Hugging Face model directory) "
+                              "and no .gguf file")
     body = read_hf_config(path)
     cfg_file = path / "config.json"
     if CONFIG_KEY in body:
@@ -75,6 +89,12 @@ def _open_directory(path: Path, allow_pickle: bool) -> Reader:
     if "model_type" in body:  # an HF architecture, Mixtral (e.g. a btx export read back) included
         return HFCheckpointReader(path, allow_pickle=allow_pickle)
     raise CheckpointError(f"{cfg_file}: has neither {CONFIG_KEY!r} (canonical) nor 'model_type' (Hugging Face)")
+
+
+def _gguf_models(path: Path) -> list[Path]:
+    """The GGUF models in a folder: each single file, and the first part of each split one."""
+    files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    return [p for p in files if (m := SPLIT.match(p.name)) is None or int(m.group("no")) == 1]
 
 
 def _is_hf_directory(path: Path) -> bool:

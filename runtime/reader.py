@@ -24,7 +24,7 @@ Optional parts have explicit defaults here, so callers never probe for them:
     close()         drop open files; readers are context managers
 
 Readers: CheckpointReader (canonical), converters' HFCheckpointReader (HF architectures, Mixtral
-included) and BamHFReader (HF BAM exports), surgery's PlanReader (a merge plan, computed on
+included), BamHFReader (HF BAM exports) and GGUFCheckpointReader (GGUF files), surgery's PlanReader (a merge plan, computed on
 demand), and StateReader below (a state dict in memory).
 """
 from __future__ import annotations

@@ -49,7 +49,8 @@ def generation_config(reader: Reader) -> dict:
     config.json (a generation_config.json linking outside the folder is refused, as tokenizer files
     are: converters.hf.files.side_file). Token ids (they also go into the exported config.json) must
     be integers, lists of integers or null; anything else is an InputError naming the file and key."""
-    gen_file = side_file(reader.source_dir, GENERATION_CONFIG) if reader.source_dir is not None else None
+    gen_file = side_file(reader.source_dir, GENERATION_CONFIG) if reader.source_dir is not None else next(
+        (f for f in reader.tokenizer_files() if f.name == GENERATION_CONFIG), None)  # a GGUF's rebuilt one
     if gen_file is not None and gen_file.is_file():
         body = read_json(gen_file, expect=dict)
         where, out = gen_file, {k: v for k, v in body.items() if not k.startswith("_") and k != "transformers_version"}

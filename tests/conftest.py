@@ -403,8 +403,10 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _private_digest_cache(tmp_path_factory, monkeypatch):
-    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery: keep the tests' own there."""
+    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery, and rebuilt files go under
+    $BAM_SURGERY_CACHE (runtime/cache.py): keep the tests' own there."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    monkeypatch.setenv("BAM_SURGERY_CACHE", str(tmp_path_factory.getbasetemp() / "bam-surgery-cache"))
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES,
                                                    TOKENIZER_KEY)
 from bam_surgery.converters.hf.files import side_file
+from bam_surgery.runtime.cache import cache_root
 
 from .data import Source, file_sha256
 from .errors import TrainError
@@ -181,8 +182,7 @@ def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int
 
 # ---- the cache ----------------------------------------------------------------------------------
 def default_cache_dir() -> Path:
-    root = os.environ.get("BAM_SURGERY_CACHE")
-    return Path(root) / "tokens" if root else Path.home() / ".cache" / "bam-surgery" / "tokens"
+    return cache_root() / "tokens"
 
 
 @dataclass

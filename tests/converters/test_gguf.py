@@ -37,6 +37,7 @@ from conftest import WrappedReader, cli_error_line, error_line, merge_family, ra
 
 gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
+from bam_surgery.converters.gguf_table import rope_pairs  # noqa: E402
 
 F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 3.3e-6)
 F16_TOL = 5e-2  # f16 weights (measured 5.9e-3)
@@ -110,8 +111,8 @@ def test_rope_rows_permuted_for_llama_only(tmp_path):
     t = tensors(write(cfg, state, tmp_path / "llama.gguf"))
     q = torch.from_numpy(np.array(t["blk.1.attn_q.weight"].data)).reshape(cfg.q_dim, cfg.d_model)
     k = torch.from_numpy(np.array(t["blk.1.attn_k.weight"].data)).reshape(cfg.kv_dim, cfg.d_model)
-    assert torch.equal(q, ge.rope_pairs(state["layers.1.attn.q.weight"], 4))
-    assert torch.equal(k, ge.rope_pairs(state["layers.1.attn.k.weight"], 2))
+    assert torch.equal(q, rope_pairs(state["layers.1.attn.q.weight"], 4))
+    assert torch.equal(k, rope_pairs(state["layers.1.attn.k.weight"], 2))
     assert not torch.equal(q, state["layers.1.attn.q.weight"])
     # pairs already (rope_interleaved), or qwen2 (rotates halves): rows as they are
     for shape, arch in ((dict(rope_interleaved=True), "llama"), (dict(qkv_bias=True), "qwen2")):
@@ -125,7 +126,7 @@ def test_rope_rows_permuted_for_llama_only(tmp_path):
 
 def test_rope_pairs_is_a_row_permutation_per_head():
     w = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # 2 heads of head_dim 8
-    rows = ge.rope_pairs(w, 2)[:, 0].long().tolist()
+    rows = rope_pairs(w, 2)[:, 0].long().tolist()
     assert rows == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]  # (i, i + Dh/2) become neighbours
 
 
@@ -247,13 +248,19 @@ def save_bpe(folder: Path, vocab_size: int = 300, pre_tokenizer=None, ignore_mer
     return folder / "tokenizer.json"
 
 
+def write_bpe(cfg: ModelConfig, state, out: Path, **options) -> Path:
+    """A GGUF embedding the BPE of save_bpe (learnt once per folder, in OUT's folder / tok)."""
+    folder = out.parent / "tok"
+    path = folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else save_bpe(folder)
+    return write(cfg, state, out, tokenizer_files=(path, folder / "tokenizer_config.json"), **options)
+
+
 def test_bpe_vocabulary_from_tokenizer_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     path = save_bpe(tmp_path / "tok")
     tok = tokenizers.Tokenizer.from_file(str(path))
     cfg = llama_config(vocab_size=310)
-    out = write(cfg, random_state(cfg), tmp_path / "bpe.gguf",
-                tokenizer_files=(path, tmp_path / "tok" / "tokenizer_config.json"))
+    out = write_bpe(cfg, random_state(cfg), tmp_path / "bpe.gguf")
     f = fields(out)
     assert f["tokenizer.ggml.tokens"][:300] == [tok.id_to_token(i) for i in range(300)]
     assert f["tokenizer.ggml.tokens"][300:] == [f"[PAD{i}]" for i in range(300, 310)]
@@ -278,7 +285,10 @@ def test_pre_tokenizers_llama_cpp_implements():
         split = pre.Sequence([pre.Split(tokenizers.Regex(regex), behavior="isolated"),
                               pre.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert ge.pre_tokenizer_name(as_json(split), "t") == name
-    for other in (pre.ByteLevel(add_prefix_space=True), pre.Whitespace(), pre.Metaspace()):
+    smollm = pre.Sequence([pre.Digits(individual_digits=True), pre.ByteLevel(add_prefix_space=False)])
+    assert ge.pre_tokenizer_name(as_json(smollm), "t") == "smollm"
+    for other in (pre.ByteLevel(add_prefix_space=True), pre.Whitespace(), pre.Metaspace(),
+                  pre.Sequence([pre.Digits(individual_digits=False), pre.ByteLevel(add_prefix_space=False)])):
         with pytest.raises(CapabilityError, match="pre-tokenizer"):
             ge.pre_tokenizer_name(as_json(other), "t")
 

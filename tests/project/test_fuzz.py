@@ -176,6 +176,53 @@ def test_plot_on_metrics(tmp_path_factory, data):
     clean(lambda: _read_curves(data, run) and plot_run(run))
 
 
+# ---- GGUF files ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> bytes:
+    """A valid GGUF of a tiny Llama (our export), metadata and tensors, for the mutations below."""
+    pytest.importorskip("gguf")
+    from bam_surgery.converters.export import exporter
+    from bam_surgery.converters.base import ExportOptions
+    from bam_surgery.runtime.reader import StateReader
+    from conftest import random_state
+
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64, name="fuzz")
+    out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    exporter("gguf").write(StateReader(random_state(cfg), cfg), out, ExportOptions(gguf_dtype="f32"))
+    return out.read_bytes()
+
+
+def _open_gguf(data: bytes, folder: Path) -> None:
+    from bam_surgery.converters.gguf_reader import GGUFCheckpointReader
+
+    path = folder / "fuzz.gguf"
+    path.write_bytes(data)
+    with GGUFCheckpointReader(path) as r:
+        for name in r.names()[:3]:
+            r.get(name)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), st.binary(max_size=200).map(lambda b: b"GGUF\x03\x00\x00\x00" + b)))
+def test_gguf_on_random_bytes(tmp_path_factory, data):
+    clean(lambda: _open_gguf(data, tmp_path_factory.mktemp("g")))
+
+
+@FUZZ
+@given(st.data())
+def test_gguf_on_mutated_files(tmp_path_factory, tiny_gguf, data):
+    """Bytes of a valid file overwritten (counts, lengths, types, offsets: the metadata is the first few KiB) or the
+    file cut short: the reader opens it or answers one line."""
+    body = bytearray(tiny_gguf)
+    metadata_end = min(len(body), 8192)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(4, metadata_end - 8))
+        body[at:at + 8] = data.draw(st.sampled_from([b"\xff" * 8, b"\x00" * 8, (2**31).to_bytes(8, "little"),
+                                                     bytes(data.draw(st.binary(min_size=8, max_size=8)))]))
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(body))))
+    clean(lambda: _open_gguf(bytes(body[:cut]), tmp_path_factory.mktemp("g")))
+
+
 def test_the_fuzzers_can_fail():
     """The property is not vacuous: a parser that raised anything else would fail it."""
     with pytest.raises(ZeroDivisionError):

@@ -1,0 +1,251 @@
+"""Lazy reader of a GGUF file (llama.cpp, Ollama) that speaks canonical names.
+
+    r = GGUFCheckpointReader(Path("model.gguf"))   # or any part of model-00001-of-00003.gguf
+    r.config                                      # ModelConfig, from {arch}.* metadata through gguf_table.hparams
+    r.get("layers.0.attn.q.weight")               # that one tensor, dequantized, in canonical layout
+    r.tokenizer_files()                           # tokenizer.json, tokenizer_config.json, generation_config.json
+
+Opening parses and checks the header, metadata and tensor directory (gguf_file.parse_gguf: nothing trusted before it
+is checked against the file) and maps every tensor through the table the export uses (gguf_table: names, the config
+keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
+shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
+llama mixtures, qwen2, qwen2moe). `get` reads one tensor from the memory map and dequantizes it with
+gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants, the IQ types, BF16);
+F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is never in memory as a
+whole. Q and K of an architecture that rotates pairs (llama) are permuted back to rotate-halves rows
+(gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
+from bam_surgery.runtime.config import ConfigError, ModelConfig
+from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.jsonfile import parse_json, read_json
+from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.safetensors_file import FileIdentity
+
+from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
+from .gguf_table import ARCHS, GGUFArch, gguf_module, hparams, rope_halves, rope_heads, tensor_names
+from .gguf_tokenizer import rebuild_tokenizer
+
+BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
+_KEPT = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
+
+
+@lru_cache(maxsize=None)
+def dequantizable(qtype: int) -> bool:
+    """Whether the installed gguf dequantizes this type (tried on one zero block)."""
+    gguf = gguf_module()
+    if qtype in _KEPT:
+        return True
+    try:
+        kind = gguf.GGMLQuantizationType(qtype)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), kind)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _type_name(qtype: int) -> str:
+    gguf = gguf_module()
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return str(qtype)
+
+
+class GGUFCheckpointReader(Reader):
+    """The reader protocol (runtime.reader) over a GGUF file or a split GGUF."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.parts = split_files(self.path)
+        parsed = [parse_gguf(p) for p in self.parts]
+        self._identity = {p: FileIdentity.of(os.stat(p)) for p in self.parts}
+        head = parsed[0]
+        fields = head.fields
+        where = str(self.parts[0])
+        self._check_split(parsed)
+        arch_name = fields.get("general.architecture")
+        if arch_name not in ARCHS:
+            raise CheckpointError(f"{where}: llama.cpp architecture {printable(str(arch_name))[:40]!r} is not one this "
+                                  f"reader maps ({', '.join(ARCHS)})")
+        self.arch: GGUFArch = ARCHS[arch_name]
+        found: dict[str, tuple[int, TensorInfo]] = {}
+        for i, part in enumerate(parsed):
+            for t in part.tensors:
+                if t.name in found:
+                    raise CheckpointError(f"{part.path}: tensor {printable(t.name)} is also in "
+                                          f"{self.parts[found[t.name][0]]}")
+                if not dequantizable(t.qtype):
+                    raise CheckpointError(f"{part.path}: tensor {printable(t.name)} has type {_type_name(t.qtype)}, "
+                                          "which is no weight type gguf dequantizes")
+                found[t.name] = (i, t)
+        self.config = self._config(fields, found, where)
+        self._map(found)
+        self.architecture = self.arch.hf_mixture if self.config.ffn_experts else self.arch.hf_dense
+        context = fields.get(f"{arch_name}.context_length")
+        self._tokenizer, note = rebuild_tokenizer(fields, where, context if isinstance(context, int) else None)
+        # the token ids an HF config.json carries (bos / eos / pad): the rebuilt generation_config.json's
+        self.hf_config = read_json(self._tokenizer[-1], expect=dict) if self._tokenizer else None
+        self.metadata = {"format": "gguf", "source": str(self.path), "gguf_architecture": arch_name}
+        if note:
+            self.metadata["notes"] = f"tokenizer not rebuilt: {note}"
+        if isinstance(fields.get("bam_surgery.provenance"), str):
+            self.metadata[PROVENANCE_KEY] = fields["bam_surgery.provenance"]
+        self._maps: dict[int, np.memmap] = {}
+
+    # -- opening ---------------------------------------------------------------------------
+    def _check_split(self, parsed: list[GGUFFile]) -> None:
+        if len(parsed) == 1:
+            return
+        for i, part in enumerate(parsed):
+            count, no = part.fields.get("split.count"), part.fields.get("split.no")
+            if count != len(parsed) or no != i:
+                raise CheckpointError(f"{part.path}: split.count {count} / split.no {no}; the file name says part "
+                                      f"{i + 1} of {len(parsed)} (split.no counts from 0)")
+
+    def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
+        arch = self.arch.name
+        values: dict = {}
+        for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
+            key = h.key.format(arch=arch)
+            if key not in fields:
+                continue
+            value = fields[key]
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
+                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
+                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
+            values[h.field] = value
+        missing = [f for f in ("d_model", "n_layers", "n_heads", "ffn_hidden") if f not in values]
+        if missing:
+            names = {h.field: h.key.format(arch=arch) for h in hparams()}
+            raise CheckpointError(f"{where}: metadata has no {names[missing[0]]}")
+        if not 0 < values["n_layers"] <= len(found):
+            raise CheckpointError(f"{where}: {arch}.block_count {values['n_layers']} with {len(found)} tensors")
+        scaling = fields.get(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise CheckpointError(f"{where}: {arch}.rope.scaling.type {printable(str(scaling))[:20]!r}: RoPE scaling "
+                                  "is not one this reader maps")
+        if "vocab_size" not in values and "token_embd.weight" in found:
+            values["vocab_size"] = found["token_embd.weight"][1].shape[0]
+        rotary = values.pop("rotary_dim", None)
+        head_dim = values.get("head_dim") or (values["d_model"] // values["n_heads"] if values["n_heads"] > 0 else 1)
+        has = {n for n in found}
+        tied = "output.weight" not in has
+        if not tied and self.arch.output_always:  # our export writes a tied embedding once more for qwen2moe
+            try:
+                tied = parse_json(str(fields.get(BAM_CONFIG, "{}")), BAM_CONFIG, expect=dict).get("tie_embeddings") is True
+            except CheckpointError:
+                tied = False
+        values.update(qkv_bias="blk.0.attn_q.bias" in has, o_bias="blk.0.attn_output.bias" in has,
+                      ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied, name=arch,
+                      rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0)
+        if values.get("ffn_experts"):
+            if self.arch.gate_norm is None:
+                raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
+            values["gate_norm"] = self.arch.gate_norm
+        try:
+            return ModelConfig(**values)
+        except (ConfigError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
+                from None
+
+    def _map(self, found: dict[str, tuple[int, TensorInfo]]) -> None:
+        cfg = self.config
+        expected = tensor_shapes(cfg)
+        names = tensor_names(self.arch.name, cfg.n_layers)
+        canonical_of = {g: c for c, g in names.items()}
+        self._source: dict[str, tuple[int, TensorInfo]] = {}
+        for name, (i, t) in found.items():
+            where = f"{self.parts[i]}: tensor {printable(name)}"
+            c = canonical_of.get(name)
+            if c is None:
+                raise CheckpointError(f"{where} is not part of llama.cpp's {self.arch.name} as this reader maps it "
+                                      "(unknown tensor)")
+            if c == "lm_head.weight" and cfg.tie_embeddings:
+                continue  # the tied embedding written once more (qwen2moe)
+            if c not in expected:
+                raise CheckpointError(f"{where} ({c}) is not part of the model its metadata describes")
+            if _squeezed(t.shape) != _squeezed(expected[c]):
+                raise CheckpointError(f"{where} has shape {list(t.shape)}; the metadata implies {list(expected[c])} "
+                                      f"for {c}")
+            self._source[c] = (i, t)
+        for c in expected:
+            if c not in self._source:
+                raise CheckpointError(f"{self.parts[0]}: tensor {names.get(c, c)} is "
+                                      f"missing (needed for {c})")
+        self._shape = expected
+
+    # -- reader protocol -------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shape
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _KEPT.get(self._source[name][1].qtype, torch.float32)
+
+    def file_of(self, name: str) -> Path | None:
+        return self.parts[self._source[name][0]] if name in self._source else None
+
+    def files(self) -> list[Path]:
+        return list(self.parts)
+
+    def tokenizer_files(self) -> list[Path]:
+        return list(self._tokenizer)
+
+    def check_unchanged(self) -> None:
+        for part, identity in self._identity.items():
+            identity.check_path(part)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._source:
+            raise CheckpointError(f"{self.path}: tensor {name} is missing")
+        i, t = self._source[name]
+        self._identity[self.parts[i]].check_path(self.parts[i])
+        if i not in self._maps:
+            self._maps[i] = np.memmap(self.parts[i], dtype=np.uint8, mode="r")
+        tensor = read_tensor(self._maps[i], t)
+        tensor = tensor.reshape(self._shape[name])
+        heads = rope_heads(name, self.config, self.arch.name)
+        return (rope_halves(tensor, heads) if heads else tensor).contiguous()
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def read_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:
+    """Tensor `t` from a file's bytes (a memory map), in memory of its own: F32 / F16 / BF16 as they are, any other
+    type dequantized to float32 by gguf.quants.dequantize; shaped as the file declares it."""
+    gguf = gguf_module()
+    raw = data[t.start:t.start + t.nbytes]
+    if t.qtype in _KEPT:
+        view = raw.view(np.int16 if t.qtype == 30 else np.float32 if t.qtype == 0 else np.float16)
+        tensor = torch.from_numpy(view.copy())
+        return (tensor.view(torch.bfloat16) if t.qtype == 30 else tensor).reshape(t.shape)
+    kind = gguf.GGMLQuantizationType(t.qtype)
+    rows = raw.reshape(gguf.quant_shape_to_byte_shape(t.shape, kind))
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, kind), dtype=np.float32)).reshape(t.shape)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without leading 1s (llama.cpp writes the shared expert's gate [1, D] as [D] or [D, 1])."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape

@@ -1,0 +1,191 @@
+"""A GGUF's tokenizer (tokenizer.ggml.*, llama.cpp's gpt2 model: byte-level BPE) rebuilt as Hugging Face files.
+
+    files = rebuild_tokenizer(fields, where="model.gguf")   # [tokenizer.json, tokenizer_config.json,
+                                                            #  generation_config.json] in the cache, or [] + a note
+
+  tokenizer.json         BPE over GPT-2's byte symbols: the vocabulary (tokenizer.ggml.tokens), the merges
+                         (tokenizer.ggml.merges), the pre-tokenizer of tokenizer.ggml.pre (PRE_TOKENIZERS: the same
+                         table the GGUF export matches a tokenizer.json against), CONTROL tokens as special added tokens
+                         and USER_DEFINED ones as plain added tokens (both matched whole, as llama.cpp does), UNUSED
+                         ones (the [PADn] ids past the tokenizer) left out, a
+                         post-processor adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token say so;
+  tokenizer_config.json  bos / eos / pad / unk tokens, add_bos_token / add_eos_token, the chat template
+                         (tokenizer.chat_template), model_max_length ({arch}.context_length);
+  generation_config.json bos_token_id / eos_token_id / pad_token_id.
+
+The files are content-addressed in runtime.cache.cache_root() / "gguf-tokenizers" / DIGEST (written once, atomically,
+never changed), so that they outlive the reader (a training run copies them into its checkpoints) and travel into
+every output as an HF directory's tokenizer files do. Another tokenizer model (llama's SentencePiece, ...) or a
+pre-tokenizer outside PRE_TOKENIZERS is not rebuilt: the weights still read, the reader's metadata says why there is
+no tokenizer, and the commands that need one ask for --tokenizer. Malformed tokenizer metadata (tokens that are not
+strings, ids outside the vocabulary, merges that are not pairs) is a CheckpointError naming the key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from bam_surgery.runtime.cache import cache_root
+from bam_surgery.runtime.errors import CheckpointError, printable
+
+# tokenizer.json pre-tokenizer regexes that llama.cpp implements (src/llama-vocab.cpp quotes each beside its own)
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level(regex: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex}
+
+
+def _split(regex: str) -> dict:
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, _byte_level(False)]}
+
+
+# llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) -> (the tokenizer.json pre_tokenizer that splits the same,
+# what it is in words, whether BPE ignores merges on whole words)
+PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
+    "gpt-2": (_byte_level(True), "ByteLevel (GPT-2's regex)", False),
+    "llama-bpe": (_split(LLAMA3_REGEX), "Split (Llama 3's regex) + ByteLevel", True),
+    "qwen2": (_split(QWEN2_REGEX), "Split (Qwen2's regex) + ByteLevel", False),
+    "smollm": ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                      _byte_level(True)]},
+               "Digits (one by one) + ByteLevel (GPT-2's regex)", False),
+}
+PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType
+DIRECTORY = "gguf-tokenizers"
+
+
+def _strings(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
+    value = fields.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CheckpointError(f"{where}: {key} is not a list of strings")
+    return value
+
+
+def _token_id(fields: Mapping[str, Any], key: str, n: int, where: str) -> int | None:
+    value = fields.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n:
+        raise CheckpointError(f"{where}: {key} {str(value)[:20]} is not a token id of the {n:,}-token vocabulary")
+    return value
+
+
+def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int | None) -> dict[str, str] | str:
+    """{file name: text} of the rebuilt tokenizer, or a sentence saying why there is none."""
+    model = fields.get("tokenizer.ggml.model")
+    if model is None:
+        return "the file carries no tokenizer (no tokenizer.ggml.model)"
+    if model != "gpt2":
+        return (f"its tokenizer is llama.cpp's {printable(str(model))[:30]!r} model; only byte-level BPE (gpt2) is "
+                "rebuilt as a tokenizer.json (pass --tokenizer)")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    pre = PRE_ALIASES.get(pre, pre)
+    if pre not in PRE_TOKENIZERS:
+        return (f"its pre-tokenizer {printable(str(pre))[:30]!r} is none this reader rebuilds "
+                f"({', '.join(PRE_TOKENIZERS)}); pass --tokenizer")
+    tokens = _strings(fields, "tokenizer.ggml.tokens", where)
+    merges = _strings(fields, "tokenizer.ggml.merges", where) if "tokenizer.ggml.merges" in fields else []
+    types = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type is not one integer per token ({len(tokens)})")
+    pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges holds {printable(m)[:40]!r}, not a pair of tokens")
+        pairs.append(parts)
+    ids = {k: _token_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), where)
+           for k in ("bos", "eos", "padding", "unknown")}
+    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False))
+    for kind, wanted in (("bos", add_bos), ("eos", add_eos)):
+        if wanted and ids[kind] is None:
+            raise CheckpointError(f"{where}: tokenizer.ggml.add_{kind}_token is set but the file names no {kind} token")
+    vocab: dict[str, int] = {}
+    for i, (t, k) in enumerate(zip(tokens, types)):
+        if k != UNUSED:  # padding ids past the tokenizer ([PADn]; the export writes them so)
+            vocab.setdefault(t, i)  # a repeated string keeps its first id (the encoder can produce only one)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": k == CONTROL}
+             for i, (t, k) in enumerate(zip(tokens, types)) if k in (CONTROL, USER_DEFINED) and vocab.get(t) == i]
+    pre_json, _, ignore_merges = PRE_TOKENIZERS[pre]
+    body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": pre_json, "post_processor": _post_processor(tokens, ids, add_bos, add_eos),
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": ignore_merges, "vocab": vocab, "merges": pairs}}
+    config, generation = _configs(fields, tokens, ids, add_bos, add_eos, context_length)
+
+    def dump(value) -> str:
+        return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
+    return {"tokenizer.json": json.dumps(body, ensure_ascii=False), "tokenizer_config.json": dump(config),
+            "generation_config.json": dump(generation)}
+
+
+def _configs(fields: Mapping[str, Any], tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool,
+             context_length: int | None) -> tuple[dict, dict]:
+    """(tokenizer_config.json, generation_config.json) bodies."""
+    names = {"bos": "bos_token", "eos": "eos_token", "padding": "pad_token", "unknown": "unk_token"}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
+                              "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
+                              **{names[k]: tokens[i] for k, i in ids.items() if i is not None}}
+    if context_length:
+        config["model_max_length"] = context_length
+    template = fields.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    generation = {f"{k}_token_id": ids[g] for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+                  if ids[g] is not None}
+
+    return config, generation
+
+
+def _post_processor(tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool) -> dict:
+    if not (add_bos or add_eos):
+        return {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    first = [tokens[ids["bos"]]] if add_bos else []
+    last = [tokens[ids["eos"]]] if add_eos else []
+
+    def seq(name: str) -> list[dict]:
+        return ([{"SpecialToken": {"id": t, "type_id": 0}} for t in first] + [{"Sequence": {"id": name, "type_id": 0}}]
+                + [{"SpecialToken": {"id": t, "type_id": 0}} for t in last])
+    special = {tokens[ids[kind]]: {"id": tokens[ids[kind]], "ids": [ids[kind]], "tokens": [tokens[ids[kind]]]}
+               for kind, wanted in (("bos", add_bos), ("eos", add_eos)) if wanted}
+    return {"type": "TemplateProcessing", "single": seq("A"), "pair": seq("A") + seq("B"), "special_tokens": special}
+
+
+def rebuild_tokenizer(fields: Mapping[str, Any], where: str, context_length: int | None) -> tuple[list[Path], str]:
+    """(the rebuilt files in the cache, "") or ([], why there are none)."""
+    texts = tokenizer_texts(fields, where, context_length)
+    if isinstance(texts, str):
+        return [], texts
+    digest = hashlib.sha256()
+    for name in sorted(texts):
+        digest.update(name.encode() + b"\0" + texts[name].encode() + b"\0")
+    folder = cache_root() / DIRECTORY / digest.hexdigest()[:32]
+    if not all((folder / n).is_file() for n in texts):
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+            for name, text in texts.items():
+                (tmp / name).write_text(text, encoding="utf-8")
+            try:
+                os.rename(tmp, folder)
+            except OSError:  # another process wrote the same files first
+                for name in texts:
+                    (tmp / name).unlink()
+                tmp.rmdir()
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot write its rebuilt tokenizer under {folder.parent} "
+                                  f"({e.strerror or e}; set BAM_SURGERY_CACHE to a writable folder)") from None
+    return [folder / n for n in texts], ""
