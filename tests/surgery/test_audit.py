@@ -427,3 +427,23 @@ def test_count_params_recipe_from_a_dense_checkpoint(tmp_path, tiny_ckpt):
     assert res.exit_code == 2 and "already a mixture" in res.output
     res = invoke(count_params_cmd, [dense, "--preset", "tiny"])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_qk_and_post_norms_count_as_norms():
+    """QK-norms (per expert too) and post-norms are in the norms group; the paper's Table 5 rows count them with the
+    block's layernorms, and a model without them counts as before."""
+    from bam_surgery.runtime.config import ModelConfig
+    from bam_surgery.surgery.audit import audit
+
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48)
+    qwen3 = ModelConfig(**base, qk_norm="head", head_dim=16)
+    olmo2 = ModelConfig(**base, qk_norm="full", norm_position="post")
+    bam = qwen3.replace(attn_experts=3, ffn_experts=3)
+    norms = {name: audit(cfg).groups["norms"].total for name, cfg in
+             (("qwen3", qwen3), ("olmo2", olmo2), ("bam", bam))}
+    # per layer: 2 pre-norms of D, q and k norms of Dh (+ final norm D)
+    assert norms["qwen3"] == 2 * (2 * 32 + 2 * 16) + 32
+    # per layer: 2 post-norms of D, q norm of H*Dh = 32, k norm of G*Dh = 16
+    assert norms["olmo2"] == 2 * (2 * 32 + 32 + 16) + 32
+    # every attention expert has its own q and k norms
+    assert norms["bam"] == 2 * (2 * 32 + 3 * (16 + 16)) + 32
