@@ -280,6 +280,8 @@ class Rope(Field):
             body[self.legacy_fraction_key] = cfg.rotary_fraction
         if self.original_key and cfg.scaled_rope and "original_max_position_embeddings" in cfg.scaled_rope:
             body[self.original_key] = cfg.scaled_rope["original_max_position_embeddings"]
+        if cfg.scaled_rope is not None:  # read by transformers < 5 (5 takes it over rope_parameters: the same RoPE)
+            body["rope_scaling"] = dict(cfg.scaled_rope)
         body["rope_parameters"] = params
         return body
 
