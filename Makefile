@@ -4,9 +4,9 @@
 #   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
 #                   pipelines); under a minute on a quiet 2-core machine
 #   make test-compat  the exports in the clients users run: one venv per end of the transformers range the
-#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
-#                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
-#                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
+#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral,
+#                   Qwen2-MoE, Qwen3-MoE and FlexOlmo export checks in each, lm-evaluation-harness with the newest,
+#                   llama.cpp (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
 #                   export, and the wheel installed into a fresh venv
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
@@ -38,7 +38,8 @@ COMPAT_OLDEST := 4.57.6
 COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
-		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
+		 tests/converters/test_qwen2_moe_export.py tests/converters/test_qk_norm_moe_export.py \
+		 tests/converters/test_export_clients.py
 
 .PHONY: demo test test-fast test-compat reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
