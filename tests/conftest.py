@@ -608,3 +608,30 @@ def random_hf_model(cls_name: str, kwargs: dict, seed: int = 0, **overrides):
             else:
                 p.copy_(r / p.shape[-1] ** 0.5 if "wte" not in name and "embed" not in name else r)
     return model
+
+
+def branch_state(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, torch.Tensor]:
+    """A specialist of a canonical dense state: its attention and FFN tensors moved by 10% of their spread, but those
+    `keep(name)` holds (the tensors a recipe averages or shares, kept equal to the seed's)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        moved = name.startswith("layers.") and (".attn." in name or ".ffn." in name) and not keep(name)
+        out[name] = t + 0.1 * t.std() * torch.randn(t.shape, generator=gen) if moved else t.clone()
+    return out
+
+
+def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False) -> list[Path]:
+    """HF folders root/NAME of FAMILY_CASES[case]: a random seed (random_hf_model) and specialists branched from it
+    (branch_state), each written back in the family's own format by the exporter, so every one loads in
+    transformers."""
+    from bam_surgery.converters import open_checkpoint
+    from bam_surgery.converters.hf import save_hf
+
+    random_hf_model(*FAMILY_CASES[case]).save_pretrained(root / names[0])
+    with open_checkpoint(str(root / names[0])) as seed:
+        state = {n: seed.get(n) for n in seed.names()}
+        for j, name in enumerate(names[1:], 1):
+            save_hf(branch_state(state, keep, 10 * j), root / name, seed.architecture, config=seed.config,
+                    tokenizer_from=root / names[0])
+    return [root / n for n in names]

@@ -22,6 +22,7 @@ from bam_surgery.runtime.layout import tensor_shapes
 from ..base import CapabilityError
 from . import config_map as cm
 from .mixtral_config import MIXTRAL
+from .qk_norm_moe_config import FLEX_OLMO, QWEN3_MOE
 from .qwen2_moe_config import QWEN2_MOE
 from .ops import (CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD, STACK, TRANSPOSE,
                   ReshapeOp)
@@ -200,23 +201,35 @@ _OLMO2_WEIGHTS = (
 )
 
 
+def _moe_rows(moe: str, router: str, expert: tuple[str, str, str]) -> tuple[WeightRule, ...]:
+    """The router at model.layers.{}.MOE.ROUTER and the experts at MOE.experts.{e}.NAME (gate, up, down names)."""
+    m = f"model.layers.{{}}.{moe}"
+    return (w(f"{m}.{router}.weight", "layers.{}.ffn_router.weight"),
+            *[w(f"{m}.experts.{{e}}.{name}.weight", f"layers.{{}}.ffn_experts.{proj}.weight", STACK)
+              for name, proj in zip(expert, ("gate", "up", "down"))])
+
+
 def _moe_weights(attention: list[WeightRule], moe: str, router: str, expert: tuple[str, str, str],
                  shared: tuple[WeightRule, ...] = ()) -> tuple[WeightRule, ...]:
-    """A Llama-family mixture's table: the Llama trunk with `attention`'s rows, the router at MLP.ROUTER and the
-    experts at MLP.experts.{e}.NAME (gate, up, down names), then any shared-expert rows."""
-    m = f"model.layers.{{}}.{moe}"
+    """A Llama-family mixture's table: the Llama trunk with `attention`'s rows, the router and experts (_moe_rows),
+    then any shared-expert rows."""
     return (
         w("model.embed_tokens.weight", "embed.weight"),
         w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
         w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
         *attention,
-        w(f"{m}.{router}.weight", "layers.{}.ffn_router.weight"),
-        *[w(f"{m}.experts.{{e}}.{name}.weight", f"layers.{{}}.ffn_experts.{proj}.weight", STACK)
-          for name, proj in zip(expert, ("gate", "up", "down"))],
+        *_moe_rows(moe, router, expert),
         *shared,
         w("model.norm.weight", "final_norm.weight"),
         lm_head(),
     )
+
+
+def _with_experts(dense: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
+    """A dense table whose FFN rows become a router and experts in Qwen2-MoE's names (mlp.gate, mlp.experts.{e}.*_proj;
+    Qwen3-MoE and FlexOlmo take them)."""
+    trunk = tuple(r for r in dense if not any(".ffn." in c for c in r.canonical))
+    return trunk + _moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 
 
 # Mixtral: the Llama names, with a routed FFN of E experts (w1 = gate, w3 = up, w2 = down), no biases.
@@ -233,6 +246,11 @@ _QWEN2_MOE_WEIGHTS = _moe_weights(
               for p in ("gate", "up", "down")],
             w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight")))
 
+# Qwen3-MoE: Qwen3's trunk (per-head QK-norm, q/k/v/o biases when attention_bias) with experts; FlexOlmo: OLMo 2's
+# (post-norms, full-width QK-norm) with experts.
+_QWEN3_MOE_WEIGHTS = _with_experts(_QWEN3_WEIGHTS)
+_FLEX_OLMO_WEIGHTS = _with_experts(_OLMO2_WEIGHTS)
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),
     Architecture("mistral", "MistralForCausalLM", "model.", _LLAMA_WEIGHTS, cm.MISTRAL),
@@ -248,6 +266,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("smollm3", "SmolLM3ForCausalLM", "model.", _LLAMA_WEIGHTS, cm.SMOLLM3),
     Architecture("mixtral", "MixtralForCausalLM", "model.", _MIXTRAL_WEIGHTS, MIXTRAL),
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", "model.", _QWEN2_MOE_WEIGHTS, QWEN2_MOE),
+    Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "model.", _QWEN3_MOE_WEIGHTS, QWEN3_MOE),
+    Architecture("flex_olmo", "FlexOlmoForCausalLM", "model.", _FLEX_OLMO_WEIGHTS, FLEX_OLMO),
 )}
 
 
@@ -261,6 +281,8 @@ REFUSED: dict[str, str] = {
     "gemma3": "Gemma's sliding-window layers, soft-capping and sandwich norms are not modelled yet",
     "gemma3_text": "Gemma's sliding-window layers, soft-capping and sandwich norms are not modelled yet",
     "llama4": "Llama 4's chunked attention, interleaved NoPE/MoE layers and QK L2-norm are not modelled",
+    "phimoe": "PhiMoE's LayerNorms and its sparsemixer router (top-2 picks, each gated by a softmax over the experts "
+              "within a relative threshold of the best one) are not modelled",
 }
 
 

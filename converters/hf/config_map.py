@@ -222,6 +222,9 @@ class Rope(Field):
     def read(self, hf, out, notes):
         # transformers 4 wrote rope_scaling (None for plain RoPE), 5 writes rope_parameters, which may
         # be nested per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+        for key in ("rope_scaling", "rope_parameters"):
+            if hf.get(key) is not None and not isinstance(hf[key], dict):
+                raise ConfigError(f"{key}: expected an object, got {str(hf[key])[:60]}")
         params = hf.get("rope_parameters")
         if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
             if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
@@ -280,6 +283,8 @@ class Rope(Field):
             body[self.legacy_fraction_key] = cfg.rotary_fraction
         if self.original_key and cfg.scaled_rope and "original_max_position_embeddings" in cfg.scaled_rope:
             body[self.original_key] = cfg.scaled_rope["original_max_position_embeddings"]
+        if cfg.scaled_rope is not None:  # read by transformers < 5 (5 takes it over rope_parameters: the same RoPE)
+            body["rope_scaling"] = dict(cfg.scaled_rope)
         body["rope_parameters"] = params
         return body
 

@@ -1,8 +1,8 @@
 """Mixtral's config.json <-> ModelConfig, and what a mixture needs to be exported as Mixtral.
 
 A mixture exports to Mixtral only if Mixtral computes exactly what our runtime computes: a
-sequential pre-norm block, RMSNorm, half-split RoPE over the whole head, dense (GQA) attention,
-SwiGLU experts, no biases, and top-k gates renormalized to sum to 1. `mixtral_problems` lists what
+sequential pre-norm block, RMSNorm, no QK-norm, half-split RoPE (any scaled RoPE) over the whole head in
+every layer, dense (GQA) attention, SwiGLU experts, no biases, and top-k gates renormalized to sum to 1. `mixtral_problems` lists what
 is missing, from the config alone. The weights go through the Mixtral table in architectures.py
 (a stack/unstack op per expert tensor), like every other HF architecture.
 """
@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from bam_surgery.runtime.config import ModelConfig
 
-from .moe_family import TRUNK_FIELDS, MoeConfigMap, Problems, bias_problem, trunk_problems
+from .moe_family import (TRUNK_FIELDS, MoeConfigMap, Problems, bias_problem, shared_expert_problem,
+                          trunk_problems)
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
@@ -29,9 +30,7 @@ MIXTRAL_DEFAULTS: dict[str, Any] = {
 
 def mixtral_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(what Mixtral needs, what this model has) for every feature Mixtral cannot express."""
-    out = trunk_problems(cfg)
-    if cfg.ffn_shared_hidden:
-        out.append(("no shared expert (--format qwen2_moe carries one)", "a shared FFN expert"))
+    out = trunk_problems(cfg) + shared_expert_problem(cfg)
     out += bias_problem(cfg, (), "bias-free projections")
     # Mixtral renormalizes the top-k probabilities to sum to 1. Plain softmax gates agree only
     # when every expert is selected (then the top-k probabilities already sum to 1).

@@ -1,7 +1,7 @@
 """Qwen2-MoE's config.json <-> ModelConfig, and what a mixture needs to be exported as Qwen2-MoE.
 
 Qwen2MoeForCausalLM computes, per layer: a sequential pre-norm block with RMSNorm, dense (GQA) attention with
-biases on q/k/v (none on o), half-split RoPE over the whole head, and a sparse MoE block of SwiGLU experts
+biases on q/k/v (none on o) and no QK-norm, half-split RoPE (any scaled RoPE) over the whole head, and a sparse MoE block of SwiGLU experts
 (softmax over all experts, top-k, renormalized when `norm_topk_prob`) plus an always-on shared SwiGLU expert
 whose output is scaled by sigmoid(shared_expert_gate(x)). That is our runtime with `ffn_shared_hidden` > 0
 (recipe btx-shared-expert); `qwen2_moe_problems` lists what a model lacks, from the config alone. Our models
@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from bam_surgery.runtime.config import ModelConfig
 
 from ..base import CapabilityError
-from .moe_family import TRUNK_FIELDS, MoeConfigMap, Problems, bias_problem, trunk_problems
+from .moe_family import (TRUNK_FIELDS, MoeConfigMap, Problems, bias_problem, every_layer_sparse, gate_norm_of,
+                          sparse_entries, trunk_problems)
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 MODEL_TYPE = "qwen2_moe"
@@ -49,18 +50,15 @@ class Qwen2MoeConfigMap(MoeConfigMap):
         return qwen2_moe_problems(cfg)
 
     def entries(self, cfg: ModelConfig) -> dict[str, Any]:
-        return dict(intermediate_size=cfg.ffn_hidden,  # the dense MLP of mlp_only_layers: there are none
-                    norm_topk_prob=cfg.gate_norm == "topk_softmax", decoder_sparse_step=1, mlp_only_layers=[],
+        return dict(**sparse_entries(cfg),
                     qkv_bias=True,  # transformers >= 5 reads it; older versions always have q/k/v biases
                     use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
 
     def read_fields(self, hf: Mapping[str, Any], get) -> dict[str, Any]:
-        if get("decoder_sparse_step") != 1 or hf.get("mlp_only_layers"):
-            raise CapabilityError("decoder_sparse_step != 1 or mlp_only_layers: layers without experts are not "
-                                  "supported (every layer of a mixture has the same FFN)")
+        every_layer_sparse(hf, get)
         if not hf.get("qkv_bias", True):
             raise CapabilityError("qkv_bias false is not supported on import (export always writes q/k/v biases)")
-        return {"qkv_bias": True, "gate_norm": "topk_softmax" if get("norm_topk_prob") else "softmax"}
+        return {"qkv_bias": True, **gate_norm_of(get)}
 
 
 QWEN2_MOE = Qwen2MoeConfigMap()

@@ -272,8 +272,11 @@ def test_import_rejects_bad_directories(tmp_path):
     rewrite(num_hidden_layers=1)
     with pytest.raises(CheckpointError, match=r"tensor model\.layers\.1\..* is not part of the mixtral mapping"):
         import_mixtral(out)
-    rewrite(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(CapabilityError, match="config.json: rope_type 'yarn' is not supported"):
+    rewrite(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})  # scaled RoPE is read
+    assert import_mixtral(out).config.scaled_rope == {"rope_type": "yarn", "factor": 2.0,
+                                                      "original_max_position_embeddings": 64}
+    rewrite(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4})
+    with pytest.raises(CapabilityError, match="config.json: rope_parameters: rope_type='mrope' is not supported"):
         import_mixtral(out)
     expert = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
     rewrite({**tensors, expert: tensors[expert].to(torch.bfloat16)})

@@ -8,7 +8,7 @@ SmolLM3), from Hugging Face folders, held by the identities against transformers
   * the QK-norm of each attention expert is its own: the specialists' q norms differ, and forcing another expert
     moves the logits.
 The specialists are the seed with its projections (and QK-norms) moved by 10%, written back in the family's own
-format by the exporter, so every input is a folder transformers loads.
+format by the exporter, so every input is a folder transformers loads (conftest.hf_specialists).
 """
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import max_diff, merge, merge_family  # noqa: E402
-from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
+from conftest import hf_specialists, max_diff, merge, merge_family  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
-from bam_surgery.converters.hf import save_hf  # noqa: E402
 from bam_surgery.runtime import ForcedRouting, load_model  # noqa: E402
 
 TOL = 1e-4
@@ -34,33 +32,13 @@ KEEP = {
 }
 
 
-def _branch(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        moved = name.startswith("layers.") and (".attn." in name or ".ffn." in name) and not keep(name)
-        out[name] = t + 0.1 * t.std() * torch.randn(t.shape, generator=gen) if moved else t.clone()
-    return out
-
-
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """family -> recipe -> [seed, specialist, specialist] folders in the family's HF format."""
     out = {}
     for family in FAMILIES:
         root = tmp_path_factory.mktemp(family)
-        random_hf_model(*FAMILY_CASES[family]).save_pretrained(root / "seed")
-        seed = open_checkpoint(str(root / "seed"))
-        state = {n: seed.get(n) for n in seed.names()}
-        out[family] = {}
-        for recipe, keep in KEEP.items():
-            dirs = [root / "seed"]
-            for j in (1, 2):
-                d = root / f"{recipe}-{j}"
-                save_hf(_branch(state, keep, 10 * j), d, seed.architecture, config=seed.config,
-                        tokenizer_from=root / "seed")
-                dirs.append(d)
-            out[family][recipe] = dirs
+        out[family] = {recipe: hf_specialists(root / recipe, family, keep=keep) for recipe, keep in KEEP.items()}
     return out
 
 
