@@ -106,7 +106,7 @@ class DecoderGraph(nn.Module):
         impl, kernel = model.impl, model.expert_kernel
         model.impl, model.expert_kernel = "export", self.ffn_kernel
         try:
-            x, _ = model.hidden_states(model.embed(input_ids), attention_mask=attention_mask, positions=position_ids,
+            x, _ = model.hidden_states(model.embed_tokens(input_ids), attention_mask=attention_mask, positions=position_ids,
                                        input_pos=input_pos, cache=cache)
         finally:
             model.impl, model.expert_kernel = impl, kernel

@@ -58,7 +58,9 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf)
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # gated (Gemma): act(gate x) * up x
 }
+GATED = ("swiglu", "geglu_tanh")
 Impl = Literal["fused", "reference", "export"]  # a block's implementations (the module docstring)
 IMPLS = get_args(Impl)
 # Device types whose causal GQA goes straight to scaled_dot_product_attention(enable_gqa=True), whose flash
@@ -157,13 +159,14 @@ def router_losses(trace: dict[str, Routing], device: torch.device) -> tuple[Tens
 
 # ---- building blocks ------------------------------------------------------------------------
 class Norm(nn.Module):
-    """LayerNorm (optional bias) in the input dtype, or RMSNorm computed in float32, over the last `width` dims
+    """LayerNorm (optional bias) in the input dtype, or RMSNorm computed in float32 (scaling by 1 + weight with
+    norm_unit_offset, Gemma's convention, so its zero-initialised weights are ones), over the last `width` dims
     (default d_model). With experts > 0, E norms stacked (weight [E, width]): forward(x, e) applies expert e's,
     all_experts(x) expert e's to x[..., e, :, :] (a QK-norm of every attention expert at once)."""
 
     def __init__(self, cfg, width: Optional[int] = None, experts: int = 0):
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind, self.eps, self.unit_offset = cfg.norm, cfg.norm_eps, cfg.norm_unit_offset
         width = width or cfg.d_model
         self.shape = (width,)  # a constant, not x.shape[-1]: graph exporters trace x's sizes as tensors
         lead = (experts,) if experts else ()
@@ -188,7 +191,7 @@ class Norm(nn.Module):
             return y if bias is None else y + bias
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * weight.float()).to(x.dtype)
+        return (xf * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
 
 
 class StackedLinear(nn.Module):
@@ -224,12 +227,16 @@ class Projections(nn.Module):
         return mod(x) if e is None or isinstance(mod, nn.Linear) else mod(x, e)
 
 
-def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
+def rotary_cos_sin(cfg, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
     """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
     in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there). Scaled RoPE
-    (cfg.scaled_rope) changes the frequencies and may scale both tables (rope_frequencies)."""
-    needs_length = cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] in ("dynamic", "longrope")
-    inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None)
+    (cfg.scaled_rope) changes the frequencies and may scale both tables (rope_frequencies); local: the sliding
+    layers' plain RoPE of base cfg.sliding_rope_theta instead."""
+    needs_length = not local and cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] in ("dynamic", "longrope")
+    if local:
+        inv_freq, scale = rope_frequencies(cfg, positions.device, theta=cfg.sliding_rope_theta, scaled=False)
+    else:
+        inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None)
     angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     if scale != 1.0:
@@ -239,7 +246,8 @@ def rotary_cos_sin(cfg, positions: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # pairs (i, i + rot/2)
 
 
-def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None) -> tuple[Tensor, float]:
+def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None, theta: Optional[float] = None,
+                     scaled: bool = True) -> tuple[Tensor, float]:
     """RoPE's inverse frequencies [rotary_dim/2] (float32, not a buffer, so casting the model to bf16 never
     rounds them) and the factor on cos and sin, computed as transformers computes them (modeling_rope_utils),
     op for op in float32 so that angles at long positions agree to the last bit:
@@ -251,7 +259,7 @@ def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None
                   sin times sqrt(1 + ln(factor) / ln(original))
         llama3    low frequencies divided by factor, high ones kept, a smooth ramp between
     """
-    dim, base, s = cfg.rotary_dim, cfg.rope_theta, cfg.scaled_rope
+    dim, base, s = cfg.rotary_dim, theta or cfg.rope_theta, cfg.scaled_rope if scaled else None
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     kind = None if s is None else s["rope_type"]
     if kind == "dynamic":
@@ -335,11 +343,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
 
 
 # ---- attention ------------------------------------------------------------------------------
-def attention_mask_for(attention_mask: Optional[Tensor], input_pos: Tensor, n_keys: int) -> Tensor:
-    """Boolean [B or 1, 1, T, S] (True = may attend): key slot s <= the query's slot input_pos[t], and not
-    padding (attention_mask [B, >= S], 1 token, 0 padding). A padding query that may see no key at all sees
-    every key instead, so its softmax stays finite (nothing reads its output)."""
-    allowed = torch.arange(n_keys, device=input_pos.device)[None, :] <= input_pos[:, None]  # [T, S]
+def attention_mask_for(attention_mask: Optional[Tensor], input_pos: Tensor, n_keys: int,
+                       window: Optional[int] = None) -> Tensor:
+    """Boolean [B or 1, 1, T, S] (True = may attend): key slot s <= the query's slot input_pos[t], within the
+    window (s > input_pos[t] - window: the last `window` slots, the query's own included, as transformers'
+    sliding-window masks count them), and not padding (attention_mask [B, >= S], 1 token, 0 padding). A
+    padding query that may see no key at all sees every key instead, so its softmax stays finite (nothing
+    reads its output)."""
+    slots = torch.arange(n_keys, device=input_pos.device)[None, :]
+    allowed = slots <= input_pos[:, None]  # [T, S]
+    if window is not None:
+        allowed = allowed & (slots > input_pos[:, None] - window)
     allowed = allowed[None]
     if attention_mask is not None:
         padding = attention_mask[:, :n_keys].to(torch.bool)
@@ -350,9 +364,12 @@ def attention_mask_for(attention_mask: Optional[Tensor], input_pos: Tensor, n_ke
     return allowed[:, None]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float] = None,
+           softcap: Optional[float] = None) -> Tensor:
     """Scaled dot-product attention, q [B, Hq, T, Dh] over k, v [B, Hkv, S, Dh]: query head j reads kv head
-    j // (Hq / Hkv). mask: bool [B or 1, 1, T, S], or None for plain causal attention (T == S).
+    j // (Hq / Hkv). mask: bool [B or 1, 1, T, S], or None for plain causal attention (T == S). scale: of the
+    logits (default 1/sqrt(Dh)); softcap c: logits become c * tanh(logits / c) before the mask (Gemma 2),
+    which no fused kernel does, so that runs the written-out attention of _attend_graph.
 
     K and V are never copied per query head: the Hq/Hkv query heads that share a kv head are folded into the
     query length (plain attention with a mask, any backend); unmasked causal attention uses SDPA's own GQA
@@ -363,9 +380,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     q = q.to(k.dtype)  # a cache may hold another dtype than autocast's; cast the few queries, not the cache
-    scale = 1.0 / math.sqrt(Dh)
-    if torch.onnx.is_in_onnx_export():
-        return _attend_graph(q, k, v, mask, scale)
+    scale = 1.0 / math.sqrt(Dh) if scale is None else scale
+    if torch.onnx.is_in_onnx_export() or softcap is not None:
+        return _attend_graph(q, k, v, mask, scale, softcap)
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     if mask is None:
@@ -382,7 +399,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)
 
 
-def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
+def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+                  softcap: Optional[float] = None) -> Tensor:
     """attend() written out for a graph exporter: the exporters' own SDPA decomposition turns a boolean mask
     into a float one in every layer and, after the softmax, replaces NaN rows (a row that may see no key) with
     zeros: two more passes over every [T, S] score matrix. attention_mask_for never leaves a row without a key,
@@ -393,6 +411,8 @@ def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     scores = torch.matmul(q.reshape(B, Hkv, rep * T, Dh) * scale, k.transpose(-1, -2))  # [B, Hkv, rep*T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = attention_mask_for(None, torch.arange(T, device=q.device) + (S - T), S)  # causal, the last T slots
     bias = torch.where(mask, torch.zeros((), dtype=scores.dtype), torch.full((), float("-inf"), dtype=scores.dtype))
@@ -493,13 +513,17 @@ class ForwardPass:
     masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
     # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
     prefill_from_zero: bool = False
+    rope_local: Optional[tuple[Tensor, Tensor]] = None  # the sliding layers' own RoPE (Gemma 3), or None: rope
 
-    def mask(self, n_keys: int) -> Optional[Tensor]:
-        if (self.cache is None or self.prefill_from_zero) and self.attention_mask is None:
-            return None  # plain causal attention over the T new tokens
-        if n_keys not in self.masks:
-            self.masks[n_keys] = attention_mask_for(self.attention_mask, self.input_pos, n_keys)
-        return self.masks[n_keys]
+    def mask(self, n_keys: int, window: Optional[int] = None) -> Optional[Tensor]:
+        """The mask over n_keys key slots (a sliding window of `window` slots, or the whole causal prefix), or
+        None where plain causal attention over the T new tokens is the same thing."""
+        plain = (self.cache is None or self.prefill_from_zero) and self.attention_mask is None
+        if plain and (window is None or n_keys <= window):
+            return None
+        if (n_keys, window) not in self.masks:
+            self.masks[n_keys, window] = attention_mask_for(self.attention_mask, self.input_pos, n_keys, window)
+        return self.masks[n_keys, window]
 
 
 class Block(nn.Module):
@@ -518,13 +542,15 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.index = cfg, index
         D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.post_norms = cfg.norm_position == "post"
-        if self.post_norms:  # OLMo 2: each sublayer's output normed before the residual add
-            self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
-        else:
+        if cfg.norm_position != "post":  # OLMo 2 has no norm before its sublayers
             self.attn_norm = Norm(cfg)
             if cfg.block != "parallel":
                 self.ffn_norm = Norm(cfg)
+        if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
+            self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
+        sliding = cfg.sliding_window is not None and (cfg.sliding_layers is None or index in cfg.sliding_layers)
+        self.window = cfg.sliding_window if sliding else None  # attends to the last `window` slots
+        self.scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # None: 1/sqrt(head_dim)
         self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
         q = {"q": (D, H * Dh, cfg.qkv_bias)}
         kv = {"k": (D, G * Dh, cfg.qkv_bias), "v": (D, G * Dh, cfg.qkv_bias)}
@@ -547,7 +573,7 @@ class Block(nn.Module):
             for name in "qk":
                 owner, experts = (self.attn_experts, Ea) if self._expert_owned(name) else (self.attn, 0)
                 owner.add_module(f"{name}_norm", Norm(cfg, width[name], experts))
-        self.gated = cfg.activation == "swiglu"
+        self.gated = cfg.activation in GATED
         ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
         ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
         if cfg.ffn_experts:
@@ -563,10 +589,13 @@ class Block(nn.Module):
         self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
-        style = self.cfg.block
-        if self.post_norms:
+        style, where = self.cfg.block, self.cfg.norm_position
+        if where == "post":  # OLMo 2
             h = x + self.attn_post_norm(self.attention(x, step))
             return h + self.ffn_post_norm(self.feed_forward(h, step))
+        if where == "sandwich":  # Gemma
+            h = x + self.attn_post_norm(self.attention(self.attn_norm(x), step))
+            return h + self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), step))
         if style == "sequential":
             h = x + self.attention(self.attn_norm(x), step)
             return h + self.feed_forward(self.ffn_norm(h), step)
@@ -592,7 +621,8 @@ class Block(nn.Module):
     def _rope(self, x: Tensor, step: ForwardPass) -> Tensor:
         if step.rope is None or not self.use_rope:
             return x
-        return apply_rotary(x, *step.rope, self.cfg.rope_interleaved)
+        rope = step.rope_local if self.window is not None and step.rope_local is not None else step.rope
+        return apply_rotary(x, *rope, self.cfg.rope_interleaved)
 
     def _qk(self, name: str, y: Tensor, e: Optional[int]) -> Tensor:
         """Projection q or k of expert e (None: dense or shared), y [B, T, heads*Dh], through its QK-norm: over
@@ -664,9 +694,15 @@ class Block(nn.Module):
         rep = cfg.n_heads // cfg.n_kv_heads
         if rep > 1:  # GQA: query head h reads kv head h // rep
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = step.mask(k.shape[2])
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=1.0 / math.sqrt(cfg.head_dim))
+        mask = step.mask(k.shape[2], self.window)
+        scale = self.scale or 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.attn_softcap is not None:  # Gemma 2: logits c * tanh(s / c), then the mask
+            scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cfg.attn_softcap) * cfg.attn_softcap
+            if mask is None:
+                mask = attention_mask_for(None, step.input_pos, k.shape[2])
+            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         return self._attn_proj("o", y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), e)
 
     def _attention_reference(self, x: Tensor, step: ForwardPass) -> Tensor:
@@ -741,7 +777,7 @@ class Block(nn.Module):
         k, v = self._cache(k, v.transpose(1, 2), step)
         if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
             k, v = k[:, :, :T], v[:, :, :T]
-        y = attend(q, k, v, step.mask(k.shape[2]))  # [B, E*H, T, Dh]
+        y = attend(q, k, v, step.mask(k.shape[2], self.window), self.scale, cfg.attn_softcap)  # [B, E*H, T, Dh]
         if not E:
             return self.attn.o(y.transpose(1, 2).reshape(B, T, H * Dh))
         r = self._route("attn", x, step)
@@ -872,7 +908,9 @@ class Transformer(nn.Module):
             if cache is None and T > cfg.max_positions:
                 raise ValueError(f"sequence length {T} exceeds max_positions={cfg.max_positions}")
             x = x + self.pos_embed(positions)
+        local = cfg.position == "rope" and cfg.sliding_rope_theta is not None
         step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
+                    rope_local=rotary_cos_sin(cfg, positions, local=True) if local else None,
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
                     expert_kernel=self.expert_kernel,
                     prefill_from_zero=self._prefill_from_zero(cache, attention_mask, input_pos))
@@ -883,6 +921,23 @@ class Transformer(nn.Module):
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """Input embeddings [B, T, D] of tokens [B, T]: times sqrt(d_model) with scale_embeddings (Gemma, which
+        rounds the factor to the embeddings' dtype first)."""
+        x = self.embed(tokens)
+        if not self.config.scale_embeddings:
+            return x
+        return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+
+    def output_logits(self, logits: Tensor) -> Tensor:
+        """The head's logits [..., V] times logit_scale (Cohere), then soft-capped c * tanh(l / c) (Gemma 2)."""
+        cfg = self.config
+        if cfg.logit_scale != 1.0:
+            logits = logits * cfg.logit_scale
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
 
     def _prefill_from_zero(self, cache, attention_mask: Optional[Tensor], input_pos: Tensor) -> bool:
         """A fused, eager prefill of T > 1 tokens into a cache at slots 0..T-1 with no padding: the blocks then

@@ -27,11 +27,13 @@ from .config_rules import ConfigRules
 from .jsonfile import parse_json
 
 # Fields with a fixed set of values; the tuples are the same sets, for messages and checks.
-Activation = Literal["swiglu", "gelu", "gelu_tanh", "relu", "silu"]
+Activation = Literal["swiglu", "gelu", "gelu_tanh", "relu", "silu", "geglu_tanh"]  # geglu_tanh: gated (Gemma)
+GATED_ACTIVATIONS = ("swiglu", "geglu_tanh")  # act(gate x) * up x
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["rope", "learned", "none"]
 Block = Literal["sequential", "parallel", "parallel_two_norms"]
-NormPosition = Literal["pre", "post"]  # pre: norm, sublayer, add (Llama); post: sublayer, norm, add (OLMo 2)
+# pre: norm, sublayer, add (Llama); post: sublayer, norm, add (OLMo 2); sandwich: norm, sublayer, norm, add (Gemma)
+NormPosition = Literal["pre", "post", "sandwich"]
 QKNorm = Literal["none", "head", "full"]  # RMS/layer norm of queries and keys: per head (Qwen3) or full width (OLMo 2)
 # scaled RoPE, as transformers computes it (scaled_rope holds its rope_parameters; docs/runtime.md)
 RopeType = Literal["linear", "dynamic", "yarn", "longrope", "llama3"]
@@ -49,7 +51,9 @@ GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(R
 # so that every config that does not use them serializes to the same bytes as before they were added.
 WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
                     "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay",
-                    "ffn_shared_hidden", "scaled_rope", "nope_layers", "qk_norm", "norm_position")
+                    "ffn_shared_hidden", "scaled_rope", "nope_layers", "qk_norm", "norm_position",
+                    "norm_unit_offset", "scale_embeddings", "sliding_window", "sliding_layers", "sliding_rope_theta",
+                    "attn_scale_dim", "attn_softcap", "final_softcap")
 
 
 class ConfigError(ValueError):
@@ -125,6 +129,16 @@ class ModelConfig(ConfigRules):
     nope_layers: list[int] | None = None  # layers that apply no RoPE (SmolLM3's every fourth layer); None: none
     qk_norm: QKNorm = "none"  # a norm on queries and keys before RoPE: per head [Dh] or over the full width [H*Dh]
     norm_position: NormPosition = "pre"  # post: each sublayer's output is normed before the residual add
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma), not by weight
+    scale_embeddings: bool = False  # the input embeddings times sqrt(d_model) (Gemma)
+    # sliding-window attention: a query sees the last sliding_window keys (itself included) in the layers
+    # sliding_layers (None: every layer); None: every layer attends to the whole causal prefix
+    sliding_window: int | None = None
+    sliding_layers: list[int] | None = None
+    sliding_rope_theta: float | None = None  # plain RoPE of this base in the sliding layers (Gemma 3's local base)
+    attn_scale_dim: int | None = None  # attention logits scaled by 1/sqrt(this) (Gemma's query_pre_attn_scalar)
+    attn_softcap: float | None = None  # attention logits soft-capped: c * tanh(s / c) (Gemma 2)
+    final_softcap: float | None = None  # output logits soft-capped likewise (Gemma 2)
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
@@ -217,6 +231,27 @@ class ModelConfig(ConfigRules):
               f"unknown norm position {self.norm_position!r}; choose one of {', '.join(NORM_POSITIONS)}")
         _need(self.norm_position == "pre" or self.block == "sequential", "norm_position",
               f"post-norms need sequential blocks, the config has block={self.block!r}")
+        _need(not self.norm_unit_offset or self.norm == "rmsnorm", "norm_unit_offset", "applies to rmsnorm only")
+        if self.sliding_window is not None:
+            _need(0 < self.sliding_window <= MAX_DIM, "sliding_window", f"must be a positive integer, got "
+                  f"{self.sliding_window!r}")
+        for fld in ("sliding_layers",):
+            layers = getattr(self, fld)
+            if layers is not None:
+                _need(self.sliding_window is not None, fld, "sliding layers need a sliding_window")
+                _need(all(0 <= i < self.n_layers for i in layers) and layers == sorted(set(layers)), fld,
+                      f"increasing layer indices in [0, {self.n_layers}), got {layers[:8]}")
+        if self.sliding_rope_theta is not None:
+            _need(self.sliding_window is not None and self.position == "rope", "sliding_rope_theta",
+                  "a RoPE base of the sliding layers needs sliding_window and position: rope")
+            _need(math.isfinite(self.sliding_rope_theta) and self.sliding_rope_theta > 0, "sliding_rope_theta",
+                  f"must be a finite number > 0, got {self.sliding_rope_theta!r}")
+        if self.attn_scale_dim is not None:
+            _need(0 < self.attn_scale_dim <= MAX_DIM, "attn_scale_dim", f"must be a positive integer, got "
+                  f"{self.attn_scale_dim!r}")
+        for fld in ("attn_softcap", "final_softcap"):
+            v = getattr(self, fld)
+            _need(v is None or (math.isfinite(v) and v > 0), fld, f"must be a finite number > 0, got {v!r}")
         if self.nope_layers is not None:
             _need(self.position == "rope", "nope_layers", "layers without RoPE need position: rope")
             _need(all(0 <= i < self.n_layers for i in self.nope_layers), "nope_layers",
@@ -287,7 +322,7 @@ class ModelConfig(ConfigRules):
 
     @property
     def gated_ffn(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in GATED_ACTIVATIONS
 
     @property
     def has_ffn_norm(self) -> bool:

@@ -7,7 +7,7 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     pos_embed.weight                          [P, D]        position == "learned"
     layers.{i}.attn_norm.weight / .bias       [D]           bias iff norm_bias
     layers.{i}.ffn_norm.weight / .bias        [D]           block != "parallel"; both absent iff norm_position post
-    layers.{i}.attn_post_norm.weight / .bias  [D]           norm_position == "post" (OLMo 2): the attention's
+    layers.{i}.attn_post_norm.weight / .bias  [D]           norm_position post (OLMo 2) or sandwich (Gemma): the attention's
     layers.{i}.ffn_post_norm.weight / .bias   [D]           and the FFN's output normed before the residual add
     dense attention (attn_experts == 0):
     layers.{i}.attn.q.weight                  [H*Dh, D]     .bias [H*Dh] iff qkv_bias
@@ -95,7 +95,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     D, F = cfg.d_model, cfg.ffn_hidden
     out: dict[str, Shape] = {}
     p = f"layers.{i}"
-    if cfg.norm_position == "pre":
+    if cfg.norm_position != "post":  # pre and sandwich
         _norm(out, f"{p}.attn_norm", cfg)
         if cfg.has_ffn_norm:
             _norm(out, f"{p}.ffn_norm", cfg)
@@ -127,7 +127,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         if qk:
             _norm(out, f"{p}.attn.q_norm", cfg, qn)
             _norm(out, f"{p}.attn.k_norm", cfg, kn)
-    if cfg.norm_position == "post":
+    if cfg.norm_position != "pre":  # post and sandwich
         _norm(out, f"{p}.attn_post_norm", cfg)
     E = cfg.ffn_experts
     fp = f"{p}.ffn_experts" if E else f"{p}.ffn"
@@ -144,7 +144,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{p}.ffn_shared.up", Fs, D, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared.down", D, Fs, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared_gate", 1, D, False)
-    if cfg.norm_position == "post":
+    if cfg.norm_position != "pre":
         _norm(out, f"{p}.ffn_post_norm", cfg)
     return out
 

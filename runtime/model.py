@@ -95,8 +95,7 @@ class Model(Transformer):
 
     def head(self, x: Tensor) -> Tensor:
         """Logits [..., V] of final-normed hidden states x [..., D]."""
-        logits = F.linear(x, self.head_weight, getattr(self, "lm_head_bias", None))
-        return logits * self.config.logit_scale if self.config.logit_scale != 1.0 else logits
+        return self.output_logits(F.linear(x, self.head_weight, getattr(self, "lm_head_bias", None)))
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None, routing: ForcedRouting | None = None, *,
                 attention_mask: Tensor | None = None, positions: Tensor | None = None,
@@ -122,7 +121,7 @@ class Model(Transformer):
             raise ValueError(f"targets has shape {tuple(targets.shape)}, expected {(B, T)} (one target per token)")
         if attention_mask is not None and cache is None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, T)}")
-        x, trace = self.hidden_states(self.embed(tokens), attention_mask=attention_mask, positions=positions,
+        x, trace = self.hidden_states(self.embed_tokens(tokens), attention_mask=attention_mask, positions=positions,
                                       input_pos=input_pos, cache=cache, routing=routing)
         out = ModelOutput(logits=None, routing=trace)
         if targets is not None or cache is None:  # not while decoding: nothing would read them
@@ -130,8 +129,9 @@ class Model(Transformer):
         if return_logits:
             out.logits = self.head(x[:, -logits_to_keep:] if logits_to_keep else x)
         if targets is not None:
-            if out.logits is not None and not logits_to_keep:
-                logits = out.logits.float()
+            if (out.logits is not None and not logits_to_keep) or cfg.final_softcap is not None:
+                # whole logits: these, or (soft-capped logits, which the chunked head does not compute) new ones
+                logits = (out.logits if out.logits is not None and not logits_to_keep else self.head(x)).float()
                 out.nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
             else:
                 rows = self.loss_chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // cfg.vocab_size)

@@ -125,14 +125,15 @@ def ref_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor, bias: torc
         var = ((x - mu) ** 2).mean(-1, keepdim=True)  # biased variance
         y = (x - mu) / torch.sqrt(var + cfg.norm_eps) * weight
     else:
-        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * weight
+        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * (1 + weight if cfg.norm_unit_offset
+                                                                             else weight)
     return y + bias if bias is not None else y
 
 
 def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "gelu":
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if name == "gelu_tanh":
+    if name in ("gelu_tanh", "geglu_tanh"):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
     if name == "relu":
         return torch.where(x > 0, x, torch.zeros_like(x))
@@ -141,11 +142,12 @@ def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise AssertionError(name)
 
 
-def ref_rope(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+def ref_rope(cfg: ModelConfig, x: torch.Tensor, theta: float | None = None) -> torch.Tensor:
     """x [B, T, heads, Dh]: rotate the first rotary_dim dims; pair (a, b) seen as the complex a + ib."""
     rot = cfg.rotary_dim
     T = x.shape[1]
-    freqs = torch.tensor([cfg.rope_theta ** (-2.0 * i / rot) for i in range(rot // 2)], dtype=torch.float64)
+    freqs = torch.tensor([(theta or cfg.rope_theta) ** (-2.0 * i / rot) for i in range(rot // 2)],
+                         dtype=torch.float64)
     angles = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None, :]  # [T, rot/2]
     rotor = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]  # e^{i t w}
     part = x[..., :rot]
@@ -177,21 +179,28 @@ def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor,
         k = ref_norm(cfg, k.reshape(B, T, G, Dh) if per_head else k, w["k_norm.weight"], w.get("k_norm.bias"))
     q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, G, Dh)
     v = _lin(x, w, "v").reshape(B, T, G, Dh)
+    sliding = cfg.sliding_window is not None and (cfg.sliding_layers is None or layer in cfg.sliding_layers)
     if cfg.position == "rope" and layer not in (cfg.nope_layers or ()):
-        q, k = ref_rope(cfg, q), ref_rope(cfg, k)
-    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        theta = cfg.sliding_rope_theta if sliding else None
+        q, k = ref_rope(cfg, q, theta), ref_rope(cfg, k, theta)
+    t = torch.arange(T)
+    hidden = t[None, :] > t[:, None]  # the future; and, in a sliding layer, keys window or more slots back
+    if sliding:
+        hidden |= t[None, :] <= t[:, None] - cfg.sliding_window
     heads = []
     for h in range(H):
         g = h // (H // G)  # the kv head this query head reads
-        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(Dh)  # [B, T, T]
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(cfg.attn_scale_dim or Dh)  # [B, T, T]
+        if cfg.attn_softcap is not None:
+            scores = cfg.attn_softcap * torch.tanh(scores / cfg.attn_softcap)
+        scores = scores.masked_fill(hidden, float("-inf"))
         heads.append(torch.softmax(scores, dim=-1) @ v[:, :, g])  # [B, T, Dh]
     return _lin(torch.cat(heads, dim=-1), w, "o")
 
 
 def ref_ffn(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    if cfg.activation == "swiglu":
-        h = ref_activation("silu", _lin(x, w, "gate")) * _lin(x, w, "up")
+    if cfg.activation in ("swiglu", "geglu_tanh"):
+        h = ref_activation(cfg.activation, _lin(x, w, "gate")) * _lin(x, w, "up")
     else:
         h = ref_activation(cfg.activation, _lin(x, w, "up"))
     return _lin(h, w, "down")
@@ -241,6 +250,8 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
     s = {k: v.double() for k, v in state.items()}
     B, T = tokens.shape
     x = s["embed.weight"][tokens]
+    if cfg.scale_embeddings:
+        x = x * math.sqrt(cfg.d_model)
     if cfg.position == "learned":
         x = x + s["pos_embed.weight"][:T][None]
     routers = []
@@ -286,6 +297,9 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
         if cfg.norm_position == "post":  # OLMo 2: the sublayer's output normed, then added
             h = x + norm(f"{p}.attn_post_norm", attention(p, x))
             x = h + norm(f"{p}.ffn_post_norm", ffn(p, h))
+        elif cfg.norm_position == "sandwich":  # Gemma: normed in and out
+            h = x + norm(f"{p}.attn_post_norm", attention(p, norm(f"{p}.attn_norm", x)))
+            x = h + norm(f"{p}.ffn_post_norm", ffn(p, norm(f"{p}.ffn_norm", h)))
         elif cfg.block == "sequential":
             h = x + attention(p, norm(f"{p}.attn_norm", x))
             x = h + ffn(p, norm(f"{p}.ffn_norm", h))
@@ -299,7 +313,10 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
     logits = x @ head.T
     if "lm_head.bias" in s:
         logits = logits + s["lm_head.bias"]
-    return logits * cfg.logit_scale, routers
+    logits = logits * cfg.logit_scale
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * torch.tanh(logits / cfg.final_softcap)
+    return logits, routers
 
 
 def load_hf_native(class_name: str, path):

@@ -85,7 +85,7 @@ class BamModel(Transformer):
     def forward(self, input_ids: Tensor | None, inputs_embeds: Tensor | None, attention_mask: Tensor | None,
                 position_ids: Tensor | None, cache: Cache | None, output_hidden_states: bool
                 ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         B, T, _ = x.shape
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
@@ -170,9 +170,7 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
             x = x[:, -logits_to_keep:] if logits_to_keep else x
         else:
             x = x[:, logits_to_keep]
-        logits = self.lm_head(x)
-        if self.config.logit_scale != 1.0:
-            logits = logits * self.config.logit_scale
+        logits = self.model.output_logits(self.lm_head(x))
         loss = None if labels is None else _next_token_loss(logits, labels, kwargs.get("num_items_in_batch"))
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden,
                                      **{CACHE_FIELD: cache if use_cache else None})

@@ -54,6 +54,16 @@ FAMILY_FEATURES = {
     "qk_full_post": dict(qk_norm="full", norm_position="post", n_kv_heads=2),
     "qk_head_layernorm_bias": dict(qk_norm="head", norm="layernorm", norm_bias=True, n_kv_heads=2, n_heads=2),
     "nope_layer": dict(nope_layers=[1], n_kv_heads=2),
+    # sliding windows of 3 slots (sequences of 8): every layer (Mistral), or Gemma 3's local layers with their own
+    # RoPE base beside sandwich norms, (1 + w) norms, scaled embeddings, GeGLU and query_pre_attn_scalar; Gemma 2's
+    # soft-capping
+    "window_all": dict(sliding_window=3, n_kv_heads=2),
+    "gemma3": dict(sliding_window=3, sliding_layers=[0], sliding_rope_theta=10.0, rope_theta=1000.0,
+                   norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="geglu_tanh",
+                   qk_norm="head", head_dim=16, attn_scale_dim=24, n_kv_heads=2),
+    "gemma2": dict(sliding_window=3, sliding_layers=[0], norm_position="sandwich", norm_unit_offset=True,
+                   scale_embeddings=True, activation="geglu_tanh", attn_softcap=5.0, final_softcap=3.0,
+                   n_kv_heads=2),
 }
 DENSE_CASES += [(f"family-{n}", f) for n, f in FAMILY_FEATURES.items()]
 
