@@ -17,12 +17,12 @@ type) whose message starts with the file (and line) and never a traceback:
     UTF-8, text that is not JSON, NaN/Infinity or a float overflowing to it (1e400), lone UTF-16 surrogates
     (\\ud800: valid JSON, but no UTF-8 text, so a UnicodeEncodeError wherever it was written).
 
-`expect` checks the top-level type and `field` the type of one field where it is used, so every
+`expect` checks the top-level type and `json_field` the type of one field where it is used, so every
 message names the file and the field:
 
     body = read_json(directory / "config.json", expect=dict)          # CheckpointError on failure
     cfg = parse_json(metadata["bam_config"], "x.safetensors: bam_config", error=ConfigError)
-    eos = field(body, "eos_token_id", (int, list), "generation_config.json")
+    eos = json_field(body, "eos_token_id", (int, list), "generation_config.json")
     for where, record in iter_jsonl(run / "metrics.jsonl", error=TrainError): ...
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def iter_jsonl(path: str | os.PathLike, *, error: type[Exception] = CheckpointEr
             yield where, value
 
 
-def field(body: dict, key: str, types: type | tuple[type, ...], where: str, *, default: Any = None,
+def json_field(body: dict, key: str, types: type | tuple[type, ...], where: str, *, default: Any = None,
           error: type[Exception] = CheckpointError) -> Any:
     """body[key] if it is of `types` (a bool is not a number here), `default` if absent or null; else `error`
     naming `where` and the field."""

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from bam_surgery.runtime.errors import CheckpointError
-from bam_surgery.runtime.jsonfile import (MAX_JSON_DEPTH, field, iter_jsonl, parse_json, read_bounded, read_json)
+from bam_surgery.runtime.jsonfile import (MAX_JSON_DEPTH, json_field, iter_jsonl, parse_json, read_bounded, read_json)
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -71,5 +71,5 @@ def test_a_jsonl_file_without_newlines_is_read_a_bounded_line_at_a_time(tmp_path
     (True, int, "must be an integer, got a boolean"), ({"a": 1}, str, "must be a string, got an object")])
 def test_field_names_the_file_and_the_field(value, types, needle):
     with pytest.raises(CheckpointError, match=f"^gen.json: field 'eos_token_id' {needle}"):
-        field({"eos_token_id": value}, "eos_token_id", types, "gen.json")
-    assert field({}, "eos_token_id", int, "gen.json", default=3) == 3
+        json_field({"eos_token_id": value}, "eos_token_id", types, "gen.json")
+    assert json_field({}, "eos_token_id", int, "gen.json", default=3) == 3
