@@ -108,17 +108,19 @@ def _check_text(s: str) -> None:
 
 
 def parse_json(text: str | bytes, where: str, *, expect: type | None = None,
-               error: type[Exception] = CheckpointError, unique_keys: bool = False) -> Any:
+               error: type[Exception] = CheckpointError, unique_keys: bool = False, allow_nan: bool = False) -> Any:
     """Parse JSON text within the bounds above; any failure raises `error` with a one-line message starting
     with `where`. unique_keys: a key given twice in one object is an error (json.loads keeps the last
-    silently)."""
+    silently). allow_nan: NaN and +-Infinity are numbers (what Python's json.dumps writes for them: our own
+    metrics.jsonl records a diverged loss so)."""
     if isinstance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
             raise error(f"{where}: not UTF-8 text (invalid byte at offset {e.start})") from None
     try:
-        value = json.loads(text, parse_constant=_no_constants, parse_int=_bounded_int, parse_float=_finite_float,
+        value = json.loads(text, parse_constant=float if allow_nan else _no_constants, parse_int=_bounded_int,
+                           parse_float=float if allow_nan else _finite_float,
                            object_pairs_hook=_unique_object if unique_keys else None)
         _check_tree(value, strings=_SURROGATE_ESCAPE.search(text) is not None)
     except _DuplicateKey as e:
@@ -187,7 +189,8 @@ def read_json(path: str | os.PathLike, *, expect: type | None = None, error: typ
 
 
 def iter_jsonl(path: str | os.PathLike, *, error: type[Exception] = CheckpointError,
-               max_line: int = MAX_LINE_BYTES, torn_last: bool = False) -> Iterator[tuple[str, Any]]:
+               max_line: int = MAX_LINE_BYTES, torn_last: bool = False, allow_nan: bool = False
+               ) -> Iterator[tuple[str, Any]]:
     """(where, value) for each non-blank line of a JSON Lines file, `where` being 'FILE line N'; read line by
     line (never the whole file), each line within max_line and parsed by parse_json. torn_last: a last line
     without its newline that does not parse (a crash while it was written) is skipped."""
@@ -207,7 +210,7 @@ def iter_jsonl(path: str | os.PathLike, *, error: type[Exception] = CheckpointEr
             if not raw.strip():
                 continue
             try:
-                value = parse_json(raw, where, error=error)
+                value = parse_json(raw, where, error=error, allow_nan=allow_nan)
             except error:
                 if torn_last and not raw.endswith(b"\n") and not f.read(1):
                     return

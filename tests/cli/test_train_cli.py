@@ -230,7 +230,7 @@ def test_plot_replaces_only_pngs_it_wrote(tmp_path):
     ({"kind": "train", "step": 2, "loss": "3.1", "nll": 3.1, "lr": 1e-3}, "line 2: loss is \"3.1\", not a number"),
     ({"kind": "train", "loss": 3.1, "nll": 3.1, "lr": 1e-3}, "line 2: a train record whose step is missing"),
     ({"kind": "eval", "step": 1, "domains": 5}, "line 2: an eval record whose domains is 5, not an object"),
-    ("[" * 100_000 + "]" * 100_000, "line 2: not a JSON line (nested too deeply)"),
+    ("[" * 100_000 + "]" * 100_000, "line 2: JSON nested too deeply"),
     ([1, 2, 3], "line 2: a JSON list, not an object"),
 ])
 def test_plot_malformed_metrics_is_one_line(tmp_path, line, says):
