@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -291,8 +290,8 @@ def arrow_documents(column, where: str) -> Iterator[str]:
     """The text documents of an Arrow array (Parquet and `datasets` sources), each checked against
     MAX_DOCUMENT_CHARS from Arrow's own lengths before it becomes a Python string: a 21 KB Parquet file of one
     long value repeated reached 5.2 GB when whole batches were turned into lists. Non-text values are skipped."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    import pyarrow as pa  # lazy: for Parquet and datasets sources only
+    import pyarrow.compute as pc  # lazy: as above
 
     values = column.dictionary if pa.types.is_dictionary(column.type) else column
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
