@@ -239,7 +239,8 @@ class TrainConfig:
 
 MAX_SEED = 2**63 - 1  # what torch and numpy both take
 MAX_KNOB = 2**53  # any number knob: past it a float loses whole numbers (and no run needs one)
-KNOB_BOUNDS = {"lr": 10.0, "batch_tokens": 1 << 31, "seq_len": 1 << 24, "micro_batch": 1 << 20, "eval_batch": 1 << 20,
+# own bounds; micro_batch and eval_batch are checked against the memory instead (runtime/memory.py:check_fits)
+KNOB_BOUNDS = {"lr": 10.0, "batch_tokens": 1 << 31, "seq_len": 1 << 24,
                "lb_coef": 1e6, "z_coef": 1e6, "init_std": 1e3, "adam_eps": 1.0, "grad_clip": 1e12,
                "weight_decay": 1e3, "peak_tflops": 1e9}
 
