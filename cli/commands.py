@@ -36,6 +36,7 @@ from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, command_
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 INTERRUPTED = "interrupted; nothing was written"
 
 
@@ -60,6 +61,8 @@ class Interrupted(click.ClickException):
 
     def __init__(self, interrupt: BaseException | None = None) -> None:
         super().__init__(getattr(interrupt, "message", None) or INTERRUPTED)
+        if isinstance(interrupt, Terminated) or isinstance(getattr(interrupt, "__context__", None), Terminated):
+            self.exit_code = EXIT_TERMINATED
 
     def show(self, file=None) -> None:
         click.echo(f"bam-surgery: {self.message}", err=True)
@@ -109,8 +112,9 @@ class Group(click.Group):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except (Interrupted, click.Abort, KeyboardInterrupt) as e:
-            (e if isinstance(e, Interrupted) else Interrupted(e)).show()
-            sys.exit(EXIT_INTERRUPTED)
+            e = e if isinstance(e, Interrupted) else Interrupted(e)
+            e.show()
+            sys.exit(e.exit_code)
         except click.exceptions.NoArgsIsHelpError as e:  # a bare `bam-surgery`: the help, as it is, and status 2
             click.echo(e.ctx.get_help())
             sys.exit(EXIT_USER_ERROR)
@@ -477,9 +481,13 @@ from .pipeline import pipeline_cmd  # noqa: E402
 cli.add_command(pipeline_cmd)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound exactly as Ctrl-C is (every clean-up a Ctrl-C runs: atomic outputs, a train run's folder),
+    then exit status 143."""
+
+
 def _terminate(signum, frame) -> None:
-    # Unwind normally on SIGTERM so the atomic output's temporary files are removed.
-    raise SystemExit(128 + signum)
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -489,8 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="bam-surgery")
     except KeyboardInterrupt as e:
-        Interrupted(e).show()
-        sys.exit(EXIT_INTERRUPTED)
+        interrupted = Interrupted(e)
+        interrupted.show()
+        sys.exit(interrupted.exit_code)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
 from bam_surgery.runtime.errors import CheckpointError, printable
-from bam_surgery.runtime.jsonfile import parse_json, read_json
+from bam_surgery.runtime.jsonfile import json_field, parse_json, read_json
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
@@ -268,7 +268,8 @@ def byte_vocabulary(vocab_size: int) -> Vocabulary:
 
 def pre_tokenizer_name(pre: Any, where: str) -> str:
     """The llama.cpp pre-tokenizer equal to a tokenizer.json pre_tokenizer, or CapabilityError."""
-    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    steps = (json_field(pre, "pretokenizers", list, f"{where}: pre_tokenizer", default=[])
+             if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre])
     kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or [None]]
 
     def byte_level(step: dict, regex: bool) -> bool:
@@ -295,10 +296,13 @@ def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
     if post is None or (isinstance(post, dict) and post.get("type") == "ByteLevel"):
         return None, None
     if isinstance(post, dict) and post.get("type") == "Sequence":
-        ends = [_special_ends(p, where) for p in post.get("processors") or []]
+        ends = [_special_ends(p, where) for p in json_field(post, "processors", list, f"{where}: post_processor",
+                                                             default=[])]
         return (next((a for a, _ in ends if a), None), next((b for _, b in ends if b), None))
     if isinstance(post, dict) and post.get("type") == "TemplateProcessing" and isinstance(post.get("single"), list):
         single = post["single"]
+        if not all(isinstance(item, dict) for item in single):
+            raise CheckpointError(f"{where}: post_processor.single holds an item that is not an object")
 
         def special(item) -> str | None:
             return item["SpecialToken"].get("id") if isinstance(item, dict) and "SpecialToken" in item else None
@@ -314,7 +318,7 @@ def _vocab_entries(body: dict, where: str) -> dict[int, tuple[str, str]]:
     if not isinstance(vocab, dict) or not all(isinstance(i, int) and 0 <= i < 2**31 for i in vocab.values()):
         raise CheckpointError(f"{where}: model.vocab is not an object of token -> id")
     out = {i: (t, "normal") for t, i in vocab.items()}
-    for a in body.get("added_tokens") or []:
+    for a in json_field(body, "added_tokens", list, where, default=[]):
         if not (isinstance(a, dict) and isinstance(a.get("id"), int) and isinstance(a.get("content"), str)):
             raise CheckpointError(f"{where}: added_tokens holds an entry without an integer id and a content string")
         special = a.get("special") or (a["content"].startswith("<|") and a["content"].endswith("|>"))
@@ -323,7 +327,7 @@ def _vocab_entries(body: dict, where: str) -> dict[int, tuple[str, str]]:
 
 
 def _merges(model: dict, where: str) -> list[str]:
-    merges = model.get("merges") or []
+    merges = json_field(model, "merges", list, f"{where}: model", default=[])
     out = []
     for m in merges:
         if isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
@@ -396,11 +400,26 @@ def _token_id(generation: Mapping[str, Any], kind: str, tokenizer_config: Mappin
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(ids):
         return value
     text = tokenizer_config.get(f"{kind}_token")
-    if isinstance(text, dict):
-        text = text.get("content")
     if isinstance(text, str) and text in ids:
         return ids[text]
     return next((ids[c] for c in candidates if c in ids), None)
+
+
+def _tokenizer_config(path: Path) -> dict[str, Any]:
+    """The fields of tokenizer_config.json this export uses, type-checked: each special token a string or an
+    added-token object ({"content": string}, taken as its content); chat_template a string (or transformers'
+    list of named templates, which llama.cpp's one template cannot carry: left out)."""
+    where = str(path)
+    body = read_json(path, expect=dict)
+    out: dict[str, Any] = {}
+    for kind in ("eos", "bos", "pad"):
+        value = json_field(body, f"{kind}_token", (str, dict), where)
+        if isinstance(value, dict):
+            value = json_field(value, "content", str, f"{where}: {kind}_token")
+        out[f"{kind}_token"] = value
+    template = json_field(body, "chat_template", (str, list), where)
+    out["chat_template"] = template if isinstance(template, str) else None
+    return out
 
 
 def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
@@ -411,7 +430,7 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
     if "tokenizer.json" in files:
         tok_config = {}
         if "tokenizer_config.json" in files:
-            tok_config = read_json(files["tokenizer_config.json"], expect=dict)
+            tok_config = _tokenizer_config(files["tokenizer_config.json"])
         return bpe_vocabulary(files["tokenizer.json"], cfg.vocab_size, generation, tok_config)
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES
     if (says_bytes or cfg.vocab_size <= BYTE_FALLBACK_MAX_VOCAB) and cfg.vocab_size >= BYTE_VOCAB:

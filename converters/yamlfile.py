@@ -41,6 +41,7 @@ from yaml.events import AliasEvent
 from yaml.resolver import Resolver
 
 from bam_surgery.runtime.errors import printable
+from bam_surgery.runtime.jsonfile import read_bounded
 
 MAX_YAML_BYTES = 1 << 20
 MAX_YAML_DEPTH = 64
@@ -164,22 +165,10 @@ def parse_yaml(text: str, where: str, *, error: type[Exception] = ValueError, ma
 
 def read_yaml_text(path: str | os.PathLike, where: str | None = None, *, error: type[Exception] = ValueError,
                    max_bytes: int = MAX_YAML_BYTES) -> str:
-    """The text of a YAML file, refused unread past max_bytes and unless UTF-8. FileNotFoundError
-    propagates (callers say 'not found' in their own words)."""
-    path = Path(path)
+    """The text of a YAML file (runtime/jsonfile.py:read_bounded: a regular file, read up to max_bytes), refused
+    unless UTF-8. FileNotFoundError propagates (callers say 'not found' in their own words)."""
     where = str(path) if where is None else where
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise error(f"{where}: {size:,} bytes is too large for this YAML file (limit {max_bytes:,} bytes)")
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)  # the file may grow between stat and read
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise error(f"{where}: cannot read ({e.strerror or e})") from None
-    if len(data) > max_bytes:
-        raise error(f"{where}: too large for this YAML file (limit {max_bytes:,} bytes)")
+    data = read_bounded(path, where, error=error, max_bytes=max_bytes, what="this YAML file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

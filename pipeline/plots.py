@@ -9,13 +9,13 @@
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.train.metrics import read_metrics
 from bam_surgery.train.plot import save_figure
 
@@ -103,7 +103,7 @@ def perplexity_bars(run: "PipelineRun", rep: dict[str, Any]) -> Path:
 def routing_heatmaps(run: "PipelineRun", model: dict[str, Any]) -> Path | None:
     """Layers x experts per eval domain, from the eval file's per-router statistics."""
     plt = _plt()
-    ev = json.loads((run.evals / f"{model['id']}.json").read_text(encoding="utf-8"))
+    ev = read_json(run.evals / f"{model['id']}.json", expect=dict)
     domains = list(ev["domains"])
     kinds = [(k, key, title) for k, key, title in (("ffn", "usage", "FFN expert share"),
                                                    ("attn", "mean_gate", "attention mean gate"))

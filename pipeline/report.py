@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bam_surgery.converters import open_checkpoint
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.surgery.audit import audit_checkpoint
 from bam_surgery.train import TrainConfig
 
@@ -40,7 +41,7 @@ SETTING_LABEL = {"data-matched": "DM", "compute-matched": "CM"}
 
 # ---- collecting -------------------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    return read_json(path, expect=dict)  # our own records, read with the bounds of every JSON file
 
 
 def _audit(ckpt: str) -> dict[str, int]:

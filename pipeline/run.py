@@ -44,6 +44,7 @@ import torch
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.text import render_table
 from bam_surgery.surgery.execute import execute_plan
 from bam_surgery.surgery.plan import compile_plan
@@ -427,7 +428,7 @@ class PipelineRun:
         summary = {"stage": stage, "units": {}}
         for u in units:
             rec_file = self.unit_record(u.name)
-            summary["units"][u.name] = json.loads(rec_file.read_text()) if rec_file.is_file() else {}
+            summary["units"][u.name] = read_json(rec_file, expect=dict) if rec_file.is_file() else {}
         recs = summary["units"].values()
         summary.update(tokens=sum(r.get("tokens", 0) for r in recs),
                        wall_s=round(sum(r.get("wall_s", 0.0) for r in recs), 3),

@@ -26,6 +26,7 @@ import struct
 from pathlib import Path
 
 from .errors import CheckpointError, printable
+from .jsonfile import read_json
 from .safetensors_file import read_header
 
 FORMAT = "bam-surgery/1"  # "format" in every canonical file's metadata and canonical config.json
@@ -136,9 +137,7 @@ def _folder_reason(folder: Path) -> str | None:
             return f"holds {printable(name)}, which is not a regular file bam-surgery wrote"
     if MARKER in entries:
         try:
-            if (folder / MARKER).stat().st_size > _MAX_MARKER_BYTES:
-                raise ValueError
-            body = json.loads((folder / MARKER).read_text())
+            body = read_json(folder / MARKER, expect=dict, error=ValueError, max_bytes=_MAX_MARKER_BYTES)
             listed = set(body["files"]) if body.get("format") == FORMAT else None
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             listed = None
@@ -152,7 +151,7 @@ def _folder_reason(folder: Path) -> str | None:
 def _legacy_canonical_reason(folder: Path, entries: list[str]) -> str | None:
     """A canonical checkpoint folder written before folders carried the marker."""
     try:
-        body = json.loads((folder / "config.json").read_text()) if "config.json" in entries else None
+        body = read_json(folder / "config.json", error=ValueError) if "config.json" in entries else None
     except (OSError, ValueError, RecursionError):
         body = None
     if not (isinstance(body, dict) and body.get("format") == FORMAT):

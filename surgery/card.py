@@ -48,7 +48,8 @@ def generation_config(reader: Reader) -> dict:
     """The seed's generation settings: its generation_config.json, else the token ids of its
     config.json (a generation_config.json linking outside the folder is refused, as tokenizer files
     are: converters.hf.files.side_file). Token ids (they also go into the exported config.json) must
-    be integers, lists of integers or null; anything else is an InputError naming the file and key."""
+    be integers, non-empty lists of integers or null (an empty list was an IndexError in generate); anything else
+    is an InputError naming the file and key."""
     gen_file = side_file(reader.source_dir, GENERATION_CONFIG) if reader.source_dir is not None else next(
         (f for f in reader.tokenizer_files() if f.name == GENERATION_CONFIG), None)  # a GGUF's rebuilt one
     if gen_file is not None and gen_file.is_file():
@@ -60,7 +61,7 @@ def generation_config(reader: Reader) -> dict:
             {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
     for key, value in out.items():
         if key.endswith("_token_id") and not _token_ids(value):
-            raise InputError(f"{where}: {key}: expected a token id (an integer, a list of integers or null), "
+            raise InputError(f"{where}: {key}: expected a token id (an integer, a non-empty list of integers or null), "
                              f"got {str(value)[:60]!r}")
     return out
 
@@ -68,7 +69,7 @@ def generation_config(reader: Reader) -> dict:
 def _token_ids(value) -> bool:
     def one(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
-    return value is None or one(value) or (isinstance(value, list) and all(one(v) for v in value))
+    return value is None or one(value) or (isinstance(value, list) and bool(value) and all(one(v) for v in value))
 
 
 def _vocab_digest(files: list[Path]) -> dict[str, str]:

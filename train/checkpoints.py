@@ -37,6 +37,7 @@ from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader
 from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
 from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
 from bam_surgery.runtime.config import ConfigError
+from bam_surgery.runtime.jsonfile import json_field, parse_json, read_json
 
 from .errors import TrainError
 
@@ -134,14 +135,15 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], Any, dict[
             state = {n: reader.get(n) for n in reader.names()}
             cfg, metadata = reader.config, dict(reader.metadata)
         trainer = SafetensorsFile(path / TRAINER_FILE)
-        meta = json.loads(trainer.metadata[TRAINER_KEY])
+        meta = parse_json(trainer.metadata[TRAINER_KEY], f"{path / TRAINER_FILE}: {TRAINER_KEY}", expect=dict,
+                          error=TrainError)
         tensors = {k: trainer.get(k) for k in trainer.keys()}
         elapsed = checkpoint_elapsed(path)
         if elapsed is not None:
             meta["elapsed_s"] = elapsed
     except (CheckpointError, ConfigError) as e:
         raise TrainError(f"cannot resume from {path}: {e}") from None
-    except (KeyError, json.JSONDecodeError, OSError) as e:
+    except (KeyError, OSError) as e:
         raise TrainError(f"cannot resume from {path}: {path / TRAINER_FILE} is unreadable "
                          f"({type(e).__name__}: {e})") from None
     return state, cfg, metadata, tensors, meta
@@ -153,10 +155,31 @@ def checkpoint_elapsed(path: Path) -> float | None:
     path = Path(path)
     try:
         if (path / TIMING_FILE).is_file():
-            return float(json.loads((path / TIMING_FILE).read_text(encoding="utf-8"))["elapsed_s"])
+            return float(read_json(path / TIMING_FILE, expect=dict)["elapsed_s"])
         if (path / TRAINER_FILE).is_file():
-            meta = json.loads(SafetensorsFile(path / TRAINER_FILE).metadata.get(TRAINER_KEY, "{}"))
+            meta = parse_json(SafetensorsFile(path / TRAINER_FILE).metadata.get(TRAINER_KEY, "{}"), TRAINER_KEY,
+                              expect=dict)
             return float(meta.get("elapsed_s", 0.0))
     except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         pass
     return None
+
+
+# run.json's fields a resumed run takes over, with their types (the rest is a record, read by people)
+RUN_INFO_FIELDS = {"tool": dict, "init": dict, "experts": dict, "tokenizer": dict, "data": list}
+
+
+def read_run_info(path: Path) -> dict[str, Any]:
+    """A run folder's run.json for --resume: an object holding each of RUN_INFO_FIELDS with its type, the init's
+    provenance an object or null and the tokenizer's name and fingerprint strings; else a TrainError naming the
+    file and the field (a run.json that is a list, garbage, /dev/zero or nested 100k deep was a traceback)."""
+    where = str(path)
+    body = read_json(path, expect=dict, error=TrainError)
+    for key, kind in RUN_INFO_FIELDS.items():
+        if json_field(body, key, kind, where, error=TrainError) is None:
+            raise TrainError(f"{where}: field {key!r} is missing; the run folder was not written by this tool's train")
+    json_field(body["init"], "provenance", dict, f"{where}: init", error=TrainError)
+    for key in ("name", "fingerprint"):
+        if json_field(body["tokenizer"], key, str, f"{where}: tokenizer", error=TrainError) is None:
+            raise TrainError(f"{where}: field 'tokenizer.{key}' is missing")
+    return body

@@ -165,8 +165,21 @@ class TrainConfig:
             v = getattr(self, name)
             need(v is None or v >= 0, name, f"must be >= 0, got {v}")
         need(self.init_std > 0, "init_std", "must be > 0")
+        need(0 <= self.seed <= MAX_SEED, "seed", f"must be an integer from 0 to {MAX_SEED}, got {self.seed}")
+        self._check_bounds(need)
         need(bool(self.trainable), "trainable", "no patterns: give at least one (e.g. '*')")
         need(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", "must be > 0")
+
+    def _check_bounds(self, need) -> None:
+        """Every number knob finite and within MAX_KNOB (or its own bound in KNOB_BOUNDS), checked before any work:
+        --lr 1e300 overflowed inside torch, --z-coef inf trained to a NaN loss, a huge --batch-tokens ran out of
+        memory after two minutes."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            bound = KNOB_BOUNDS.get(f.name, MAX_KNOB)
+            need(math.isfinite(v) and abs(v) <= bound, f.name, f"must be finite and at most {bound:,}, got {v}")
 
     # -- (de)serialization -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -222,6 +235,14 @@ class TrainConfig:
         if not isinstance(body, dict):
             raise TrainError(f"{path}: expected a mapping of training knobs, got {type(body).__name__}")
         return cls.from_dict({**body, **(overrides or {})}, where=str(path))
+
+
+MAX_SEED = 2**63 - 1  # what torch and numpy both take
+MAX_KNOB = 2**53  # any number knob: past it a float loses whole numbers (and no run needs one)
+# own bounds; micro_batch and eval_batch are checked against the memory instead (runtime/memory.py:check_fits)
+KNOB_BOUNDS = {"lr": 10.0, "batch_tokens": 1 << 31, "seq_len": 1 << 24,
+               "lb_coef": 1e6, "z_coef": 1e6, "init_std": 1e3, "adam_eps": 1.0, "grad_clip": 1e12,
+               "weight_decay": 1e3, "peak_tflops": 1e9}
 
 
 def split_patterns(text: str) -> list[str]:

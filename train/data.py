@@ -22,12 +22,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from bam_surgery.runtime.jsonfile import parse_json
 
 from .errors import TrainError
 
@@ -45,6 +46,8 @@ _HASH_CHUNK = 8 << 20
 # once: past this it is refused, so a small .gz that expands to a GiB with no separator costs at most
 # this much (a book is about 1 MB of text).
 MAX_DOCUMENT_CHARS = 1 << 24
+MAX_PARQUET_CHUNK = 1 << 28  # bytes of one row group's text column, decompressed
+_ARROW_ROWS = 256  # rows of a Parquet or datasets source in memory at once
 _READ_CHARS = 1 << 22
 
 
@@ -230,10 +233,7 @@ def file_documents(path: Path, text_field: str) -> Iterator[str]:
                                          "(the limit of one document)")
                     if not line.strip():
                         continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise TrainError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                    row = parse_json(line, f"{path}:{lineno}", error=TrainError)  # bounded: depth, digits, surrogates
                     if not isinstance(row, dict) or text_field not in row:
                         raise TrainError(f"{path}:{lineno}: no field {text_field!r} (set --text-field)")
                     doc = row[text_field]
@@ -267,16 +267,43 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
     import pyarrow.parquet as pq  # lazy: 0.07 s, for Parquet sources only
 
     try:
-        pf = pq.ParquetFile(path)
+        names = pq.ParquetFile(path).schema_arrow.names
+        if text_field not in names:
+            raise TrainError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}; set --text-field)")
+        # the text column stays dictionary-encoded: a value repeated a million times is not decoded for each row
+        pf = pq.ParquetFile(path, read_dictionary=[text_field])
+    except TrainError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid and friends
         raise TrainError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})") from None
-    if text_field not in pf.schema_arrow.names:
-        raise TrainError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; "
-                         "set --text-field)")
-    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-        for doc in batch.column(0).to_pylist():
-            if isinstance(doc, str) and doc.strip():
-                yield doc
+    column = names.index(text_field)
+    for g in range(pf.metadata.num_row_groups):  # what decompression would allocate, from the footer
+        size = pf.metadata.row_group(g).column(column).total_uncompressed_size
+        if size > MAX_PARQUET_CHUNK:
+            raise TrainError(f"{path}: row group {g} holds {size:,} bytes of {text_field!r} once decompressed "
+                             f"(limit {MAX_PARQUET_CHUNK:,}); write it in smaller row groups")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=_ARROW_ROWS):
+        yield from arrow_documents(batch.column(0), str(path))
+
+
+def arrow_documents(column, where: str) -> Iterator[str]:
+    """The text documents of an Arrow array (Parquet and `datasets` sources), each checked against
+    MAX_DOCUMENT_CHARS from Arrow's own lengths before it becomes a Python string: a 21 KB Parquet file of one
+    long value repeated reached 5.2 GB when whole batches were turned into lists. Non-text values are skipped."""
+    import pyarrow as pa  # lazy: for Parquet and datasets sources only
+    import pyarrow.compute as pc  # lazy: as above
+
+    values = column.dictionary if pa.types.is_dictionary(column.type) else column
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        return
+    longest = pc.max(pc.binary_length(values)).as_py() or 0
+    for i in range(len(column)):
+        doc = column[i].as_py()
+        if longest > MAX_DOCUMENT_CHARS and isinstance(doc, str) and len(doc) > MAX_DOCUMENT_CHARS:
+            raise TrainError(f"{where}: a document of more than {MAX_DOCUMENT_CHARS:,} characters (the limit of one "
+                             "document)")
+        if isinstance(doc, str) and doc.strip():
+            yield doc
 
 
 # ---- datasets ---------------------------------------------------------------------------------
@@ -322,8 +349,7 @@ def _dataset_documents(ds, text_field: str, where: str) -> Iterator[str]:
     if text_field not in ds.column_names:
         raise TrainError(f"{where}: no column {text_field!r} (columns: {', '.join(ds.column_names)}; "
                          "set --text-field)")
-    col = ds.select_columns([text_field])
-    for start in range(0, len(col), 4096):
-        for doc in col[start:start + 4096][text_field]:
-            if isinstance(doc, str) and doc.strip():
-                yield doc
+    col = ds.select_columns([text_field]).with_format("arrow")
+    for start in range(0, len(col), _ARROW_ROWS):
+        for chunk in col[start:start + _ARROW_ROWS].column(0).chunks:
+            yield from arrow_documents(chunk, where)

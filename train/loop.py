@@ -46,7 +46,7 @@ from bam_surgery.runtime.memory import check_fits
 from . import distributed as dist_
 from .card import model_card
 from .checkpoints import (CHECKPOINTS, TRAINER_FILE, latest_checkpoint, prune_checkpoints, read_run_checkpoint,
-                          resolve_checkpoint, save_run_checkpoint, step_dir_name)
+                          read_run_info, resolve_checkpoint, save_run_checkpoint, step_dir_name)
 from .config import RESUMABLE, TrainConfig
 from .data import Domain, file_sha256, has_split, open_source, parse_data_spec
 from .errors import TrainError
@@ -221,7 +221,7 @@ class _Run:
         if isinstance(done, int) and done >= self.cfg.steps:
             raise TrainError(f"--resume: {self.dir} has finished its {self.cfg.steps} steps ({ckpt.name}); pass "
                              f"--steps N with N > {done} to train it further")
-        self.run_info = json.loads((self.dir / "run.json").read_text())
+        self.run_info = read_run_info(self.dir / "run.json")
         self.provenance_in = self.run_info["init"].get("provenance")
         self.experts = self.run_info["experts"]
         with CheckpointReader(ckpt) as reader:  # for the tokenizer the checkpoint carries

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from bam_surgery.runtime.atomic import write_text_atomic
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.jsonfile import iter_jsonl
 from bam_surgery.runtime.layout import tensor_shapes
 
 from .errors import TrainError
@@ -223,16 +225,18 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every complete line of a metrics.jsonl (a torn last line, from a crash, is skipped)."""
+    """Every complete record of a metrics.jsonl (a torn last line, from a crash, is skipped), each an object
+    with an integer step; any other line (a list, null, a string step, nested or huge, not UTF-8) is a
+    TrainError naming the line, as is a metrics.jsonl that is not a regular file (a FIFO used to hang a
+    resume, a 4 GB sparse file to exhaust memory: lines are read one at a time, each bounded)."""
     out = []
-    if not Path(path).is_file():
+    if not os.path.lexists(path):
         return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for where, rec in iter_jsonl(path, error=TrainError, max_line=MAX_LINE, torn_last=True, allow_nan=True):
+        if not isinstance(rec, dict):
+            raise _bad(where, f"a JSON {type(rec).__name__}, not an object")
+        _step_of(rec, where)
+        out.append(rec)
     return out
 
 
@@ -252,24 +256,9 @@ def read_curves(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     path = Path(path)
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
-    if not path.is_file():
+    if not os.path.lexists(path):
         return train, evals
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    last = len(lines) - 1  # the text after the last newline: empty, or a torn line
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        where = f"{path} line {i + 1}"
-        try:
-            if len(raw) > MAX_LINE:
-                raise ValueError(f"longer than {MAX_LINE} bytes")
-            rec = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if i == last:
-                continue
-            reason = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:80]
-            raise _bad(where, f"not a JSON line ({reason})") from None
+    for where, rec in iter_jsonl(path, error=TrainError, max_line=MAX_LINE, torn_last=True, allow_nan=True):
         if not isinstance(rec, dict):
             raise _bad(where, f"a JSON {type(rec).__name__}, not an object")
         kind = rec.get("kind")
@@ -302,7 +291,8 @@ def _shown(v: Any) -> str:
 def _step_of(rec: dict, where: str) -> int:
     step = rec.get("step")
     if type(step) is not int or not 0 <= step <= MAX_STEP:
-        raise _bad(where, f"a {rec['kind']} record whose step is {_shown(step)}, not a whole number from 0 to "
+        kind = rec.get("kind") if rec.get("kind") in ("train", "eval") else "metrics"
+        raise _bad(where, f"a {kind} record whose step is {_shown(step)}, not a whole number from 0 to "
                           f"{MAX_STEP}")
     return step
 
@@ -321,7 +311,7 @@ def _value(rec: dict, key: str, where: str, prefix: str = "") -> float:
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only records up to `last_step` (a resumed run re-logs the steps after its checkpoint)."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else there (a FIFO, a folder) is read_metrics' error, not skipped
         return
-    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    keep = [r for r in read_metrics(path) if r["step"] <= last_step]
     write_text_atomic(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in keep))

@@ -18,6 +18,8 @@ from typing import Any
 
 from bam_surgery.converters.byte_tokenizer import TOKENIZER_KEY
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.jsonfile import parse_json
 
 PROVENANCE_KEY = "bam_provenance"
 
@@ -26,11 +28,10 @@ def read_provenance(metadata: dict[str, str] | None) -> dict[str, Any] | None:
     raw = (metadata or {}).get(PROVENANCE_KEY)
     if raw is None:
         return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
+    try:  # bounded (runtime/jsonfile.py): 50,000-deep nesting was a RecursionError
+        return parse_json(raw, PROVENANCE_KEY, expect=dict)
+    except CheckpointError:
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _stem(path: str) -> str:

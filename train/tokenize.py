@@ -36,7 +36,10 @@ from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE
 from bam_surgery.converters.hf.files import side_file
 from bam_surgery.runtime.cache import cache_root
 
+from bam_surgery.runtime.jsonfile import json_field, read_json
+
 from .data import Source, file_sha256
+
 from .errors import TrainError
 
 if TYPE_CHECKING:
@@ -95,12 +98,11 @@ class HFTokenizer:
     def _find_eos(self, fallback: int | None) -> int:
         cfg_file = self.path.parent / "tokenizer_config.json"
         if cfg_file.is_file():
-            try:
-                eos = json.loads(cfg_file.read_text(encoding="utf-8")).get("eos_token")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                eos = None
+            where = str(cfg_file)
+            eos = json_field(read_json(cfg_file, expect=dict, error=TrainError), "eos_token", (str, dict), where,
+                             error=TrainError)
             if isinstance(eos, dict):
-                eos = eos.get("content")
+                eos = json_field(eos, "content", str, f"{where}: eos_token", error=TrainError)
             if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
                 return self.tok.token_to_id(eos)
         if fallback is not None:
@@ -215,7 +217,9 @@ def tokenize_source(source: Source, tok: Tokenizer, cache_dir: Path) -> TokenFil
 
 def open_token_file(meta_file: Path, bin_file: Path, source: Source) -> TokenFile:
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = read_json(meta_file, expect=dict, error=ValueError)
+        if not all(isinstance(meta.get(k), int) for k in ("tokens", "documents")):
+            raise ValueError("tokens and documents must be integers")
         dtype = np.dtype(meta["dtype"])
         if bin_file.stat().st_size != meta["tokens"] * dtype.itemsize:
             raise ValueError("size does not match its .json")

@@ -6,6 +6,8 @@ generation config; and every bad input refused with one `bam-surgery: error:` li
 Offline, tiny models."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,13 @@ def test_refused_up_front_with_the_bound(checkpoints, tmp_path, monkeypatch):
     per_token = 2 * model.config.n_layers * 3 * 2 * model.config.head_dim * 4  # K and V, E*G heads, fp32
     assert f"the KV cache of 10 tokens ({per_token:,} bytes per token) needs at least " in line
     assert "this machine has 0.0 GiB (RAM)" in line
+
+
+@pytest.mark.parametrize("eos", [[], "2", ["x"], 2.5])
+def test_a_generation_config_with_a_wrong_eos_is_one_line(checkpoints, tmp_path, eos):
+    """Issue 33: eos_token_id [] was an IndexError while generating; a string is refused the same way."""
+    root, _ = checkpoints
+    shutil.copytree(root / "hf", tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    line = error_line(run(tmp_path / "hf", "--tokens", "1,2", ok=False))
+    assert "generation_config.json: eos_token_id: expected a token id" in line

@@ -230,7 +230,7 @@ def test_plot_replaces_only_pngs_it_wrote(tmp_path):
     ({"kind": "train", "step": 2, "loss": "3.1", "nll": 3.1, "lr": 1e-3}, "line 2: loss is \"3.1\", not a number"),
     ({"kind": "train", "loss": 3.1, "nll": 3.1, "lr": 1e-3}, "line 2: a train record whose step is missing"),
     ({"kind": "eval", "step": 1, "domains": 5}, "line 2: an eval record whose domains is 5, not an object"),
-    ("[" * 100_000 + "]" * 100_000, "line 2: not a JSON line (nested too deeply)"),
+    ("[" * 100_000 + "]" * 100_000, "line 2: JSON nested too deeply"),
     ([1, 2, 3], "line 2: a JSON list, not an object"),
 ])
 def test_plot_malformed_metrics_is_one_line(tmp_path, line, says):
@@ -401,3 +401,18 @@ def test_a_users_plot_in_the_run_folder_is_refused_before_training(tmp_path, mix
     (tmp_path / "run" / "loss.png").unlink()
     assert "plots: " in run("train", "--out", tmp_path / "run", "--resume", "--steps", 4).stderr
     assert (tmp_path / "run" / "checkpoints" / "step-00000004").is_dir()
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--lr", "1e300"), "lr: must be finite and at most 10.0"),
+    (("--seed", str(2**64)), "seed: must be an integer from 0 to"), (("--seed", str(10**30)), "seed: must be"),
+    (("--seed", "-1"), "seed: must be an integer from 0 to"),
+    (("--batch-tokens", str(10**14)), "batch_tokens: must be finite and at most 2,147,483,648"),
+    (("--z-coef", "inf"), "z_coef: must be finite"), (("--lb-coef", "nan"), "lb_coef: must be"),
+])
+def test_number_options_are_bounded_before_any_work(tmp_path, args, says):
+    """Issue 33: an overflow traceback (--lr 1e300), Overflow/ValueError tracebacks (--seed 2**64, 10**30, -1),
+    a MemoryError after 118 s (--batch-tokens), a run to a NaN loss (--z-coef inf)."""
+    line = error_line("train", "--preset", "tiny", "--data", f"code={CORPUS}/code", "--out", tmp_path / "run", *args)
+    assert says in line
+    assert not (tmp_path / "run").exists()

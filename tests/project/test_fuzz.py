@@ -227,3 +227,55 @@ def test_the_fuzzers_can_fail():
     """The property is not vacuous: a parser that raised anything else would fail it."""
     with pytest.raises(ZeroDivisionError):
         clean(lambda: 1 / 0)
+
+
+# ---- the files issue 33 named: run state, metrics lines for resume, tokenizer_config.json, JSON text ---------
+json_texts = st.one_of(st.binary(max_size=120), json_values.map(lambda v: json.dumps(v).encode()),
+                       st.integers(1, 3000).map(lambda n: b"[" * n + b"]" * n),
+                       st.text(max_size=20).map(lambda t: json.dumps({"s": t}).encode()),
+                       st.sampled_from([b'"\\ud800"', b"1e400", b"9" * 60, b"NaN", b'{"a": 1, "a": 2}']))
+
+
+@FUZZ
+@given(json_texts)
+def test_parse_json(data):
+    from bam_surgery.runtime.jsonfile import parse_json
+
+    clean(lambda: parse_json(data, "fuzz.json"))
+
+
+RUN_INFO = {"tool": {"name": "bam-surgery"}, "init": {"provenance": None}, "experts": {"ffn": [], "attn": []},
+            "tokenizer": {"name": "bytes", "fingerprint": "f"}, "data": []}
+
+
+@FUZZ
+@given(st.one_of(json_texts, st.dictionaries(st.sampled_from(sorted(RUN_INFO) + ["x"]), json_values, max_size=4)
+                 .map(lambda d: json.dumps({**RUN_INFO, **d}).encode())))
+def test_run_json(tmp_path_factory, data):
+    from bam_surgery.train.checkpoints import read_run_info
+
+    path = tmp_path_factory.mktemp("run") / "run.json"
+    path.write_bytes(data)
+    clean(lambda: read_run_info(path))
+
+
+@FUZZ
+@given(st.one_of(metrics_lines, st.lists(json_texts, min_size=1, max_size=4).map(lambda ls: b"\n".join(ls) + b"\n")))
+def test_metrics_for_resume(tmp_path_factory, data):
+    from bam_surgery.train.metrics import truncate_metrics
+
+    path = tmp_path_factory.mktemp("run") / "metrics.jsonl"
+    path.write_bytes(data)
+    clean(lambda: truncate_metrics(path, 3))
+
+
+@FUZZ
+@given(st.one_of(json_texts, st.dictionaries(st.sampled_from(["eos_token", "bos_token", "pad_token", "chat_template"]),
+                                             json_values, max_size=4).map(lambda d: json.dumps(d).encode())))
+def test_tokenizer_config_json(tmp_path_factory, data):
+    pytest.importorskip("gguf")
+    from bam_surgery.converters.gguf_export import _tokenizer_config
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer_config.json"
+    path.write_bytes(data)
+    clean(lambda: _tokenizer_config(path))

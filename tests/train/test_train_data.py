@@ -284,3 +284,30 @@ def test_a_document_past_the_bound_is_refused_once_that_much_is_read(tmp_path, n
     with pytest.raises(TrainError, match=rf"{name}.*more than {MAX_DOCUMENT_CHARS:,} characters"):
         for _ in open_source(Domain("d", str(path), 1.0), "train").documents():
             pass
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"text": "a", "n": ' + "9" * 5000 + "}", "too many digits"),
+    ('{"text": "\\ud800 lone"}', "lone UTF-16 surrogate"),
+])
+def test_hostile_jsonl_lines_are_one_line_naming_the_line(tmp_path, line, needle):
+    """Issue 33: JSONL lines nested 100k deep, 5000-digit integers, surrogates (tracebacks, or a
+    UnicodeEncodeError when tokenized)."""
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(TrainError, match=f"d.jsonl:2: .*{needle}"):
+        _docs(Domain("d", str(tmp_path / "d.jsonl"), 1.0))
+
+
+def test_a_parquet_document_past_the_limit_is_refused_before_it_is_a_string(tmp_path, monkeypatch):
+    """Issue 33: a 21 KB Parquet file (one long value, repeated) reached 5.2 GB as Python lists."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import bam_surgery.train.data as data
+
+    monkeypatch.setattr(data, "MAX_DOCUMENT_CHARS", 1000)
+    pq.write_table(pa.table({"text": ["x" * 5000] * 2000}), tmp_path / "bomb.parquet", compression="zstd")
+    assert (tmp_path / "bomb.parquet").stat().st_size < 50_000
+    with pytest.raises(TrainError, match="bomb.parquet: a document of more than 1,000 characters"):
+        _docs(Domain("d", str(tmp_path / "bomb.parquet"), 1.0))

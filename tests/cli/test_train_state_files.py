@@ -1,0 +1,133 @@
+"""Issue 33: the files a training run reads back on `--resume` (run.json, metrics.jsonl, the trainer state's
+metadata) and the files it is started from (--model-config), damaged, deep, huge or not files at all: one line
+`bam-surgery: error: ...` naming the file (and line or field), exit status 2, never a traceback or a hang."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_error_line
+from test_train_cli import SMALL, train_args  # tests/cli: the tiny run's arguments
+
+from bam_surgery.runtime import Model, preset, save_model
+from bam_surgery.runtime.safetensors_file import SafetensorsFile
+from bam_surgery.train.checkpoints import TRAINER_FILE, TRAINER_KEY
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one short training run per module
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A run folder of 2 steps with a checkpoint at each."""
+    from conftest import run_cli
+
+    root = tmp_path_factory.mktemp("finished")
+    model = Model(preset("tiny", **SMALL, ffn_experts=2, attn_experts=2))
+    model.reset_parameters(seed=1)
+    init = save_model(model, root / "mix.safetensors")
+    run_cli(*train_args(init, root / "run", root / "cache", None, "--save-every", 1))
+    return root / "run"
+
+
+def copy_of(finished: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(finished, run, symlinks=True)
+    return run
+
+
+def resume(run: Path) -> str:
+    return cli_error_line("train", "--out", run, "--resume", "--steps", 3)
+
+
+RUN_JSON = {
+    "list": (b"[1, 2]", "expected a JSON object"),
+    "garbage": (b"\x00\xffgarbage", "not UTF-8"),
+    "no-init": (None, "field 'init' is missing"),
+    "init-list": ({"init": [1]}, "field 'init' must be an object"),
+    "experts-str": ({"experts": "ab"}, "field 'experts' must be an object"),
+    "tokenizer-fingerprint": ({"tokenizer": {"name": "x", "fingerprint": 5}}, "field 'fingerprint' must be a string"),
+    "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    "deep-64": (b'{"init": ' + b"[" * 100 + b"]" * 100 + b"}", "nested more than 64 deep"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_JSON))
+def test_a_damaged_run_json(finished, tmp_path, case):
+    run = copy_of(finished, tmp_path)
+    body, needle = RUN_JSON[case]
+    if body is None:
+        info = json.loads((run / "run.json").read_text())
+        del info["init"]
+        body = json.dumps(info).encode()
+    elif isinstance(body, dict):
+        body = json.dumps({**json.loads((run / "run.json").read_text()), **body}).encode()
+    (run / "run.json").write_bytes(body)
+    line = resume(run)
+    assert "run.json" in line and needle in line, line
+
+
+def test_a_run_json_that_is_a_device(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    (run / "run.json").unlink()
+    (run / "run.json").symlink_to("/dev/zero")
+    assert "run.json: not a regular file" in resume(run)
+
+
+METRICS = {
+    "list": (b"[1, 2]\n", "line 2: a JSON list, not an object"),
+    "null": (b"null\n", "line 2: a JSON NoneType, not an object"),
+    "string-step": (b'{"kind": "train", "step": "1"}\n', "line 2: a train record whose step is \"1\""),
+    "deep": (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 2: JSON nested too deeply"),
+    "digits": (b'{"kind": "train", "step": ' + b"9" * 5000 + b"}\n", "line 2: not valid here: an integer has too many"),
+    "not-utf8": (b'{"kind": "train", "step": 1, "x": "\xff"}\n', "line 2: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(METRICS))
+def test_a_damaged_metrics_jsonl(finished, tmp_path, case):
+    run = copy_of(finished, tmp_path)
+    metrics = run / "metrics.jsonl"
+    first = metrics.read_bytes().split(b"\n")[0]
+    body, needle = METRICS[case]
+    metrics.write_bytes(first + b"\n" + body)
+    line = resume(run)
+    assert "metrics.jsonl " in line and needle in line, line
+
+
+def test_metrics_jsonl_as_a_fifo_or_a_sparse_file(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    metrics = run / "metrics.jsonl"
+    metrics.unlink()
+    os.mkfifo(metrics)  # opened for reading, it used to wait for a writer forever
+    assert "metrics.jsonl: not a regular file" in resume(run)
+    metrics.unlink()
+    with open(metrics, "wb") as f:
+        f.truncate(4 << 30)  # 4 GB of zeros, no newline: a MemoryError when read whole
+    assert "metrics.jsonl line 1: longer than" in resume(run)
+
+
+@pytest.mark.parametrize("meta,needle", [("[1]", "expected a JSON object"), ("[" * 50_000 + "]" * 50_000, "nested"),
+                                         ('{"step": ' + "9" * 5000 + "}", "too many digits")])
+def test_a_damaged_trainer_state(finished, tmp_path, meta, needle):
+    from safetensors.torch import save_file
+
+    run = copy_of(finished, tmp_path)
+    trainer = run / "checkpoints" / "step-00000002" / TRAINER_FILE
+    f = SafetensorsFile(trainer)
+    tensors = {k: f.get(k) for k in f.keys()}
+    save_file(tensors, str(trainer), metadata={**f.metadata, TRAINER_KEY: meta})
+    line = resume(run)
+    assert f"{TRAINER_FILE}: {TRAINER_KEY}" in line and needle in line, line
+
+
+@pytest.mark.parametrize("name", ["cfg.json", "cfg.yaml"])
+def test_model_config_that_is_a_device_or_a_fifo(tmp_path, name):
+    link = tmp_path / name
+    link.symlink_to("/dev/zero")  # a MemoryError when read whole
+    line = cli_error_line("train", "--model-config", link, "--data", "code=x", "--out", tmp_path / "run")
+    assert f"{name}: not a regular file" in line
+    assert not (tmp_path / "run").exists()
