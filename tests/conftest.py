@@ -606,6 +606,32 @@ FAMILY_CASES = {
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                       rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
+    # sliding windows of 5 tokens, the sequences of the tests run past them: every layer (Mistral v0.1, Phi-3), the
+    # layers from max_window_layers on (Qwen2), Gemma 2's every other layer with soft-capping, Gemma 3's local
+    # layers with their own RoPE base beside its scaled global one, OLMo 3's three of four
+    "mistral-window": ("MistralConfig", dict(HF_SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                             num_key_value_heads=2, sliding_window=5)),
+    "qwen2-window": ("Qwen2Config", dict(HF_SMALL, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                         num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1)),
+    "phi3-window": ("Phi3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                       num_key_value_heads=2, sliding_window=5, pad_token_id=0, bos_token_id=1,
+                                       eos_token_id=2)),
+    "gemma2": ("Gemma2Config", dict(HF_SMALL, num_hidden_layers=3, hidden_size=64, intermediate_size=96,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", dict(HF_SMALL, num_hidden_layers=3, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                        query_pre_attn_scalar=32, sliding_window=5, max_position_embeddings=32768,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
+                                                                                rope_theta=1000000.0),
+                                                         "sliding_attention": dict(rope_type="default",
+                                                                                   rope_theta=10000.0)})),
+    "olmo3": ("Olmo3Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                  num_attention_heads=4, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
+                                  eos_token_id=2)),
 }
 
 

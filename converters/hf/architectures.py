@@ -209,6 +209,24 @@ def _moe_rows(moe: str, router: str, expert: tuple[str, str, str]) -> tuple[Weig
               for name, proj in zip(expert, ("gate", "up", "down"))])
 
 
+# Gemma 2 and 3: sandwich norms (input, post-attention, pre- and post-feedforward), Gemma 3's per-head QK-norm
+_GEMMA_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.attn_post_norm.weight"),
+    w("model.layers.{}.pre_feedforward_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    w("model.layers.{}.post_feedforward_layernorm.weight", "layers.{}.ffn_post_norm.weight"),
+    *qkv("model.layers.{}.self_attn"),
+    *linear("model.layers.{}.self_attn.o_proj", "layers.{}.attn.o"),
+    *_QK_NORM_ROWS,
+    w("model.layers.{}.mlp.gate_proj.weight", "layers.{}.ffn.gate.weight"),
+    w("model.layers.{}.mlp.up_proj.weight", "layers.{}.ffn.up.weight"),
+    w("model.layers.{}.mlp.down_proj.weight", "layers.{}.ffn.down.weight"),
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+)
+
+
 def _moe_weights(attention: list[WeightRule], moe: str, router: str, expert: tuple[str, str, str],
                  shared: tuple[WeightRule, ...] = ()) -> tuple[WeightRule, ...]:
     """A Llama-family mixture's table: the Llama trunk with `attention`'s rows, the router and experts (_moe_rows),
@@ -263,7 +281,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen3", "Qwen3ForCausalLM", "model.", _QWEN3_WEIGHTS, cm.QWEN3),
     Architecture("phi3", "Phi3ForCausalLM", "model.", _PHI3_WEIGHTS, cm.PHI3),
     Architecture("olmo2", "Olmo2ForCausalLM", "model.", _OLMO2_WEIGHTS, cm.OLMO2),
+    Architecture("olmo3", "Olmo3ForCausalLM", "model.", _OLMO2_WEIGHTS, cm.OLMO3),
     Architecture("smollm3", "SmolLM3ForCausalLM", "model.", _LLAMA_WEIGHTS, cm.SMOLLM3),
+    Architecture("gemma2", "Gemma2ForCausalLM", "model.", _GEMMA_WEIGHTS, cm.GEMMA2),
+    Architecture("gemma3_text", "Gemma3ForCausalLM", "model.", _GEMMA_WEIGHTS, cm.GEMMA3_TEXT),
     Architecture("mixtral", "MixtralForCausalLM", "model.", _MIXTRAL_WEIGHTS, MIXTRAL),
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", "model.", _QWEN2_MOE_WEIGHTS, QWEN2_MOE),
     Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "model.", _QWEN3_MOE_WEIGHTS, QWEN3_MOE),
@@ -276,10 +297,7 @@ REFUSED: dict[str, str] = {
     "qwen3_5": "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not modelled",
     "qwen3_5_text": "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not modelled",
     "qwen3_next": "hybrid linear attention (Gated DeltaNet layers) and its gated attention are not modelled",
-    "olmo3": "sliding-window attention layers (layer_types) are not modelled yet",
-    "gemma2": "Gemma's sliding-window layers, soft-capping and sandwich norms are not modelled yet",
-    "gemma3": "Gemma's sliding-window layers, soft-capping and sandwich norms are not modelled yet",
-    "gemma3_text": "Gemma's sliding-window layers, soft-capping and sandwich norms are not modelled yet",
+    "gemma3": "the multimodal Gemma 3 (its vision tower) is not modelled; its text model (gemma3_text) is",
     "llama4": "Llama 4's chunked attention, interleaved NoPE/MoE layers and QK L2-norm are not modelled",
     "phimoe": "PhiMoE's LayerNorms and its sparsemixer router (top-2 picks, each gated by a softmax over the experts "
               "within a relative threshold of the best one) are not modelled",

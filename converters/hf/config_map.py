@@ -65,6 +65,25 @@ class Same(Field):
 
 
 @dataclass
+class Nullable(Field):
+    """One HF key <-> one canonical field that may be null in config.json on purpose (an explicit null means none,
+    where the class default may be a value: Gemma 2's soft-caps)."""
+
+    hf_key: str
+    field_name: str
+    default: Any = None
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = (self.hf_key,), (self.field_name,)
+
+    def read(self, hf, out, notes):
+        out[self.field_name] = hf[self.hf_key] if self.hf_key in hf else self.default
+
+    def write(self, cfg, model_type):
+        return {self.hf_key: getattr(cfg, self.field_name)}
+
+
+@dataclass
 class FanOut(Field):
     """One HF boolean <-> several canonical booleans that must agree (attention_bias -> qkv_bias, o_bias)."""
 
@@ -93,6 +112,7 @@ class FanOut(Field):
 _HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
            "silu": "silu", "swish": "silu"}
 _CANONICAL_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+_GATED = {"silu": "swiglu", "gelu_tanh": "geglu_tanh"}  # a gated FFN's activation -> the canonical kind
 
 
 @dataclass
@@ -102,6 +122,7 @@ class Activation(Field):
     hf_key: str
     gated: bool
     default: Any = REQUIRED
+    gated_kinds: tuple[str, ...] = ("swiglu",)  # the gated FFNs the architecture's class computes
 
     def __post_init__(self):
         self.hf_keys, self.canonical = (self.hf_key,), ("activation",)
@@ -114,17 +135,19 @@ class Activation(Field):
         if act is None:
             raise CapabilityError(f"{self.hf_key}={name!r} is not supported (supported: {', '.join(_HF_ACT)})")
         if self.gated:
-            if act != "silu":
-                raise CapabilityError(f"{self.hf_key}={name!r}: a gated FFN is supported only with SiLU (swiglu)")
-            act = "swiglu"
+            if act not in _GATED:
+                raise CapabilityError(f"{self.hf_key}={name!r}: a gated FFN is supported only with SiLU (swiglu) or "
+                                      "tanh-approximated GELU (geglu_tanh)")
+            act = _GATED[act]
         out["activation"] = act
 
     def write(self, cfg, model_type):
         act = cfg.activation
         if self.gated:
-            if act != "swiglu":
-                raise CapabilityError(f"cannot export to {model_type}: it needs a swiglu FFN, the model has {act}")
-            return {self.hf_key: "silu"}
+            if act not in self.gated_kinds:
+                raise CapabilityError(f"cannot export to {model_type}: it needs a {' or '.join(self.gated_kinds)} FFN, "
+                                      f"the model has {act}")
+            return {self.hf_key: {"swiglu": "silu", "geglu_tanh": "gelu_pytorch_tanh"}[act]}
         if act not in _CANONICAL_ACT:
             raise CapabilityError(f"cannot export to {model_type}: it needs a non-gated FFN, the model has {act}")
         return {self.hf_key: _CANONICAL_ACT[act]}
@@ -289,27 +312,120 @@ class Rope(Field):
         return body
 
 
-@dataclass
-class SlidingWindow(Field):
-    """Mistral / Qwen2 sliding-window attention: accepted, not modelled (a note says where it is exact)."""
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
 
-    hf_key: str = "sliding_window"
-    enabled_key: str | None = None  # Qwen2: use_sliding_window gates it
-    default: Any = None
+
+@dataclass
+class LayerTypeRope(Rope):
+    """Gemma 3's RoPE per layer type: rope_parameters {"full_attention": {...}, "sliding_attention": {...}} (or
+    the older rope_theta, rope_scaling and rope_local_base_freq): the full layers' RoPE as Rope reads it (scaled
+    or not), the sliding layers' plain RoPE base as sliding_rope_theta."""
+
+    local_key: str | None = "rope_local_base_freq"  # the older top-level key of the local base (Gemma 3)
+    default_local: float = 10000.0
 
     def __post_init__(self):
-        self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ())
+        super().__post_init__()
+        self.hf_keys += (self.local_key,) if self.local_key else ()
+        self.canonical += ("sliding_rope_theta",)
 
     def read(self, hf, out, notes):
-        window = hf.get(self.hf_key, self.default)
-        enabled = bool(hf.get(self.enabled_key, False)) if self.enabled_key else window is not None
-        if enabled and window:
-            notes.append(f"sliding_window={window} is not modelled: logits are exact for sequences of "
-                         f"at most {window} tokens")
+        params = hf.get("rope_parameters")
+        nested = isinstance(params, dict) and any(k in params for k in (SLIDING, FULL))
+        full = params.get(FULL) if nested else params
+        super().read({**hf, "rope_parameters": full}, out, notes)
+        local = params.get(SLIDING) if nested else None
+        if local is not None:
+            if not isinstance(local, dict):
+                raise ConfigError(f"rope_parameters.{SLIDING}: expected an object, got {str(local)[:40]}")
+            if local.get("rope_type", "default") != "default":
+                raise CapabilityError(f"rope_parameters.{SLIDING}: rope_type={str(local.get('rope_type'))[:40]!r} "
+                                      "is not supported (the sliding layers take plain RoPE)")
+        theta = (local or {}).get("rope_theta", hf.get(self.local_key or "", self.default_local))
+        out["sliding_rope_theta"] = float(theta) if out.get("sliding_window") is not None else None
 
     def write(self, cfg, model_type):
-        # the canonical model attends to the whole causal prefix: no window
-        return {self.hf_key: None, **({self.enabled_key: False} if self.enabled_key else {})}
+        body = super().write(cfg, model_type)
+        local = cfg.sliding_rope_theta or cfg.rope_theta
+        body["rope_parameters"] = {FULL: body["rope_parameters"], SLIDING: {"rope_type": "default", "rope_theta": local}}
+        if self.local_key:
+            body[self.local_key] = local
+        return body
+
+
+@dataclass
+class SlidingWindow(Field):
+    """Sliding-window attention <-> canonical sliding_window and sliding_layers (None: every layer).
+
+    The window is `sliding_window` (Qwen2, Qwen3, SmolLM3: only when `use_sliding_window`); the layers that slide
+    are config.json's `layer_types` where it has them, else the family's rule as its config class applies it:
+      all       every layer (Mistral, Phi-3: transformers masks every layer with the window)
+      from      layers from max_window_layers on (Qwen2, Qwen3)
+      period N  every layer but each N-th (Gemma 2: N = 2; Gemma 3: sliding_window_pattern, 6)
+      nope      the layers without RoPE (SmolLM3)
+    A query sees the last `window` tokens, itself included, as transformers' sliding masks count them.
+    """
+
+    hf_key: str = "sliding_window"
+    enabled_key: str | None = None  # use_sliding_window gates the window
+    default: Any = None  # the class default of sliding_window
+    rule: str = "all"
+    period: int = 0  # rule "period": the class default period (period_key overrides it)
+    period_key: str | None = None
+    layer_types: bool = False  # the family writes layer_types (and reads them)
+
+    def __post_init__(self):
+        self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ()) + (
+            ("layer_types",) if self.layer_types else ())
+        self.canonical = ("sliding_window", "sliding_layers")
+
+    def read(self, hf, out, notes):
+        window = hf[self.hf_key] if self.hf_key in hf else self.default
+        if self.enabled_key and not hf.get(self.enabled_key, False):
+            window = None
+        n_layers = out.get("n_layers")
+        if window is None or not isinstance(n_layers, int) or n_layers <= 0:
+            out["sliding_window"], out["sliding_layers"] = None, None
+            return
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            raise ConfigError(f"{self.hf_key}: expected a positive integer, got {str(window)[:40]}")
+        sliding = self._sliding_layers(hf, n_layers, out)
+        out["sliding_window"] = window if sliding else None
+        out["sliding_layers"] = None if not sliding or len(sliding) == n_layers else sliding
+
+    def _sliding_layers(self, hf, n_layers: int, out) -> list[int]:
+        types = hf.get("layer_types") if self.layer_types else None
+        if types is not None:
+            if not isinstance(types, list) or len(types) != n_layers or any(t not in (SLIDING, FULL) for t in types):
+                raise ConfigError(f"layer_types: expected {n_layers} entries of {SLIDING} or {FULL}, got "
+                                  f"{str(types)[:60]}")
+            return [i for i, t in enumerate(types) if t == SLIDING]
+        if self.rule == "from":
+            first = _value(hf, "max_window_layers", 28)
+            return [i for i in range(n_layers) if i >= first]
+        if self.rule == "period":
+            period = int(_value(hf, self.period_key, self.period)) if self.period_key else self.period
+            if period <= 0:
+                raise ConfigError(f"{self.period_key}: must be a positive integer, got {period}")
+            return [i for i in range(n_layers) if (i + 1) % period]
+        if self.rule == "nope":
+            return list(out.get("nope_layers") or [])
+        return list(range(n_layers))
+
+    def write(self, cfg, model_type):
+        layers = range(cfg.n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
+        sliding = set(layers) if cfg.sliding_window is not None else set()
+        body: dict[str, Any] = {self.hf_key: cfg.sliding_window}
+        if self.enabled_key:
+            body[self.enabled_key] = cfg.sliding_window is not None
+        if self.layer_types:
+            body["layer_types"] = [SLIDING if i in sliding else FULL for i in range(cfg.n_layers)]
+            if self.rule == "from":  # transformers derives nothing from it once layer_types is written
+                body["max_window_layers"] = min(sliding, default=cfg.n_layers)
+        elif sliding and len(sliding) != cfg.n_layers:
+            raise CapabilityError(f"cannot export to {model_type}: its window applies to every layer, the model has "
+                                  f"it in layers {sorted(sliding)[:8]} only")
+        return body
 
 
 @dataclass
@@ -467,7 +583,10 @@ def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool
 
 # every dense architecture here ends with a norm before its head (final_norm: fixed True)
 # the trunk features of the newer families, off (each family's spec fixes or reads its own)
-_PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None)
+_PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None, norm_unit_offset=False,
+                    scale_embeddings=False, sliding_rope_theta=None, attn_scale_dim=None, attn_softcap=None,
+                    final_softcap=None)
+_NO_WINDOW = dict(sliding_window=None, sliding_layers=None)  # the families without sliding-window attention
 _ROPE_ONLY = dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0,
                   final_norm=True)
 _LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
@@ -477,7 +596,7 @@ LLAMA = ConfigSpec(
         Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
         Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False)),
-    fixed=_LLAMA_FIXED,
+    fixed=dict(_LLAMA_FIXED, **_NO_WINDOW),
 )
 
 MISTRAL = ConfigSpec(
@@ -492,7 +611,8 @@ QWEN2 = ConfigSpec(
     fields=_sizes(32768, head_dim_key=True) + (
         Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
         Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+        SlidingWindow("sliding_window", enabled_key="use_sliding_window", default=4096, rule="from",
+                      layer_types=True)),
     fixed=dict(_LLAMA_FIXED, qkv_bias=True, o_bias=False, ffn_bias=False),  # q/k/v biases, none on o
 )
 
@@ -504,7 +624,7 @@ GPT_NEOX = ConfigSpec(
         Same("tie_word_embeddings", "tie_embeddings", False),
         ParallelResidual("use_parallel_residual", default=True),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), True)),
-    fixed=dict(_ROPE_ONLY, norm="layernorm", norm_bias=True, ffn_bias=True),
+    fixed=dict(_ROPE_ONLY, **_NO_WINDOW, norm="layernorm", norm_bias=True, ffn_bias=True),
 )
 
 GPT2 = ConfigSpec(
@@ -516,7 +636,7 @@ GPT2 = ConfigSpec(
             Same("layer_norm_epsilon", "norm_eps", 1e-5), Same("tie_word_embeddings", "tie_embeddings", True),
             Require("scale_attn_weights", True, "attention is scaled by 1/sqrt(head_dim)"),
             Require("scale_attn_by_inverse_layer_idx", False), Require("add_cross_attention", False)),
-    fixed=dict(_PLAIN_TRUNK, norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0,
+    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0,
                rotary_fraction=1.0, scaled_rope=None,
                rope_interleaved=False, block="sequential", qkv_bias=True, o_bias=True, ffn_bias=True,
                lm_head_bias=False, logit_scale=1.0, final_norm=True),
@@ -529,7 +649,7 @@ COHERE = ConfigSpec(
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("logit_scale", "logit_scale", 0.0625),
         Require("use_qk_norm", False, "per-head QK layernorm is not modelled")),
     # one bias-free layernorm shared by attention and FFN; RoPE on interleaved pairs
-    fixed=dict(_PLAIN_TRUNK, position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
+    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
                block="parallel", ffn_bias=False, lm_head_bias=False, final_norm=True),
 )
 
@@ -538,7 +658,7 @@ PHI = ConfigSpec(
         Activation("hidden_act", gated=False, default="gelu_new"), Same("layer_norm_eps", "norm_eps", 1e-5),
         Rope(default_theta=10000.0, default_fraction=0.5), Same("tie_word_embeddings", "tie_embeddings", False),
         Require("qk_layernorm", False, "per-head QK layernorm is not modelled")),
-    fixed=dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
+    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
                qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0, final_norm=True),
 )
 
@@ -549,7 +669,8 @@ QWEN3 = ConfigSpec(
         Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
         Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
-        SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+        SlidingWindow("sliding_window", enabled_key="use_sliding_window", default=4096, rule="from",
+                      layer_types=True)),
     fixed=dict(_LLAMA_FIXED, qk_norm="head", ffn_bias=False),
 )
 
@@ -572,7 +693,19 @@ OLMO2 = ConfigSpec(
         Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
         Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
-    fixed=dict(_LLAMA_FIXED, qk_norm="full", norm_position="post", ffn_bias=False),
+    fixed=dict(_LLAMA_FIXED, **_NO_WINDOW, qk_norm="full", norm_position="post", ffn_bias=False),
+)
+
+# OLMo 3: OLMo 2 with sliding-window attention in three layers of four (or layer_types) and a RoPE per layer type
+OLMO3 = ConfigSpec(
+    fields=_sizes(2048) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
+        SlidingWindow("sliding_window", default=4096, rule="period", period=4, layer_types=True),
+        LayerTypeRope(default_theta=500000.0, local_key=None, default_local=500000.0),
+        Same("tie_word_embeddings", "tie_embeddings", False),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
+    fixed=dict({k: v for k, v in _LLAMA_FIXED.items() if k != "sliding_rope_theta"}, qk_norm="full",
+               norm_position="post", ffn_bias=False),
 )
 
 # SmolLM3: Llama with no RoPE in every fourth layer (no_rope_layers), tied embeddings by default.
@@ -581,6 +714,47 @@ SMOLLM3 = ConfigSpec(
         Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
         Rope(default_theta=2000000.0), Same("tie_word_embeddings", "tie_embeddings", True),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False),
-        NoRopeLayers(), SlidingWindow("sliding_window", enabled_key="use_sliding_window")),
+        NoRopeLayers(), SlidingWindow("sliding_window", enabled_key="use_sliding_window", rule="nope",
+                                      layer_types=True)),
     fixed={k: v for k, v in _LLAMA_FIXED.items() if k != "nope_layers"},
+)
+
+# Gemma 2 and Gemma 3 (text): sandwich norms of (1 + w) RMSNorm, embeddings times sqrt(hidden_size), GeGLU,
+# attention scaled by query_pre_attn_scalar, sliding-window layers (Gemma 2 every other one, Gemma 3 five of six,
+# or config.json's layer_types), soft-capped attention and output logits (Gemma 2), per-head QK-norm and the local
+# layers' own RoPE base (Gemma 3), tied embeddings.
+_GEMMA_FIXED = dict({k: v for k, v in _ROPE_ONLY.items() if k not in ("attn_scale_dim", "attn_softcap", "final_softcap",
+                                                                       "sliding_rope_theta")},
+                    norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0,
+                    norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, ffn_bias=False)
+
+
+def _gemma_trunk(max_positions_default: int) -> tuple[Field, ...]:
+    """The size, activation, norm, tie, bias and attention-scale keys Gemma 2 and 3 share."""
+    return _sizes(max_positions_default, head_dim_key=True, head_dim_default=256) + (
+        Activation("hidden_activation", gated=True, default="gelu_pytorch_tanh", gated_kinds=("geglu_tanh",)),
+        Same("rms_norm_eps", "norm_eps", 1e-6), Same("tie_word_embeddings", "tie_embeddings", True),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
+        Same("query_pre_attn_scalar", "attn_scale_dim", 256))
+
+
+GEMMA2 = ConfigSpec(
+    fields=_gemma_trunk(8192) + (
+        Rope(default_theta=10000.0),
+        SlidingWindow("sliding_window", default=4096, rule="period", period=2, layer_types=True),
+        Nullable("attn_logit_softcapping", "attn_softcap", 50.0),
+        Nullable("final_logit_softcapping", "final_softcap", 30.0),
+        Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
+    fixed=dict(_GEMMA_FIXED, qk_norm="none", sliding_rope_theta=None),
+)
+
+GEMMA3_TEXT = ConfigSpec(
+    fields=_gemma_trunk(131072) + (
+        SlidingWindow("sliding_window", default=4096, rule="period", period=6, period_key="sliding_window_pattern",
+                      layer_types=True),
+        LayerTypeRope(default_theta=1000000.0),
+        Nullable("attn_logit_softcapping", "attn_softcap", None),
+        Nullable("final_logit_softcapping", "final_softcap", None),
+        Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
+    fixed=dict(_GEMMA_FIXED, qk_norm="head"),
 )

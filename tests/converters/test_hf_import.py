@@ -277,7 +277,8 @@ def test_export_capability_errors_before_any_io(tmp_path):
 # ---- config map: defaults and coverage --------------------------------------------------------
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                 "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
-                "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config"}
+                "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
+                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
     "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
@@ -328,9 +329,17 @@ def test_rope_spellings_across_transformers_versions():
     assert all(c == configs[0] for c in configs) and configs[0].rope_theta == 5e5
 
 
-def test_sliding_window_is_accepted_with_a_note(saved):
-    reader = open_checkpoint(str(saved["mistral"][1]))
-    assert "sliding_window=4096" in reader.metadata["notes"]
+def test_sliding_windows_are_modelled(saved):
+    """Mistral's window applies to every layer, Qwen2's from max_window_layers on, Gemma's where layer_types say;
+    read as the canonical window (test_hf_families.py holds the logits past it), with no note of an approximation."""
+    mistral = open_checkpoint(str(saved["mistral"][1]))
+    assert (mistral.config.sliding_window, mistral.config.sliding_layers) == (4096, None)
+    assert "notes" not in mistral.metadata or "sliding" not in str(mistral.metadata["notes"])
+    qwen2 = open_checkpoint(str(saved["qwen2-window"][1]))
+    assert (qwen2.config.sliding_window, qwen2.config.sliding_layers) == (5, [1])
+    gemma3 = open_checkpoint(str(saved["gemma3"][1]))
+    assert (gemma3.config.sliding_window, gemma3.config.sliding_layers) == (5, [0, 2])
+    assert (gemma3.config.sliding_rope_theta, gemma3.config.rope_theta) == (10000.0, 1000000.0)
 
 
 # ---- reshape ops --------------------------------------------------------------------------------
