@@ -231,10 +231,10 @@ def rotary_cos_sin(cfg, positions: Tensor, local: bool = False) -> tuple[Tensor,
     """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
     in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there). Scaled RoPE
     (cfg.scaled_rope) changes the frequencies and may scale both tables (rope_frequencies); local: the sliding
-    layers' plain RoPE of base cfg.sliding_rope_theta instead."""
+    layers' plain RoPE of base cfg.window_rope_theta instead."""
     needs_length = not local and cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] in ("dynamic", "longrope")
     if local:
-        inv_freq, scale = rope_frequencies(cfg, positions.device, theta=cfg.sliding_rope_theta, scaled=False)
+        inv_freq, scale = rope_frequencies(cfg, positions.device, theta=cfg.window_rope_theta, scaled=False)
     else:
         inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None)
     angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
@@ -548,8 +548,8 @@ class Block(nn.Module):
                 self.ffn_norm = Norm(cfg)
         if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
             self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
-        sliding = cfg.sliding_window is not None and (cfg.sliding_layers is None or index in cfg.sliding_layers)
-        self.window = cfg.sliding_window if sliding else None  # attends to the last `window` slots
+        sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or index in cfg.attn_window_layers)
+        self.window = cfg.attn_window if sliding else None  # attends to the last `window` slots
         self.scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # None: 1/sqrt(head_dim)
         self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
         q = {"q": (D, H * Dh, cfg.qkv_bias)}
@@ -908,7 +908,7 @@ class Transformer(nn.Module):
             if cache is None and T > cfg.max_positions:
                 raise ValueError(f"sequence length {T} exceeds max_positions={cfg.max_positions}")
             x = x + self.pos_embed(positions)
-        local = cfg.position == "rope" and cfg.sliding_rope_theta is not None
+        local = cfg.position == "rope" and cfg.window_rope_theta is not None
         step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
                     rope_local=rotary_cos_sin(cfg, positions, local=True) if local else None,
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,

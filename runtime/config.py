@@ -52,7 +52,7 @@ GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(R
 WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
                     "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay",
                     "ffn_shared_hidden", "scaled_rope", "nope_layers", "qk_norm", "norm_position",
-                    "norm_unit_offset", "scale_embeddings", "sliding_window", "sliding_layers", "sliding_rope_theta",
+                    "norm_unit_offset", "scale_embeddings", "attn_window", "attn_window_layers", "window_rope_theta",
                     "attn_scale_dim", "attn_softcap", "final_softcap")
 
 
@@ -131,11 +131,12 @@ class ModelConfig(ConfigRules):
     norm_position: NormPosition = "pre"  # post: each sublayer's output is normed before the residual add
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma), not by weight
     scale_embeddings: bool = False  # the input embeddings times sqrt(d_model) (Gemma)
-    # sliding-window attention: a query sees the last sliding_window keys (itself included) in the layers
-    # sliding_layers (None: every layer); None: every layer attends to the whole causal prefix
-    sliding_window: int | None = None
-    sliding_layers: list[int] | None = None
-    sliding_rope_theta: float | None = None  # plain RoPE of this base in the sliding layers (Gemma 3's local base)
+    # sliding-window attention: a query sees the last attn_window keys (itself included) in the layers
+    # attn_window_layers (None: every layer); None: every layer attends to the whole causal prefix. (Not named
+    # sliding_window: transformers' caches read that attribute of a config and would keep only a window of keys.)
+    attn_window: int | None = None
+    attn_window_layers: list[int] | None = None
+    window_rope_theta: float | None = None  # plain RoPE of this base in the sliding layers (Gemma 3's local base)
     attn_scale_dim: int | None = None  # attention logits scaled by 1/sqrt(this) (Gemma's query_pre_attn_scalar)
     attn_softcap: float | None = None  # attention logits soft-capped: c * tanh(s / c) (Gemma 2)
     final_softcap: float | None = None  # output logits soft-capped likewise (Gemma 2)
@@ -232,20 +233,20 @@ class ModelConfig(ConfigRules):
         _need(self.norm_position == "pre" or self.block == "sequential", "norm_position",
               f"post-norms need sequential blocks, the config has block={self.block!r}")
         _need(not self.norm_unit_offset or self.norm == "rmsnorm", "norm_unit_offset", "applies to rmsnorm only")
-        if self.sliding_window is not None:
-            _need(0 < self.sliding_window <= MAX_DIM, "sliding_window", f"must be a positive integer, got "
-                  f"{self.sliding_window!r}")
-        for fld in ("sliding_layers",):
+        if self.attn_window is not None:
+            _need(0 < self.attn_window <= MAX_DIM, "attn_window", f"must be a positive integer, got "
+                  f"{self.attn_window!r}")
+        for fld in ("attn_window_layers",):
             layers = getattr(self, fld)
             if layers is not None:
-                _need(self.sliding_window is not None, fld, "sliding layers need a sliding_window")
+                _need(self.attn_window is not None, fld, "window layers need an attn_window")
                 _need(all(0 <= i < self.n_layers for i in layers) and layers == sorted(set(layers)), fld,
                       f"increasing layer indices in [0, {self.n_layers}), got {layers[:8]}")
-        if self.sliding_rope_theta is not None:
-            _need(self.sliding_window is not None and self.position == "rope", "sliding_rope_theta",
-                  "a RoPE base of the sliding layers needs sliding_window and position: rope")
-            _need(math.isfinite(self.sliding_rope_theta) and self.sliding_rope_theta > 0, "sliding_rope_theta",
-                  f"must be a finite number > 0, got {self.sliding_rope_theta!r}")
+        if self.window_rope_theta is not None:
+            _need(self.attn_window is not None and self.position == "rope", "window_rope_theta",
+                  "a RoPE base of the window layers needs attn_window and position: rope")
+            _need(math.isfinite(self.window_rope_theta) and self.window_rope_theta > 0, "window_rope_theta",
+                  f"must be a finite number > 0, got {self.window_rope_theta!r}")
         if self.attn_scale_dim is not None:
             _need(0 < self.attn_scale_dim <= MAX_DIM, "attn_scale_dim", f"must be a positive integer, got "
                   f"{self.attn_scale_dim!r}")

@@ -179,14 +179,14 @@ def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor,
         k = ref_norm(cfg, k.reshape(B, T, G, Dh) if per_head else k, w["k_norm.weight"], w.get("k_norm.bias"))
     q, k = q.reshape(B, T, H, Dh), k.reshape(B, T, G, Dh)
     v = _lin(x, w, "v").reshape(B, T, G, Dh)
-    sliding = cfg.sliding_window is not None and (cfg.sliding_layers is None or layer in cfg.sliding_layers)
+    sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or layer in cfg.attn_window_layers)
     if cfg.position == "rope" and layer not in (cfg.nope_layers or ()):
-        theta = cfg.sliding_rope_theta if sliding else None
+        theta = cfg.window_rope_theta if sliding else None
         q, k = ref_rope(cfg, q, theta), ref_rope(cfg, k, theta)
     t = torch.arange(T)
     hidden = t[None, :] > t[:, None]  # the future; and, in a sliding layer, keys window or more slots back
     if sliding:
-        hidden |= t[None, :] <= t[:, None] - cfg.sliding_window
+        hidden |= t[None, :] <= t[:, None] - cfg.attn_window
     heads = []
     for h in range(H):
         g = h // (H // G)  # the kv head this query head reads

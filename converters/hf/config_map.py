@@ -319,7 +319,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_typ
 class LayerTypeRope(Rope):
     """Gemma 3's RoPE per layer type: rope_parameters {"full_attention": {...}, "sliding_attention": {...}} (or
     the older rope_theta, rope_scaling and rope_local_base_freq): the full layers' RoPE as Rope reads it (scaled
-    or not), the sliding layers' plain RoPE base as sliding_rope_theta."""
+    or not), the sliding layers' plain RoPE base as window_rope_theta."""
 
     local_key: str | None = "rope_local_base_freq"  # the older top-level key of the local base (Gemma 3)
     default_local: float = 10000.0
@@ -327,7 +327,7 @@ class LayerTypeRope(Rope):
     def __post_init__(self):
         super().__post_init__()
         self.hf_keys += (self.local_key,) if self.local_key else ()
-        self.canonical += ("sliding_rope_theta",)
+        self.canonical += ("window_rope_theta",)
 
     def read(self, hf, out, notes):
         params = hf.get("rope_parameters")
@@ -342,11 +342,11 @@ class LayerTypeRope(Rope):
                 raise CapabilityError(f"rope_parameters.{SLIDING}: rope_type={str(local.get('rope_type'))[:40]!r} "
                                       "is not supported (the sliding layers take plain RoPE)")
         theta = (local or {}).get("rope_theta", hf.get(self.local_key or "", self.default_local))
-        out["sliding_rope_theta"] = float(theta) if out.get("sliding_window") is not None else None
+        out["window_rope_theta"] = float(theta) if out.get("attn_window") is not None else None
 
     def write(self, cfg, model_type):
         body = super().write(cfg, model_type)
-        local = cfg.sliding_rope_theta or cfg.rope_theta
+        local = cfg.window_rope_theta or cfg.rope_theta
         body["rope_parameters"] = {FULL: body["rope_parameters"], SLIDING: {"rope_type": "default", "rope_theta": local}}
         if self.local_key:
             body[self.local_key] = local
@@ -355,7 +355,7 @@ class LayerTypeRope(Rope):
 
 @dataclass
 class SlidingWindow(Field):
-    """Sliding-window attention <-> canonical sliding_window and sliding_layers (None: every layer).
+    """Sliding-window attention <-> canonical attn_window and attn_window_layers (None: every layer).
 
     The window is `sliding_window` (Qwen2, Qwen3, SmolLM3: only when `use_sliding_window`); the layers that slide
     are config.json's `layer_types` where it has them, else the family's rule as its config class applies it:
@@ -377,7 +377,7 @@ class SlidingWindow(Field):
     def __post_init__(self):
         self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ()) + (
             ("layer_types",) if self.layer_types else ())
-        self.canonical = ("sliding_window", "sliding_layers")
+        self.canonical = ("attn_window", "attn_window_layers")
 
     def read(self, hf, out, notes):
         window = hf[self.hf_key] if self.hf_key in hf else self.default
@@ -385,13 +385,13 @@ class SlidingWindow(Field):
             window = None
         n_layers = out.get("n_layers")
         if window is None or not isinstance(n_layers, int) or n_layers <= 0:
-            out["sliding_window"], out["sliding_layers"] = None, None
+            out["attn_window"], out["attn_window_layers"] = None, None
             return
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ConfigError(f"{self.hf_key}: expected a positive integer, got {str(window)[:40]}")
         sliding = self._sliding_layers(hf, n_layers, out)
-        out["sliding_window"] = window if sliding else None
-        out["sliding_layers"] = None if not sliding or len(sliding) == n_layers else sliding
+        out["attn_window"] = window if sliding else None
+        out["attn_window_layers"] = None if not sliding or len(sliding) == n_layers else sliding
 
     def _sliding_layers(self, hf, n_layers: int, out) -> list[int]:
         types = hf.get("layer_types") if self.layer_types else None
@@ -413,11 +413,11 @@ class SlidingWindow(Field):
         return list(range(n_layers))
 
     def write(self, cfg, model_type):
-        layers = range(cfg.n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
-        sliding = set(layers) if cfg.sliding_window is not None else set()
-        body: dict[str, Any] = {self.hf_key: cfg.sliding_window}
+        layers = range(cfg.n_layers) if cfg.attn_window_layers is None else cfg.attn_window_layers
+        sliding = set(layers) if cfg.attn_window is not None else set()
+        body: dict[str, Any] = {self.hf_key: cfg.attn_window}
         if self.enabled_key:
-            body[self.enabled_key] = cfg.sliding_window is not None
+            body[self.enabled_key] = cfg.attn_window is not None
         if self.layer_types:
             body["layer_types"] = [SLIDING if i in sliding else FULL for i in range(cfg.n_layers)]
             if self.rule == "from":  # transformers derives nothing from it once layer_types is written
@@ -584,9 +584,9 @@ def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool
 # every dense architecture here ends with a norm before its head (final_norm: fixed True)
 # the trunk features of the newer families, off (each family's spec fixes or reads its own)
 _PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None, norm_unit_offset=False,
-                    scale_embeddings=False, sliding_rope_theta=None, attn_scale_dim=None, attn_softcap=None,
+                    scale_embeddings=False, window_rope_theta=None, attn_scale_dim=None, attn_softcap=None,
                     final_softcap=None)
-_NO_WINDOW = dict(sliding_window=None, sliding_layers=None)  # the families without sliding-window attention
+_NO_WINDOW = dict(attn_window=None, attn_window_layers=None)  # the families without sliding-window attention
 _ROPE_ONLY = dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0,
                   final_norm=True)
 _LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
@@ -704,7 +704,7 @@ OLMO3 = ConfigSpec(
         LayerTypeRope(default_theta=500000.0, local_key=None, default_local=500000.0),
         Same("tie_word_embeddings", "tie_embeddings", False),
         FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
-    fixed=dict({k: v for k, v in _LLAMA_FIXED.items() if k != "sliding_rope_theta"}, qk_norm="full",
+    fixed=dict({k: v for k, v in _LLAMA_FIXED.items() if k != "window_rope_theta"}, qk_norm="full",
                norm_position="post", ffn_bias=False),
 )
 
@@ -724,7 +724,7 @@ SMOLLM3 = ConfigSpec(
 # or config.json's layer_types), soft-capped attention and output logits (Gemma 2), per-head QK-norm and the local
 # layers' own RoPE base (Gemma 3), tied embeddings.
 _GEMMA_FIXED = dict({k: v for k, v in _ROPE_ONLY.items() if k not in ("attn_scale_dim", "attn_softcap", "final_softcap",
-                                                                       "sliding_rope_theta")},
+                                                                       "window_rope_theta")},
                     norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0,
                     norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, ffn_bias=False)
 
@@ -745,7 +745,7 @@ GEMMA2 = ConfigSpec(
         Nullable("attn_logit_softcapping", "attn_softcap", 50.0),
         Nullable("final_logit_softcapping", "final_softcap", 30.0),
         Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
-    fixed=dict(_GEMMA_FIXED, qk_norm="none", sliding_rope_theta=None),
+    fixed=dict(_GEMMA_FIXED, qk_norm="none", window_rope_theta=None),
 )
 
 GEMMA3_TEXT = ConfigSpec(

@@ -28,8 +28,8 @@ FIELDS = {
     "position": "rope", "rope_theta": 10000.0, "rotary_fraction": 1.0, "rope_interleaved": False,
     "max_positions": 2048, "block": "sequential", "tie_embeddings": False, "logit_scale": 1.0, "final_norm": True,
     "scaled_rope": None, "nope_layers": None, "qk_norm": "none", "norm_position": "pre",
-    "norm_unit_offset": False, "scale_embeddings": False, "sliding_window": None, "sliding_layers": None,
-    "sliding_rope_theta": None, "attn_scale_dim": None, "attn_softcap": None, "final_softcap": None,
+    "norm_unit_offset": False, "scale_embeddings": False, "attn_window": None, "attn_window_layers": None,
+    "window_rope_theta": None, "attn_scale_dim": None, "attn_softcap": None, "final_softcap": None,
     # ---- mixture ----
     "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax", "ffn_shared_hidden": 0,
     "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",

@@ -70,6 +70,16 @@ VARIANTS = {
                           ffn_top_k=2, gate_norm="topk_softmax",
                           scaled_rope=dict(rope_type="longrope", original_max_position_embeddings=16,
                                            short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[1.0, 2.0, 4.0, 8.0])),
+    # sliding windows of 3 (generation and the padded batches run past them): Gemma 3's local layers with their own
+    # RoPE base, sandwich (1 + w) norms, scaled embeddings, GeGLU, query_pre_attn_scalar; Gemma 2's soft-capping
+    "gemma3_window": dict(block="sequential", norm="rmsnorm", activation="geglu_tanh", n_kv_heads=2, head_dim=16,
+                          qk_norm="head", norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True,
+                          attn_scale_dim=24, attn_window=3, attn_window_layers=[0], window_rope_theta=100.0,
+                          attn_experts=2, ffn_experts=2, ffn_top_k=1, tie_embeddings=True),
+    "gemma2_softcap": dict(block="sequential", norm="rmsnorm", activation="geglu_tanh", norm_position="sandwich",
+                           norm_unit_offset=True, scale_embeddings=True, attn_window=3, attn_softcap=5.0,
+                           final_softcap=3.0, attn_experts=2, kv_mode="shared", ffn_experts=3, ffn_top_k=2,
+                           gate_norm="topk_softmax"),
     "smollm3_llama3": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, nope_layers=[1],
                            attn_experts=2, ffn_experts=2, ffn_top_k=1,
                            scaled_rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -173,7 +183,7 @@ def test_generate_with_cache_matches_runtime(exported, variant):
 
 
 @pytest.mark.parametrize("variant", ["bam_expert_kv", "topk_attention", "sequential_learned", "btx", "olmo2_shared_kv",
-                                     "phi3_longrope"])
+                                     "phi3_longrope", "gemma3_window", "gemma2_softcap"])
 def test_left_padded_batch(exported, variant):
     model, _, hf = exported(variant)
     gen = torch.Generator().manual_seed(5)

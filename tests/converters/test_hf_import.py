@@ -333,13 +333,13 @@ def test_sliding_windows_are_modelled(saved):
     """Mistral's window applies to every layer, Qwen2's from max_window_layers on, Gemma's where layer_types say;
     read as the canonical window (test_hf_families.py holds the logits past it), with no note of an approximation."""
     mistral = open_checkpoint(str(saved["mistral"][1]))
-    assert (mistral.config.sliding_window, mistral.config.sliding_layers) == (4096, None)
+    assert (mistral.config.attn_window, mistral.config.attn_window_layers) == (4096, None)
     assert "notes" not in mistral.metadata or "sliding" not in str(mistral.metadata["notes"])
     qwen2 = open_checkpoint(str(saved["qwen2-window"][1]))
-    assert (qwen2.config.sliding_window, qwen2.config.sliding_layers) == (5, [1])
+    assert (qwen2.config.attn_window, qwen2.config.attn_window_layers) == (5, [1])
     gemma3 = open_checkpoint(str(saved["gemma3"][1]))
-    assert (gemma3.config.sliding_window, gemma3.config.sliding_layers) == (5, [0, 2])
-    assert (gemma3.config.sliding_rope_theta, gemma3.config.rope_theta) == (10000.0, 1000000.0)
+    assert (gemma3.config.attn_window, gemma3.config.attn_window_layers) == (5, [0, 2])
+    assert (gemma3.config.window_rope_theta, gemma3.config.rope_theta) == (10000.0, 1000000.0)
 
 
 # ---- reshape ops --------------------------------------------------------------------------------

@@ -53,6 +53,11 @@ KINDS = {
                                scaled_rope=dict(rope_type="longrope", original_max_position_embeddings=8,
                                                 short_factor=[1.0, 1.2, 1.4, 1.6], long_factor=[1.0, 3.0, 9.0, 27.0])),
     "dense_dynamic": dict(n_kv_heads=2, scaled_rope=dict(rope_type="dynamic", factor=4.0)),
+    # sliding windows of 3 slots, shorter than the traced and decoded lengths; Gemma's features and soft-capping
+    "bam_gemma_window": dict(attn_experts=2, ffn_experts=2, n_kv_heads=2, activation="geglu_tanh",
+                             norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, qk_norm="head",
+                             attn_scale_dim=20, attn_window=3, attn_window_layers=[0], window_rope_theta=100.0,
+                             attn_softcap=5.0, final_softcap=3.0),
 }
 
 

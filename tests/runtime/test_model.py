@@ -57,11 +57,11 @@ FAMILY_FEATURES = {
     # sliding windows of 3 slots (sequences of 8): every layer (Mistral), or Gemma 3's local layers with their own
     # RoPE base beside sandwich norms, (1 + w) norms, scaled embeddings, GeGLU and query_pre_attn_scalar; Gemma 2's
     # soft-capping
-    "window_all": dict(sliding_window=3, n_kv_heads=2),
-    "gemma3": dict(sliding_window=3, sliding_layers=[0], sliding_rope_theta=10.0, rope_theta=1000.0,
+    "window_all": dict(attn_window=3, n_kv_heads=2),
+    "gemma3": dict(attn_window=3, attn_window_layers=[0], window_rope_theta=10.0, rope_theta=1000.0,
                    norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="geglu_tanh",
                    qk_norm="head", head_dim=16, attn_scale_dim=24, n_kv_heads=2),
-    "gemma2": dict(sliding_window=3, sliding_layers=[0], norm_position="sandwich", norm_unit_offset=True,
+    "gemma2": dict(attn_window=3, attn_window_layers=[0], norm_position="sandwich", norm_unit_offset=True,
                    scale_embeddings=True, activation="geglu_tanh", attn_softcap=5.0, final_softcap=3.0,
                    n_kv_heads=2),
 }
