@@ -32,7 +32,8 @@ TRUNK_FIELDS: dict[str, str] = {
 TRUNKS: dict[tuple[str, str], str] = {("none", "pre"): "mixtral", ("head", "pre"): "qwen3_moe",
                                       ("full", "post"): "flex_olmo"}
 _QK_NORMS = {"none": "no QK-norm", "head": "a per-head QK-norm", "full": "a full-width QK-norm"}
-_NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN"}
+_NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN",
+                   "sandwich": "norms before and after attention and FFN"}
 
 
 def _trunk_text(qk_norm: str, norm_position: str, other_position: str) -> str:
@@ -63,6 +64,20 @@ def trunk_problems(cfg: ModelConfig, qk_norm: str = "none", norm_position: str =
         (cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}"),
         (cfg.ffn_router_kind == "linear", "linear routers", f"router {cfg.ffn_router_kind}"),
         (cfg.final_norm, "a final norm", "no final norm"),
+    ]
+    return [(needs, has) for ok, needs, has in checks if not ok] + gemma_problems(cfg)
+
+
+def gemma_problems(cfg: ModelConfig) -> Problems:
+    """Gemma's and the windowed families' features, which no Llama-family trunk (nor llama.cpp's llama) computes:
+    sliding windows, (1 + w) norms, scaled embeddings, a query_pre_attn_scalar, soft-capping."""
+    checks = [
+        (cfg.attn_window is None, "attention over the whole prefix", f"a sliding window of {cfg.attn_window}"),
+        (not cfg.norm_unit_offset, "norms scaling by w", "(1 + w) norms"),
+        (not cfg.scale_embeddings, "unscaled embeddings", "embeddings times sqrt(d_model)"),
+        (cfg.attn_scale_dim in (None, cfg.head_dim), "attention scaled by 1/sqrt(head_dim)",
+         f"attention scaled by 1/sqrt({cfg.attn_scale_dim})"),
+        (cfg.attn_softcap is None and cfg.final_softcap is None, "no soft-capping", "soft-capped logits"),
     ]
     return [(needs, has) for ok, needs, has in checks if not ok]
 
