@@ -31,7 +31,8 @@ from bam_surgery.train.tokenize import ByteTokenizer
 
 og = pytest.importorskip("onnxruntime_genai")
 
-GENAI_KINDS = ["dense_llama", "btx_top2", "bam_expert_kv", "bam_shared_kv", "bam_topk_attention", "btx_shared_expert"]
+GENAI_KINDS = ["dense_llama", "btx_top2", "bam_expert_kv", "bam_shared_kv", "bam_topk_attention", "btx_shared_expert",
+               "bam_gemma_window"]  # not longrope: GenAI keeps its cache across longrope's switch (docs/onnx.md)
 
 
 def genai_greedy(folder: Path, prompts: list[list[int]], n_new: int) -> tuple[np.ndarray, list[np.ndarray]]:
