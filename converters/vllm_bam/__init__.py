@@ -19,9 +19,9 @@ MODEL_CLASS = f"{__name__}.model:BamForCausalLM"
 
 def register() -> None:
     """vLLM's plugin hook (it may call it more than once per process)."""
+    # lazy: vLLM and transformers are not bam-surgery's dependencies; only vLLM, which has both, calls this
     from transformers import AutoConfig
     from vllm import ModelRegistry
-
     from ..hf_bam.configuration_bam import BamConfig
 
     AutoConfig.register(MODEL_TYPE, BamConfig, exist_ok=True)
