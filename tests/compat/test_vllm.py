@@ -32,6 +32,7 @@ import vllm  # noqa: E402, F401  (the stage's venv must have it)
 
 from bam_surgery.converters.base import ExportOptions  # noqa: E402
 from bam_surgery.converters.export import exporter  # noqa: E402
+from bam_surgery.converters.hf.writer import save_hf  # noqa: E402
 from bam_surgery.runtime import generate, save_model  # noqa: E402
 from bam_surgery.runtime.checkpoint import CheckpointReader  # noqa: E402
 from bam_surgery.runtime.config import ModelConfig  # noqa: E402
@@ -162,8 +163,11 @@ def test_vllm_serves_the_runtimes_tokens(kind, tmp_path, tokenizer_files):
     model = random_model(kind, seed=list(KINDS).index(kind))
     save_model(model, tmp_path / "canonical.safetensors")
     with CheckpointReader(tmp_path / "canonical.safetensors") as reader:
-        out = exporter(fmt).write(reader, tmp_path / "export", ExportOptions(
-            tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))
+        if kind == "dense":  # as Llama, the tokenizer carried from its folder
+            out = save_hf(reader, tmp_path / "export", "llama", tokenizer_from=tokenizer_files[0].parent)
+        else:
+            out = exporter(fmt).write(reader, tmp_path / "export", ExportOptions(
+                tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     assert (architecture == "BamForCausalLM") == (fmt == "hf" and kind != "dense"), architecture
     expected = [runtime_reference(model, p) for p in PROMPTS]
