@@ -15,14 +15,15 @@ runtime.generate's):
                 the E output projections side by side sums them: sum_e g_e O_e y_e (+ sum_e g_e b_e).
   FFN           dense: MergedColumnParallelLinear (gate, up) + SiluAndMul, or ColumnParallelLinear + activation,
                 then RowParallelLinear. Experts: vLLM's fused-MoE layer (FusedMoEFactory) over the router's logits,
-                softmax then top-k, renormalized for gate_norm topk_softmax (SwiGLU experts only: support.py). The
-                shared expert is a dense FFN beside it, times sigmoid(w . x).
+                softmax then top-k, renormalized for gate_norm topk_softmax. The
+                shared expert is a dense FFN beside it, times sigmoid(w . x). Ungated experts (GELU, tanh-GELU,
+                SiLU) run in the same layer with a constant gate (MOE_ACTIVATION); ReLU experts are refused.
   routers       the runtime's own router modules (runtime/routers.py: every kind, replicated on every rank),
                 gates from runtime/blocks.py `route`.
   rest          VocabParallelEmbedding (tokens; a learned position table), vLLM's RoPE (get_rope: neox or
                 interleaved, partial rotary), runtime/blocks.py's Norm, ParallelLMHead (bias, tying) and vLLM's
                 LogitsProcessor (logit_scale).
-Backends: on vLLM's CPU backend the fused-MoE layer runs its CPU kernel (gated silu, float32/bfloat16), attention
+Backends: on vLLM's CPU backend the fused-MoE layer runs its CPU kernel (gated silu/gelu/gelu_tanh), attention
 runs CPU attention (head sizes support.CPU_HEAD_SIZES); on GPUs both are vLLM's own (not measured here).
 Weights are read by name from the export's safetensors; every tensor is consumed and every parameter loaded, or
 loading stops with one line naming the tensor.
@@ -51,6 +52,13 @@ from bam_surgery.runtime.routers import make_router
 
 from ..hf_bam.export import canonical_weight_name
 from .support import check_vllm
+
+
+# the fused-MoE layer computes act(w1 x + b1) * (w3 x + b3): SwiGLU experts as they are; an ungated expert act(up x + b)
+# runs as w1 = up, b1 = b, w3 = 0, b3 = 1 (exact, at twice the up projection's work). ReLU has no gated form there
+# (support.py refuses it).
+MOE_ACTIVATION = {"swiglu": "silu", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+EXPERT_SHARDS = {"gate": ("w13", "w1"), "up": ("w13", "w3"), "down": ("w2", "w2")}  # gated; ungated: up -> w1
 
 
 def _load(param: nn.Parameter, tensor: torch.Tensor, *shard) -> None:
@@ -194,10 +202,11 @@ class BamFFN(nn.Module):
             self.dense = BamMLP(cfg, cfg.ffn_hidden, f"{prefix}.ffn")
             return
         self.router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
+        self.gated = cfg.activation == "swiglu"
         self.experts = FusedMoEFactory(num_experts=cfg.ffn_experts, top_k=cfg.ffn_top_k, hidden_size=cfg.d_model,
                                        intermediate_size=cfg.ffn_hidden, renormalize=cfg.gate_norm == "topk_softmax",
-                                       quant_config=quant_config, prefix=f"{prefix}.experts", activation="silu",
-                                       has_bias=cfg.ffn_bias)
+                                       quant_config=quant_config, prefix=f"{prefix}.experts",
+                                       activation=MOE_ACTIVATION[cfg.activation], has_bias=cfg.ffn_bias or not self.gated)
         if cfg.ffn_shared_hidden:
             self.shared = BamMLP(cfg, cfg.ffn_shared_hidden, f"{prefix}.ffn_shared")
             self.shared_gate = ReplicatedLinear(cfg.d_model, 1, bias=False, prefix=f"{prefix}.ffn_shared_gate")
@@ -215,22 +224,33 @@ class BamFFN(nn.Module):
         fused-MoE shard id, "experts")."""
         if not self.cfg.ffn_experts:
             return {f"ffn.{n}": (p, s, None) for n, (p, s) in self.dense.weight_targets().items()}
-        params = dict(self.experts.named_parameters())
-
-        def param(stem: str) -> nn.Parameter:
-            return next(p for n, p in params.items() if n.endswith(stem))
-
-        out = {f"ffn_experts.{proj}.weight": (param(f"{stem}_weight"), shard, "experts")
-               for proj, stem, shard in (("gate", "w13", "w1"), ("up", "w13", "w3"), ("down", "w2", "w2"))}
-        if self.cfg.ffn_bias:
-            out |= {f"ffn_experts.{proj}.bias": (param(f"{stem}_bias"), shard, "experts")
-                    for proj, stem, shard in (("gate", "w13", "w1"), ("up", "w13", "w3"), ("down", "w2", "w2"))}
+        shards = EXPERT_SHARDS if self.gated else {"up": ("w13", "w1"), "down": ("w2", "w2")}
+        kinds = ("weight", "bias") if self.cfg.ffn_bias else ("weight",)
+        out = {f"ffn_experts.{proj}.{kind}": (self._expert_param(f"{stem}_{kind}"), shard, "experts")
+               for proj, (stem, shard) in shards.items() for kind in kinds}
         out |= {f"ffn_router.{n}": (p, None, None) for n, p in self.router.named_parameters()}
         out |= {f"ffn_router.{n}": (b, None, None) for n, b in self.router.named_buffers()}
         if self.cfg.ffn_shared_hidden:
             out |= {f"ffn_shared.{n}": (p, s, None) for n, (p, s) in self.shared.weight_targets().items()}
             out["ffn_shared_gate.weight"] = (self.shared_gate.weight, None, None)
         return out
+
+    def _expert_param(self, stem: str) -> nn.Parameter:
+        return next(p for n, p in self.experts.named_parameters() if n.endswith(stem))
+
+    def load_constants(self) -> list[nn.Parameter]:
+        """An ungated expert's constant parts (w3 = 0, b3 = 1; b1 = b2 = 0 without FFN biases): the parameters set."""
+        if not self.cfg.ffn_experts or self.gated:
+            return []
+        E, F, D = self.cfg.ffn_experts, self.cfg.ffn_hidden, self.cfg.d_model
+        constants = [("w13_weight", "w3", torch.zeros(F, D)), ("w13_bias", "w3", torch.ones(F))]
+        if not self.cfg.ffn_bias:
+            constants += [("w13_bias", "w1", torch.zeros(F)), ("w2_bias", "w2", torch.zeros(D))]
+        for stem, shard, value in constants:
+            param = self._expert_param(stem)
+            for e in range(E):
+                param.weight_loader(param, value.to(param.dtype), stem, shard_id=shard, expert_id=e)
+        return [self._expert_param(stem) for stem, _, _ in constants]
 
 
 class BamBlock(nn.Module):
@@ -337,5 +357,6 @@ class BamForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the export has no tensor {missing[0]} (and {len(missing) - 1} more missing): not an "
                              "HF BAM export of this config?")
-        loaded = {id(param) for param, _, _ in targets.values()}
+        constants = [p for block in self.layers for p in block.ffn.load_constants()]
+        loaded = {id(param) for param, _, _ in targets.values()} | {id(p) for p in constants}
         return {n for n, p in self.named_parameters() if id(p) in loaded}

@@ -47,10 +47,10 @@ def vllm_problems(cfg) -> list[str]:
             problems.append(f"config field {name!r} (unknown to it)")
         elif SUPPORTED[name] is not ANY and getattr(cfg, name) not in SUPPORTED[name]:
             problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, SUPPORTED[name]))})")
-    if cfg.ffn_experts and cfg.activation != "swiglu":
-        # vLLM's fused-MoE layer computes act(gate x) * (up x); the export's other activations have no gate
-        problems.append(f"FFN experts with activation {cfg.activation} (its fused-MoE layer runs gated SwiGLU "
-                        "experts only)")
+    if cfg.ffn_experts and cfg.activation == "relu":
+        # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts
+        # through it with a constant gate), and has no gated ReLU
+        problems.append("FFN experts with activation relu (its fused-MoE layer has no ReLU experts)")
     return problems
 
 

@@ -66,6 +66,9 @@ KINDS = {
                                  n_kv_heads=1, qkv_bias=True, o_bias=True, ffn_bias=True, attn_experts=2,
                                  kv_mode="shared", ffn_experts=2, ffn_top_k=1, gate_norm="topk_softmax",
                                  router="key_store", attn_router="attention")),
+    # ungated experts through the fused-MoE layer with a constant gate (converters/vllm_bam/model.py MOE_ACTIVATION)
+    "bam-gelu-experts": ("hf", dict(block="parallel", norm="layernorm", activation="gelu", attn_experts=2,
+                                    ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax", router="attention")),
     "top2-attention": ("hf", dict(block="parallel_two_norms", norm="layernorm", norm_bias=True, activation="gelu",
                                   position="learned", attn_experts=3, attn_top_k=2, router="mlp",
                                   final_norm=False)),

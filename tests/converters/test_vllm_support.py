@@ -32,7 +32,7 @@ def test_a_field_unknown_to_the_vllm_model_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"ffn_experts": 2, "activation": "gelu"}, "FFN experts with activation gelu"),
+    ({"ffn_experts": 2, "activation": "relu"}, "FFN experts with activation relu"),
     ({"ffn_experts": 2, "activation": "relu", "router": "key_store"}, "FFN experts with activation relu"),
 ])
 def test_refusals_are_one_line(overrides, needle):
@@ -43,7 +43,8 @@ def test_refusals_are_one_line(overrides, needle):
 
 @pytest.mark.parametrize("overrides", [{}, {"attn_experts": 2, "ffn_experts": 3, "ffn_top_k": 2},
                                        {"attn_experts": 3, "attn_top_k": 2, "kv_mode": "shared", "router": "mlp",
-                                        "position": "learned", "block": "parallel", "activation": "gelu"},
+                                        "position": "learned", "block": "parallel", "activation": "relu"},
+                                       {"ffn_experts": 3, "activation": "gelu_tanh", "ffn_bias": True},
                                        {"ffn_experts": 2, "ffn_shared_hidden": 8, "router": "key_store",
                                         "attn_experts": 2, "attn_router": "expert_embedding"}])
 def test_served_configs_pass(overrides):
