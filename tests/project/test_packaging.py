@@ -31,6 +31,11 @@ def _setup_layers() -> tuple[str, ...]:
 LAYERS = ("bam_surgery", *_setup_layers())
 # remote code shipped into HF BAM exports: it runs in the user's transformers, never imported by the tool itself
 REMOTE_CODE = {Path("converters/hf_bam/configuration_bam.py"), Path("converters/hf_bam/modeling_bam.py")}
+# the vLLM plugin: its module-level imports of vllm are in model.py, which only vLLM imports (the plugin names it as
+# a string), and the entry point imports vllm and transformers inside the function vLLM calls; these two packages
+# are the client's, never bam-surgery's dependencies
+CLIENT_CODE = {Path("converters/vllm_bam/__init__.py"): {"vllm", "transformers"},
+               Path("converters/vllm_bam/model.py"): {"vllm"}}
 
 
 def third_party_imports() -> dict[str, list[str]]:
@@ -43,7 +48,7 @@ def third_party_imports() -> dict[str, list[str]]:
                 continue
             for node, name in absolute_imports(ast.parse(path.read_text(encoding="utf-8"))):
                 top = name.split(".")[0]
-                if top not in sys.stdlib_module_names and top != "bam_surgery":
+                if top not in sys.stdlib_module_names and top != "bam_surgery" and top not in CLIENT_CODE.get(rel, ()):
                     found.setdefault(top, []).append(f"{rel}:{node.lineno}")
     return found
 

@@ -1,0 +1,61 @@
+"""What the vLLM model (model.py) implements of an HF BAM export's config, in plain Python (no vLLM, no
+transformers): one entry per config field of the export (converters/hf_bam/schema_bam.py FIELDS; a test holds the
+two lists equal, so a field added to the export must be decided here), and the one-line refusal at load time of
+any value outside it.
+
+A field maps to the values the vLLM model runs (a tuple), or to ANY: every value is served as the runtime
+computes it, or the field matters only to training (losses, the key store's update rules) or to labels.
+"""
+from __future__ import annotations
+
+from ..base import CapabilityError
+from ..hf_bam import schema_bam
+
+ANY = None
+# CPU attention head sizes of vLLM 0.32's CPU backend (CPUAttentionBackend.get_supported_head_sizes); other
+# backends have their own lists and vLLM refuses a size it does not run when the engine starts
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+SUPPORTED: dict[str, tuple | None] = {
+    # ---- dense architecture ----
+    "vocab_size": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY, "ffn_hidden": ANY,
+    "n_kv_heads": ANY, "head_dim": ANY,
+    "activation": ("swiglu", "gelu", "gelu_tanh", "relu", "silu"),
+    "norm": ("layernorm", "rmsnorm"), "norm_bias": ANY, "norm_eps": ANY,
+    "qkv_bias": ANY, "o_bias": ANY, "ffn_bias": ANY, "lm_head_bias": ANY,
+    "position": ("rope", "learned", "none"), "rope_theta": ANY, "rotary_fraction": ANY, "rope_interleaved": ANY,
+    "max_positions": ANY, "block": ("sequential", "parallel", "parallel_two_norms"), "tie_embeddings": ANY,
+    "logit_scale": ANY, "final_norm": ANY,
+    # ---- mixture ----
+    "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
+    "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),
+    "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
+    "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
+    "router_hidden": ANY, "router_temperature": ANY,
+    # training only: the key store's update rules and the router losses; a label
+    "key_store_alpha": ANY, "key_store_beta": ANY, "key_store_delta": ANY, "key_store_theta_percentile": ANY,
+    "key_store_ema_decay": ANY, "lb_coef": ANY, "z_coef": ANY, "name": ANY,
+}
+
+
+def vllm_problems(cfg) -> list[str]:
+    """What of `cfg` (anything with the export's config fields: BamConfig, ModelConfig) the vLLM model does not
+    implement, one phrase each; empty when it serves the model as the runtime computes it."""
+    problems = []
+    for name in schema_bam.FIELDS:
+        if name not in SUPPORTED:
+            problems.append(f"config field {name!r} (unknown to it)")
+        elif SUPPORTED[name] is not ANY and getattr(cfg, name) not in SUPPORTED[name]:
+            problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, SUPPORTED[name]))})")
+    if cfg.ffn_experts and cfg.activation == "relu":
+        # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts
+        # through it with a constant gate), and has no gated ReLU
+        problems.append("FFN experts with activation relu (its fused-MoE layer has no ReLU experts)")
+    return problems
+
+
+def check_vllm(cfg) -> None:
+    """CapabilityError (one line) naming everything of `cfg` the vLLM model does not implement."""
+    problems = vllm_problems(cfg)
+    if problems:
+        raise CapabilityError(f"bam-surgery's vLLM model does not implement {'; '.join(problems)}")

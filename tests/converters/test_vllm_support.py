@@ -1,0 +1,63 @@
+"""What the vLLM model implements (converters/vllm_bam/support.py), checked without vLLM: one entry per config
+field of the HF BAM export, so a field added to the export is refused by vLLM until it is decided there; every
+value the export supports is either served or refused in one line; the plugin's entry point is declared and
+importing the plugin imports neither vLLM nor its model module (tests/compat/test_vllm.py runs the model)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, setup_keyword, tiny_config
+from bam_surgery.converters.base import CapabilityError
+from bam_surgery.converters.hf_bam import schema_bam
+from bam_surgery.converters.vllm_bam import MODEL_CLASS, register, support
+
+
+def test_every_export_field_is_decided():
+    assert list(support.SUPPORTED) == list(schema_bam.FIELDS)
+    for field, values in support.SUPPORTED.items():  # nothing listed that the export cannot hold
+        if values is not support.ANY and field in schema_bam.SUPPORTED:
+            assert set(values) <= set(schema_bam.SUPPORTED[field]), field
+
+
+def test_a_field_unknown_to_the_vllm_model_is_refused(monkeypatch):
+    monkeypatch.setitem(schema_bam.FIELDS, "qk_norm", False)
+    cfg = tiny_config()
+    cfg.qk_norm = False
+    with pytest.raises(CapabilityError, match="config field 'qk_norm'"):
+        support.check_vllm(cfg)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"ffn_experts": 2, "activation": "relu"}, "FFN experts with activation relu"),
+    ({"ffn_experts": 2, "activation": "relu", "router": "key_store"}, "FFN experts with activation relu"),
+])
+def test_refusals_are_one_line(overrides, needle):
+    with pytest.raises(CapabilityError) as err:
+        support.check_vllm(tiny_config(**overrides))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attn_experts": 2, "ffn_experts": 3, "ffn_top_k": 2},
+                                       {"attn_experts": 3, "attn_top_k": 2, "kv_mode": "shared", "router": "mlp",
+                                        "position": "learned", "block": "parallel", "activation": "relu"},
+                                       {"ffn_experts": 3, "activation": "gelu_tanh", "ffn_bias": True},
+                                       {"ffn_experts": 2, "ffn_shared_hidden": 8, "router": "key_store",
+                                        "attn_experts": 2, "attn_router": "expert_embedding"}])
+def test_served_configs_pass(overrides):
+    support.check_vllm(tiny_config(**overrides))
+
+
+def test_entry_point_and_lazy_registration():
+    entry = setup_keyword("entry_points")["vllm.general_plugins"]
+    assert entry == ["bam_surgery = bam_surgery.converters.vllm_bam:register"]
+    assert callable(register) and MODEL_CLASS == "bam_surgery.converters.vllm_bam.model:BamForCausalLM"
+    code = ("import sys, bam_surgery.converters.vllm_bam; "
+            "print(sorted(m for m in sys.modules if m.startswith('vllm') or m.endswith('vllm_bam.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    model = ast.parse((ROOT / "converters" / "vllm_bam" / "model.py").read_text())
+    assert any(isinstance(n, ast.ClassDef) and n.name == "BamForCausalLM" for n in model.body)
