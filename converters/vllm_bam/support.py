@@ -26,6 +26,11 @@ SUPPORTED: dict[str, tuple | None] = {
     "position": ("rope", "learned", "none"), "rope_theta": ANY, "rotary_fraction": ANY, "rope_interleaved": ANY,
     "max_positions": ANY, "block": ("sequential", "parallel", "parallel_two_norms"), "tie_embeddings": ANY,
     "logit_scale": ANY, "final_norm": ANY,
+    # the newer families' trunk features (scaled RoPE, QK-norm, post and sandwich norms, layers without RoPE, Gemma's
+    # norms, embeddings, attention scale and soft-caps, sliding windows): not in the vLLM model yet, refused at load
+    "scaled_rope": (None,), "nope_layers": (None,), "qk_norm": ("none",), "norm_position": ("pre",),
+    "norm_unit_offset": (False,), "scale_embeddings": (False,), "attn_window": (None,), "attn_window_layers": (None,),
+    "window_rope_theta": (None,), "attn_scale_dim": (None,), "attn_softcap": (None,), "final_softcap": (None,),
     # ---- mixture ----
     "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
     "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),

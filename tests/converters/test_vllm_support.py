@@ -4,6 +4,8 @@ value the export supports is either served or refused in one line; the plugin's 
 importing the plugin imports neither vLLM nor its model module (tests/compat/test_vllm.py runs the model)."""
 from __future__ import annotations
 
+import re
+
 import ast
 import subprocess
 import sys
@@ -24,11 +26,22 @@ def test_every_export_field_is_decided():
 
 
 def test_a_field_unknown_to_the_vllm_model_is_refused(monkeypatch):
-    monkeypatch.setitem(schema_bam.FIELDS, "qk_norm", False)
+    monkeypatch.setitem(schema_bam.FIELDS, "future_field", False)
     cfg = tiny_config()
-    cfg.qk_norm = False
-    with pytest.raises(CapabilityError, match="config field 'qk_norm'"):
+    cfg.future_field = False
+    with pytest.raises(CapabilityError, match="config field 'future_field'"):
         support.check_vllm(cfg)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(qk_norm="head"), "qk_norm='head' (it runs none)"),
+    (dict(scaled_rope=dict(rope_type="linear", factor=2.0)), "scaled_rope={'rope_type': 'linear'"),
+    (dict(attn_window=4), "attn_window=4"),
+    (dict(norm_position="sandwich", norm_unit_offset=True), "norm_position='sandwich'"),
+])
+def test_the_newer_families_features_are_refused_until_implemented(overrides, needle):
+    with pytest.raises(CapabilityError, match=re.escape(needle)):
+        support.check_vllm(tiny_config(**overrides))
 
 
 @pytest.mark.parametrize("overrides, needle", [
