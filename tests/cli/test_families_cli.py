@@ -1,5 +1,5 @@
 """The whole route on each family of 2024-25, through the CLI as a user runs it: a transformers folder of Llama 3.2,
-Qwen3, Phi-3, OLMo 2 and SmolLM3 (tiny configs from the real ones, a 300-token vocabulary so the byte tokenizer
+Qwen3, Phi-3, OLMo 2 and SmolLM3 (tiny configs from the real ones, a 256-token vocabulary: the byte tokenizer
 reads the shipped corpus) merges with BAM, trains, generates the runtime's own greedy tokens, and exports to
 HF BAM (transformers' remote-code load gives the trained checkpoint's logits) and ONNX (verified in onnxruntime
 by export-onnx --verify)."""
@@ -24,7 +24,7 @@ DATA = f"code={ROOT / 'data/domains/code'}"
 @pytest.mark.parametrize("family", ["llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma3"])
 def test_merge_train_generate_export(tmp_path, family):
     cls_name, kwargs = FAMILY_CASES[family]
-    random_hf_model(cls_name, dict(kwargs, vocab_size=300), seed=2).save_pretrained(tmp_path / "seed")
+    random_hf_model(cls_name, dict(kwargs, vocab_size=256), seed=2).save_pretrained(tmp_path / "seed")
     mix = tmp_path / "mix.safetensors"
     run_cli("merge", "--quiet", "--seed", tmp_path / "seed", "--experts", f"{tmp_path / 'seed'},{tmp_path / 'seed'}",
             "--out", mix)
@@ -43,7 +43,7 @@ def test_merge_train_generate_export(tmp_path, family):
     run_cli("convert", run, "--format", "hf", "--out", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True,
                                                            dtype=torch.float32).eval()
-    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert max_diff(hf(tokens).logits, model(tokens).logits) <= 1e-4
 
