@@ -109,9 +109,16 @@ def test_scaled_rope_without_our_config_record(tmp_path, monkeypatch, rope, expe
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_rope_scaling_a_file_cannot_carry_is_one_line(tmp_path):
+def test_rope_scaling_the_reader_cannot_map_is_one_line(tmp_path, monkeypatch):
+    from bam_surgery.converters import gguf_export as ge
     from bam_surgery.converters.gguf_table import scaled_rope_of
 
+    cfg = llama_config()
+    monkeypatch.setattr(ge, "rope_scaling", lambda c: ({"{arch}.rope.scaling.type": ("str", "dynamic"),
+                                                        "{arch}.rope.scaling.factor": ("f32", 2.0)}, {}))
+    path = write(cfg, random_state(cfg), tmp_path / "dynamic.gguf")
+    line = cli_error_line("count-params", path)
+    assert "'dynamic'" in line and "dynamic.gguf" in line
     base = llama_config()
     with pytest.raises(ValueError, match="'dynamic'"):
         scaled_rope_of("llama", {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 2.0}, {}, base, None)
