@@ -3,34 +3,47 @@
     exporter("gguf").write(reader, Path("mix.gguf"), ExportOptions(gguf_dtype="q8_0", tokenizer_files=(...)))
 
 What llama.cpp runs, decided from the config alone (check_gguf: CapabilityError, one line, before any tensor is read):
-  dense    a Llama-shaped model: sequential pre-norm blocks, RMSNorm, RoPE over the whole head (halves or pairs),
-           SwiGLU FFN, a final norm, no logit scale, no lm_head bias; GQA, any head_dim, tied embeddings and q/k/v/o
-           and FFN biases are fine. Written as llama.cpp's `qwen2` architecture when it has Qwen2's shape (q/k/v
-           biases only, rotate-halves RoPE, H * head_dim = d_model), otherwise as `llama` (llama.cpp runs Mistral
-           as `llama` too).
+the architecture is the first of `candidates(cfg)` whose gguf_table.ARCHS row computes exactly what the model computes
+(arch_problems: the row's QK-norm, norm position, layers without RoPE, biases, RoPE scalings, attention width), else
+the first, whose problems are the refusal.
+  dense    sequential blocks, RMSNorm, RoPE over the whole head, SwiGLU FFN, a final norm, no logit scale, no lm_head
+           bias; GQA, any head_dim and tied embeddings are fine. By family:
+             olmo2    a full-width QK-norm and norms after attention and FFN (OLMo 2); q/k/v biases; H * Dh = d_model
+             qwen3    a per-head QK-norm (Qwen3); q/k/v biases
+             smollm3  no RoPE in every fourth layer (layers 3, 7, ...: llama.cpp's fixed pattern; another is refused)
+             phi3     longrope (Phi-3): q/k/v fused into attn_qkv, gate and up into ffn_up, the factors as
+                      rope_factors_long / _short; H * Dh = d_model
+             qwen2    Qwen2's shape: q/k/v biases only, rotate-halves RoPE, H * Dh = d_model
+             llama    the rest (Llama, Mistral): biases anywhere but the head, rotate-halves or pairs
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
-           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral.
+           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
+           QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's norm_topk_prob;
+           softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
   shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
-           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes
-           (qwen2moe_problems): routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
+           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes:
+           routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
            expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
            gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
            read for qwen2moe), so gate_norm softmax, the recipe's default, is written and topk_softmax refused (unless
            top-k is every expert); its attention tensors are [d_model, d_model], so n_heads * head_dim = d_model.
            q/k/v biases are always written (zeros for a model without: what convert_hf_to_gguf.py's Qwen2-MoE files
            hold; llama.cpp 0.3.36 also loads a file without them), and a tied embedding once more as output.weight
-           (qwen2moe requires that tensor). llama.cpp computes the shared gate's sigmoid(y) as silu(y) / y, NaN at
-           y = 0: a gate weight of all zeros (btx-shared-expert as merged: 1/2 for every token) is written as
-           SHEXP_GATE_EPS everywhere, which gives exactly 1/2 in f32.
+           (qwen2moe requires that tensor, as olmo2 does). llama.cpp computes the shared gate's sigmoid(y) as
+           silu(y) / y, NaN at y = 0: a gate weight of all zeros (btx-shared-expert as merged: 1/2 for every token)
+           is written as SHEXP_GATE_EPS everywhere, which gives exactly 1/2 in f32.
+  RoPE     scaled RoPE as gguf_table's ROPE section maps it: linear and yarn (rope.scaling.* keys) everywhere; llama3
+           as llama.cpp's rope_freqs tensor (llama only); longrope as phi3's factor tensors (llama.cpp takes the long
+           factors when its context exceeds the original length, the runtime when the sequence does); yarn only with
+           llama.cpp's fixed beta_fast 32, beta_slow 1 and truncated ramp; dynamic refused (llama.cpp has none).
   refused  attention experts (BAM) and every other block: the canonical, hf and onnx formats carry them.
 
 Tensors take llama.cpp's names (gguf.TENSOR_NAMES: token_embd, blk.N.attn_q, blk.N.ffn_gate_exps, ...), checked
-against the architecture's list (gguf.MODEL_TENSORS); experts go stacked [E, ...] as they are, the shared expert
+against the architecture's list (gguf.MODEL_TENSORS) by gguf_table.tensor_layout, which also stacks the parts of a
+fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
 as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` architecture rotates pairs of
 dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
-convert_hf_to_gguf.py does (LlamaModel.permute); `qwen2` and `qwen2moe` rotate halves (NEOX) and take them as
-they are. Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32
+convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are. Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32
 weights and f16 for 16-bit ones); 1-D tensors (norms, biases), the routers and the shared expert's gate stay
 f32, and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
@@ -521,7 +534,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
                 f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
-                "top-k, Mixtral's layout)")
+                f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
     else:
         kind = "dense model"
     made = ""
@@ -642,8 +655,9 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 
 class GGUFExporter(Exporter):
     name = "gguf"
-    summary = ("one GGUF file for llama.cpp: Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX mixtures and "
-               "shared-expert mixtures as qwen2moe (bam-surgery export-gguf has its options)")
+    summary = ("one GGUF file for llama.cpp: dense Llama (any RoPE llama.cpp has), Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 "
+               "and SmolLM3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
+               "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
