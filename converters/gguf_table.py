@@ -204,7 +204,7 @@ ARCHS = {
                      rope_scalings=("linear", "yarn", "longrope"), q_is_d_model=True,
                      fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v"), "ATTN_QKV"),
                             Fused(("layers.{}.ffn.gate", "layers.{}.ffn.up"), "FFN_UP", ("weight",)))),
-    "smollm3": GGUFArch("smollm3", rope_pairs=False, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
+    "smollm3": GGUFArch("smollm3", rope_pairs=True, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
                         nope_every=4),
 }
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)

@@ -88,8 +88,8 @@ def family_config(family: str) -> ModelConfig:
 FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "llama3": (dict(scaled_rope=LLAMA3, max_positions=256, tie_embeddings=True), "llama"),
     "llama-linear": (dict(scaled_rope=dict(rope_type="linear", factor=4.0)), "llama"),
-    "llama-yarn": (dict(scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
-                        max_positions=256, rope_theta=1e6), "llama"),
+    "llama-yarn": (dict(scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                         attention_factor=1.25), max_positions=256, rope_theta=1e6), "llama"),
     "qwen3": (dict(qk_norm="head", head_dim=32, tie_embeddings=True, rope_theta=1e6), "qwen3"),
     "qwen3-yarn": (dict(qk_norm="head", qkv_bias=True, max_positions=256, rope_theta=1e6,
                         scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)), "qwen3"),
@@ -199,9 +199,10 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
         assert f[f"{arch}.expert_feed_forward_length"] == cfg.ffn_hidden and f[f"{arch}.expert_count"] == 3
     kind = (cfg.scaled_rope or {}).get("rope_type")
     assert f.get(f"{arch}.rope.scaling.type") == {"linear": "linear", "yarn": "yarn", "longrope": "longrope"}.get(kind)
-    if kind == "yarn":  # transformers' cos / sin scale 0.1 ln(4) + 1 is llama.cpp's own for yarn: attn_factor 1
+    if kind == "yarn":  # llama.cpp multiplies its own 0.1 ln(factor) + 1 (transformers' default) into attn_factor
         assert f[f"{arch}.rope.scaling.factor"] == 4.0 and f[f"{arch}.rope.scaling.original_context_length"] == 32
-        assert math.isclose(f[f"{arch}.rope.scaling.attn_factor"], 1.0, rel_tol=1e-6)
+        scale = cfg.scaled_rope.get("attention_factor", 0.1 * math.log(4) + 1)
+        assert math.isclose(f[f"{arch}.rope.scaling.attn_factor"], scale / (0.1 * math.log(4) + 1), rel_tol=1e-6)
     assert ("rope_freqs.weight" in t) == (kind == "llama3")
     assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg
 
