@@ -832,6 +832,22 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_llama_cpp_btx_of_a_family(llama_cpp, tmp_path, family, one_thread):
+    """merge --recipe btx --format gguf of Qwen3 specialists: llama.cpp's qwen3moe (per-head QK-norm kept per layer);
+    of Llama 3 specialists: a Mixtral-shaped llama with rope_freqs. Logits and greedy tokens equal the runtime's."""
+    cfg = family_config(family)
+    paths = seed_and_experts(tmp_path, cfg)
+    btx = ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2", "--router-std", "0.5")
+    merge_family(paths, tmp_path / "btx.gguf", *btx, "--format", "gguf")
+    merge_family(paths, tmp_path / "btx.safetensors", *btx)
+    assert fields(tmp_path / "btx.gguf")["general.architecture"] == ("qwen3moe" if family == "qwen3" else "llama")
+    model = load_model(tmp_path / "btx.safetensors")
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, random_prompt(cfg, 60), F32_TOL)
+    print(f"\nbtx of {family}: max|dlogit| f32 {diff:.2e} over 60 positions")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pre, regex, ignore_merges", [
     ("llama-bpe", ge.LLAMA3_REGEX, True), ("qwen2", ge.QWEN2_REGEX, False)])
 def test_llama_cpp_split_pre_tokenizers_encode_like_tokenizers(llama_cpp, tmp_path, pre, regex, ignore_merges):
