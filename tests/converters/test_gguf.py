@@ -792,7 +792,8 @@ def test_llama_cpp_dense_shapes(llama_cpp, tmp_path, shape, one_thread):
     ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     prompt = [3, 100, 17, 255, 1, 64, 128, 9, 33, 200]
-    check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+    print(f"\ndense {shape} ({fields(tmp_path / 'm.gguf')['general.architecture']}): max|dlogit| f32 {diff:.2e}")
 
 
 def random_prompt(cfg: ModelConfig, n: int, seed: int = 11) -> list[int]:
