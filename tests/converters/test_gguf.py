@@ -43,7 +43,7 @@ gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
 from bam_surgery.converters.gguf_table import rope_pairs  # noqa: E402
 
-F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 3.3e-6)
+F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 1.9e-5)
 F16_TOL = 5e-2  # f16 weights (measured 5.9e-3)
 Q8_PPL_REL_TOL = 0.05  # q8_0: |perplexity delta| / perplexity on held-out text (measured +0.06%: 30.973 vs 30.954)
 
