@@ -655,7 +655,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 
 class GGUFExporter(Exporter):
     name = "gguf"
-    summary = ("one GGUF file for llama.cpp: dense Llama (any RoPE llama.cpp has), Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 "
+    summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 "
                "and SmolLM3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
                "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
