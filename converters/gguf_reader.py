@@ -12,10 +12,10 @@ shape, and every tensor of that model must be there. The architectures are gguf_
 llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3); each row
 gives the QK-norm, norm position and layers without RoPE, and gguf_table.scaled_rope_of the scaled RoPE from the
 rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
-config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and dequantizes it with
-gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants, the IQ types, BF16);
-F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is never in memory as a
-whole. Q and K of an architecture that rotates pairs (llama) are permuted back to rotate-halves rows
+config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and
+dequantizes it with gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants,
+the IQ types, BF16); F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is
+never in memory as a whole. Q and K of an architecture that rotates pairs (llama, smollm3) are permuted back to rotate-halves rows
 (gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
 """
 from __future__ import annotations

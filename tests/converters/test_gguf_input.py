@@ -121,10 +121,12 @@ def test_rope_scaling_the_reader_cannot_map_is_one_line(tmp_path, monkeypatch):
     assert "'dynamic'" in line and "dynamic.gguf" in line
     base = llama_config()
     with pytest.raises(ValueError, match="'dynamic'"):
-        scaled_rope_of("llama", {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 2.0}, {}, base, None)
+        scaled_rope_of("llama", {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 2.0}, {}, base,
+                       None)
     freqs = {"rope_freqs.weight": np.full(8, 2.0, np.float32)}
     with pytest.raises(ValueError, match="combination"):
-        scaled_rope_of("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0}, freqs, base, None)
+        scaled_rope_of("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0}, freqs, base,
+                       None)
     assert scaled_rope_of("llama", {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 2.0}, {}, base,
                           None) == (None, None)  # llama.cpp: type none never scales
     assert scaled_rope_of("llama", {"llama.rope.scale_linear": 2.0}, {}, base, None)[0] == {  # the old key: linear
