@@ -44,8 +44,9 @@ fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
 as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` and `smollm3` architectures rotate
 pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
 convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are.
-Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16 for 16-bit ones); 1-D tensors (norms, biases), the routers and the shared expert's gate stay
-f32, and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
+Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16
+for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
+and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
 converted and appended.
 

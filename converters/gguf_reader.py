@@ -15,8 +15,8 @@ rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_l
 config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and
 dequantizes it with gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants,
 the IQ types, BF16); F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is
-never in memory as a whole. Q and K of an architecture that rotates pairs (llama, smollm3) are permuted back to rotate-halves rows
-(gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
+never in memory as a whole. Q and K of an architecture that rotates pairs (llama, smollm3) are permuted back to
+rotate-halves rows (gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
 """
 from __future__ import annotations
 
