@@ -3,36 +3,50 @@
     exporter("gguf").write(reader, Path("mix.gguf"), ExportOptions(gguf_dtype="q8_0", tokenizer_files=(...)))
 
 What llama.cpp runs, decided from the config alone (check_gguf: CapabilityError, one line, before any tensor is read):
-  dense    a Llama-shaped model: sequential pre-norm blocks, RMSNorm, RoPE over the whole head (halves or pairs),
-           SwiGLU FFN, a final norm, no logit scale, no lm_head bias; GQA, any head_dim, tied embeddings and q/k/v/o
-           and FFN biases are fine. Written as llama.cpp's `qwen2` architecture when it has Qwen2's shape (q/k/v
-           biases only, rotate-halves RoPE, H * head_dim = d_model), otherwise as `llama` (llama.cpp runs Mistral
-           as `llama` too).
+the architecture is the first of `candidates(cfg)` whose gguf_table.ARCHS row computes exactly what the model computes
+(arch_problems: the row's QK-norm, norm position, layers without RoPE, biases, RoPE scalings, attention width), else
+the first, whose problems are the refusal.
+  dense    sequential blocks, RMSNorm, RoPE over the whole head, SwiGLU FFN, a final norm, no logit scale, no lm_head
+           bias; GQA, any head_dim and tied embeddings are fine. By family:
+             olmo2    a full-width QK-norm and norms after attention and FFN (OLMo 2); q/k/v biases; H * Dh = d_model
+             qwen3    a per-head QK-norm (Qwen3); q/k/v biases
+             smollm3  no RoPE in every fourth layer (layers 3, 7, ...: llama.cpp's fixed pattern; another is refused)
+             phi3     longrope (Phi-3): q/k/v fused into attn_qkv, gate and up into ffn_up, the factors as
+                      rope_factors_long / _short; H * Dh = d_model
+             qwen2    Qwen2's shape: q/k/v biases only, rotate-halves RoPE, H * Dh = d_model
+             llama    the rest (Llama, Mistral): biases anywhere but the head, rotate-halves or pairs
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
-           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral.
+           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
+           QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's norm_topk_prob;
+           softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
   shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
-           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes
-           (qwen2moe_problems): routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
+           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes:
+           routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
            expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
            gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
            read for qwen2moe), so gate_norm softmax, the recipe's default, is written and topk_softmax refused (unless
            top-k is every expert); its attention tensors are [d_model, d_model], so n_heads * head_dim = d_model.
            q/k/v biases are always written (zeros for a model without: what convert_hf_to_gguf.py's Qwen2-MoE files
            hold; llama.cpp 0.3.36 also loads a file without them), and a tied embedding once more as output.weight
-           (qwen2moe requires that tensor). llama.cpp computes the shared gate's sigmoid(y) as silu(y) / y, NaN at
-           y = 0: a gate weight of all zeros (btx-shared-expert as merged: 1/2 for every token) is written as
-           SHEXP_GATE_EPS everywhere, which gives exactly 1/2 in f32.
+           (qwen2moe requires that tensor, as olmo2 does). llama.cpp computes the shared gate's sigmoid(y) as
+           silu(y) / y, NaN at y = 0: a gate weight of all zeros (btx-shared-expert as merged: 1/2 for every token)
+           is written as SHEXP_GATE_EPS everywhere, which gives exactly 1/2 in f32.
+  RoPE     scaled RoPE as gguf_table's ROPE section maps it: linear and yarn (rope.scaling.* keys) everywhere; llama3
+           as llama.cpp's rope_freqs tensor (llama only); longrope as phi3's factor tensors (llama.cpp takes the long
+           factors when its context exceeds the original length, the runtime when the sequence does); yarn only with
+           llama.cpp's fixed beta_fast 32, beta_slow 1 and truncated ramp; dynamic refused (llama.cpp has none).
   refused  attention experts (BAM) and every other block: the canonical, hf and onnx formats carry them.
 
 Tensors take llama.cpp's names (gguf.TENSOR_NAMES: token_embd, blk.N.attn_q, blk.N.ffn_gate_exps, ...), checked
-against the architecture's list (gguf.MODEL_TENSORS); experts go stacked [E, ...] as they are, the shared expert
-as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` architecture rotates pairs of
-dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
-convert_hf_to_gguf.py does (LlamaModel.permute); `qwen2` and `qwen2moe` rotate halves (NEOX) and take them as
-they are. Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32
-weights and f16 for 16-bit ones); 1-D tensors (norms, biases), the routers and the shared expert's gate stay
-f32, and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
+against the architecture's list (gguf.MODEL_TENSORS) by gguf_table.tensor_layout, which also stacks the parts of a
+fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
+as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` and `smollm3` architectures rotate
+pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
+convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are.
+Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16
+for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
+and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
 converted and appended.
 
@@ -83,10 +97,11 @@ from .base import CapabilityError, ExportOptions, Exporter
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols)
 from .hf.mixtral_config import mixtral_problems
-from .hf.moe_family import raise_problems
+from .hf.moe_family import bias_problem, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import ARCHS, gguf_module, hparams, rope_heads, rope_pairs, tensor_names
+from .gguf_table import (ARCHS, gguf_module, hparams, rope_heads, rope_pairs, rope_scaling, tensor_layout,
+                         tensor_names)
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -96,47 +111,101 @@ CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp ca
 EOS_TEXT = "<|endoftext|>"
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
+_QK_NORMS = {"none": "no QK-norm", "head": "a per-head QK-norm", "full": "a full-width QK-norm"}
+_NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN"}
+
+
+def candidates(cfg: ModelConfig) -> list[str]:
+    """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
+    if cfg.ffn_experts:
+        return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
+    if cfg.qk_norm == "full" or cfg.norm_position == "post":
+        return ["olmo2"]
+    if cfg.qk_norm == "head":
+        return ["qwen3"]
+    if cfg.nope_layers:
+        return ["smollm3"]
+    if cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] == "longrope":
+        return ["phi3"]
+    return (["qwen2"] if cfg.qkv_bias else []) + ["llama"]
+
+
+def gguf_architecture(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture for a model: the first candidate that computes exactly what it computes (else the
+    first, whose problems check_gguf reports)."""
+    options = candidates(cfg)
+    return next((a for a in options if not arch_problems(cfg, a)), options[0])
+
+
 def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(what llama.cpp needs, what this model has) for every feature its llama / qwen2 / qwen2moe architectures
-    lack."""
+    """(what llama.cpp needs, what this model has) for every feature the architecture gguf_architecture picks lacks."""
     if cfg.attn_experts:
         return [("dense attention (llama.cpp has no attention experts)", f"{cfg.attn_experts} attention experts")]
-    if cfg.ffn_experts and cfg.ffn_shared_hidden:
-        return qwen2moe_problems(cfg)
-    if cfg.ffn_experts:
-        return mixtral_problems(cfg)
+    return arch_problems(cfg, gguf_architecture(cfg))
+
+
+def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
+    """What llama.cpp's `arch` (its gguf_table.ARCHS row) lacks for this model: a mixture's FFN side as the HF format
+    of its shape judges it (hf/mixtral_config.py, hf/qwen2_moe_config.py: llama.cpp runs the same experts), the rest
+    from the row."""
+    row = ARCHS[arch]
     out: list[tuple[str, str]] = []
 
     def need(ok: bool, needs: str, has: str) -> None:
         if not ok:
             out.append((needs, has))
 
-    need(cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}")
-    need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
-    need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")
-    need(cfg.position == "rope", "RoPE", f"position {cfg.position}")
-    need(cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}")
-    need(not cfg.lm_head_bias, "no lm_head bias", "an lm_head bias")
-    need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
-    need(cfg.final_norm, "a final norm", "no final norm")
-    return out
+    if cfg.ffn_experts:  # the experts, with the attention side and the gate normalization left to the row
+        plain = cfg.replace(qk_norm="none", norm_position="pre", nope_layers=None, scaled_rope=None,
+                            gate_norm=row.gate_norm or cfg.gate_norm)
+        out += (qwen2_moe_problems if cfg.ffn_shared_hidden else mixtral_problems)(plain)
+        top = f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts"
+        # topk_softmax and softmax agree only when every expert is selected (the top-k probabilities sum to 1)
+        if cfg.gate_norm != row.gate_norm and cfg.ffn_top_k != cfg.ffn_experts:
+            need(False, "gates p_i of the softmax over all experts, not renormalized over the top-k (llama.cpp's "
+                 f"{arch}; rebuild the mixture with --gate-norm softmax)" if row.gate_norm == "softmax" else
+                 f"top-k gates renormalized to sum to 1 (llama.cpp's {arch}; rebuild the mixture with --gate-norm "
+                 "topk_softmax)", top)
+    else:
+        need(cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}")
+        need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
+        need(not cfg.norm_bias, "norms without bias", "norm biases")
+        need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")
+        need(cfg.position == "rope", "RoPE", f"position {cfg.position}")
+        need(cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}")
+        need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
+        need(cfg.final_norm, "a final norm", "no final norm")
+        out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})")
+    need(row.rope_pairs or not cfg.rope_interleaved, f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE")
+    need(cfg.qk_norm == row.qk_norm, f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})", _QK_NORMS.get(cfg.qk_norm, ""))
+    need(cfg.norm_position == row.norm_position, f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
+         _NORM_POSITIONS.get(cfg.norm_position, ""))
+    nope = row.nope_layers(cfg.n_layers)
+    need((cfg.nope_layers or None) == nope,
+         f"no RoPE in layers {nope} (llama.cpp's {arch}: every {row.nope_every}th)" if nope else
+         f"RoPE in every layer (llama.cpp's {arch})",
+         f"no RoPE in layers {cfg.nope_layers}" if cfg.nope_layers else "RoPE in every layer")
+    if row.q_is_d_model:
+        need(cfg.n_heads * cfg.head_dim == cfg.d_model, f"n_heads * head_dim = d_model (llama.cpp's {arch})",
+             f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}")
+    return out + rope_problems(cfg, arch)
 
 
-def qwen2moe_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """A mixture with a shared expert: what HF Qwen2-MoE takes (hf/qwen2_moe_config.py:qwen2_moe_problems), and
-    what llama.cpp's qwen2moe adds: the gates p_i of the softmax over all experts as they are (its graph never
-    renormalizes the top-k; Qwen2-MoE's norm_topk_prob false), and q as wide as the model (n_heads * head_dim =
-    d_model: the tensors' shapes it loads)."""
-    out = qwen2_moe_problems(cfg)
-    # topk_softmax agrees only when every expert is selected (the top-k probabilities then sum to 1 already)
-    if cfg.gate_norm != "softmax" and cfg.ffn_top_k != cfg.ffn_experts:
-        out.append(("gates p_i of the softmax over all experts, not renormalized over the top-k (llama.cpp's "
-                    "qwen2moe; rebuild the mixture with --gate-norm softmax)",
-                    f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts"))
-    if cfg.n_heads * cfg.head_dim != cfg.d_model:
-        out.append(("n_heads * head_dim = d_model (llama.cpp's qwen2moe)",
-                    f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}"))
-    return out
+def rope_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
+    """Scaled RoPE llama.cpp's `arch` does not apply as the runtime does (gguf_table's ROPE section)."""
+    s = cfg.scaled_rope
+    if s is None:
+        return []
+    kind = s["rope_type"]
+    supported = ARCHS[arch].rope_scalings
+    if kind not in supported:
+        why = " (llama.cpp has no dynamic NTK scaling)" if kind == "dynamic" else ""
+        return [(f"RoPE scaling llama.cpp's {arch} applies ({', '.join(supported)}){why}", f"rope_type {kind!r}")]
+    if kind == "yarn" and (s.get("beta_fast", 32) != 32 or s.get("beta_slow", 1) != 1 or not s.get("truncate", True)):
+        return [(f"YaRN with beta_fast 32, beta_slow 1 and truncated correction dims (llama.cpp's {arch})",
+                 f"yarn with beta_fast {s.get('beta_fast', 32)}, beta_slow {s.get('beta_slow', 1)}, truncate "
+                 f"{s.get('truncate', True)}")]
+    return []
 
 
 def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
@@ -147,16 +216,6 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
         if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
             carried = "canonical, hf, qwen2_moe or onnx"
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
-
-
-def gguf_architecture(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for a model check_gguf accepts: qwen2moe for a mixture with a shared expert,
-    qwen2 for Qwen2's shape, else llama."""
-    if cfg.ffn_shared_hidden:
-        return "qwen2moe"
-    qwen2 = (not cfg.ffn_experts and cfg.qkv_bias and not cfg.o_bias and not cfg.ffn_bias
-             and not cfg.rope_interleaved and cfg.n_heads * cfg.head_dim == cfg.d_model)
-    return "qwen2" if qwen2 else "llama"
 
 
 def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
@@ -178,34 +237,44 @@ def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
 # ---- tensors ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorPlan:
-    canonical: str
+    parts: tuple[str, ...]  # the canonical tensors it holds, stacked along the rows (one but for fused tensors)
     name: str  # llama.cpp's
     shape: tuple[int, ...]
     qtype: Any  # gguf.GGMLQuantizationType
     heads: int | None  # rope_pairs over this many heads, or None
+    fixed: np.ndarray | None = None  # a tensor computed from the config (RoPE frequency factors), not read
+
+    @property
+    def canonical(self) -> str:
+        return self.parts[0] if self.parts else self.name
 
 
 def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
-    """Every tensor of the file, in canonical order, with its name, type and the Q/K permutation; for qwen2moe with
-    tied embeddings, the embedding once more as output.weight (llama.cpp's qwen2moe loads no tied head)."""
+    """Every tensor of the file: RoPE's frequency factors (gguf_table.rope_scaling, f32), then the model's in canonical
+    order with their names (gguf_table.tensor_layout), types and the Q/K permutation; for an architecture that always
+    loads output.weight (qwen2moe, olmo2) with tied embeddings, the embedding once more as output.weight."""
     g = gguf_module()
     qt = g.GGMLQuantizationType
     matrix_type = {"f32": qt.F32, "f16": qt.F16, "q8_0": qt.Q8_0}[dtype]
     block = g.GGML_QUANT_SIZES[qt.Q8_0][0]
-    names = tensor_names(arch, cfg.n_layers)
-    out = []
-    for canonical, shape in tensor_shapes(cfg).items():
-        if canonical not in names:
-            raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {canonical}")
-        if len(shape) < 2 or "_router." in canonical or "_shared_gate." in canonical:
+    layout, unmapped = tensor_layout(arch, cfg)
+    if unmapped:
+        raise CapabilityError(f"gguf export: llama.cpp's {arch} architecture has no tensor for {unmapped[0]}")
+    shapes = tensor_shapes(cfg)
+    out = [TensorPlan((), name, data.shape, qt.F32, None, data) for name, data in rope_scaling(cfg)[1].items()]
+    for name, parts in layout.items():
+        first = shapes[parts[0]]
+        shape = (sum(shapes[c][0] for c in parts), *first[1:])
+        if len(shape) < 2 or "_router." in parts[0] or "_shared_gate." in parts[0]:
             qtype = qt.F32
         elif matrix_type == qt.Q8_0 and shape[-1] % block:
             qtype = qt.F16
         else:
             qtype = matrix_type
-        out.append(TensorPlan(canonical, names[canonical], shape, qtype, rope_heads(canonical, cfg, arch)))
-        if canonical == "embed.weight" and ARCHS[arch].output_always and cfg.tie_embeddings:
-            out.append(TensorPlan(canonical, names["lm_head.weight"], shape, qtype, None))
+        heads = rope_heads(parts[0], cfg, arch) if len(parts) == 1 else None
+        out.append(TensorPlan(parts, name, shape, qtype, heads))
+        if parts == ("embed.weight",) and ARCHS[arch].output_always and cfg.tie_embeddings:
+            out.append(TensorPlan(parts, tensor_names(arch, cfg.n_layers)["lm_head.weight"], shape, qtype, None))
     return out
 
 
@@ -217,7 +286,10 @@ SHEXP_GATE_EPS = 1e-20
 _SHARED_GATE = re.compile(r"layers\.\d+\.ffn_shared_gate\.weight")
 
 
-def _encoded(t: TensorPlan, w: torch.Tensor) -> np.ndarray:
+def _encoded(t: TensorPlan, reader: Reader) -> np.ndarray:
+    if t.fixed is not None:
+        return t.fixed
+    w = torch.cat([reader.get(c) for c in t.parts]) if len(t.parts) > 1 else reader.get(t.parts[0])
     if t.heads is not None:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
@@ -482,7 +554,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
                 f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
-                "top-k, Mixtral's layout)")
+                f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
     else:
         kind = "dense model"
     made = ""
@@ -536,14 +608,13 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 
 
 def _write_hparams(w, cfg: ModelConfig) -> None:
-    """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order."""
-    for h in hparams():
-        if h.when(cfg):
-            value = getattr(cfg, h.field)
-            if h.kind == "f32":
-                w.add_float32(h.key.format(arch=w.arch), float(value))
-            else:
-                w.add_uint32(h.key.format(arch=w.arch), value)
+    """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
+    the RoPE scaling's (gguf_table.rope_scaling)."""
+    entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
+    entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
+    for key, kind, value in entries:
+        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}[kind]
+        add(key.format(arch=w.arch), float(value) if kind == "f32" else value)
 
 
 def _write_vocabulary(w, vocab: Vocabulary) -> None:
@@ -592,7 +663,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t in tensors:
-            w.write_tensor_data(_encoded(t, reader.get(t.canonical)))
+            w.write_tensor_data(_encoded(t, reader))
         fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
@@ -604,8 +675,9 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 
 class GGUFExporter(Exporter):
     name = "gguf"
-    summary = ("one GGUF file for llama.cpp: Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX mixtures and "
-               "shared-expert mixtures as qwen2moe (bam-surgery export-gguf has its options)")
+    summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, "
+               "OLMo 2 and SmolLM3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
+               "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:

@@ -9,14 +9,18 @@ Opening parses and checks the header, metadata and tensor directory (gguf_file.p
 is checked against the file) and maps every tensor through the table the export uses (gguf_table: names, the config
 keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
 shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
-llama mixtures, qwen2, qwen2moe). `get` reads one tensor from the memory map and dequantizes it with
-gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants, the IQ types, BF16);
-F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is never in memory as a
-whole. Q and K of an architecture that rotates pairs (llama) are permuted back to rotate-halves rows
-(gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
+llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3); each row
+gives the QK-norm, norm position and layers without RoPE, and gguf_table.scaled_rope_of the scaled RoPE from the
+rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
+config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and
+dequantizes it with gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants,
+the IQ types, BF16); F32 / F16 / BF16 tensors keep their dtype, quantized ones come back as float32, so a model is
+never in memory as a whole. Q and K of an architecture that rotates pairs (llama, smollm3) are permuted back to
+rotate-halves rows (gguf_table.rope_halves, exact). The tokenizer is rebuilt from tokenizer.ggml.* (gguf_tokenizer.py).
 """
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +37,8 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
-from .gguf_table import ARCHS, GGUFArch, gguf_module, hparams, rope_halves, rope_heads, tensor_names
+from .gguf_table import (ARCHS, ROPE_TENSORS, GGUFArch, gguf_module, hparams, rope_halves, rope_heads,
+                         rope_tensor_name, scaled_rope_of, tensor_layout, tensor_names)
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -90,6 +95,7 @@ class GGUFCheckpointReader(Reader):
                     raise CheckpointError(f"{part.path}: tensor {printable(t.name)} has type {_type_name(t.qtype)}, "
                                           "which is no weight type gguf dequantizes")
                 found[t.name] = (i, t)
+        self._rope_note: str | None = None
         self.config = self._config(fields, found, where)
         self._map(found)
         self.architecture = self.arch.hf_mixture if self.config.ffn_experts else self.arch.hf_dense
@@ -98,8 +104,10 @@ class GGUFCheckpointReader(Reader):
         # the token ids an HF config.json carries (bos / eos / pad): the rebuilt generation_config.json's
         self.hf_config = read_json(self._tokenizer[-1], expect=dict) if self._tokenizer else None
         self.metadata = {"format": "gguf", "source": str(self.path), "gguf_architecture": arch_name}
-        if note:
-            self.metadata["notes"] = f"tokenizer not rebuilt: {note}"
+        notes = [f"tokenizer not rebuilt: {note}"] if note else []
+        notes += [self._rope_note] if self._rope_note else []
+        if notes:
+            self.metadata["notes"] = "; ".join(notes)
         if isinstance(fields.get("bam_surgery.provenance"), str):
             self.metadata[PROVENANCE_KEY] = fields["bam_surgery.provenance"]
         self._maps: dict[int, np.memmap] = {}
@@ -133,54 +141,71 @@ class GGUFCheckpointReader(Reader):
             raise CheckpointError(f"{where}: metadata has no {names[missing[0]]}")
         if not 0 < values["n_layers"] <= len(found):
             raise CheckpointError(f"{where}: {arch}.block_count {values['n_layers']} with {len(found)} tensors")
-        scaling = fields.get(f"{arch}.rope.scaling.type")
-        if scaling not in (None, "none"):
-            raise CheckpointError(f"{where}: {arch}.rope.scaling.type {printable(str(scaling))[:20]!r}: RoPE scaling "
-                                  "is not one this reader maps")
         if "vocab_size" not in values and "token_embd.weight" in found:
             values["vocab_size"] = found["token_embd.weight"][1].shape[0]
         rotary = values.pop("rotary_dim", None)
         head_dim = values.get("head_dim") or (values["d_model"] // values["n_heads"] if values["n_heads"] > 0 else 1)
         has = {n for n in found}
+        recorded = _recorded_config(fields)
         tied = "output.weight" not in has
-        if not tied and self.arch.output_always:  # our export writes a tied embedding once more for qwen2moe
-            try:
-                tied = parse_json(str(fields.get(BAM_CONFIG, "{}")), BAM_CONFIG, expect=dict).get("tie_embeddings") is True
-            except CheckpointError:
-                tied = False
-        values.update(qkv_bias="blk.0.attn_q.bias" in has, o_bias="blk.0.attn_output.bias" in has,
-                      ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied, name=arch,
-                      rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0)
+        if not tied and self.arch.output_always:  # our export writes a tied embedding once more (qwen2moe, olmo2)
+            tied = recorded.get("tie_embeddings") is True
+        values.update(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
+                      o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied,
+                      name=arch, rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0,
+                      qk_norm=self.arch.qk_norm, norm_position=self.arch.norm_position,
+                      nope_layers=self.arch.nope_layers(values["n_layers"]))
         if values.get("ffn_experts"):
             if self.arch.gate_norm is None:
                 raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
             values["gate_norm"] = self.arch.gate_norm
         try:
-            return ModelConfig(**values)
+            plain = ModelConfig(**values)
+            scaled, self._rope_note = scaled_rope_of(arch, fields, self._rope_tensors(found, where), plain,
+                                                     recorded.get("scaled_rope"))
+            return plain.replace(scaled_rope=scaled) if scaled is not None else plain
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
 
+    def _rope_tensors(self, found: dict[str, tuple[int, TensorInfo]], where: str) -> dict[str, np.ndarray]:
+        """The RoPE frequency-factor tensors of the file (gguf_table.ROPE_TENSORS), taken out of `found` (they are
+        the config's, not the model's): float32 vectors."""
+        out = {}
+        for member in sorted({m for members in ROPE_TENSORS.values() for m in members}):
+            name = rope_tensor_name(member)
+            if name not in found:
+                continue
+            i, t = found.pop(name)
+            if t.qtype != 0 or len(t.shape) != 1:
+                raise CheckpointError(f"{self.parts[i]}: tensor {name} is {_type_name(t.qtype)} of shape "
+                                      f"{list(t.shape)}, not a float32 vector")
+            out[name] = read_tensor(np.memmap(self.parts[i], dtype=np.uint8, mode="r"), t).numpy()
+        return out
+
     def _map(self, found: dict[str, tuple[int, TensorInfo]]) -> None:
         cfg = self.config
         expected = tensor_shapes(cfg)
-        names = tensor_names(self.arch.name, cfg.n_layers)
-        canonical_of = {g: c for c, g in names.items()}
-        self._source: dict[str, tuple[int, TensorInfo]] = {}
+        layout, _ = tensor_layout(self.arch.name, cfg)
+        output = tensor_names(self.arch.name, cfg.n_layers)["lm_head.weight"]
+        self._source: dict[str, tuple[int, TensorInfo, int]] = {}  # canonical -> (part, tensor, first row)
         for name, (i, t) in found.items():
             where = f"{self.parts[i]}: tensor {printable(name)}"
-            c = canonical_of.get(name)
-            if c is None:
-                raise CheckpointError(f"{where} is not part of llama.cpp's {self.arch.name} as this reader maps it "
-                                      "(unknown tensor)")
-            if c == "lm_head.weight" and cfg.tie_embeddings:
-                continue  # the tied embedding written once more (qwen2moe)
-            if c not in expected:
-                raise CheckpointError(f"{where} ({c}) is not part of the model its metadata describes")
-            if _squeezed(t.shape) != _squeezed(expected[c]):
-                raise CheckpointError(f"{where} has shape {list(t.shape)}; the metadata implies {list(expected[c])} "
-                                      f"for {c}")
-            self._source[c] = (i, t)
+            if name == output and cfg.tie_embeddings:
+                continue  # the tied embedding written once more (qwen2moe, olmo2)
+            held = layout.get(name)
+            if held is None:
+                raise CheckpointError(f"{where} is not part of llama.cpp's {self.arch.name} for the model its metadata "
+                                      "describes (unknown tensor)")
+            want = (sum(expected[c][0] for c in held), *expected[held[0]][1:])
+            if _squeezed(t.shape) != _squeezed(want):
+                raise CheckpointError(f"{where} has shape {list(t.shape)}; the metadata implies {list(want)} "
+                                      f"for {' + '.join(held)}")
+            row = 0
+            for c in held:
+                self._source[c] = (i, t, row)
+                row += expected[c][0]
+        names = {c: n for n, held in layout.items() for c in held}
         for c in expected:
             if c not in self._source:
                 raise CheckpointError(f"{self.parts[0]}: tensor {names.get(c, c)} is "
@@ -216,17 +241,30 @@ class GGUFCheckpointReader(Reader):
     def get(self, name: str) -> torch.Tensor:
         if name not in self._source:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
-        i, t = self._source[name]
+        i, t, row = self._source[name]
         self._identity[self.parts[i]].check_path(self.parts[i])
         if i not in self._maps:
             self._maps[i] = np.memmap(self.parts[i], dtype=np.uint8, mode="r")
         tensor = read_tensor(self._maps[i], t)
-        tensor = tensor.reshape(self._shape[name])
+        shape = self._shape[name]
+        if tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
+            tensor = tensor.reshape(-1, *shape[1:])[row:row + shape[0]].clone()
+        tensor = tensor.reshape(shape)
         heads = rope_heads(name, self.config, self.arch.name)
         return (rope_halves(tensor, heads) if heads else tensor).contiguous()
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _recorded_config(fields: dict) -> dict:
+    """Our export's record of the config (bam_surgery.config), or {}: what the file's own keys cannot say (a tied
+    embedding also written as output.weight, Llama 3's RoPE parameters) is taken from it only where it agrees with
+    the file."""
+    try:
+        return parse_json(str(fields.get(BAM_CONFIG, "{}")), BAM_CONFIG, expect=dict)
+    except CheckpointError:
+        return {}
 
 
 def read_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:

@@ -5,25 +5,35 @@ spells a name or a key of its own.
 
   TENSORS   canonical prefix ("layers.{}.attn.q") <-> gguf.MODEL_TENSOR member (ATTN_Q: "blk.{bid}.attn_q"), with the
             suffixes it takes (weight, bias); a row applies to an architecture when llama.cpp lists the member for it
-            (gguf.MODEL_TENSORS), so `tensor_names(arch, n_layers)` is the whole map of one architecture.
+            (gguf.MODEL_TENSORS), so `tensor_names(arch, n_layers)` is the whole map of one architecture, and
+            `tensor_layout(arch, cfg)` that map for one model with the architecture's fused tensors (Fused: phi3's
+            attn_qkv holds [q; k; v], its ffn_up [gate; up], stacked along the rows).
   HPARAMS   {arch}.* metadata key (gguf.Keys) <-> ModelConfig field, in the order the export writes them; `when` says
-            which configs carry a key (the experts' keys only for mixtures).
+            which configs and architectures carry a key (the experts' keys only for mixtures).
+  ROPE      scaled RoPE (ModelConfig.scaled_rope) <-> the {arch}.rope.scaling.* keys and the frequency-factor tensors
+            llama.cpp applies: `rope_scaling(cfg)` writes, `scaled_rope_of(...)` reads (section below).
   ARCHS     what each llama.cpp architecture computes beyond the tensors: whether it rotates pairs of dimensions
             (llama: the Q/K rows of a rotate-halves model are permuted per head, ROPE_PAIRS, exactly invertible),
-            how it gates a mixture (llama: top-k renormalized, Mixtral's; qwen2moe: the softmax over all experts), and
-            whether it loads a tied embedding as output.weight once more (qwen2moe).
+            how it gates a mixture (llama and qwen3moe: top-k renormalized, Mixtral's; qwen2moe: the softmax over all
+            experts), whether it loads a tied embedding as output.weight once more (qwen2moe, olmo2), its QK-norm and
+            norm position, its layers without RoPE (smollm3), the biases its graph adds, the RoPE scalings it applies,
+            its fused tensors, and whether its attention is as wide as the model (n_heads * head_dim = d_model).
 
 A new architecture is a row of ARCHS (and its new tensors rows of TENSORS, its new keys rows of HPARAMS); the export
-decides which architecture a config becomes (gguf_export.gguf_architecture), the reader takes any row.
+decides which architecture a config becomes (gguf_export.gguf_architecture) and checks the config against the row
+(gguf_export.arch_problems), the reader takes any row.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.layout import tensor_shapes
 
 
 def gguf_module():
@@ -48,6 +58,10 @@ TENSORS = (
     TensorRow("lm_head", "OUTPUT"),
     TensorRow("layers.{}.attn_norm", "ATTN_NORM"),
     TensorRow("layers.{}.ffn_norm", "FFN_NORM"),
+    TensorRow("layers.{}.attn_post_norm", "ATTN_POST_NORM"),
+    TensorRow("layers.{}.ffn_post_norm", "FFN_POST_NORM"),
+    TensorRow("layers.{}.attn.q_norm", "ATTN_Q_NORM"),
+    TensorRow("layers.{}.attn.k_norm", "ATTN_K_NORM"),
     *(TensorRow(f"layers.{{}}.attn.{c}", m, _WB) for c, m in (("q", "ATTN_Q"), ("k", "ATTN_K"), ("v", "ATTN_V"),
                                                               ("o", "ATTN_OUT"))),
     *(TensorRow(f"layers.{{}}.ffn.{c}", m, _WB) for c, m in (("gate", "FFN_GATE"), ("up", "FFN_UP"),
@@ -81,11 +95,44 @@ def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order."""
+
+    parts: tuple[str, ...]  # canonical prefixes ("layers.{}.attn.q", ...)
+    member: str  # gguf.MODEL_TENSOR member
+    suffixes: tuple[str, ...] = ("weight", "bias")
+
+
+def tensor_layout(arch: str, cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """({llama.cpp name: the canonical tensors it holds, stacked along the rows}, canonical tensors the architecture
+    has no name for), for every tensor of `cfg`, in canonical order: one canonical tensor per name, except the parts
+    of the architecture's fused tensors (phi3's "blk.0.attn_qkv.weight" -> q, k, v)."""
+    g = gguf_module()
+    names = tensor_names(arch, cfg.n_layers)
+    fused_into: dict[str, str] = {}
+    for f in ARCHS[arch].fused:
+        base = g.TENSOR_NAMES[getattr(g.MODEL_TENSOR, f.member)]
+        for i in range(cfg.n_layers):
+            for part in f.parts:
+                for suffix in f.suffixes:
+                    fused_into[f"{part.format(i)}.{suffix}"] = f"{base.format(bid=i)}.{suffix}"
+    layout: dict[str, tuple[str, ...]] = {}
+    unmapped = []
+    for canonical in tensor_shapes(cfg):
+        name = fused_into.get(canonical) or names.get(canonical)
+        if name is None:
+            unmapped.append(canonical)
+        else:
+            layout[name] = layout.get(name, ()) + (canonical,)
+    return layout, unmapped
+
+
+@dataclass(frozen=True)
 class HParam:
     key: str  # a gguf.Keys template ("{arch}.context_length")
     kind: str  # "u32" or "f32"
     field: str  # the ModelConfig field (or property: rotary_dim)
-    when: Callable[[ModelConfig], bool] = lambda cfg: True
+    when: Callable[[ModelConfig, str], bool] = lambda cfg, arch: True
 
 
 def _keys():
@@ -109,11 +156,13 @@ def hparams() -> tuple[HParam, ...]:
         HParam(rope.DIMENSION_COUNT, "u32", "rotary_dim"),
         HParam(rope.FREQ_BASE, "f32", "rope_theta"),
         HParam(att.LAYERNORM_RMS_EPS, "f32", "norm_eps"),
-        HParam(llm.EXPERT_COUNT, "u32", "ffn_experts", lambda cfg: bool(cfg.ffn_experts)),
-        HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg: bool(cfg.ffn_experts)),
-        HParam(llm.EXPERT_FEED_FORWARD_LENGTH, "u32", "ffn_hidden", lambda cfg: bool(cfg.ffn_shared_hidden)),
+        HParam(llm.EXPERT_COUNT, "u32", "ffn_experts", lambda cfg, arch: bool(cfg.ffn_experts)),
+        HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg, arch: bool(cfg.ffn_experts)),
+        # the experts' width: qwen2moe and qwen3moe read it (qwen3moe else takes feed_forward_length / top-k)
+        HParam(llm.EXPERT_FEED_FORWARD_LENGTH, "u32", "ffn_hidden",
+               lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe")),
         HParam(llm.EXPERT_SHARED_FEED_FORWARD_LENGTH, "u32", "ffn_shared_hidden",
-               lambda cfg: bool(cfg.ffn_shared_hidden)),
+               lambda cfg, arch: bool(cfg.ffn_shared_hidden)),
     )
 
 
@@ -125,13 +174,38 @@ class GGUFArch:
     hf_dense: str | None  # the HF model_type of a dense model of this architecture (converters/hf/architectures.py)
     hf_mixture: str | None  # ... of a mixture
     output_always: bool = False  # loads output.weight even for tied embeddings
+    qk_norm: str = "none"  # ModelConfig.qk_norm its graph applies: head (per head, [Dh]) or full ([H*Dh])
+    norm_position: str = "pre"  # post: attn_post_norm / ffn_post_norm after each sublayer, no pre-norms (OLMo 2)
+    nope_every: int = 0  # n > 0: layers i with (i + 1) % n == 0 apply no RoPE (smollm3: 4, fixed in llama.cpp)
+    biases: tuple[str, ...] = ("q/k/v",)  # the biases its graph adds (of q/k/v, o, ffn)
+    rope_scalings: tuple[str, ...] = ("linear", "yarn")  # the scaled_rope types it applies (ROPE below)
+    fused: tuple[Fused, ...] = ()
+    q_is_d_model: bool = False  # loads q and o as [d_model, d_model]: n_heads * head_dim = d_model
+
+    def nope_layers(self, n_layers: int) -> list[int] | None:
+        """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
+        out = [i for i in range(n_layers) if self.nope_every and (i + 1) % self.nope_every == 0]
+        return out or None
 
 
 ARCHS = {
-    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax", hf_dense="llama", hf_mixture="mixtral"),
-    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None, hf_dense="qwen2", hf_mixture=None),
+    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax", hf_dense="llama", hf_mixture="mixtral",
+                      biases=("q/k/v", "o", "ffn"), rope_scalings=("linear", "yarn", "llama3")),
+    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None, hf_dense="qwen2", hf_mixture=None,
+                      q_is_d_model=True),
     "qwen2moe": GGUFArch("qwen2moe", rope_pairs=False, gate_norm="softmax", hf_dense=None, hf_mixture="qwen2_moe",
-                         output_always=True),
+                         output_always=True, q_is_d_model=True),
+    "qwen3": GGUFArch("qwen3", rope_pairs=False, gate_norm=None, hf_dense="qwen3", hf_mixture=None, qk_norm="head"),
+    "qwen3moe": GGUFArch("qwen3moe", rope_pairs=False, gate_norm="topk_softmax", hf_dense=None, hf_mixture=None,
+                         qk_norm="head"),
+    "olmo2": GGUFArch("olmo2", rope_pairs=False, gate_norm=None, hf_dense="olmo2", hf_mixture=None, output_always=True,
+                      qk_norm="full", norm_position="post", q_is_d_model=True),
+    "phi3": GGUFArch("phi3", rope_pairs=False, gate_norm=None, hf_dense="phi3", hf_mixture=None,
+                     rope_scalings=("linear", "yarn", "longrope"), q_is_d_model=True,
+                     fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v"), "ATTN_QKV"),
+                            Fused(("layers.{}.ffn.gate", "layers.{}.ffn.up"), "FFN_UP", ("weight",)))),
+    "smollm3": GGUFArch("smollm3", rope_pairs=True, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
+                        nope_every=4),
 }
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)
 
@@ -153,3 +227,151 @@ def rope_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
 def rope_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
     """The inverse of rope_pairs (a row permutation, exact)."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- ROPE: scaled RoPE <-> {arch}.rope.scaling.* and frequency factors ---------------------------------------
+# llama.cpp rotates by theta_p,i = p * base^(-2i/d) / ff_i * freq_scale (freq_scale = 1 / rope.scaling.factor), with
+# per-pair frequency factors ff from a tensor (llama: rope_freqs, Llama 3's; phi3: rope_factors_long once the context
+# n_ctx exceeds rope.scaling.original_context_length, else rope_factors_short), blended with the unscaled angle over
+# YaRN's ramp for rope.scaling.type yarn, and cos / sin times rope.scaling.attn_factor (times 0.1 ln(factor) + 1 for
+# yarn). So, from transformers' rope_parameters:
+#   linear    type linear, factor
+#   yarn      type yarn, factor, original_context_length, attn_factor = attention_factor / (0.1 ln(factor) + 1)
+#             (beta_fast 32, beta_slow 1 and truncated correction dims: llama.cpp's, for these architectures)
+#   llama3    the rope_freqs tensor, as convert_hf_to_gguf.py computes it (llama3_factors)
+#   longrope  type longrope, original_context_length, attn_factor = attention_factor, rope_factors_long / _short
+#             (llama.cpp picks the long factors by context size, the runtime and transformers by sequence length)
+#   dynamic   none: llama.cpp has no dynamic NTK scaling
+ROPE_TENSORS = {"llama3": ("ROPE_FREQS",), "longrope": ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT")}
+LLAMA3_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # Llama 3.x
+
+
+def rope_tensor_name(member: str) -> str:
+    g = gguf_module()
+    return f"{g.TENSOR_NAMES[getattr(g.MODEL_TENSOR, member)]}.weight"
+
+
+def yarn_mscale(factor: float) -> float:
+    """YaRN's default cos / sin scale, which llama.cpp multiplies into rope.scaling.attn_factor."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def llama3_factors(rope_theta: float, rotary_dim: int, s: dict) -> np.ndarray:
+    """Llama 3's frequency factors [rotary_dim / 2], op for op as llama.cpp's convert_hf_to_gguf.py computes them
+    (LlamaModel.generate_extra_tensors), so that a file converted there and one written here are bit-identical."""
+    freqs = 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def rope_scaling(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Any]], dict[str, np.ndarray]]:
+    """({key template: (kind, value)}, {tensor name: float32 factors}) that make llama.cpp rotate as cfg.scaled_rope
+    does (section comment); a type llama.cpp lacks is gguf_export's to refuse first."""
+    from bam_surgery.runtime.blocks import rope_frequencies  # the runtime's scale, to the last bit
+
+    s = cfg.scaled_rope
+    if s is None:
+        return {}, {}
+    rope = gguf_module().Keys.Rope
+    kind = s["rope_type"]
+    if kind == "linear":
+        return {rope.SCALING_TYPE: ("str", "linear"), rope.SCALING_FACTOR: ("f32", float(s["factor"]))}, {}
+    if kind == "llama3":
+        return {}, {rope_tensor_name("ROPE_FREQS"): llama3_factors(cfg.rope_theta, cfg.rotary_dim, s)}
+    original = s["original_max_position_embeddings"]
+    _, scale = rope_frequencies(cfg, torch.device("cpu"), torch.tensor(0))
+    if kind == "yarn":
+        factor = float(s.get("factor") or cfg.max_positions / original)
+        return {rope.SCALING_TYPE: ("str", "yarn"), rope.SCALING_FACTOR: ("f32", factor),
+                rope.SCALING_ORIG_CTX_LEN: ("u32", original),
+                rope.SCALING_ATTN_FACTOR: ("f32", float(scale) / yarn_mscale(factor))}, {}
+    if kind == "longrope":
+        return ({rope.SCALING_TYPE: ("str", "longrope"), rope.SCALING_ORIG_CTX_LEN: ("u32", original),
+                 rope.SCALING_ATTN_FACTOR: ("f32", float(scale))},
+                {rope_tensor_name(m): np.asarray(s[k], dtype=np.float32)
+                 for m, k in (("ROPE_FACTORS_LONG", "long_factor"), ("ROPE_FACTORS_SHORT", "short_factor"))})
+    raise ValueError(f"rope_type {kind!r} has no llama.cpp form")
+
+
+def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base: ModelConfig,
+                   recorded: dict | None) -> tuple[dict | None, str | None]:
+    """(ModelConfig.scaled_rope computing what llama.cpp computes for this file, or None for plain RoPE; a note when
+    the factors are carried as they are) from its rope.scaling.* keys and factor tensors (`tensors`: those of
+    ROPE_TENSORS present), `base` the config without scaling. `recorded` (our export's bam_surgery.config) is taken
+    when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map."""
+    rope = gguf_module().Keys.Rope
+    keys = {k: fields[k.format(arch=arch)] for k in (rope.SCALING_TYPE, rope.SCALING_FACTOR, rope.SCALING_ATTN_FACTOR,
+                                                    rope.SCALING_ORIG_CTX_LEN) if k.format(arch=arch) in fields}
+    if recorded is not None:
+        try:
+            written = rope_scaling(base.replace(scaled_rope=recorded))
+        except (ValueError, TypeError, KeyError):
+            written = None
+        if written is not None and _same_encoding(written, keys, tensors):
+            return recorded, None
+    legacy = fields.get(f"{arch}.rope.scale_linear")
+    factor = keys.get(rope.SCALING_FACTOR, legacy if legacy is not None else 0.0)
+    kind = keys.get(rope.SCALING_TYPE, "linear")  # llama.cpp's default: a factor alone is linear
+    if not isinstance(kind, str) or not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise ValueError(f"rope.scaling.type {str(kind)[:20]!r} / factor {str(factor)[:20]!r} are not a type name "
+                         "and a number")
+    factor = float(factor) or 1.0  # llama.cpp: 0 or absent is no scaling
+    original = keys.get(rope.SCALING_ORIG_CTX_LEN, base.max_positions)
+    attn = float(keys.get(rope.SCALING_ATTN_FACTOR, 1.0))
+    freqs = tensors.get(rope_tensor_name("ROPE_FREQS"))
+    long, short = (tensors.get(rope_tensor_name(m)) for m in ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT"))
+    if (long is None) != (short is None):
+        raise ValueError("one of rope_factors_long / rope_factors_short without the other")
+    if long is not None and (kind in ("longrope", "linear") and factor == 1.0):
+        return {"rope_type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist(),
+                "original_max_position_embeddings": int(original), "attention_factor": attn}, None
+    if freqs is not None and kind == "linear" and factor == 1.0 and attn == 1.0:
+        return _llama3_of(freqs, base)
+    if long is not None or freqs is not None:
+        raise ValueError(f"frequency-factor tensors with rope.scaling.type {printable_kind(kind)}, factor {factor:g}, "
+                         f"attn_factor {attn:g}: a combination the runtime does not compute")
+    if (kind == "none" or kind == "linear") and attn == 1.0:
+        return (None if kind == "none" or factor == 1.0 else {"rope_type": "linear", "factor": factor}), None
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original),
+                "attention_factor": attn * yarn_mscale(factor)}, None
+    raise ValueError(f"rope.scaling.type {printable_kind(kind)} (factor {factor:g}, attn_factor {attn:g}) is not one "
+                     "this reader maps (none, linear, yarn, longrope, and Llama 3's rope_freqs)")
+
+
+def printable_kind(kind: str) -> str:
+    return repr("".join(c if c.isprintable() else "?" for c in kind)[:20])
+
+
+def _same_encoding(written: tuple[dict, dict], keys: dict, tensors: dict[str, np.ndarray]) -> bool:
+    """Whether the keys and tensors `written` (rope_scaling's) are exactly those of the file."""
+    want_keys, want_tensors = written
+    as_stored = {k: (np.float32(v) if kind == "f32" else v) for k, (kind, v) in want_keys.items()}
+    return (as_stored == {k: (np.float32(v) if isinstance(v, float) else v) for k, v in keys.items()}
+            and want_tensors.keys() == tensors.keys()
+            and all(np.array_equal(want_tensors[n], tensors[n]) for n in tensors))
+
+
+def _llama3_of(freqs: np.ndarray, base: ModelConfig) -> tuple[dict, str | None]:
+    """rope_freqs as Llama 3's parameters when Llama 3.x's (LLAMA3_DEFAULTS, factor the largest factor) give exactly
+    these factors; otherwise the factors as they are: longrope with equal long and short factors and attention factor
+    1, which rotates exactly as llama.cpp does with them."""
+    candidate = {"rope_type": "llama3", "factor": float(freqs.max()), **LLAMA3_DEFAULTS}
+    if np.array_equal(llama3_factors(base.rope_theta, base.rotary_dim, candidate), freqs):
+        return candidate, None
+    factors = freqs.tolist()
+    return ({"rope_type": "longrope", "long_factor": factors, "short_factor": factors,
+             "original_max_position_embeddings": base.max_positions, "attention_factor": 1.0},
+            "rope_freqs are not Llama 3.x's parameters (factor, low 1, high 4, original 8192): carried as the "
+            "frequency factors they are (scaled_rope longrope with equal long and short factors)")

@@ -12,7 +12,11 @@ Two kinds of test:
   `merge --recipe btx --gate-norm topk_softmax --format gguf`, Qwen2- and bias-carrying shapes, and BPEs with
   Llama 3's and Qwen2's pre-tokenizers; a shared-expert mixture (`merge --recipe btx-shared-expert --format gguf`
   from HF Llama folders with a BPE tokenizer.json: llama.cpp's qwen2moe) with the softmax gates it computes, with
-  trained shared gates and in other shapes, and the topk_softmax one it would compute as softmax (hence refused).
+  trained shared gates and in other shapes, and the topk_softmax one it would compute as softmax (hence refused);
+  the families (FAMILIES): Llama with llama3 / linear / yarn RoPE, qwen3 (also with yarn and q/k/v biases), olmo2,
+  phi3 with longrope in both of llama.cpp's regimes (context within the original length: short factors; past it: long
+  factors, compared on a prompt longer than the original, where the runtime takes them too), smollm3 and a qwen3moe
+  mixture, at positions past the RoPE original length.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
 from bam_surgery.converters.gguf_table import rope_pairs  # noqa: E402
 
-F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 3.3e-6)
+F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 1.9e-5)
 F16_TOL = 5e-2  # f16 weights (measured 5.9e-3)
 Q8_PPL_REL_TOL = 0.05  # q8_0: |perplexity delta| / perplexity on held-out text (measured +0.06%: 30.973 vs 30.954)
 
@@ -67,6 +71,34 @@ def shared_config(**overrides) -> ModelConfig:
     """A tiny mixture with a shared expert (btx-shared-expert's shape): 3 routed experts, top-2 of the softmax."""
     return llama_config(**{"ffn_experts": 3, "ffn_top_k": 2, "ffn_shared_hidden": 96, "gate_norm": "softmax",
                            **overrides})
+
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=32)  # wavelengths of head_dim 16 fall on both sides of 32 / 4 ... 32
+LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=256,  # llama.cpp's context is 256 at least
+                short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.5 + 0.7 * i for i in range(8)])
+
+
+def family_config(family: str) -> ModelConfig:
+    """A tiny model of each family llama.cpp has (FAMILIES), its features as the converters read them from the
+    real configs (tests/conftest.py FAMILY_CASES), RoPE's original length short enough to pass it in a test."""
+    return llama_config(**FAMILIES[family][0])
+
+
+FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
+    "llama3": (dict(scaled_rope=LLAMA3, max_positions=256, tie_embeddings=True), "llama"),
+    "llama-linear": (dict(scaled_rope=dict(rope_type="linear", factor=4.0)), "llama"),
+    "llama-yarn": (dict(scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                         attention_factor=1.25), max_positions=256, rope_theta=1e6), "llama"),
+    "qwen3": (dict(qk_norm="head", head_dim=32, tie_embeddings=True, rope_theta=1e6), "qwen3"),
+    "qwen3-yarn": (dict(qk_norm="head", qkv_bias=True, max_positions=256, rope_theta=1e6,
+                        scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)), "qwen3"),
+    "olmo2": (dict(qk_norm="full", norm_position="post", rope_theta=5e5), "olmo2"),
+    "phi3": (dict(scaled_rope=LONGROPE, max_positions=1024, n_kv_heads=4), "phi3"),
+    "smollm3": (dict(n_layers=4, nope_layers=[3], rope_theta=5e6), "smollm3"),
+    "qwen3moe": (dict(qk_norm="head", head_dim=32, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
+                 "qwen3moe"),
+}
 
 
 def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
@@ -128,6 +160,88 @@ def test_rope_pairs_is_a_row_permutation_per_head():
     w = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # 2 heads of head_dim 8
     rows = rope_pairs(w, 2)[:, 0].long().tolist()
     assert rows == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]  # (i, i + Dh/2) become neighbours
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_architecture_tensors_and_keys(tmp_path, family):
+    cfg = family_config(family)
+    state = random_state(cfg)
+    out = write(cfg, state, tmp_path / f"{family}.gguf")
+    f, t = fields(out), tensors(out)
+    arch = FAMILIES[family][1]
+    assert f["general.architecture"] == arch
+
+    def data(name: str) -> np.ndarray:
+        return np.array(t[name].data)
+
+    if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2)
+        assert list(t["blk.1.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
+        assert np.array_equal(data("blk.1.attn_k_norm.weight"), state["layers.1.attn.k_norm.weight"].numpy())
+    if cfg.norm_position == "post":
+        assert np.array_equal(data("blk.1.post_attention_norm.weight"), state["layers.1.attn_post_norm.weight"].numpy())
+        assert np.array_equal(data("blk.1.post_ffw_norm.weight"), state["layers.1.ffn_post_norm.weight"].numpy())
+        assert "blk.1.attn_norm.weight" not in t and "blk.1.ffn_norm.weight" not in t
+    if arch == "phi3":  # fused: attn_qkv [q; k; v], ffn_up [gate; up]
+        s = state
+        assert np.array_equal(data("blk.1.attn_qkv.weight"), torch.cat(
+            [s[f"layers.1.attn.{c}.weight"] for c in "qkv"]).numpy())
+        assert np.array_equal(data("blk.1.ffn_up.weight"), torch.cat(
+            [s["layers.1.ffn.gate.weight"], s["layers.1.ffn.up.weight"]]).numpy())
+        assert not {"blk.1.attn_q.weight", "blk.1.ffn_gate.weight"} & set(t)
+        assert np.array_equal(data("rope_factors_long.weight"), np.float32(LONGROPE["long_factor"]))
+        assert np.array_equal(data("rope_factors_short.weight"), np.float32(LONGROPE["short_factor"]))
+        assert f["phi3.rope.scaling.original_context_length"] == 256
+        assert math.isclose(f["phi3.rope.scaling.attn_factor"], math.sqrt(1 + math.log(4) / math.log(256)),
+                            rel_tol=1e-6)
+    if arch == "olmo2" or cfg.tie_embeddings and arch != "olmo2":  # olmo2 loads output.weight; the others tie
+        assert ("output.weight" in t) == (arch == "olmo2" or not cfg.tie_embeddings)
+    if cfg.ffn_experts:
+        assert f[f"{arch}.expert_feed_forward_length"] == cfg.ffn_hidden and f[f"{arch}.expert_count"] == 3
+    kind = (cfg.scaled_rope or {}).get("rope_type")
+    assert f.get(f"{arch}.rope.scaling.type") == {"linear": "linear", "yarn": "yarn", "longrope": "longrope"}.get(kind)
+    if kind == "yarn":  # llama.cpp multiplies its own 0.1 ln(factor) + 1 (transformers' default) into attn_factor
+        assert f[f"{arch}.rope.scaling.factor"] == 4.0 and f[f"{arch}.rope.scaling.original_context_length"] == 32
+        scale = cfg.scaled_rope.get("attention_factor", 0.1 * math.log(4) + 1)
+        assert math.isclose(f[f"{arch}.rope.scaling.attn_factor"], scale / (0.1 * math.log(4) + 1), rel_tol=1e-6)
+    assert ("rope_freqs.weight" in t) == (kind == "llama3")
+    assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg
+
+
+def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
+    from bam_surgery.converters.gguf_table import llama3_factors
+    from bam_surgery.runtime.blocks import rope_frequencies
+
+    cfg = family_config("llama3")
+    factors = torch.from_numpy(llama3_factors(cfg.rope_theta, cfg.rotary_dim, LLAMA3))
+    plain, _ = rope_frequencies(cfg.replace(scaled_rope=None), torch.device("cpu"))
+    scaled, _ = rope_frequencies(cfg, torch.device("cpu"))
+    assert factors[0] == 1 and factors[-1] == 8 and 1 < factors[1] < 8  # kept, scaled, and one on the ramp
+    torch.testing.assert_close(plain / factors, scaled, rtol=1e-6, atol=0)
+    # Llama 3.1's parameters: the same rule at head_dim 128 (kept, ramp, scaled; never decreasing)
+    real = torch.from_numpy(llama3_factors(500000.0, 128, dict(LLAMA3, original_max_position_embeddings=8192)))
+    cfg31 = ModelConfig(vocab_size=8, d_model=128, n_layers=1, n_heads=1, ffn_hidden=8, rope_theta=500000.0,
+                        max_positions=131072, scaled_rope=dict(LLAMA3, original_max_position_embeddings=8192))
+    plain, _ = rope_frequencies(cfg31.replace(scaled_rope=None), torch.device("cpu"))
+    torch.testing.assert_close(plain / real, rope_frequencies(cfg31, torch.device("cpu"))[0], rtol=1e-6, atol=0)
+    assert bool((real[1:] >= real[:-1]).all()) and ((real > 1) & (real < 8)).any()
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(scaled_rope=dict(rope_type="dynamic", factor=2.0)), "rope_type 'dynamic'"),
+    (dict(qk_norm="head", scaled_rope=LLAMA3), "qwen3 applies (linear, yarn)"),
+    (dict(scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=16)),
+     "beta_fast 16"),
+    (dict(n_layers=4, nope_layers=[1]), "no RoPE in layers [1]"),
+    (dict(qk_norm="head", ffn_experts=3, ffn_top_k=2, gate_norm="softmax"), "--gate-norm topk_softmax"),
+    (dict(qk_norm="full", norm_position="post", head_dim=24), "4 heads of 24 in d_model 64"),
+    (dict(scaled_rope=LONGROPE, max_positions=1024, o_bias=True), "o biases"),
+    (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"), "a full-width QK-norm"),
+    (dict(qk_norm="head", rope_interleaved=True), "interleaved RoPE"),
+])
+def test_family_features_refused_from_config_alone(overrides, needle):
+    with pytest.raises(CapabilityError) as e:
+        check_export("gguf", llama_config(**overrides))
+    assert needle in str(e.value) and "\n" not in str(e.value) and "llama.cpp" in str(e.value)
 
 
 def test_q8_0_keeps_vectors_and_routers_f32_and_odd_rows_f16(tmp_path):
@@ -678,7 +792,60 @@ def test_llama_cpp_dense_shapes(llama_cpp, tmp_path, shape, one_thread):
     ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     prompt = [3, 100, 17, 255, 1, 64, 128, 9, 33, 200]
-    check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), load_model(ckpt), prompt, F32_TOL)
+    print(f"\ndense {shape} ({fields(tmp_path / 'm.gguf')['general.architecture']}): max|dlogit| f32 {diff:.2e}")
+
+
+def random_prompt(cfg: ModelConfig, n: int, seed: int = 11) -> list[int]:
+    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
+    """Each family in llama.cpp's architecture for it: logits and greedy tokens equal the runtime's, on a prompt past
+    RoPE's original length (32; phi3's 256). phi3's longrope in both of llama.cpp's regimes: it takes the long factors
+    when its context (a multiple of 256) exceeds the original length, whatever the sequence, and the runtime (as
+    transformers) when the sequence does: equal within a context of 256, and past it on a prompt longer than 256;
+    a short prompt in the long context differs, and equals the runtime with the long factors in place of the short."""
+    cfg = family_config(family)
+    ckpt = save_checkpoint(random_state(cfg, 7), cfg, tmp_path / "m.safetensors")
+    run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
+    model = load_model(ckpt)
+    if family != "phi3":
+        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, 60), F32_TOL)
+        print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over 60 positions")
+        return
+    short_ctx = llama(llama_cpp, tmp_path / "m.gguf", n_ctx=256)
+    diff_short = check_against_runtime(short_ctx, model, random_prompt(cfg, 40), F32_TOL)
+    long_ctx = llama(llama_cpp, tmp_path / "m.gguf", n_ctx=512)
+    diff_long = check_against_runtime(long_ctx, model, random_prompt(cfg, 300), F32_TOL)
+    prompt = random_prompt(cfg, 40)
+    off = float(np.abs(llama_logits(long_ctx, prompt) - runtime_logits(model, prompt)).max())
+    assert off > 100 * F32_TOL, off
+    as_long = Model(cfg.replace(scaled_rope=dict(LONGROPE, short_factor=LONGROPE["long_factor"])))
+    as_long.load_state_dict(model.state_dict())
+    diff_as_long = float(np.abs(llama_logits(long_ctx, prompt) - runtime_logits(as_long.eval(), prompt)).max())
+    assert diff_as_long <= F32_TOL, diff_as_long
+    print(f"\nphi3 longrope: max|dlogit| f32 {diff_short:.2e} (context 256, 40 tokens: short factors), {diff_long:.2e} "
+          f"(context 512, 300 tokens: long factors); 40 tokens in context 512: {off:.2e} from the runtime, "
+          f"{diff_as_long:.2e} from it with the long factors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_llama_cpp_btx_of_a_family(llama_cpp, tmp_path, family, one_thread):
+    """merge --recipe btx --format gguf of Qwen3 specialists: llama.cpp's qwen3moe (per-head QK-norm kept per layer);
+    of Llama 3 specialists: a Mixtral-shaped llama with rope_freqs. Logits and greedy tokens equal the runtime's."""
+    cfg = family_config(family)
+    paths = seed_and_experts(tmp_path, cfg)
+    btx = ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2", "--router-std", "0.5")
+    merge_family(paths, tmp_path / "btx.gguf", *btx, "--format", "gguf")
+    merge_family(paths, tmp_path / "btx.safetensors", *btx)
+    assert fields(tmp_path / "btx.gguf")["general.architecture"] == ("qwen3moe" if family == "qwen3" else "llama")
+    model = load_model(tmp_path / "btx.safetensors")
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, random_prompt(cfg, 60), F32_TOL)
+    print(f"\nbtx of {family}: max|dlogit| f32 {diff:.2e} over 60 positions")
 
 
 @pytest.mark.slow

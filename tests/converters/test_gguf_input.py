@@ -1,8 +1,10 @@
 """GGUF as an input (converters/gguf_reader.py, gguf_file.py, gguf_tokenizer.py), on tiny files our GGUF export writes.
 
 * round trips through the one table (gguf_table): every architecture the export writes (llama with its Q/K
-  permutation, qwen2, Mixtral-shaped llama mixtures, qwen2moe with a shared expert) reads back to the same config and,
-  in f32, bit-identical tensors and logits; f16 and q8_0 within their rounding;
+  permutation, qwen2, Mixtral-shaped llama mixtures, qwen2moe with a shared expert, and the families: llama with
+  llama3 / linear / yarn RoPE, qwen3, qwen3moe, olmo2, phi3 with its fused tensors and longrope, smollm3) reads back
+  to the same config and, in f32, bit-identical tensors and logits; f16 and q8_0 within their rounding; a file
+  without our config record (llama.cpp's converter writes none) reads back to a config computing the same;
 * every quantization type gguf.quants dequantizes, read one tensor at a time and equal to gguf's own dequantization of
   what gguf.GGUFReader finds; the parser agrees with gguf.GGUFReader on every key and tensor;
 * the tokenizer rebuilt as tokenizer.json (+ tokenizer_config.json, generation_config.json) encodes like the one the
@@ -27,7 +29,8 @@ from bam_surgery.runtime.config import ModelConfig
 from conftest import cli_error_line, random_state, run_cli
 
 gguf = pytest.importorskip("gguf")
-from test_gguf import TRICKY, llama_config, save_bpe, shared_config, write, write_bpe  # noqa: E402
+from test_gguf import (FAMILIES, LLAMA3, TRICKY, family_config, llama_config, save_bpe, shared_config,  # noqa: E402
+                       write, write_bpe)
 
 F16_LOGIT_TOL = 5e-2  # f16 weights, max |logit difference| of a random tiny model (measured 4.2e-3)
 Q8_LOGIT_TOL = 0.25  # q8_0 (measured 7.3e-2)
@@ -53,6 +56,7 @@ SHAPES = {
     "qwen2": (llama_config(qkv_bias=True, tie_embeddings=True), "qwen2"),
     "mixtral": (llama_config(ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"), "llama"),
     "qwen2moe": (shared_config(tie_embeddings=True), "qwen2moe"),
+    **{family: (family_config(family), arch) for family, (_, arch) in FAMILIES.items()},
 }
 
 
@@ -67,10 +71,66 @@ def test_round_trip_every_architecture(tmp_path, kind):
         same = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "rope_interleaved", "qkv_bias")}
         assert {k: back.to_dict()[k] for k in same} == same
         assert not back.rope_interleaved and back.qkv_bias == (cfg.qkv_bias or arch == "qwen2moe")
-        if kind in ("llama", "llama-biases", "qwen2", "mixtral"):  # the permutation's inverse is exact
+        if kind not in ("llama-pairs", "qwen2moe"):  # the permutation's inverse is exact
             assert all(torch.equal(r.get(n), state[n]) for n in state), kind
         assert torch.equal(logits(r), logits(cfg, state)) if kind != "llama-pairs" else \
             torch.allclose(logits(r), logits(cfg, state), atol=1e-5)
+
+
+@pytest.mark.parametrize("rope, expected", [
+    (dict(LLAMA3, original_max_position_embeddings=8192), "llama3"),  # Llama 3.x's parameters: recovered
+    (LLAMA3, "longrope"),  # others: the factors as they are
+    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, attention_factor=1.25), "yarn"),
+    (dict(rope_type="linear", factor=4.0), "linear"),
+])
+def test_scaled_rope_without_our_config_record(tmp_path, monkeypatch, rope, expected):
+    """llama.cpp's converter writes no bam_surgery.config: the RoPE keys and factor tensors alone give a config that
+    computes the same as the model written (its logits past the original length)."""
+    from bam_surgery.converters import gguf_export as ge
+
+    card = ge.card_entries
+    monkeypatch.setattr(ge, "card_entries", lambda *a: {**card(*a), "config": "{}"})
+    cfg = llama_config(scaled_rope=rope, max_positions=256)
+    state = random_state(cfg, seed=5)
+    path = write(cfg, state, tmp_path / "foreign.gguf")
+    with open_checkpoint(path) as r:
+        back = r.config.scaled_rope
+        assert back["rope_type"] == expected
+        if expected == "llama3":
+            assert back == rope
+        if expected == "longrope":  # equal factors, no extra scale: what llama.cpp computes with rope_freqs
+            assert back["long_factor"] == back["short_factor"] and back["attention_factor"] == 1.0
+            assert "frequency factors" in r.metadata["notes"]
+        model = model_from_reader(r)
+        ids = torch.arange(100).remainder(cfg.vocab_size)[None]
+        with torch.no_grad():
+            got = model(ids).logits[0]
+    want = _model(cfg, state)(ids).logits[0].detach()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_rope_scaling_the_reader_cannot_map_is_one_line(tmp_path, monkeypatch):
+    from bam_surgery.converters import gguf_export as ge
+    from bam_surgery.converters.gguf_table import scaled_rope_of
+
+    cfg = llama_config()
+    monkeypatch.setattr(ge, "rope_scaling", lambda c: ({"{arch}.rope.scaling.type": ("str", "dynamic"),
+                                                        "{arch}.rope.scaling.factor": ("f32", 2.0)}, {}))
+    path = write(cfg, random_state(cfg), tmp_path / "dynamic.gguf")
+    line = cli_error_line("count-params", path)
+    assert "'dynamic'" in line and "dynamic.gguf" in line
+    base = llama_config()
+    with pytest.raises(ValueError, match="'dynamic'"):
+        scaled_rope_of("llama", {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 2.0}, {}, base,
+                       None)
+    freqs = {"rope_freqs.weight": np.full(8, 2.0, np.float32)}
+    with pytest.raises(ValueError, match="combination"):
+        scaled_rope_of("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0}, freqs, base,
+                       None)
+    assert scaled_rope_of("llama", {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 2.0}, {}, base,
+                          None) == (None, None)  # llama.cpp: type none never scales
+    assert scaled_rope_of("llama", {"llama.rope.scale_linear": 2.0}, {}, base, None)[0] == {  # the old key: linear
+        "rope_type": "linear", "factor": 2.0}
 
 
 @pytest.mark.parametrize("dtype, tol", [("f16", F16_LOGIT_TOL), ("q8_0", Q8_LOGIT_TOL)])
