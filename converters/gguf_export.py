@@ -97,7 +97,7 @@ from .base import CapabilityError, ExportOptions, Exporter
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols)
 from .hf.mixtral_config import mixtral_problems
-from .hf.moe_family import bias_problem, raise_problems
+from .hf.moe_family import bias_problem, gemma_problems, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
 from .gguf_table import (ARCHS, gguf_module, hparams, rope_heads, rope_pairs, rope_scaling, tensor_layout,
@@ -176,6 +176,7 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
         need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
         need(cfg.final_norm, "a final norm", "no final norm")
         out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})")
+        out += gemma_problems(cfg)  # (a mixture's come with its FFN side's problems above)
     need(row.rope_pairs or not cfg.rope_interleaved, f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE")
     need(cfg.qk_norm == row.qk_norm, f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})", _QK_NORMS.get(cfg.qk_norm, ""))
     need(cfg.norm_position == row.norm_position, f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
