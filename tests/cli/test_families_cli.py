@@ -21,7 +21,7 @@ DATA = f"code={ROOT / 'data/domains/code'}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gemma3"])
 def test_merge_train_generate_export(tmp_path, family):
     cls_name, kwargs = FAMILY_CASES[family]
     random_hf_model(cls_name, dict(kwargs, vocab_size=256), seed=2).save_pretrained(tmp_path / "seed")

@@ -59,6 +59,12 @@ KINDS = {
     "btx-bam": ("hf", BTX),
     "shared-expert-qwen2-moe": ("qwen2_moe", SHARED),
     "shared-expert-bam": ("hf", dict(SHARED, router="mlp")),
+    # the native formats of the newer families: Qwen3-MoE (per-head QK-norm, YaRN) and FlexOlmo (OLMo 2's post-norms
+    # and full-width QK-norm), which vLLM runs with its own model classes
+    "btx-qwen3-moe": ("qwen3_moe", dict(BTX, qk_norm="head",
+                                        scaled_rope=dict(rope_type="yarn", factor=4.0,
+                                                         original_max_position_embeddings=32))),
+    "btx-flex-olmo": ("flex_olmo", dict(BTX, qk_norm="full", norm_position="post")),
     "bam-expert-kv": ("hf", dict(block="parallel", norm="layernorm", activation="swiglu", rotary_fraction=0.5,
                                  n_kv_heads=2, attn_experts=3, ffn_experts=3, ffn_top_k=2, gate_norm="softmax",
                                  tie_embeddings=True, lm_head_bias=True, logit_scale=0.5,
