@@ -227,6 +227,9 @@ def gemma_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
          f"attention scaled by 1/sqrt({cfg.attn_scale_dim})")
     need(row.windows != "none" or cfg.attn_window is None, "attention over the whole prefix",
          f"a sliding window of {cfg.attn_window}")
+    # gemma2 always builds its sliding-window cache, and aborts (GGML_ASSERT is_swa_any) on a file without
+    need(row.windows != "always" or any(sliding_layers(cfg)), "sliding-window layers",
+         "no sliding-window layers")
     if any(sliding_layers(cfg)) and cfg.scaled_rope is not None:
         plain = cfg.window_rope_theta is not None  # the runtime's sliding layers: unscaled, else the global RoPE
         need(plain == (row.window_rope == "plain"),
