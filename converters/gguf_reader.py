@@ -164,7 +164,8 @@ class GGUFCheckpointReader(Reader):
                       scale_embeddings=self.arch.scale_embeddings, norm_unit_offset=self.arch.unit_offset_norms)
         if self.arch.attn_scale_layers and values["n_heads"] > 0:
             scale = attn_scale_dim(arch, values["d_model"], values["n_heads"], values["n_layers"], head_dim)
-            values["attn_scale_dim"] = scale if scale != head_dim else None
+            kept = recorded.get("attn_scale_dim")  # our record's spelling (an HF config's query_pre_attn_scalar)
+            values["attn_scale_dim"] = kept if (kept or head_dim) == scale else scale if scale != head_dim else None
         if values.get("ffn_experts"):
             if self.arch.gate_norm is None:
                 raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
