@@ -15,6 +15,12 @@ the first, whose problems are the refusal.
                       rope_factors_long / _short; H * Dh = d_model
              qwen2    Qwen2's shape: q/k/v biases only, rotate-halves RoPE, H * Dh = d_model
              llama    the rest (Llama, Mistral): biases anywhere but the head, rotate-halves or pairs
+             gemma2   norms before and after attention and FFN (Gemma 2): GeGLU, embeddings times sqrt(d_model),
+                      attention and final soft-caps (both: llama.cpp applies 50 and 30 without the keys), sliding
+                      layers (at least one), tied embeddings; gemma3 the same with a per-head QK-norm and no attention
+                      soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
+                      derives from the block count: gguf_table's WINDOWS section; no Gemma mixture.
+           A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
            with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
@@ -729,7 +735,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 class GGUFExporter(Exporter):
     name = "gguf"
     summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, "
-               "OLMo 2 and SmolLM3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
+               "OLMo 2, SmolLM3, Gemma 2 and Gemma 3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
                "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 

@@ -9,8 +9,10 @@ Opening parses and checks the header, metadata and tensor directory (gguf_file.p
 is checked against the file) and maps every tensor through the table the export uses (gguf_table: names, the config
 keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
 shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
-llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3); each row
-gives the QK-norm, norm position and layers without RoPE, and gguf_table.scaled_rope_of the scaled RoPE from the
+llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3, gemma2,
+gemma3); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
+1 + w, read as (1 + w) norms: w = v - 1 in float32; its sliding windows, their RoPE and attention scale from
+gguf_table.windows_of and attn_scale_dim), and gguf_table.scaled_rope_of the scaled RoPE from the
 rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
 config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and
 dequantizes it with gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants,

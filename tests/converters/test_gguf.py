@@ -16,7 +16,8 @@ Two kinds of test:
   the families (FAMILIES): Llama with llama3 / linear / yarn RoPE, qwen3 (also with yarn and q/k/v biases), olmo2,
   phi3 with longrope in both of llama.cpp's regimes (context within the original length: short factors; past it: long
   factors, compared on a prompt longer than the original, where the runtime takes them too), smollm3 and a qwen3moe
-  mixture, at positions past the RoPE original length.
+  mixture, at positions past the RoPE original length; gemma2 and gemma3 past their windows (GEGLU_TOL: llama.cpp's f16
+  GELU table; without the FFN output within F32_TOL, prefilled and decoded from the cache).
 """
 from __future__ import annotations
 
