@@ -15,6 +15,12 @@ the first, whose problems are the refusal.
                       rope_factors_long / _short; H * Dh = d_model
              qwen2    Qwen2's shape: q/k/v biases only, rotate-halves RoPE, H * Dh = d_model
              llama    the rest (Llama, Mistral): biases anywhere but the head, rotate-halves or pairs
+             gemma2   norms before and after attention and FFN (Gemma 2): GeGLU, embeddings times sqrt(d_model),
+                      attention and final soft-caps (both: llama.cpp applies 50 and 30 without the keys), sliding
+                      layers (at least one), tied embeddings; gemma3 the same with a per-head QK-norm and no attention
+                      soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
+                      derives from the block count: gguf_table's WINDOWS section; no Gemma mixture.
+           A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
            with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
@@ -97,11 +103,11 @@ from .base import CapabilityError, ExportOptions, Exporter
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols)
 from .hf.mixtral_config import mixtral_problems
-from .hf.moe_family import bias_problem, gemma_problems, raise_problems
+from .hf.moe_family import bias_problem, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import (ARCHS, gguf_module, hparams, rope_heads, rope_pairs, rope_scaling, tensor_layout,
-                         tensor_names)
+from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
+                         sliding_layers, tensor_layout, tensor_names, window_keys)
 from .qwen2_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -112,13 +118,17 @@ EOS_TEXT = "<|endoftext|>"
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
 _QK_NORMS = {"none": "no QK-norm", "head": "a per-head QK-norm", "full": "a full-width QK-norm"}
-_NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN"}
+_NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN",
+                   "sandwich": "norms before and after attention and FFN"}
+_SOFTCAPS = {"none": "no {} soft-capping", "always": "{} soft-capping", "optional": ""}
 
 
 def candidates(cfg: ModelConfig) -> list[str]:
     """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
     if cfg.ffn_experts:
         return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
+    if cfg.norm_position == "sandwich":
+        return ["gemma3" if cfg.qk_norm == "head" else "gemma2"]
     if cfg.qk_norm == "full" or cfg.norm_position == "post":
         return ["olmo2"]
     if cfg.qk_norm == "head":
@@ -156,6 +166,9 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
             out.append((needs, has))
 
     if cfg.ffn_experts:  # the experts, with the attention side and the gate normalization left to the row
+        if cfg.norm_position == "sandwich":
+            return [("a dense model, or a mixture of llama.cpp's llama, qwen2moe or qwen3moe (it has no Gemma mixture)",
+                     "a mixture of Gemma's shape (norms before and after each sublayer)")]
         plain = cfg.replace(qk_norm="none", norm_position="pre", nope_layers=None, scaled_rope=None,
                             gate_norm=row.gate_norm or cfg.gate_norm)
         out += (qwen2_moe_problems if cfg.ffn_shared_hidden else mixtral_problems)(plain)
@@ -167,7 +180,8 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
                  f"top-k gates renormalized to sum to 1 (llama.cpp's {arch}; rebuild the mixture with --gate-norm "
                  "topk_softmax)", top)
     else:
-        need(cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}")
+        need(cfg.activation == row.activation, f"{_ACTIVATIONS[row.activation]} FFNs (llama.cpp's {arch})",
+             f"activation {cfg.activation}")
         need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
         need(not cfg.norm_bias, "norms without bias", "norm biases")
         need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")
@@ -175,8 +189,9 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
         need(cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}")
         need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
         need(cfg.final_norm, "a final norm", "no final norm")
-        out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})")
-        out += gemma_problems(cfg)  # (a mixture's come with its FFN side's problems above)
+        out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})"
+                            if row.biases else f"no biases (llama.cpp's {arch})")
+        out += gemma_problems(cfg, arch)
     need(row.rope_pairs or not cfg.rope_interleaved, f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE")
     need(cfg.qk_norm == row.qk_norm, f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})", _QK_NORMS.get(cfg.qk_norm, ""))
     need(cfg.norm_position == row.norm_position, f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
@@ -190,6 +205,45 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
         need(cfg.n_heads * cfg.head_dim == cfg.d_model, f"n_heads * head_dim = d_model (llama.cpp's {arch})",
              f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}")
     return out + rope_problems(cfg, arch)
+
+
+_ACTIVATIONS = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU (tanh GELU)"}
+
+
+def gemma_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
+    """Gemma's features (gguf_table's WINDOWS section) llama.cpp's dense `arch` computes otherwise: scaled embeddings,
+    soft-capping, the attention scale, sliding windows and their RoPE, tied embeddings. (1 + w) norms are no problem
+    anywhere: stored as 1 + w, llama.cpp multiplies by them.)"""
+    row = ARCHS[arch]
+    out: list[tuple[str, str]] = []
+
+    def need(ok: bool, needs: str, has: str) -> None:
+        if not ok:
+            out.append((f"{needs} (llama.cpp's {arch})", has))
+
+    scaled = "embeddings times sqrt(d_model)"
+    need(cfg.scale_embeddings == row.scale_embeddings, scaled if row.scale_embeddings else "unscaled embeddings",
+         scaled if cfg.scale_embeddings else "unscaled embeddings")
+    for which, mode, value in (("attention", row.attn_softcap, cfg.attn_softcap),
+                               ("final", row.final_softcap, cfg.final_softcap)):
+        need(mode == "optional" or (mode == "always") == (value is not None), _SOFTCAPS[mode].format(which),
+             f"{which} soft-capping {value}" if value is not None else f"no {which} soft-capping")
+    dim = attn_scale_dim(arch, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.head_dim)
+    need((cfg.attn_scale_dim or cfg.head_dim) == dim, f"attention scaled by 1/sqrt({dim})",
+         f"attention scaled by 1/sqrt({cfg.attn_scale_dim})")
+    need(row.windows != "none" or cfg.attn_window is None, "attention over the whole prefix",
+         f"a sliding window of {cfg.attn_window}")
+    # gemma2 always builds its sliding-window cache, and aborts (GGML_ASSERT is_swa_any) on a file without
+    need(row.windows != "always" or any(sliding_layers(cfg)), "sliding-window layers",
+         "no sliding-window layers")
+    if any(sliding_layers(cfg)) and cfg.scaled_rope is not None:
+        plain = cfg.window_rope_theta is not None  # the runtime's sliding layers: unscaled, else the global RoPE
+        need(plain == (row.window_rope == "plain"),
+             "sliding layers with unscaled RoPE" if row.window_rope == "plain" else
+             "sliding layers with the global RoPE scaling", "sliding layers with unscaled RoPE" if plain else
+             "sliding layers with the global RoPE scaling")
+    need(cfg.tie_embeddings or not row.tied_only, "tied embeddings", "an lm_head of its own")
+    return out
 
 
 def rope_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
@@ -244,6 +298,7 @@ class TensorPlan:
     qtype: Any  # gguf.GGMLQuantizationType
     heads: int | None  # rope_pairs over this many heads, or None
     fixed: np.ndarray | None = None  # a tensor computed from the config (RoPE frequency factors), not read
+    unit_offset: bool = False  # a (1 + w) norm's weight w, written as 1 + w (float32)
 
     @property
     def canonical(self) -> str:
@@ -273,7 +328,7 @@ def plan_tensors(cfg: ModelConfig, arch: str, dtype: str) -> list[TensorPlan]:
         else:
             qtype = matrix_type
         heads = rope_heads(parts[0], cfg, arch) if len(parts) == 1 else None
-        out.append(TensorPlan(parts, name, shape, qtype, heads))
+        out.append(TensorPlan(parts, name, shape, qtype, heads, unit_offset=cfg.norm_unit_offset and is_norm(parts[0])))
         if parts == ("embed.weight",) and ARCHS[arch].output_always and cfg.tie_embeddings:
             out.append(TensorPlan(parts, tensor_names(arch, cfg.n_layers)["lm_head.weight"], shape, qtype, None))
     return out
@@ -295,6 +350,8 @@ def _encoded(t: TensorPlan, reader: Reader) -> np.ndarray:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
         w = torch.full(w.shape, SHEXP_GATE_EPS, dtype=torch.float32)
+    if t.unit_offset:
+        w = w.to(torch.float32) + 1.0
     return gguf_module().quants.quantize(w.to(torch.float32).contiguous().numpy(), t.qtype)
 
 
@@ -610,11 +667,12 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 
 def _write_hparams(w, cfg: ModelConfig) -> None:
     """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
-    the RoPE scaling's (gguf_table.rope_scaling)."""
+    the RoPE scaling's (gguf_table.rope_scaling) and the sliding windows' (gguf_table.window_keys)."""
     entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
     entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
+    entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
     for key, kind, value in entries:
-        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string}[kind]
+        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array}[kind]
         add(key.format(arch=w.arch), float(value) if kind == "f32" else value)
 
 
@@ -677,7 +735,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 class GGUFExporter(Exporter):
     name = "gguf"
     summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, "
-               "OLMo 2 and SmolLM3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
+               "OLMo 2, SmolLM3, Gemma 2 and Gemma 3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
                "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 

@@ -9,8 +9,10 @@ Opening parses and checks the header, metadata and tensor directory (gguf_file.p
 is checked against the file) and maps every tensor through the table the export uses (gguf_table: names, the config
 keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
 shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
-llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3); each row
-gives the QK-norm, norm position and layers without RoPE, and gguf_table.scaled_rope_of the scaled RoPE from the
+llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3, gemma2,
+gemma3); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
+1 + w, read as (1 + w) norms: w = v - 1 in float32; its sliding windows, their RoPE and attention scale from
+gguf_table.windows_of and attn_scale_dim), and gguf_table.scaled_rope_of the scaled RoPE from the
 rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
 config's, not the model's. A part of a fused tensor is its rows. `get` reads one tensor from the memory map and
 dequantizes it with gguf.quants.dequantize (every type the installed gguf dequantizes: Q4_0 ... Q8_0, the K-quants,
@@ -37,8 +39,9 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
-from .gguf_table import (ARCHS, ROPE_TENSORS, GGUFArch, gguf_module, hparams, rope_halves, rope_heads,
-                         rope_tensor_name, scaled_rope_of, tensor_layout, tensor_names)
+from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, gguf_module, hparams,
+                         is_norm, rope_halves, rope_heads, rope_tensor_name, scaled_rope_of, tensor_layout,
+                         tensor_names, windows_of)
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -135,6 +138,11 @@ class GGUFCheckpointReader(Reader):
                 raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
                                       f"{'an integer' if h.kind == 'u32' else 'a number'}")
             values[h.field] = value
+        for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
+            mode = getattr(self.arch, cap)
+            value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
+            if mode == "always" or (mode == "optional" and value):  # gemma3: a final soft-cap of 0 is none
+                values[cap] = value
         missing = [f for f in ("d_model", "n_layers", "n_heads", "ffn_hidden") if f not in values]
         if missing:
             names = {h.field: h.key.format(arch=arch) for h in hparams()}
@@ -154,7 +162,12 @@ class GGUFCheckpointReader(Reader):
                       o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied,
                       name=arch, rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0,
                       qk_norm=self.arch.qk_norm, norm_position=self.arch.norm_position,
-                      nope_layers=self.arch.nope_layers(values["n_layers"]))
+                      nope_layers=self.arch.nope_layers(values["n_layers"]), activation=self.arch.activation,
+                      scale_embeddings=self.arch.scale_embeddings, norm_unit_offset=self.arch.unit_offset_norms)
+        if self.arch.attn_scale_layers and values["n_heads"] > 0:
+            scale = attn_scale_dim(arch, values["d_model"], values["n_heads"], values["n_layers"], head_dim)
+            kept = recorded.get("attn_scale_dim")  # our record's spelling (an HF config's query_pre_attn_scalar)
+            values["attn_scale_dim"] = kept if (kept or head_dim) == scale else scale if scale != head_dim else None
         if values.get("ffn_experts"):
             if self.arch.gate_norm is None:
                 raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
@@ -163,7 +176,9 @@ class GGUFCheckpointReader(Reader):
             plain = ModelConfig(**values)
             scaled, self._rope_note = scaled_rope_of(arch, fields, self._rope_tensors(found, where), plain,
                                                      recorded.get("scaled_rope"))
-            return plain.replace(scaled_rope=scaled) if scaled is not None else plain
+            plain = plain.replace(scaled_rope=scaled) if scaled is not None else plain
+            windows = windows_of(arch, fields, plain)
+            return plain.replace(**windows) if windows else plain
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
@@ -187,7 +202,7 @@ class GGUFCheckpointReader(Reader):
         cfg = self.config
         expected = tensor_shapes(cfg)
         layout, _ = tensor_layout(self.arch.name, cfg)
-        output = tensor_names(self.arch.name, cfg.n_layers)["lm_head.weight"]
+        output = tensor_names(self.arch.name, cfg.n_layers).get("lm_head.weight")
         self._source: dict[str, tuple[int, TensorInfo, int]] = {}  # canonical -> (part, tensor, first row)
         for name, (i, t) in found.items():
             where = f"{self.parts[i]}: tensor {printable(name)}"
@@ -223,7 +238,13 @@ class GGUFCheckpointReader(Reader):
         return self._shape[name]
 
     def dtype(self, name: str) -> torch.dtype:
+        if self._unit_offset(name):
+            return torch.float32
         return _KEPT.get(self._source[name][1].qtype, torch.float32)
+
+    def _unit_offset(self, name: str) -> bool:
+        """Whether `name` is a (1 + w) norm stored as 1 + w (gguf_table's WINDOWS section): read as v - 1 in float32."""
+        return self.config.norm_unit_offset and is_norm(name)
 
     def file_of(self, name: str) -> Path | None:
         return self.parts[self._source[name][0]] if name in self._source else None
@@ -251,6 +272,8 @@ class GGUFCheckpointReader(Reader):
             tensor = tensor.reshape(-1, *shape[1:])[row:row + shape[0]].clone()
         tensor = tensor.reshape(shape)
         heads = rope_heads(name, self.config, self.arch.name)
+        if self._unit_offset(name):
+            tensor = tensor.to(torch.float32) - 1.0
         return (rope_halves(tensor, heads) if heads else tensor).contiguous()
 
     def close(self) -> None:

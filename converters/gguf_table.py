@@ -58,6 +58,7 @@ TENSORS = (
     TensorRow("lm_head", "OUTPUT"),
     TensorRow("layers.{}.attn_norm", "ATTN_NORM"),
     TensorRow("layers.{}.ffn_norm", "FFN_NORM"),
+    TensorRow("layers.{}.ffn_norm", "FFN_PRE_NORM"),  # gguf's member for Gemma's pre-FFN norm (the same name)
     TensorRow("layers.{}.attn_post_norm", "ATTN_POST_NORM"),
     TensorRow("layers.{}.ffn_post_norm", "FFN_POST_NORM"),
     TensorRow("layers.{}.attn.q_norm", "ATTN_Q_NORM"),
@@ -163,6 +164,8 @@ def hparams() -> tuple[HParam, ...]:
                lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe")),
         HParam(llm.EXPERT_SHARED_FEED_FORWARD_LENGTH, "u32", "ffn_shared_hidden",
                lambda cfg, arch: bool(cfg.ffn_shared_hidden)),
+        HParam(llm.ATTN_LOGIT_SOFTCAPPING, "f32", "attn_softcap", lambda cfg, arch: cfg.attn_softcap is not None),
+        HParam(llm.FINAL_LOGIT_SOFTCAPPING, "f32", "final_softcap", lambda cfg, arch: cfg.final_softcap is not None),
     )
 
 
@@ -181,6 +184,17 @@ class GGUFArch:
     rope_scalings: tuple[str, ...] = ("linear", "yarn")  # the scaled_rope types it applies (ROPE below)
     fused: tuple[Fused, ...] = ()
     q_is_d_model: bool = False  # loads q and o as [d_model, d_model]: n_heads * head_dim = d_model
+    # Gemma (WINDOWS section below for the sliding windows):
+    activation: str = "swiglu"  # ModelConfig.activation of its FFN (geglu_tanh: gelu(gate x) * up x)
+    scale_embeddings: bool = False  # the embeddings times sqrt(d_model)
+    unit_offset_norms: bool = False  # its converter stores RMSNorm weights as 1 + w: read as (1 + w) norms
+    tied_only: bool = False  # loads no output.weight: the embedding is the head
+    attn_softcap: str = "none"  # none | always (attn_logit_softcapping, SOFTCAP_DEFAULTS when absent)
+    final_softcap: str = "none"  # none | optional (final_logit_softcapping, 0 or absent: none) | always
+    windows: str = "none"  # none | optional (with attention.sliding_window) | always (SOFTCAP_DEFAULTS' window)
+    window_pattern: int = 0  # absent sliding_window_pattern: layers i with i % n < n - 1 slide
+    window_rope: str = "global"  # the sliding layers' RoPE (WINDOWS): global (scaled as the others) or plain
+    attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -206,7 +220,20 @@ ARCHS = {
                             Fused(("layers.{}.ffn.gate", "layers.{}.ffn.up"), "FFN_UP", ("weight",)))),
     "smollm3": GGUFArch("smollm3", rope_pairs=True, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
                         nope_every=4),
+    "gemma2": GGUFArch("gemma2", rope_pairs=False, gate_norm=None, hf_dense="gemma2", hf_mixture=None,
+                       norm_position="sandwich", biases=(), rope_scalings=("linear",), activation="geglu_tanh",
+                       scale_embeddings=True, unit_offset_norms=True, tied_only=True, attn_softcap="always",
+                       final_softcap="always", windows="always", window_pattern=2, window_rope="global",
+                       attn_scale_layers=46),
+    "gemma3": GGUFArch("gemma3", rope_pairs=False, gate_norm=None, hf_dense="gemma3_text", hf_mixture=None,
+                       qk_norm="head", norm_position="sandwich", biases=(), rope_scalings=("linear",),
+                       activation="geglu_tanh", scale_embeddings=True, unit_offset_norms=True,
+                       final_softcap="optional", windows="optional", window_pattern=6, window_rope="plain",
+                       attn_scale_layers=62),
 }
+# llama.cpp's values where a gemma2 file has no key (llama-hparams.h, gemma2's loader)
+SOFTCAP_DEFAULTS = {"attn_softcap": 50.0, "final_softcap": 30.0}
+DEFAULT_WINDOW = {"gemma2": 4096}
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)
 
 
@@ -375,3 +402,99 @@ def _llama3_of(freqs: np.ndarray, base: ModelConfig) -> tuple[dict, str | None]:
              "original_max_position_embeddings": base.max_positions, "attention_factor": 1.0},
             "rope_freqs are not Llama 3.x's parameters (factor, low 1, high 4, original 8192): carried as the "
             "frequency factors they are (scaled_rope longrope with equal long and short factors)")
+
+
+# ---- WINDOWS: sliding windows, their RoPE, the attention scale and (1 + w) norms (Gemma) ----------------------
+# llama.cpp masks key p0 for query p1 of a sliding layer when p1 - p0 >= attention.sliding_window: a query sees the
+# last sliding_window tokens, itself included (ModelConfig.attn_window). The sliding layers are the bool array
+# attention.sliding_window_pattern (an integer n: layers i with i % n < n - 1; absent: the row's window_pattern). gemma3
+# without sliding_window (or 0) has none; gemma2 always slides (4096 when absent), so a model without windows gets an
+# all-false pattern. The sliding layers' RoPE (ModelConfig: plain RoPE of base window_rope_theta, or, None, the
+# global RoPE):
+#   global (gemma2)  base rope.freq_base_swa (absent: rope.freq_base), scaled as the other layers
+#   plain (gemma3)   base rope.freq_base_swa (absent: 10000), never scaled
+# The attention scale is no key: llama.cpp takes 1/sqrt(head_dim), or 1/sqrt(d_model / n_heads) (integer division)
+# at the 27B's block_count (attn_scale_layers). Norms: llama.cpp's RMSNorm multiplies by the stored weight, so a
+# (1 + w) norm is stored as 1 + w (float32 addition) in every architecture; gemma2 / gemma3 files are read as (1 + w)
+# norms, w = v - 1 (float32 subtraction), as llama.cpp's converter stores Gemma's: 1 + (v - 1) == v exactly for every
+# stored v >= 0.5 (Sterbenz), so the model read computes with exactly the stored scales; w itself comes back exactly
+# only when 1 + w was (|w| >= 2^-23 has its bits below 2^-23 rounded away).
+def sliding_layers(cfg: ModelConfig) -> list[bool]:
+    """Whether each layer of cfg slides."""
+    return [cfg.attn_window is not None and (cfg.attn_window_layers is None or i in cfg.attn_window_layers)
+            for i in range(cfg.n_layers)]
+
+
+def pattern_layers(n: int, n_layers: int) -> list[bool]:
+    """llama.cpp's set_swa_pattern(n): layers i with i % n < n - 1 slide (n = 0: every layer)."""
+    return [n == 0 or i % n < n - 1 for i in range(n_layers)]
+
+
+def attn_scale_dim(arch: str, d_model: int, n_heads: int, n_layers: int, head_dim: int) -> int:
+    """The dimension llama.cpp's `arch` scales attention logits by 1/sqrt of."""
+    row = ARCHS[arch]
+    return d_model // n_heads if row.attn_scale_layers and n_layers == row.attn_scale_layers else head_dim
+
+
+def window_keys(cfg: ModelConfig, arch: str) -> dict[str, tuple[str, Any]]:
+    """{key template: (kind, value)} that give llama.cpp's `arch` cfg's sliding layers (section comment); what it
+    cannot compute is gguf_export's to refuse first."""
+    if ARCHS[arch].windows == "none":
+        return {}
+    g = gguf_module()
+    att, rope = g.Keys.Attention, g.Keys.Rope
+    sliding = sliding_layers(cfg)
+    out: dict[str, tuple[str, Any]] = {}
+    if cfg.attn_window is not None:
+        out[att.SLIDING_WINDOW] = ("u32", cfg.attn_window)
+    if (cfg.attn_window is not None or ARCHS[arch].windows == "always") and \
+            sliding != pattern_layers(ARCHS[arch].window_pattern, cfg.n_layers):
+        out[att.SLIDING_WINDOW_PATTERN] = ("bools", sliding)
+    if any(sliding):
+        out[rope.FREQ_BASE_SWA] = ("f32", float(cfg.window_rope_theta or cfg.rope_theta))
+    return out
+
+
+def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
+    """ModelConfig fields (attn_window, attn_window_layers, window_rope_theta) computing the sliding layers llama.cpp
+    computes for this file, `base` its config without windows. Raises ValueError (one line) for what the runtime does
+    not compute."""
+    row = ARCHS[arch]
+    if row.windows == "none":
+        return {}
+    g = gguf_module()
+    att, rope = g.Keys.Attention, g.Keys.Rope
+    window = fields.get(att.SLIDING_WINDOW.format(arch=arch), DEFAULT_WINDOW.get(arch, 0))
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{att.SLIDING_WINDOW.format(arch=arch)} is {printable_kind(str(window))}, not a window size")
+    if window == 0:
+        return {}
+    n = base.n_layers
+    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch), row.window_pattern)
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = pattern_layers(pattern, n)
+    elif isinstance(pattern, list) and len(pattern) == n and all(isinstance(p, bool) for p in pattern):
+        sliding = pattern
+    else:
+        raise ValueError(f"{att.SLIDING_WINDOW_PATTERN.format(arch=arch)} is neither a layer period nor {n} booleans")
+    if not any(sliding):
+        return {}
+    key = rope.FREQ_BASE_SWA.format(arch=arch)
+    local = fields.get(key, base.rope_theta if row.window_rope == "global" else 10000.0)
+    if not isinstance(local, (int, float)) or isinstance(local, bool):
+        raise ValueError(f"{key} is {printable_kind(str(local))}, not a number")
+    local = float(local)
+    if local == base.rope_theta and (row.window_rope == "global" or base.scaled_rope is None):
+        theta = None  # the sliding layers rotate as the others
+    elif row.window_rope == "global" and base.scaled_rope is not None:
+        raise ValueError(f"{key} {local:g} with scaled RoPE: llama.cpp's {arch} scales its sliding layers' RoPE of "
+                         "another base, which the runtime does not compute")
+    else:
+        theta = local
+    return dict(attn_window=window, attn_window_layers=None if all(sliding) else
+                [i for i, s in enumerate(sliding) if s], window_rope_theta=theta)
+
+
+def is_norm(canonical: str) -> bool:
+    """An RMSNorm weight (of the final norm, a block's norms, a QK-norm)."""
+    return canonical.endswith("norm.weight")

@@ -21,7 +21,8 @@ SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2)
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)
-# family -> (the model it stands for, its config.json with the real features)
+# family -> (the model it stands for, its config.json with the real features; Gemma's query_pre_attn_scalar is its
+# head_dim, as in Gemma 2 2B / 9B and Gemma 3 up to 12B)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("Llama 3.2 (llama3 RoPE, tied)", dict(SIZES, model_type="llama", tie_word_embeddings=True,
                                                      max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE)),
@@ -39,9 +40,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "smollm3": ("SmolLM3 (no RoPE every 4th layer)", dict(SIZES, model_type="smollm3")),
     "olmo3": ("OLMo 3 (sliding windows in 3 of 4 layers)", dict(SIZES, model_type="olmo3", sliding_window=512)),
     "gemma2": ("Gemma 2 (sandwich norms, soft-capping, every other layer sliding)",
-               dict(SIZES, model_type="gemma2", head_dim=32, sliding_window=512)),
+               dict(SIZES, model_type="gemma2", head_dim=32, query_pre_attn_scalar=32, sliding_window=512)),
     "gemma3_text": ("Gemma 3 270M (QK-norm, 5 of 6 layers sliding, local RoPE base)",
-                    dict(SIZES, model_type="gemma3_text", num_hidden_layers=6, head_dim=32, sliding_window=512)),
+                    dict(SIZES, model_type="gemma3_text", num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+                         sliding_window=512)),
     "mistral": ("Mistral 7B v0.1 (4096-token window)", dict(SIZES, model_type="mistral", sliding_window=4096)),
     "gpt_neox": ("Pythia (parallel, partial rotary)", dict(SIZES, model_type="gpt_neox", num_key_value_heads=None,
                                                            rotary_pct=0.25)),

@@ -16,7 +16,8 @@ Two kinds of test:
   the families (FAMILIES): Llama with llama3 / linear / yarn RoPE, qwen3 (also with yarn and q/k/v biases), olmo2,
   phi3 with longrope in both of llama.cpp's regimes (context within the original length: short factors; past it: long
   factors, compared on a prompt longer than the original, where the runtime takes them too), smollm3 and a qwen3moe
-  mixture, at positions past the RoPE original length.
+  mixture, at positions past the RoPE original length; gemma2 and gemma3 past their windows (GEGLU_TOL: llama.cpp's f16
+  GELU table; without the FFN output within F32_TOL, prefilled and decoded from the cache).
 """
 from __future__ import annotations
 
@@ -79,6 +80,14 @@ LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=256,  # l
                 short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.5 + 0.7 * i for i in range(8)])
 
 
+GEMMA = dict(norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="geglu_tanh",
+             tie_embeddings=True)
+# llama.cpp's CPU GeGLU reads GELU from an f16 table (ggml's GGML_GELU_FP16: the gate rounded to f16, the GELU
+# rounded to f16), which the runtime (and transformers) compute in f32: Gemma's logits differ by that much (measured
+# 6.6e-3 on gemma2, 1.2e-2 on gemma3); with the FFNs' output zeroed, everything else within F32_TOL (test below).
+GEGLU_TOL = 5e-2
+
+
 def family_config(family: str) -> ModelConfig:
     """A tiny model of each family llama.cpp has (FAMILIES), its features as the converters read them from the
     real configs (tests/conftest.py FAMILY_CASES), RoPE's original length short enough to pass it in a test."""
@@ -98,6 +107,13 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "smollm3": (dict(n_layers=4, nope_layers=[3], rope_theta=5e6), "smollm3"),
     "qwen3moe": (dict(qk_norm="head", head_dim=32, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
                  "qwen3moe"),
+    # Gemma (conftest FAMILY_CASES "gemma2" / "gemma3" as the HF reader maps them), windows of 5 tokens: gemma2's
+    # layers 0 and 2 slide (llama.cpp's default pattern, no key), gemma3's too (not its default: the pattern array)
+    "gemma2": (dict(GEMMA, n_layers=3, attn_softcap=5.0, final_softcap=3.0, attn_window=5, attn_window_layers=[0, 2]),
+               "gemma2"),
+    "gemma3": (dict(GEMMA, n_layers=3, qk_norm="head", head_dim=32, n_kv_heads=1, attn_window=5,
+                    attn_window_layers=[0, 2], window_rope_theta=10000.0, rope_theta=1e6, max_positions=256,
+                    scaled_rope=dict(rope_type="linear", factor=8.0)), "gemma3"),
 }
 
 
@@ -174,9 +190,22 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
     def data(name: str) -> np.ndarray:
         return np.array(t[name].data)
 
+    def norm(name: str) -> np.ndarray:  # a (1 + w) norm is stored as 1 + w, which llama.cpp multiplies by
+        return (state[name] + 1.0 if cfg.norm_unit_offset else state[name]).numpy()
+
     if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2)
         assert list(t["blk.1.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
-        assert np.array_equal(data("blk.1.attn_k_norm.weight"), state["layers.1.attn.k_norm.weight"].numpy())
+        assert np.array_equal(data("blk.1.attn_k_norm.weight"), norm("layers.1.attn.k_norm.weight"))
+    if cfg.norm_position == "sandwich":
+        for ours, theirs in (("attn_norm", "attn_norm"), ("attn_post_norm", "post_attention_norm"),
+                             ("ffn_norm", "ffn_norm"), ("ffn_post_norm", "post_ffw_norm")):
+            assert np.array_equal(data(f"blk.2.{theirs}.weight"), norm(f"layers.2.{ours}.weight"))
+        assert np.array_equal(data("output_norm.weight"), norm("final_norm.weight"))
+        assert f[f"{arch}.attention.sliding_window"] == 5 and f[f"{arch}.rope.freq_base_swa"] == 10000.0
+        # layers 0 and 2 slide: gemma2's default (every other layer, no key), not gemma3's (five of six)
+        assert f.get(f"{arch}.attention.sliding_window_pattern") == (None if arch == "gemma2" else [True, False, True])
+        assert (f.get(f"{arch}.attn_logit_softcapping"), f.get(f"{arch}.final_logit_softcapping")) == (
+            (5.0, 3.0) if arch == "gemma2" else (None, None))
     if cfg.norm_position == "post":
         assert np.array_equal(data("blk.1.post_attention_norm.weight"), state["layers.1.attn_post_norm.weight"].numpy())
         assert np.array_equal(data("blk.1.post_ffw_norm.weight"), state["layers.1.ffn_post_norm.weight"].numpy())
@@ -237,6 +266,17 @@ def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
     (dict(scaled_rope=LONGROPE, max_positions=1024, o_bias=True), "o biases"),
     (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"), "a full-width QK-norm"),
     (dict(qk_norm="head", rope_interleaved=True), "interleaved RoPE"),
+    (dict(FAMILIES["gemma2"][0], attn_window=None, attn_window_layers=None), "no sliding-window layers"),
+    (dict(FAMILIES["gemma2"][0], attn_softcap=None), "attention soft-capping (llama.cpp's gemma2)"),
+    (dict(FAMILIES["gemma2"][0], tie_embeddings=False), "an lm_head of its own"),
+    (dict(FAMILIES["gemma2"][0], attn_scale_dim=24), "attention scaled by 1/sqrt(16) (llama.cpp's gemma2)"),
+    (dict(FAMILIES["gemma3"][0], attn_softcap=5.0), "no attention soft-capping (llama.cpp's gemma3)"),
+    (dict(FAMILIES["gemma3"][0], window_rope_theta=None), "sliding layers with the global RoPE scaling"),
+    (dict(FAMILIES["gemma3"][0], scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
+     "gemma3 applies (linear)"),
+    (dict(FAMILIES["gemma3"][0], ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"), "no Gemma mixture"),
+    (dict(scale_embeddings=True), "unscaled embeddings (llama.cpp's llama)"),
+    (dict(attn_window=8), "attention over the whole prefix (llama.cpp's llama)"),
 ])
 def test_family_features_refused_from_config_alone(overrides, needle):
     with pytest.raises(CapabilityError) as e:
@@ -813,7 +853,8 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model = load_model(ckpt)
     if family != "phi3":
-        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, 60), F32_TOL)
+        tol = GEGLU_TOL if cfg.activation == "geglu_tanh" else F32_TOL  # llama.cpp's f16 GELU table (GEGLU_TOL)
+        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, 60), tol)
         print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over 60 positions")
         return
     short_ctx = llama(llama_cpp, tmp_path / "m.gguf", n_ctx=256)
@@ -830,6 +871,36 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
     print(f"\nphi3 longrope: max|dlogit| f32 {diff_short:.2e} (context 256, 40 tokens: short factors), {diff_long:.2e} "
           f"(context 512, 300 tokens: long factors); 40 tokens in context 512: {off:.2e} from the runtime, "
           f"{diff_as_long:.2e} from it with the long factors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_llama_cpp_gemma_exact_but_the_gelu_table(llama_cpp, tmp_path, family, one_thread):
+    """Gemma without its FFNs' output (ffn.down zeroed, so llama.cpp's f16 GELU table adds nothing): everything else
+    (sliding windows and their pattern, the sliding layers' RoPE base beside gemma3's scaled global RoPE, soft-caps,
+    (1 + w) sandwich norms, scaled embeddings, the attention scale, QK-norm) within F32_TOL of the runtime on 60 tokens,
+    12 times the window, prefilled at once and decoded a token at a time from the cache; the windows matter there
+    (the runtime without them is far off)."""
+    cfg = family_config(family)
+    state = {k: torch.zeros_like(v) if ".ffn.down." in k else v for k, v in random_state(cfg, 7).items()}
+    ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
+    run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
+    model, prompt = load_model(ckpt), random_prompt(cfg, 60)
+    llm = llama(llama_cpp, tmp_path / "m.gguf")
+    want = runtime_logits(model, prompt)
+    diff = check_against_runtime(llm, model, prompt, F32_TOL)
+    llm.reset()
+    llm.eval(prompt[:20])
+    for token in prompt[20:]:
+        llm.eval([token])
+    decoded = float(np.abs(np.array(llm.scores[:60], dtype=np.float64) - want).max())
+    assert decoded <= F32_TOL, decoded
+    unwindowed = Model(cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None))
+    unwindowed.load_state_dict(model.state_dict())
+    off = float(np.abs(llama_logits(llm, prompt) - runtime_logits(unwindowed.eval(), prompt)).max())
+    assert off > 100 * F32_TOL, off
+    print(f"\n{family} without FFN output: max|dlogit| f32 {diff:.2e} prefilled, {decoded:.2e} decoded; the runtime "
+          f"without windows {off:.2e} off")
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 * round trips through the one table (gguf_table): every architecture the export writes (llama with its Q/K
   permutation, qwen2, Mixtral-shaped llama mixtures, qwen2moe with a shared expert, and the families: llama with
-  llama3 / linear / yarn RoPE, qwen3, qwen3moe, olmo2, phi3 with its fused tensors and longrope, smollm3) reads back
+  llama3 / linear / yarn RoPE, qwen3, qwen3moe, olmo2, phi3 with its fused tensors and longrope, smollm3, gemma2,
+  gemma3: their (1 + w) norms come back as scales equal to the bit) reads back
   to the same config and, in f32, bit-identical tensors and logits; f16 and q8_0 within their rounding; a file
   without our config record (llama.cpp's converter writes none) reads back to a config computing the same;
 * every quantization type gguf.quants dequantizes, read one tensor at a time and equal to gguf's own dequantization of
@@ -72,7 +73,10 @@ def test_round_trip_every_architecture(tmp_path, kind):
         assert {k: back.to_dict()[k] for k in same} == same
         assert not back.rope_interleaved and back.qkv_bias == (cfg.qkv_bias or arch == "qwen2moe")
         if kind not in ("llama-pairs", "qwen2moe"):  # the permutation's inverse is exact
-            assert all(torch.equal(r.get(n), state[n]) for n in state), kind
+            # a (1 + w) norm (Gemma) is stored as 1 + w and read as v - 1: the scale 1 + w comes back to the bit
+            offset = [n for n in state if cfg.norm_unit_offset and n.endswith("norm.weight")]
+            assert all(torch.equal(r.get(n), state[n]) for n in state if n not in offset), kind
+            assert all(torch.equal(1.0 + r.get(n), 1.0 + state[n]) for n in offset), kind
         assert torch.equal(logits(r), logits(cfg, state)) if kind != "llama-pairs" else \
             torch.allclose(logits(r), logits(cfg, state), atol=1e-5)
 
@@ -393,3 +397,36 @@ def test_unknown_tensor_named(tmp_path):
     path.write_bytes(data.replace(b"blk.0.ffn_up.weight", b"blk.0.ffn_xx.weight"))
     line = cli_error_line("inspect", path)
     assert "blk.0.ffn_xx.weight" in line and "unknown tensor" in line
+
+
+def test_hostile_gemma_values_get_one_line(tmp_path):
+    """Gemma's window and soft-cap keys (gguf_table's WINDOWS section) checked: one line naming the file and the key
+    (values of the same length replaced, so the tensor data stays in place); an integer period or no pattern reads as
+    llama.cpp's set_swa_pattern."""
+    from bam_surgery.converters.gguf_table import windows_of
+
+    cfg = family_config("gemma3")
+    data = write(cfg, random_state(cfg), tmp_path / "g3.gguf", gguf_dtype="f32").read_bytes()
+    cases = {
+        "int8 pattern": ("gemma3.attention.sliding_window_pattern", struct.pack("<IIQ", 9, 1, 3) + b"\x01\x00\x01",
+                         "sliding_window_pattern"),
+        "float window": ("gemma3.attention.sliding_window", struct.pack("<If", 6, 5.0), "sliding_window"),
+        "negative base": ("gemma3.rope.freq_base_swa", struct.pack("<Ii", 5, -5), "window_rope_theta"),
+    }
+    for name, (key, value, needle) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '-')}.gguf"
+        path.write_bytes(_replace_field(data, key, value))
+        line = cli_error_line("count-params", path)
+        assert str(path) in line and needle in line, (name, line)
+    base = cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None)
+    window = {"gemma3.attention.sliding_window": 5}
+    assert windows_of("gemma3", {**window, "gemma3.attention.sliding_window_pattern": 2}, base)["attn_window_layers"] \
+        == [0, 2]  # a period of 2: layers 0 and 2 slide
+    assert windows_of("gemma3", window, base)["attn_window_layers"] is None  # llama.cpp's 6: all three slide
+    assert windows_of("gemma3", {}, base) == {}  # no sliding_window: gemma3 without windows
+    assert windows_of("gemma2", {}, base)["attn_window"] == 4096  # gemma2's default window
+    cfg2 = family_config("gemma2")
+    g2 = write(cfg2, random_state(cfg2), tmp_path / "g2.gguf", gguf_dtype="f32").read_bytes()
+    zero = tmp_path / "zero-cap.gguf"  # llama.cpp's gemma2 would divide by it
+    zero.write_bytes(_replace_field(g2, "gemma2.attn_logit_softcapping", struct.pack("<If", 6, 0.0)))
+    assert "attn_softcap" in cli_error_line("count-params", zero)
