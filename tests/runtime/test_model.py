@@ -191,24 +191,17 @@ IDENTITY_MIXTURES = {
 }
 
 
-@pytest.mark.parametrize("feature", list(FAMILY_FEATURES))
-@pytest.mark.parametrize("name", ["soft_moa_expert_kv", "soft_moa_shared_kv", "bam_soft_moa_ffn_top2"])
-def test_identical_copies_equal_dense_family_features(name, feature):
-    dense_cfg = tiny_config(**FAMILY_FEATURES[feature])
-    mix_cfg = dense_cfg.replace(**IDENTITY_MIXTURES[name])
-    dense = random_state(dense_cfg, 5)
-    tokens = tokens_for(dense_cfg, 5)
-    with torch.no_grad():
-        want = build_model(dense_cfg, dense)(tokens).logits
-        got = build_model(mix_cfg, mixture_state(mix_cfg, [dense] * 3, router_seed=11))(tokens).logits
-    assert max_diff(got, want) < TOL
+BLOCK_TRUNK = dict(n_kv_heads=2, qkv_bias=True, ffn_bias=True, norm="layernorm", norm_bias=True)
+# (trunk, mixture): every block style with every identity mixture; each newer family's features with the
+# attention-expert mixtures (their features live in the attention and the norms)
+IDENTITY_CASES = [(f"{b}-{m}", dict(BLOCK_TRUNK, block=b), m) for b in BLOCKS for m in IDENTITY_MIXTURES] + [
+    (f"family-{f}-{m}", FAMILY_FEATURES[f], m) for f in FAMILY_FEATURES
+    for m in ("soft_moa_expert_kv", "soft_moa_shared_kv", "bam_soft_moa_ffn_top2")]
 
 
-@pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("name", list(IDENTITY_MIXTURES))
-def test_identical_copies_equal_dense(name, block):
-    dense_cfg = tiny_config(block=block, n_kv_heads=2, qkv_bias=True, ffn_bias=True, norm="layernorm",
-                            norm_bias=True)
+@pytest.mark.parametrize("trunk, name", [c[1:] for c in IDENTITY_CASES], ids=[c[0] for c in IDENTITY_CASES])
+def test_identical_copies_equal_dense(trunk, name):
+    dense_cfg = tiny_config(**trunk)
     mix_cfg = dense_cfg.replace(**IDENTITY_MIXTURES[name])
     dense = random_state(dense_cfg, 5)
     tokens = tokens_for(dense_cfg, 5)
