@@ -22,8 +22,10 @@ DATA = f"code={ROOT / 'data/domains/code'}"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gemma3"])
-def test_merge_train_generate_export(tmp_path, family):
+def test_merge_train_generate_export(tmp_path, hf_modules, family):
     cls_name, kwargs = FAMILY_CASES[family]
+    if family == "gemma2":  # Gemma 2's own soft-caps: the tiny case's 3.0 squeezes logits into near-ties
+        kwargs = dict(kwargs, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
     random_hf_model(cls_name, dict(kwargs, vocab_size=256), seed=2).save_pretrained(tmp_path / "seed")
     mix = tmp_path / "mix.safetensors"
     run_cli("merge", "--quiet", "--seed", tmp_path / "seed", "--experts", f"{tmp_path / 'seed'},{tmp_path / 'seed'}",
