@@ -59,7 +59,9 @@ The file is written under a temporary name beside OUT and renamed at the end (ru
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -600,6 +602,12 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
+    except OSError as e:
+        if e.errno is None:  # numpy's tofile (the gguf package writes tensors with it) reports a short write of a
+            # file without an errno ("8192 requested and 5912 written"): the disk (or the quota) is full. As ENOSPC
+            # on the file, runtime.atomic names the output and says so.
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the disk is full ({e})", str(path)) from None
+        raise
     finally:
         w.close()
     reader.check_unchanged()
