@@ -161,11 +161,15 @@ _held_warnings: list[str] | None = None  # while a merge runs (_warnings_unless_
 
 
 def _warn(msg: str) -> None:
-    line = f"bam-surgery: warning: {one_line(msg)}"
     if _held_warnings is not None:
-        _held_warnings.append(line)
+        _held_warnings.append(msg)
     else:
-        click.echo(line, err=True)
+        _warn_now(msg)
+
+
+def _warn_now(msg: str) -> None:
+    """A warning never held: what a run did to the disk (a killed run's work folder settled)."""
+    click.echo(f"bam-surgery: warning: {one_line(msg)}", err=True)
 
 
 @contextmanager
@@ -183,8 +187,8 @@ def _warnings_unless_refused():
         raise
     finally:
         held, _held_warnings = _held_warnings or [], None
-        for line in held:
-            click.echo(line, err=True)
+        for msg in held:
+            _warn_now(msg)
 
 
 def _check_format_out(fmt: str, out: str | None) -> None:
@@ -354,7 +358,7 @@ def merge(args: MergeArgs) -> None:
             return
         if args.fmt == "canonical":
             path = execute_plan(plan, args.out, force=args.force, max_shard_bytes=shard_bytes,
-                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn)
+                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now)
         else:
             path = _merge_export(plan, Path(args.out), args.fmt, args.force, shard_bytes)
         output_written(path)
