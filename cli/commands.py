@@ -12,7 +12,7 @@ import errno
 import os
 import signal
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,8 +157,38 @@ def _parse_weights(text: str | None) -> tuple[float, ...] | None:
                               ) from None
 
 
+_held_warnings: list[str] | None = None  # while a merge runs (_warnings_unless_refused)
+
+
 def _warn(msg: str) -> None:
+    if _held_warnings is not None:
+        _held_warnings.append(msg)
+    else:
+        _warn_now(msg)
+
+
+def _warn_now(msg: str) -> None:
+    """A warning never held: what a run did to the disk (a killed run's work folder settled)."""
     click.echo(f"bam-surgery: warning: {one_line(msg)}", err=True)
+
+
+@contextmanager
+def _warnings_unless_refused():
+    """A merge's warnings (an expert far from the seed or equal to it, tokenizers that differ, non-finite values
+    kept) held while it runs: printed once it completes or is interrupted, dropped when it is refused, so that a
+    refused merge prints its one error line alone (an unrelated expert holding NaN printed the distance warning,
+    then the error: issue 33). Fix the error, and the next run prints them."""
+    global _held_warnings
+    _held_warnings = []
+    try:
+        yield
+    except Exception:
+        _held_warnings = None
+        raise
+    finally:
+        held, _held_warnings = _held_warnings or [], None
+        for msg in held:
+            _warn_now(msg)
 
 
 def _check_format_out(fmt: str, out: str | None) -> None:
@@ -316,6 +346,8 @@ def merge(args: MergeArgs) -> None:
     named = [parse_named(args.seed), *split_specs(args.experts)]
     names = input_names([spec for _, spec in named], [name for name, _ in named])
     with ExitStack() as opened:
+        if not args.dry_run:
+            opened.enter_context(_warnings_unless_refused())
         readers = [opened.enter_context(open_input(spec, args.allow_pickle)) for _, spec in named]
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(args.fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any read
@@ -326,12 +358,12 @@ def merge(args: MergeArgs) -> None:
             return
         if args.fmt == "canonical":
             path = execute_plan(plan, args.out, force=args.force, max_shard_bytes=shard_bytes,
-                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn)
+                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now)
         else:
             path = _merge_export(plan, Path(args.out), args.fmt, args.force, shard_bytes)
         output_written(path)
-        if not args.quiet:
-            _print_merge_summary(plan, path)
+    if not args.quiet:
+        _print_merge_summary(plan, path)
 
 
 def _check_merge_args(args: MergeArgs) -> int | None:

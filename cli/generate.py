@@ -68,6 +68,12 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     if (prompt is None) == (tokens is None):
         raise BamSurgeryError("give the input as exactly one of --prompt TEXT and --tokens ID,ID,...")
     ids = _token_ids(tokens) if tokens is not None else None
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: bytes of the command line that are not UTF-8
+            raise BamSurgeryError(f"--prompt: not valid text at character {e.start + 1} (a lone surrogate "
+                                  f"{prompt[e.start]!r}: the argument holds bytes that are not UTF-8)") from None
     if nucleus < 1 and temp == 0:
         click.echo(f"bam-surgery: note: --top-p {top_p} is unused under greedy decoding (--temperature 0); give "
                    "--temperature above 0 to sample", err=True)
@@ -181,7 +187,12 @@ def _encode(tok, prompt: str) -> list[int]:
     from bam_surgery.train.tokenize import HFTokenizer  # lazy: tokenizers, 0.02 s more for --help
 
     if isinstance(tok, HFTokenizer):
-        return tok.tok.encode(prompt).ids
+        try:
+            return tok.tok.encode(prompt).ids
+        except Exception as e:  # the tokenizers library raises a bare Exception, e.g. a Unigram model without
+            # unk_id meeting a character outside its vocabulary ("Encountered an unknown token but `unk_id` is missing")
+            reason = " ".join(str(e).split())[:200]
+            raise BamSurgeryError(f"{tok.name}: cannot encode --prompt with this tokenizer ({reason})") from None
     return [int(i) for i in tok.encode_batch([prompt])[0]]
 
 

@@ -79,7 +79,9 @@ The file is written under a temporary name beside OUT and renamed at the end (ru
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,12 +96,14 @@ from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
 from bam_surgery.runtime.errors import CheckpointError, printable
-from bam_surgery.runtime.jsonfile import json_field, parse_json, read_json
+from bam_surgery.runtime.jsonfile import json_field, parse_json
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
+from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols)
 from .hf.mixtral_config import mixtral_problems
@@ -490,7 +494,7 @@ def bpe_vocabulary(path: Path, vocab_size: int, generation: Mapping[str, Any],
     """tokenizer.json (a byte-level BPE) as llama.cpp's gpt2 vocabulary of exactly vocab_size tokens."""
     g = gguf_module()
     where = str(path)
-    body = read_json(path, expect=dict)
+    body = parse_json(read_side_file(path), where, expect=dict)  # through its one checked descriptor
     model = _check_bpe_model(body, where)
     pre = pre_tokenizer_name(body.get("pre_tokenizer"), where)
     if bool(model.get("ignore_merges")) != PRE_TOKENIZERS[pre][2]:
@@ -540,7 +544,7 @@ def _tokenizer_config(path: Path) -> dict[str, Any]:
     added-token object ({"content": string}, taken as its content); chat_template a string (or transformers'
     list of named templates, which llama.cpp's one template cannot carry: left out)."""
     where = str(path)
-    body = read_json(path, expect=dict)
+    body = parse_json(read_side_file(path), where, expect=dict)  # through its one checked descriptor
     out: dict[str, Any] = {}
     for kind in ("eos", "bos", "pad"):
         value = json_field(body, f"{kind}_token", (str, dict), where)
@@ -576,13 +580,15 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
 # ---- the card --------------------------------------------------------------------------------------------
 def _license(reader: Reader) -> str | None:
     """`license:` of the input's README.md front matter (a Hugging Face model card), if it has one."""
-    readme = reader.source_dir / "README.md" if reader.source_dir is not None else None
+    # a README.md linking out of the model folder is refused (side_file), as every side file is, and read through
+    # its one checked descriptor (read_side_file): never another file's text in general.license
+    readme = side_file(reader.source_dir, "README.md") if reader.source_dir is not None else None
     try:
         if readme is None or not readme.is_file() or readme.stat().st_size > 1 << 20:
             return None
-        text = readme.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
+    text = read_side_file(readme, "README.md", max_bytes=1 << 20).decode("utf-8", errors="replace")
     if not text.startswith("---"):
         return None
     front = text[3:].split("\n---", 1)[0]
@@ -726,6 +732,12 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
+    except OSError as e:
+        if e.errno is None:  # numpy's tofile (the gguf package writes tensors with it) reports a short write of a
+            # file without an errno ("8192 requested and 5912 written"): the disk (or the quota) is full. As ENOSPC
+            # on the file, runtime.atomic names the output and says so.
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the disk is full ({e})", str(path)) from None
+        raise
     finally:
         w.close()
     reader.check_unchanged()

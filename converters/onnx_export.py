@@ -29,6 +29,7 @@ from bam_surgery.runtime.blocks import ModelKVCache
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader, check_layout
+from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .onnx_genai import GENAI_CONFIG, genai_config
@@ -90,7 +91,7 @@ class OnnxExporter(Exporter):
             del graph
             onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also reads external data
             for f in options.tokenizer_files:
-                shutil.copyfile(f, tmp / Path(f).name)
+                copy_side_file(Path(f), tmp / Path(f).name)
             write_genai_config(cfg, tmp, options, log)
             (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
             if options.verify:

@@ -17,6 +17,7 @@ from .config import PRESETS, ConfigError, ModelConfig, preset
 from .blocks import ModelKVCache
 from .generation import generate
 from .model import ForcedRouting, Model, ModelOutput
+from .dtypes import FLOAT_DTYPES
 from .reader import Reader, StateReader, check_layout
 
 
@@ -30,8 +31,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 def model_from_reader(reader: Reader, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
     """The model of any reader (canonical names), checked against its config's layout first (errors
     name the file and tensor, instead of load_state_dict's message); weights cast to dtype if given.
-    In eval mode."""
-    check_layout(reader)
+    In eval mode. Weights stored as integers (int32, ...) are refused by name (they were a load_state_dict
+    traceback in generate and export-onnx)."""
+    check_layout(reader, dtypes=FLOAT_DTYPES)
     cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
     with torch.device("meta"):
         model = Model(cfg)

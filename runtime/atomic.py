@@ -13,7 +13,9 @@ same OUT finds it:
         lock                             flock()ed by the writing process, holding its pid
         mix                              the new output (file or folder): being written, or complete
                                          and not yet renamed onto OUT
-        replaced                         with replace=True: the previous OUT, moved aside
+        replaced                         with replace=True (two-step fallback): the previous OUT, moved aside
+        exchanging                       with replace=True (one exchange): "DEV INO" of the new output,
+                                         written before OUT and work/mix are swapped
         discarded                        the previous OUT once the new one is in place: being removed
 
 The commit protocol. Each state is a set of names on disk, so a run killed in any state leaves
@@ -27,7 +29,20 @@ started. No state holds neither the old nor the new output. Step names (in brack
   S1 writing  [ready]    work/{lock, mix}; OUT: the old output, or nothing.
                          Interrupt or kill -9: `mix` is removed (by this run, or by the next);
                          OUT untouched. "nothing was written" is true.
-  S2 aside    [aside,    replace=True and something is at OUT: OUT renamed to work/replaced
+  S2x swap    [recorded, replace=True and something is at OUT, where renameat2(RENAME_EXCHANGE) works
+               exchanged] (Linux >= 3.15, most local file systems): the new output's identity is written
+                         to work/exchanging [recorded], then OUT and work/mix are swapped in ONE call
+                         [exchanged]: OUT is never absent, it holds the old output until the instant it
+                         holds the new one. work/mix is then the previous output, checked with
+                         runtime.outputs.not_own_output (what is checked is exactly what would be
+                         discarded); not ours: swapped back at once, the run fails. The settling rule:
+                         OUT being the recorded identity means the swap happened (work/mix is the
+                         previous output: checked, renamed to `discarded`, S4); otherwise work/mix is
+                         the recorded new output, never at OUT (removed, as in S1); neither: both are
+                         kept and the run fails naming them. A record cut short by a kill means no swap
+                         yet. Where the exchange is refused (EINVAL, ENOSYS, ENOTSUP) or renameat2 is
+                         missing, the two-step fallback below (S2, S3) runs instead.
+  S2 aside    [aside,    (fallback) replace=True and something is at OUT: OUT renamed to work/replaced
                checked]  (one rename, so what is checked is exactly what would be discarded), then
                          checked with runtime.outputs.not_own_output. work/{lock, mix, replaced};
                          OUT: nothing. Interrupt or kill -9: `replaced` is renamed back onto OUT
@@ -62,6 +77,10 @@ Guarantees:
 * The final rename never replaces what appeared at OUT while the run wrote (another program, a
   user): with replace=False it is an OutputError; with replace=True it is moved aside, checked,
   and put back untouched unless it is this tool's own output (S2).
+* --force replaces OUT with one renameat2(RENAME_EXCHANGE) where the kernel and file system have it
+  (S2x), so a kill -9 or SIGTERM anywhere in the commit leaves OUT holding the old or the new output;
+  only the two-step fallback (S2) has a window, between its two renames, where OUT is absent until the
+  next run on OUT puts the old output back.
 * Renames that must not replace use renameat2(RENAME_NOREPLACE) on Linux (ctypes; glibc >= 2.28),
   the one call that refuses atomically for files and folders alike. Where it is missing (other
   systems, file systems without it) a file is placed with os.link (fails if the name exists, also
@@ -89,10 +108,13 @@ PARTIAL_SUFFIX = ".bam-surgery.partial"
 LOCK = "lock"
 REPLACED = "replaced"
 DISCARDED = "discarded"
+EXCHANGING = "exchanging"
 _EXISTS = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)
 
-# The named steps of the commit, in order (see the states above); "linked" only where renameat2 is missing.
-COMMIT_STEPS = ("ready", "aside", "checked", "linked", "landed", "discarding", "removed", "unlocked")
+# The named steps of the commit, in order (see the states above); "recorded" and "exchanged" only where the
+# exchange works, "aside" and "checked" only where it does not, "linked" only where renameat2 is missing.
+COMMIT_STEPS = ("ready", "recorded", "aside", "checked", "linked", "exchanged", "landed", "discarding", "removed",
+                "unlocked")
 # Called with each step's name as the commit reaches it; tests set it to interrupt (raise) or kill there.
 step_hook: Callable[[str], None] | None = None
 
@@ -163,9 +185,9 @@ def atomic_path(target: str | os.PathLike, is_dir: bool = False, *, replace: boo
             ok = True
         finally:
             if committing:  # before the clean-up removes `item`: did the new output reach OUT?
-                landed = _landed(item, target)
-            if lock_fd is not None:
-                _release(work, target, lock_fd)
+                landed = _landed(item, target, work)
+            if lock_fd is not None and _release(work, target, lock_fd):
+                landed = False  # swapped back: what had come to OUT while this run wrote is there again
             if not ok and not landed:
                 remove_created_folders(created)
     except KeyboardInterrupt as e:
@@ -280,7 +302,7 @@ def _acquire(work: Path, target: Path, on_stale: Callable[[str], None] | None) -
     if not fresh:  # a killed run's leftovers: ours only if it holds nothing but what we put there
         try:
             leftovers = [n for n in os.listdir(work) if n != LOCK]
-            foreign = [n for n in leftovers if n not in (target.name, REPLACED, DISCARDED)]
+            foreign = [n for n in leftovers if n not in (target.name, REPLACED, DISCARDED, EXCHANGING)]
             if foreign:
                 raise OutputError(f"{target}: {work} holds {foreign[0]}, which bam-surgery did not put there; "
                                   "remove that folder yourself")
@@ -309,8 +331,25 @@ def _settle(work: Path, target: Path) -> bool:
     where the previous output can be neither put back nor proven replaced."""
     item, aside, discarded = work / target.name, work / REPLACED, work / DISCARDED
     restored = False
+    record = work / EXCHANGING
+    if os.path.lexists(record):  # S2x: were OUT and work/NAME swapped?
+        new = _recorded(record)
+        if new is not None and file_identity(target) == new:  # yes: work/NAME is the previous output
+            if os.path.lexists(item):
+                if not_own_output(item) is None:
+                    os.rename(item, discarded)
+                    _step("discarding")
+                elif rename_exchange(item, target):  # not ours (it came while the run wrote): swapped back
+                    restored = True  # and the new output, now work/NAME, is removed below
+                else:
+                    raise OutputError(f"{target}: its previous content, swapped out by an interrupted run, is "
+                                      f"kept at {item}; move it yourself")
+        elif new is not None and os.path.lexists(item) and file_identity(item) != new:
+            raise OutputError(f"{target}: changed while a run swapped it with {item}; both are kept, move one of "
+                              "them yourself")
+        os.unlink(record)  # otherwise work/NAME is the new output that never reached OUT: removed below
     if os.path.lexists(aside):
-        if os.path.lexists(item) and not _landed(item, target):  # S2: the new output never reached OUT
+        if os.path.lexists(item) and not _landed(item, target, work):  # S2: the new output never reached OUT
             try:
                 if _same(aside, target):  # put back by os.link, killed before the unlink
                     os.unlink(aside)
@@ -337,10 +376,30 @@ def _settle(work: Path, target: Path) -> bool:
     return restored
 
 
-def _landed(item: Path, target: Path) -> bool:
-    """Whether the new output (work/NAME when committing began) is at the target: renamed there, or linked
-    there and not yet unlinked from the work folder (the no-renameat2 path for files)."""
+def _landed(item: Path, target: Path, work: Path) -> bool:
+    """Whether the new output (work/NAME when committing began) is at the target: swapped there (S2x: the
+    target is the recorded identity), renamed there, or linked there and not yet unlinked from the work
+    folder (the no-renameat2 path for files)."""
+    new = _recorded(work / EXCHANGING)
+    if new is not None:
+        return file_identity(target) == new
     return not os.path.lexists(item) or _same(item, target)
+
+
+def _recorded(record: Path) -> tuple[int, int] | None:
+    """The identity written to work/exchanging; None if there is none or it was cut short (no swap yet)."""
+    try:
+        with open(record, "rb", opener=_nofollow) as f:
+            fields = f.read(64).split()
+    except OSError:
+        return None
+    if len(fields) != 3 or fields[2] != b"end" or not all(x.isdigit() for x in fields[:2]):
+        return None
+    return int(fields[0]), int(fields[1])
+
+
+def _nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -348,11 +407,12 @@ def _same(a: Path, b: Path) -> bool:
     return ident is not None and ident == file_identity(b)
 
 
-def _release(work: Path, target: Path, lock_fd: int) -> None:
-    """Settle the work folder and remove it (still holding the lock, so no other run takes it meanwhile).
-    If the previous output can be neither put back nor discarded, the folder stays, with an OutputError."""
+def _release(work: Path, target: Path, lock_fd: int) -> bool:
+    """Settle the work folder and remove it (still holding the lock, so no other run takes it meanwhile);
+    whether the previous output was put back. If the previous output can be neither put back nor discarded,
+    the folder stays, with an OutputError."""
     try:
-        _settle(work, target)
+        restored = _settle(work, target)
         try:
             os.unlink(work / LOCK)
             _step("unlocked")
@@ -361,6 +421,7 @@ def _release(work: Path, target: Path, lock_fd: int) -> None:
             pass  # another run took the folder over after the unlink: it is its own now
     finally:
         os.close(lock_fd)
+    return restored
 
 
 def _rmdir_quietly(p: Path) -> None:
@@ -402,6 +463,8 @@ def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
     if not replace:
         raise OutputError(f"{target}: appeared while this run was writing it; left untouched, and this run's "
                           "output was discarded (pass --force to replace an output of bam-surgery)")
+    if _swap(item, target, work):
+        return
     aside = work / REPLACED
     os.rename(target, aside)  # now only this run sees it: what is checked is what would be deleted
     _step("aside")
@@ -416,6 +479,44 @@ def _commit(item: Path, target: Path, work: Path, replace: bool) -> None:
     except OSError:
         raise OutputError(f"{target}: could not be put back after it changed while this run wrote; it is "
                           f"kept at {aside}") from None
+    raise OutputError(f"{target}: changed while this run was writing it and {reason}; left untouched, and this "
+                      "run's output was discarded")
+
+
+def _swap(item: Path, target: Path, work: Path) -> bool:
+    """S2x: swap the new output with the target in one renameat2(RENAME_EXCHANGE), then check what came out
+    (swapped back, and an OutputError, unless it is this tool's own output; the clean-up discards it).
+    False, with nothing changed, where the exchange is not available (the two-step fallback runs then)."""
+    if _RENAMEAT2 is None:
+        return False
+    if not_own_output(target):  # a user's, come while this run wrote: the two-step path says so, swapping nothing
+        return False
+    record = work / EXCHANGING
+    new = file_identity(item)
+    with open(record, "x", encoding="ascii") as f:
+        f.write(f"{new[0]} {new[1]} end\n")
+    _step("recorded")
+    try:
+        swapped = rename_exchange(item, target)
+    except FileNotFoundError:  # the target went away since it was found: land on the free name instead
+        os.unlink(record)
+        if _land(item, target):
+            return True
+        raise OutputError(f"{target}: changed while this run was writing it; left untouched, and this run's "
+                          "output was discarded") from None
+    if not swapped:
+        os.unlink(record)
+        return False
+    _step("exchanged")
+    reason = not_own_output(item)  # the previous output, now where only this run sees it
+    if reason is None:
+        return True
+    try:
+        rename_exchange(item, target)  # swap back: the previous content at OUT again, untouched
+    except OSError:
+        raise OutputError(f"{target}: could not be swapped back after it changed while this run wrote; its "
+                          f"previous content is kept at {item}") from None
+    os.unlink(record)
     raise OutputError(f"{target}: changed while this run was writing it and {reason}; left untouched, and this "
                       "run's output was discarded")
 
@@ -439,6 +540,7 @@ def _as_output_error(e: OSError, target: Path, work: Path) -> OSError:
 
 
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
@@ -453,6 +555,19 @@ def _renameat2():
 
 
 _RENAMEAT2 = _renameat2()
+
+
+def rename_exchange(a: Path, b: Path) -> bool:
+    """Swap a and b (both must exist) in one renameat2(RENAME_EXCHANGE); False, with nothing changed, where
+    the system or the file system lacks it (the caller falls back to two renames)."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def rename_noreplace(src: Path, dst: Path) -> None:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Callable, Iterator, Mapping
+from typing import BinaryIO, Callable, Iterator, Mapping
 
 import torch
 
 from .dtypes import nbytes
 from .errors import CheckpointError, printable
-from .jsonfile import read_json
+from .jsonfile import MAX_JSON_BYTES, open_regular, read_json
 from .safetensors_file import Entry, SafetensorsStreamWriter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -114,11 +115,73 @@ def folder_file(directory: Path, path: Path, what: str) -> Path:
     except (OSError, RuntimeError):  # a symlink loop
         target = Path(os.readlink(path)) if path.is_symlink() else path
     else:
-        if target.is_relative_to(root) or target.parent == _hub_blobs(root):
+        if _inside(root, target):
             return path
-    raise CheckpointError(f"{path}: {what} is a symbolic link to {printable(str(target))}, outside the model "
-                          f"folder {directory}; a model folder's files are read only from inside it (or from the "
-                          "blobs of its Hugging Face cache folder)")
+    raise _outside(directory, path, what, target)
+
+
+def _inside(root: Path, target: Path) -> bool:
+    """Whether the resolved `target` may be read as a file of the resolved folder `root` (folder_file's rule)."""
+    return target.is_relative_to(root) or target.parent == _hub_blobs(root)
+
+
+def _outside(directory: Path, path: Path, what: str, target: Path) -> CheckpointError:
+    return CheckpointError(f"{path}: {what} is a symbolic link to {printable(str(target))}, outside the model "
+                           f"folder {directory}; a model folder's files are read only from inside it (or from the "
+                           "blobs of its Hugging Face cache folder)")
+
+
+# The most a side file (tokenizer.json, tokenizer.model, merges.txt, README.md, ...) may hold to be copied into
+# an export or read: export-gguf's bound on tokenizer.json (runtime.jsonfile.read_json), for every export alike.
+MAX_SIDE_FILE_BYTES = MAX_JSON_BYTES
+
+
+@contextmanager
+def open_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Iterator[BinaryIO]:
+    """The side file `path` of the model folder path.parent, opened once and checked after opening, so that
+    what is read is what was checked (a file swapped for a link between a check and a copy cannot bring an
+    outside file in): its resolved path opened with O_NOFOLLOW (a link put there since fails), the opened
+    descriptor's own path (/proc/self/fd) inside the folder by folder_file's rule, a regular file
+    (runtime.jsonfile.open_regular), at most max_bytes by fstat. Errors are one CheckpointError naming it."""
+    what = what or path.name
+    folder_file(path.parent, path, what)
+    root = path.parent.resolve()
+    try:
+        f = open_regular(path.resolve(), str(path), flags=os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    with f:
+        try:
+            real = Path(os.readlink(f"/proc/self/fd/{f.fileno()}"))
+        except OSError:  # no /proc: the O_NOFOLLOW open of the resolved path stands alone
+            real = None
+        if real is not None and not _inside(root, real):
+            raise _outside(path.parent, path, what, real)
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise CheckpointError(f"{path}: {size:,} bytes is too large for {what} (the limit of every side file "
+                                  f"an export reads or copies is {max_bytes:,} bytes)")
+        yield f
+
+
+def read_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> bytes:
+    """The bytes of a side file (open_side_file), never more than max_bytes read (a file growing meanwhile)."""
+    with open_side_file(path, what, max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise CheckpointError(f"{path}: too large for {what or path.name} (limit {max_bytes:,} bytes)")
+    return data
+
+
+def copy_side_file(path: Path, dst: Path) -> None:
+    """Copy the side file `path` to `dst` through its one checked descriptor (open_side_file), bounded."""
+    with open_side_file(path) as f, open(dst, "wb") as out:
+        left = MAX_SIDE_FILE_BYTES + 1
+        while left > 0 and (chunk := f.read(min(left, 1 << 20))):
+            out.write(chunk)
+            left -= len(chunk)
+    if left <= 0:
+        raise CheckpointError(f"{path}: too large for {path.name} (limit {MAX_SIDE_FILE_BYTES:,} bytes)")
 
 
 def _hub_blobs(root: Path) -> Path | None:

@@ -73,8 +73,10 @@ def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, 
 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
-                 progress: bool = False, warn: Warn | None = None, check_branch: bool = True) -> Path:
-    """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory)."""
+                 progress: bool = False, warn: Warn | None = None, check_branch: bool = True,
+                 on_stale: Warn | None = None) -> Path:
+    """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory). on_stale: told when a
+    killed run's work folder for OUT is settled (default: warn)."""
     out = Path(out)
     warn = warn or (lambda msg: print(f"bam-surgery: warning: {msg}", file=sys.stderr))
     single_file = out.suffix == ".safetensors"
@@ -89,7 +91,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     hasher = InputHasher(plan_input_files(plan))
     entries = [(t.name, t.shape, t.dtype) for t in plan.tensors]
     try:
-        with atomic_path(out, is_dir=not single_file, replace=force, on_stale=warn) as tmp, \
+        with atomic_path(out, is_dir=not single_file, replace=force, on_stale=on_stale or warn) as tmp, \
                 _progress(plan.total_bytes, progress) as bar:
             tensors = _released_once_written(iter_tensors(reader, [t.name for t in plan.tensors]), pool)
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731

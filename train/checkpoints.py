@@ -36,6 +36,7 @@ from bam_surgery.runtime.atomic import atomic_path, write_text_atomic
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader
 from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
 from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
+from bam_surgery.runtime.shards import copy_side_file
 from bam_surgery.runtime.config import ConfigError
 from bam_surgery.runtime.jsonfile import json_field, parse_json, read_json
 
@@ -105,7 +106,7 @@ def save_run_checkpoint(run: Path, step: int, model_state: dict[str, torch.Tenso
         _write_trainer_state(tmp / TRAINER_FILE, trainer_tensors, trainer_meta)
         (tmp / TIMING_FILE).write_text(json.dumps({"elapsed_s": elapsed_s}) + "\n", encoding="utf-8")
         for f in extra_files:
-            shutil.copyfile(f, tmp / f.name)
+            copy_side_file(f, tmp / f.name)
         (tmp / "README.md").write_text(card, encoding="utf-8")
     write_text_atomic(root / LATEST, target.name + "\n")
     return target

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -35,7 +37,8 @@ from bam_surgery import __version__
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.runtime import CheckpointReader, Model, ModelConfig, check_layout, preset
-from bam_surgery.runtime.atomic import remove_created_folders, write_text_atomic
+from bam_surgery.runtime.atomic import (DISCARDED, EXCHANGING, LOCK, PARTIAL_SUFFIX, REPLACED, remove_created_folders,
+                                        write_text_atomic)
 from bam_surgery.runtime.config import PRESETS, ConfigError
 from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.locks import lock_file, unlock_file
@@ -121,6 +124,40 @@ def _run_lock(run: Path, resume: bool, d: dist_.Dist):
             remove_created_folders(created)
 
 
+def killed_start(run: Path) -> list[Path] | None:
+    """What a fresh run stopped (kill -9) before its first checkpoint left in RUN, to remove: its START_FILES
+    (and write_text_atomic's `.NAME.*.partial` files), a first checkpoint's work folder in checkpoints/; None
+    unless RUN holds nothing else (beside its lock and checkpoints/), as real files, no checkpoint, and a
+    run.json of this tool. Never anything the tool did not write."""
+    if run.is_symlink() or not (run / "run.json").is_file() or (run / "run.json").is_symlink():
+        return None
+    try:
+        info = read_json(run / "run.json", expect=dict, error=TrainError)
+    except TrainError:
+        return None
+    if not isinstance(info.get("tool"), dict) or info["tool"].get("name") != "bam-surgery":
+        return None
+    left: list[Path] = []
+    for p in run.iterdir():
+        if p.name == RUN_LOCK:
+            continue
+        if p.name == CHECKPOINTS and p.is_dir() and not p.is_symlink():
+            for c in p.iterdir():  # only a first checkpoint's work folder (runtime/atomic.py), no checkpoint
+                if not (c.is_dir() and not c.is_symlink() and c.name.startswith(".step-")
+                        and c.name.endswith(PARTIAL_SUFFIX)):
+                    return None
+                if any(n not in (LOCK, c.name[1:-len(PARTIAL_SUFFIX)], REPLACED, DISCARDED, EXCHANGING)
+                       for n in os.listdir(c)):
+                    return None
+                left.append(c)
+            continue
+        partial = any(p.name.startswith(f".{n}.") and p.name.endswith(".partial") for n in START_FILES)
+        if p.is_symlink() or not p.is_file() or not (p.name in START_FILES or partial):
+            return None
+        left.append(p)
+    return left
+
+
 def _forked_rng(device: torch.device):
     """The run seeds torch's global generator (CPU, and its own CUDA device); the caller's states are
     restored when it ends."""
@@ -203,14 +240,33 @@ class _Run:
         self.cfg = load_run_config(self.dir, given).replace(out=self.cfg.out)
 
     def _check_fresh_out(self) -> None:
+        if self.dir.exists() and self.dir.is_dir() and killed_start(self.dir) is not None:
+            dist_.on_main(self.d, self._settle_killed_start)
         if self.dir.exists() and (not self.dir.is_dir() or any(p.name != RUN_LOCK for p in self.dir.iterdir())):
             what = "run folder" if (self.dir / "config.yaml").is_file() else "path"
             raise TrainError(f"--out {self.dir}: {what} exists; pass --resume to continue that run, or choose "
                              "a new --out (nothing was changed)")
         dist_.barrier(self.d)  # every process checked before rank 0 creates the folder
 
+    def _settle_killed_start(self) -> None:
+        """Remove what a fresh run killed before its first checkpoint left in RUN (killed_start): the files it
+        wrote, nothing else (this run holds RUN's lock, so that run is dead)."""
+        left = killed_start(self.dir) or []
+        for p in left:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        remove_created_folders([self.dir / CHECKPOINTS])
+        self.log(f"note: removed {', '.join(p.name for p in left)} from {self.dir}, left by a run stopped before "
+                 "its first checkpoint; starting it again")
+
     def _load_resume_point(self) -> None:
         ckpt = latest_checkpoint(self.dir)
+        if ckpt is None and killed_start(self.dir) is not None:
+            raise TrainError(f"--resume: {self.dir} has no checkpoint yet (its run stopped before the first one), so "
+                             f"there is nothing to resume; run the same command without --resume, with --out "
+                             f"{self.dir}: it removes what that run left there and starts again")
         if ckpt is None:
             raise TrainError(f"--resume: {self.dir} has no checkpoint yet; start it again without --resume "
                              "in a new --out")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bam_surgery.runtime.atomic import remove_created_folders
+
 from .errors import TrainError
 from .metrics import read_curves
 from .routing_report import router_layer
@@ -37,9 +39,21 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> list[Path]:
         raise TrainError(f"{run}: no training metrics (metrics.jsonl is missing or empty)")
     names = list(PLOTS[:2]) + ([PLOTS[2]] if evals else [])
     files = plot_files(Path(out) if out else run, names, "--out" if out else "plot")  # before drawing anything
+    created = [p for p in (files[0].parent, *files[0].parent.parents) if not os.path.lexists(p)]  # deepest first
     files[0].parent.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        return _draw(plt, run, train, evals, files, written)
+    except BaseException:  # a full disk, Ctrl-C: a folder this call created goes again, with what it drew there
+        if created:
+            for f in written:
+                f.unlink(missing_ok=True)
+            remove_created_folders(created)
+        raise
+
+
+def _draw(plt, run: Path, train: list, evals: list, files: list[Path], written: list[Path]) -> list[Path]:
     steps = [r["step"] for r in train]
-    written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in train], label="loss", lw=1)
@@ -190,7 +204,12 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE})
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE})
+        tmp.replace(path)
+    except BaseException:  # a full disk: no partial file left beside the plots
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return path

@@ -27,7 +27,7 @@ from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.reader import Reader, StateReader, check_layout
 from bam_surgery.runtime.safetensors_file import Entry
-from bam_surgery.runtime.shards import INDEX_NAME, total_size, write_index, write_shards
+from bam_surgery.runtime.shards import INDEX_NAME, copy_side_file, total_size, write_index, write_shards
 
 from ..base import ExportOptions
 from .architectures import Architecture, BoundRule
@@ -101,7 +101,7 @@ def write_hf_directory(out_dir: str | os.PathLike, entries: list[Entry], tensors
         for name, text in texts.items():
             (tmp / name).write_text(text)
         for p in copies:
-            shutil.copyfile(p, tmp / p.name)
+            copy_side_file(p, tmp / p.name)
         for name, source in code.items():
             shutil.copyfile(source, tmp / name)
     return Path(out_dir)

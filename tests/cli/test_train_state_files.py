@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_error_line
+from conftest import cli_error_line, error_line as error_line_of
 from test_train_cli import SMALL, train_args  # tests/cli: the tiny run's arguments
 
 from bam_surgery.runtime import Model, preset, save_model
@@ -131,3 +131,58 @@ def test_model_config_that_is_a_device_or_a_fifo(tmp_path, name):
     line = cli_error_line("train", "--model-config", link, "--data", "code=x", "--out", tmp_path / "run")
     assert f"{name}: not a regular file" in line
     assert not (tmp_path / "run").exists()
+
+
+# ---- a run folder killed before its first checkpoint (issue 33) --------------------------------------------
+def killed_before_its_first_checkpoint(finished: Path, tmp_path: Path, in_checkpoint: bool = False) -> Path:
+    """The folder a fresh `train --out RUN` killed with kill -9 after writing config.yaml, run.json and its
+    first metrics leaves (in_checkpoint: killed while writing its first checkpoint, whose work folder stays)."""
+    run = copy_of(finished, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").mkdir()
+    (run / ".config.yaml.x1y2.partial").write_text("half")  # write_text_atomic's file, cut short
+    if in_checkpoint:
+        work = run / "checkpoints" / ".step-00000001.bam-surgery.partial"
+        (work / "step-00000001").mkdir(parents=True)
+        (work / "lock").write_text("12345\n")
+        (work / "step-00000001" / "model.safetensors").write_bytes(b"half")
+    return run
+
+
+def again(finished: Path, run: Path, *extra, code: int | None = 0):
+    from conftest import run_cli
+
+    root = finished.parent
+    return run_cli(*train_args(root / "mix.safetensors", run, root / "cache", None, *extra), code=code)
+
+
+@pytest.mark.parametrize("in_checkpoint", [False, True])
+def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_train(finished, tmp_path,
+                                                                                     in_checkpoint):
+    run = killed_before_its_first_checkpoint(finished, tmp_path, in_checkpoint)
+    result = again(finished, run)
+    assert "left by a run stopped before its first checkpoint" in result.output
+    assert (run / "checkpoints" / "step-00000002").is_dir()
+    assert not list(run.glob(".*.partial")) and not list((run / "checkpoints").glob(".*"))
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_says_what_to_do(finished, tmp_path):
+    run = killed_before_its_first_checkpoint(finished, tmp_path)
+    line = resume(run)
+    assert "no checkpoint yet" in line and "without --resume" in line and f"--out {run}" in line, line
+
+
+@pytest.mark.parametrize("case", ["a-users-file", "not-our-run-json", "a-link"])
+def test_a_run_folder_with_what_the_tool_did_not_write_is_not_touched(finished, tmp_path, case):
+    run = killed_before_its_first_checkpoint(finished, tmp_path)
+    if case == "a-users-file":
+        (run / "notes.txt").write_text("mine")
+    elif case == "not-our-run-json":
+        (run / "run.json").write_text(json.dumps({"tool": {"name": "other"}, "init": {}}))
+    else:
+        (run / "metrics.jsonl").unlink()
+        (run / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    before = sorted(p.name for p in run.iterdir())
+    line = error_line_of(again(finished, run, code=2))
+    assert "run folder exists" in line, line
+    assert sorted(p.name for p in run.iterdir()) == before

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,9 +31,23 @@ from bam_surgery.runtime.safetensors_file import SafetensorsStreamWriter
 from bam_surgery.cli.commands import cli
 
 LANDED_FROM = "linked"  # the first step at which the new output is at OUT
-# (kind, no renameat2, step): "linked" exists only where a file is placed by os.link
-WALK = [(kind, fallback, step) for kind in ("file", "folder") for fallback in (False, True)
-        for step in atomic.COMMIT_STEPS if step != "linked" or (kind == "file" and fallback)]
+# How --force replaces OUT: one renameat2(RENAME_EXCHANGE) ("exchange"); two renames where the file system
+# refuses the exchange ("two-step"); os.link or os.rename where renameat2 is missing ("no-renameat2").
+MODES = ("exchange", "two-step", "no-renameat2")
+REACHED = {"exchange": {"ready", "recorded", "exchanged", "discarding", "removed", "unlocked"},
+           "two-step": {"ready", "recorded", "aside", "checked", "landed", "discarding", "removed", "unlocked"},
+           "no-renameat2": {"ready", "aside", "checked", "linked", "landed", "discarding", "removed", "unlocked"}}
+# (kind, mode, step): each step the commit reaches in that mode ("linked": only a file is placed by os.link)
+WALK = [(kind, mode, step) for kind in ("file", "folder") for mode in MODES
+        for step in atomic.COMMIT_STEPS if step in REACHED[mode] and (step != "linked" or kind == "file")]
+
+
+def use_mode(mode: str, setattr=setattr) -> None:
+    """Make this process commit as in `mode` (setattr: monkeypatch.setattr in a test, plain in a child)."""
+    if mode == "two-step":
+        setattr(atomic, "rename_exchange", lambda a, b: False)  # as where the exchange is refused (EINVAL)
+    elif mode == "no-renameat2":
+        setattr(atomic, "_RENAMEAT2", None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,13 +116,12 @@ def settles_on_the_next_runs(target: Path, kind: str, expect: str) -> list[str]:
 
 
 # ---- Ctrl-C at each step ------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,fallback,step", WALK)
-def test_an_interrupt_at_each_step_keeps_the_old_or_the_new_output(out, monkeypatch, kind, fallback, step):
+@pytest.mark.parametrize("kind,mode,step", WALK)
+def test_an_interrupt_at_each_step_keeps_the_old_or_the_new_output(out, monkeypatch, kind, mode, step):
     write(out, kind, "old")
     seen: list[str] = []
     monkeypatch.setattr(atomic, "step_hook", hook_at(step, _interrupt, seen))
-    if fallback:
-        monkeypatch.setattr(atomic, "_RENAMEAT2", None)
+    use_mode(mode, monkeypatch.setattr)
     with pytest.raises(KeyboardInterrupt) as caught:
         write(out, kind, "new")
     assert step in seen
@@ -123,9 +138,11 @@ def test_an_interrupt_at_each_step_keeps_the_old_or_the_new_output(out, monkeypa
     settles_on_the_next_runs(out, kind, "new" if landed(step) else "old")
 
 
-@pytest.mark.parametrize("step", ["ready", "aside"])
-def test_an_interrupt_keeps_a_users_folder_that_appeared_at_out(out, monkeypatch, step):
+@pytest.mark.parametrize("mode,step", [("exchange", "ready"), ("two-step", "ready"), ("two-step", "aside")])
+def test_an_interrupt_keeps_a_users_folder_that_appeared_at_out(out, monkeypatch, mode, step):
     """OUT was empty at the ownership check; a user's folder is moved there while the run writes."""
+    use_mode(mode, monkeypatch.setattr)
+
     def hook(name: str) -> None:
         if name == "ready":  # the first step
             out.mkdir()
@@ -146,16 +163,39 @@ def test_an_interrupt_keeps_a_users_folder_that_appeared_at_out(out, monkeypatch
     assert len(list(out.iterdir())) == 50
 
 
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_users_folder_swapped_out_is_swapped_back(out, monkeypatch, interrupt):
+    """OUT holds our old output; after the exchange's own check a user puts a folder there instead; it is
+    swapped out with the new output, found not ours, and swapped back (at once, or by the clean-up of a Ctrl-C
+    that landed right after the exchange): OUT holds the user's folder, the run says nothing was written."""
+    write(out, "folder", "old")
+
+    def hook(name: str) -> None:
+        if name == "recorded":
+            for p in out.iterdir():
+                p.unlink()
+            for i in range(5):
+                (out / f"photo{i}.jpg").write_text(str(i))
+        if name == "exchanged" and interrupt:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "step_hook", hook)
+    with pytest.raises(KeyboardInterrupt if interrupt else OutputError) as caught:
+        write(out, "folder", "new", replace=True)
+    assert not isinstance(caught.value, atomic.InterruptedAfterWrite)
+    assert sorted(p.name for p in out.iterdir()) == [f"photo{i}.jpg" for i in range(5)]
+    assert not os.path.lexists(work_folder(out))
+
+
 # ---- kill -9 at each step -----------------------------------------------------------------------------
-def killed_at(target: Path, kind: str, step: str, fallback: bool) -> None:
+def killed_at(target: Path, kind: str, step: str, mode: str) -> None:
     """Run `write(target, kind, "new")` in a forked child that SIGKILLs itself at `step`."""
     new = blob("new")  # built here: the child only writes bytes
     pid = os.fork()
     if pid == 0:  # the child: no pytest clean-up, no finally clauses past the kill
         try:
             atomic.step_hook = lambda name: name == step and os.kill(os.getpid(), signal.SIGKILL)
-            if fallback:
-                atomic._RENAMEAT2 = None
+            use_mode(mode)
             if kind == "file":
                 with atomic_path(target) as tmp:
                     tmp.write_bytes(new)
@@ -167,15 +207,17 @@ def killed_at(target: Path, kind: str, step: str, fallback: bool) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the child never reached {step}"
 
 
-@pytest.mark.parametrize("kind,fallback,step", WALK)
-def test_a_kill_at_each_step_is_settled_by_the_next_run(out, kind, fallback, step):
+@pytest.mark.parametrize("kind,mode,step", WALK)
+def test_a_kill_at_each_step_is_settled_by_the_next_run(out, kind, mode, step):
     write(out, kind, "old")
-    killed_at(out, kind, step, fallback)
+    killed_at(out, kind, step, mode)
     work = work_folder(out)
     assert os.path.isdir(work)  # the kill left the work folder
     left = set(os.listdir(work)) - {atomic.LOCK}
     # no state holds neither output: the old one is at OUT or aside, or the new one is at OUT
     assert holds(out, kind, "new" if landed(step) else "old") or holds(work / atomic.REPLACED, kind, "old")
+    if mode == "exchange":  # one exchange: OUT is never absent, it holds the old or the new output (issue 33)
+        assert holds(out, kind, "new" if landed(step) else "old"), (step, os.listdir(work))
     if step in ("aside", "checked"):
         assert not os.path.lexists(out) and left == {out.name, atomic.REPLACED}
     told = settles_on_the_next_runs(out, kind, "new" if landed(step) else "old")
@@ -188,7 +230,7 @@ def test_a_kill_at_each_step_is_settled_by_the_next_run(out, kind, fallback, ste
 def test_a_kill_while_putting_the_old_output_back_by_link_is_settled(out):
     """Where renameat2 is missing, the old file goes back to OUT by os.link then unlink: killed between."""
     write(out, "file", "old")
-    killed_at(out, "file", "aside", fallback=True)
+    killed_at(out, "file", "aside", "no-renameat2")
     pid = os.fork()
     if pid == 0:
         try:
@@ -208,7 +250,7 @@ def test_an_old_output_put_aside_is_kept_when_out_is_taken_meanwhile(out):
     """Killed in S2; then a user saves something at OUT: nothing removes either, and the error says where
     the old output is."""
     write(out, "folder", "old")
-    killed_at(out, "folder", "checked", fallback=False)
+    killed_at(out, "folder", "checked", "two-step")
     out.mkdir()
     (out / "diary.txt").write_text("dear diary")
     with pytest.raises(OutputError, match="already exists"):
@@ -238,7 +280,9 @@ def files_of(root: Path) -> dict[str, bytes]:
 
 
 def interrupt_when_checking_what_was_moved_aside(monkeypatch):
-    """Ctrl-C landing between `os.rename(OUT, work/replaced)` and the rename of the new output onto OUT."""
+    """Ctrl-C landing between `os.rename(OUT, work/replaced)` and the rename of the new output onto OUT (the
+    two-step commit, where the exchange is refused)."""
+    use_mode("two-step", monkeypatch.setattr)
     real = atomic.not_own_output
 
     def check(path):
@@ -281,7 +325,7 @@ def test_interrupted_force_merge_keeps_the_previous_output(tmp_path, inputs, mon
 def test_an_interrupt_after_the_new_output_is_in_place_says_it_was_written(tmp_path, inputs, monkeypatch):
     out = tmp_path / "mix"
     merge_family(inputs, out)
-    monkeypatch.setattr(atomic, "step_hook", lambda name: name == "landed" and _interrupt())
+    monkeypatch.setattr(atomic, "step_hook", lambda name: name in ("landed", "exchanged") and _interrupt())
     result = merge_family(inputs, out, "--force", "--router-seed", "5", code=None)
     assert result.exit_code == 130
     assert result.stderr == f"bam-surgery: interrupted after {out} was written (it is complete)\n"
@@ -349,3 +393,58 @@ def test_the_readme_states_what_the_next_run_does_after_a_kill():
     assert "is put back at OUT if the new output never landed, and discarded only once it has" in section
     assert "interrupted after OUT was written" in section
     assert "removes it (its lock is free)" not in section
+
+
+# ---- kill -9 of a real --force run in the commit window (issue 33) -------------------------------------
+def _argv(command: str, inputs: list[Path]) -> list[str]:
+    if command == "merge":
+        return ["merge", "--seed", str(inputs[0]), "--experts", ",".join(map(str, inputs[1:])), "--router-seed", "5"]
+    if command == "convert":
+        return ["convert", str(inputs[1])]
+    return ["export-onnx", str(inputs[1])]
+
+
+KILLED_AT_NTH_STEP = """
+import os, signal, sys
+from bam_surgery.runtime import atomic
+from bam_surgery.cli.commands import cli
+calls = []
+def hook(step):
+    calls.append(step)
+    if len(calls) == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+atomic.step_hook = hook
+cli.main(sys.argv[2:], prog_name="bam-surgery")
+"""
+
+
+def tree(path: Path) -> dict[str, bytes] | None:
+    if path.is_dir():
+        return files_of(path)
+    return {"": path.read_bytes()} if path.exists() else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command,name,nth", [("merge", "mix.safetensors", 2), ("merge", "mix", 2), ("merge", "mix", 3),
+                                              ("convert", "conv", 2), ("export-onnx", "onnx", 2)])
+def test_a_force_run_killed_in_the_commit_window_leaves_out_whole(tmp_path, inputs, command, name, nth):
+    """merge / convert / export-onnx --force SIGKILLed at the second or third step of the commit (past
+    "ready": the old output is being replaced): OUT holds the old output or the new one, complete, never
+    nothing; the next run settles the work folder."""
+    out, again = tmp_path / name, tmp_path / "reference" / name  # the same name: a README names its folder
+    argv = _argv(command, inputs)
+    first = ["merge", "--seed", str(inputs[0]), "--experts", ",".join(map(str, inputs[1:]))] if command == "merge" \
+        else argv
+    assert CliRunner().invoke(cli, [*first, "--out", str(out)]).exit_code == 0
+    old = tree(out)
+    assert CliRunner().invoke(cli, [*argv, "--out", str(again)]).exit_code == 0
+    new = tree(again)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_NTH_STEP, str(nth), *argv, "--out", str(out), "--force"],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert os.path.lexists(work_folder(out))
+    now = tree(out)
+    assert now in (old, new), f"OUT is {'absent' if now is None else 'neither the old nor the new output'}"
+    result = CliRunner().invoke(cli, [*argv, "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    assert tree(out) == new and not os.path.lexists(work_folder(out))
