@@ -395,8 +395,10 @@ class _Run:
 
     def _create_run_folder(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.dir / "config.yaml", self.cfg.to_yaml())
+        # run.json first: it is what marks the folder as this tool's, so a run killed before config.yaml lands
+        # is still one the next train --out recognises and settles
         write_text_atomic(self.dir / "run.json", json.dumps(self._run_info(), indent=1, sort_keys=True))
+        write_text_atomic(self.dir / "config.yaml", self.cfg.to_yaml())
 
     def _remove_unresumable_start(self) -> None:
         """A fresh run that fails (a full disk, an error, Ctrl-C) before its first checkpoint removes the files

@@ -166,6 +166,27 @@ def test_a_run_killed_before_its_first_checkpoint_is_started_again_by_the_same_t
     assert not list(run.glob(".*.partial")) and not list((run / "checkpoints").glob(".*"))
 
 
+def test_a_run_killed_between_run_json_and_config_yaml_is_started_again(finished, tmp_path):
+    """run.json is written first, so a run killed before its config.yaml lands is still recognised as the tool's."""
+    run = killed_before_its_first_checkpoint(finished, tmp_path)
+    (run / "config.yaml").unlink()
+    (run / "metrics.jsonl").unlink()
+    result = again(finished, run)
+    assert "left by a run stopped before its first checkpoint" in result.output
+    assert (run / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_run_json_lands_before_config_yaml(finished, tmp_path, monkeypatch):
+    """The order that makes the test above the only state a kill between the two can leave."""
+    from bam_surgery.train import loop
+
+    order = []
+    real = loop.write_text_atomic
+    monkeypatch.setattr(loop, "write_text_atomic", lambda path, text: (order.append(Path(path).name), real(path, text)))
+    again(finished, tmp_path / "fresh")
+    assert order.index("run.json") < order.index("config.yaml"), order
+
+
 def test_resume_of_a_run_killed_before_its_first_checkpoint_says_what_to_do(finished, tmp_path):
     run = killed_before_its_first_checkpoint(finished, tmp_path)
     line = resume(run)
