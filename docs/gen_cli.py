@@ -59,19 +59,24 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    text = render()
+def write_or_check(doc: Path, text: str, regenerate: str, argv: list[str], usage: str) -> int:
+    """A generated doc's command line (every docs/gen_*.py): write `text` to `doc`, or with --check exit 1 when the
+    file is not `text`."""
     if argv == ["--check"]:
-        if DOC.exists() and DOC.read_text(encoding="utf-8") == text:
+        if doc.exists() and doc.read_text(encoding="utf-8") == text:
             return 0
-        print(f"{DOC.name} is out of date: run {REGENERATE}", file=sys.stderr)
+        print(f"{doc.name} is out of date: run {regenerate}", file=sys.stderr)
         return 1
     if argv:
-        print(__doc__, file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC} ({len(text.splitlines())} lines)")
+    doc.write_text(text, encoding="utf-8")
+    print(f"wrote {doc} ({len(text.splitlines())} lines)")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check(DOC, render(), REGENERATE, argv, __doc__)
 
 
 if __name__ == "__main__":

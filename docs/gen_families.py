@@ -118,15 +118,9 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if DOC.read_text(encoding="utf-8") != text:
-            print(f"{DOC} is out of date: run {REGENERATE}", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC}")
-    return 0
+    from gen_cli import write_or_check  # docs/, this script's folder
+
+    return write_or_check(DOC, render(), REGENERATE, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -678,3 +678,25 @@ def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lam
             save_hf(branch_state(state, keep, 10 * j), root / name, seed.architecture, config=seed.config,
                     tokenizer_from=root / names[0])
     return [root / n for n in names]
+
+
+# ---- generated docs (docs/gen_*.py) ---------------------------------------------------------------------------
+def doc_generator(name: str):
+    """docs/NAME.py loaded as a module (docs/ on sys.path, where the generators import each other from)."""
+    import importlib
+
+    docs = str(ROOT / "docs")
+    if docs not in sys.path:
+        sys.path.insert(0, docs)
+    return importlib.import_module(name)
+
+
+def assert_doc_current(gen) -> None:
+    """The generator's DOC holds exactly what its render() writes today, else a failure with the diff's start."""
+    import difflib
+
+    want, have = gen.render(), gen.DOC.read_text(encoding="utf-8")
+    if have != want:
+        diff = difflib.unified_diff(have.splitlines(), want.splitlines(), gen.DOC.name, "today", lineterm="", n=1)
+        pytest.fail(f"{gen.DOC.name} is out of date: run {gen.REGENERATE}\n" + "\n".join(list(diff)[:40]),
+                    pytrace=False)

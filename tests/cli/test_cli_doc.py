@@ -1,30 +1,19 @@
 """docs/cli.md, the command reference, is what docs/gen_cli.py writes from the commands' --help today."""
 from __future__ import annotations
 
-import difflib
-import importlib.util
 from pathlib import Path
 
-import pytest
+from conftest import assert_doc_current, doc_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_cli", ROOT / "docs" / "gen_cli.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return doc_generator("gen_cli")
 
 
 def test_the_command_reference_is_current():
-    gen = _generator()
-    want = gen.render()
-    have = gen.DOC.read_text(encoding="utf-8")
-    if have != want:
-        diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "docs/cli.md", "--help today", lineterm="", n=1)
-        pytest.fail(f"docs/cli.md is out of date with the commands' --help: run {gen.REGENERATE}\n"
-                    + "\n".join(list(diff)[:40]), pytrace=False)
+    assert_doc_current(_generator())
 
 
 def test_the_command_reference_has_every_command_and_option():

@@ -4,31 +4,15 @@ verdicts hold where they matter most: every family's seed exports as its own HF 
 HF BAM, and a refusal is the format's one line."""
 from __future__ import annotations
 
-import difflib
-import importlib.util
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import assert_doc_current, doc_generator
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_families", ROOT / "docs" / "gen_families.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return doc_generator("gen_families")
 
 
 def test_the_families_table_is_current():
-    gen = _generator()
-    want = gen.render()
-    have = gen.DOC.read_text(encoding="utf-8")
-    if have != want:
-        diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "docs/families.md", "the code today",
-                                    lineterm="", n=1)
-        pytest.fail(f"docs/families.md is out of date: run {gen.REGENERATE}\n" + "\n".join(list(diff)[:40]),
-                    pytrace=False)
+    assert_doc_current(_generator())
 
 
 def test_every_family_and_recipe_is_carried_by_the_runtime_formats():
