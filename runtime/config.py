@@ -236,12 +236,9 @@ class ModelConfig(ConfigRules):
         if self.attn_window is not None:
             _need(0 < self.attn_window <= MAX_DIM, "attn_window", f"must be a positive integer, got "
                   f"{self.attn_window!r}")
-        for fld in ("attn_window_layers",):
-            layers = getattr(self, fld)
-            if layers is not None:
-                _need(self.attn_window is not None, fld, "window layers need an attn_window")
-                _need(all(0 <= i < self.n_layers for i in layers) and layers == sorted(set(layers)), fld,
-                      f"increasing layer indices in [0, {self.n_layers}), got {layers[:8]}")
+        if self.attn_window_layers is not None:
+            _need(self.attn_window is not None, "attn_window_layers", "window layers need an attn_window")
+            self._check_layer_list("attn_window_layers")
         if self.window_rope_theta is not None:
             _need(self.attn_window is not None and self.position == "rope", "window_rope_theta",
                   "a RoPE base of the window layers needs attn_window and position: rope")
@@ -255,13 +252,17 @@ class ModelConfig(ConfigRules):
             _need(v is None or (math.isfinite(v) and v > 0), fld, f"must be a finite number > 0, got {v!r}")
         if self.nope_layers is not None:
             _need(self.position == "rope", "nope_layers", "layers without RoPE need position: rope")
-            _need(all(0 <= i < self.n_layers for i in self.nope_layers), "nope_layers",
-                  f"layer indices must be in [0, {self.n_layers}), got {self.nope_layers[:8]}")
-            _need(self.nope_layers == sorted(set(self.nope_layers)), "nope_layers",
-                  "layer indices must be increasing, without repeats")
+            self._check_layer_list("nope_layers")
         if self.scaled_rope is not None:
             _need(self.position == "rope", "scaled_rope", "scaled RoPE needs position: rope")
             _validate_scaled_rope(self.scaled_rope, self.rotary_dim // 2)
+
+    def _check_layer_list(self, fld: str) -> None:
+        """A field listing layers (nope_layers, attn_window_layers): indices in [0, n_layers), increasing."""
+        layers = getattr(self, fld)
+        _need(all(0 <= i < self.n_layers for i in layers), fld,
+              f"layer indices must be in [0, {self.n_layers}), got {layers[:8]}")
+        _need(layers == sorted(set(layers)), fld, "layer indices must be increasing, without repeats")
 
     def _validate_mixture(self) -> None:
         """Experts, routing, router kinds and the router losses."""
