@@ -8,15 +8,16 @@ from typing import Any, Sequence
 
 import click
 
+from bam_surgery.app.inputs import open_input
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
 from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset, preset_trainable
 from bam_surgery.runtime.errors import printable
 from bam_surgery.runtime.text import render_table
 from bam_surgery.surgery.audit import CONVENTIONS, Audit, audit, audit_checkpoint
-from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, one_line
+from bam_surgery.runtime.errors import UserError, one_line
+from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.inspect import (Inspection, describe_kind, input_digest, inspect_checkpoint, key_config,
                                          render_audit)
-from bam_surgery.surgery.open_input import open_input
 from bam_surgery.surgery.recipe import load_recipe, mixture_config, parse_attention_routing
 from bam_surgery.train.config import split_patterns
 
@@ -121,7 +122,7 @@ def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn
         return mixture_config(recipe, dense, n_inputs, ffn_top_k=ffn_top_k, extra_ffn_experts=extra,
                               attn_top_k=("soft" if attn_top_k is None else attn_top_k) if given else None,
                               router=router, router_hidden=router_hidden)
-    except USER_ERRORS as e:
+    except UserError as e:
         raise click.UsageError(f"--recipe {recipe_name}: {one_line(e)}") from e
 
 

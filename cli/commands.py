@@ -7,7 +7,6 @@ User errors (bad recipe, bad input, refused output path) print one line,
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import signal
@@ -18,33 +17,38 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters.export import ExportOptions, check_export, export, exporter
+from bam_surgery.app.inputs import open_input
+from bam_surgery.app.merge import check_format_out
+from bam_surgery.app.merge import merge as app_merge
+from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
-from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
+from bam_surgery.runtime.errors import UserError, one_line
+from bam_surgery.runtime.output_path import check_output_path
+from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.audit import audit_checkpoint
-from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
-from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
+from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.inspect import render_audit
-from bam_surgery.surgery.names import input_names, parse_named, split_specs
-from bam_surgery.surgery.open_input import open_input
-from bam_surgery.surgery.plan import MergeOptions, compile_plan, format_plan
-from bam_surgery.surgery.recipe import SHARED_KV_RULES, WARM_STARTS, SharedKVRule, WarmStart, load_recipe
-from bam_surgery.surgery.sizes import parse_size
+from bam_surgery.surgery.names import parse_named, split_specs
+from bam_surgery.surgery.options import MergeOptions
+from bam_surgery.surgery.plan import format_plan
+from bam_surgery.surgery.plan_reader import PlanReader
 
+from .launch import INTERRUPTED_LINE
 from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, command_options, format_option, option,
-                      output_written)
+                      options_of, output_written)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-INTERRUPTED = "interrupted; nothing was written"
+INTERRUPTED = INTERRUPTED_LINE.removeprefix("bam-surgery: ")  # spelt once, in launch.py (it prints it before this
+# module is imported)
 
 
 def _error_line(message: str) -> None:
     click.echo(f"bam-surgery: error: {one_line(message)}", err=True)
 
 
-class UserError(click.ClickException):
+class OneLineError(click.ClickException):
     """A user error, shown as one line with exit status 2."""
 
     exit_code = EXIT_USER_ERROR
@@ -71,7 +75,7 @@ class Interrupted(click.ClickException):
 class Group(click.Group):
     """The error contract of every command, in one place (so commands added later get it too):
 
-    * the project's user errors (BamSurgeryError, CheckpointError, ConfigError) and click's own
+    * the project's user errors (runtime.errors.UserError and its subclasses) and click's own
       usage errors (a bad option value, a missing argument): one line `bam-surgery: error: ...`,
       exit status 2;
     * a third-party package the command imports and the environment lacks: one line naming what to
@@ -89,8 +93,8 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except USER_ERRORS as e:
-            raise UserError(one_line(e)) from None
+        except UserError as e:
+            raise OneLineError(one_line(e)) from None
         except KeyboardInterrupt as e:
             written = ctx.meta.get(WRITTEN)
             if written and not isinstance(e, InterruptedAfterWrite):
@@ -100,11 +104,11 @@ class Group(click.Group):
             message = missing_package_message(e)
             if message is None:
                 raise
-            raise UserError(message) from None
+            raise OneLineError(message) from None
         except OSError as e:
             if e.errno == errno.EPIPE:
                 raise
-            raise UserError(os_error_message(e)) from None
+            raise OneLineError(os_error_message(e)) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
         if not standalone_mode:
@@ -125,11 +129,36 @@ class Group(click.Group):
             sys.exit(EXIT_USER_ERROR)
         except click.ClickException as e:
             e.show()
-            sys.exit(e.exit_code if isinstance(e, (UserError, Interrupted)) else EXIT_USER_ERROR)
+            sys.exit(e.exit_code if isinstance(e, (OneLineError, Interrupted)) else EXIT_USER_ERROR)
         except BrokenPipeError:
             _quiet_broken_pipe()
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+# import name -> the distribution pip installs it from, where they differ
+_DISTRIBUTIONS = {"yaml": "PyYAML", "lm_eval": "lm_eval", "onnxruntime_genai": "onnxruntime-genai",
+                  "llama_cpp": "llama-cpp-python", "sklearn": "scikit-learn"}
+
+
+def missing_package_message(e: ModuleNotFoundError) -> str | None:
+    """A third-party package a command needs and this environment lacks, as one line saying what to install;
+    None when the missing module is part of bam-surgery itself (a broken install, a bug: keep its traceback)."""
+    name = (e.name or "").split(".")[0]
+    if not name or name == "bam_surgery":
+        return None
+    dist = _DISTRIBUTIONS.get(name, name.replace("_", "-"))
+    return (f"this command needs the Python package {dist!r}, which is not installed here "
+            f"(pip install {dist}; requirements.txt pins the tested version)")
+
+
+def os_error_message(e: OSError) -> str:
+    """An OSError as one line naming the path: 'out/mix.safetensors: No space left on device'."""
+    reason = e.strerror or (os.strerror(e.errno) if e.errno else None) or str(e) or type(e).__name__
+    if e.errno == errno.ENOSPC:
+        reason += " (free some space or write elsewhere; nothing was left half-written)"
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return one_line(f"{' -> '.join(paths)}: {reason}" if paths else reason)
 
 
 def _quiet_broken_pipe() -> None:
@@ -145,16 +174,6 @@ def _quiet_broken_pipe() -> None:
 def cli() -> None:
     """Model surgery for mixture-of-experts upcycling: merge dense checkpoints branched from one seed
     into a BAM / BTX mixture, or upcycle one dense model."""
-
-
-def _parse_weights(text: str | None) -> tuple[float, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(float(w) for w in text.split(","))
-    except ValueError:
-        raise BamSurgeryError(f"--weights: cannot read {text!r}; write comma-separated numbers, e.g. 0.4,0.2,0.2,0.2"
-                              ) from None
 
 
 _held_warnings: list[str] | None = None  # while a merge runs (_warnings_unless_refused)
@@ -191,19 +210,11 @@ def _warnings_unless_refused():
             _warn_now(msg)
 
 
-def _check_format_out(fmt: str, out: str | None) -> None:
-    if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
-        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
-
-
-ROUTER_INITS = ("random", *WARM_STARTS)  # --router-init: random, or a warm start
-
-
 @dataclass(frozen=True)
 class MergeArgs:
-    """Every option of `bam-surgery merge` as click parsed it, one field per option (its parameter name),
-    declared once with its click option (cli.options.option, command_options).
-    The plan's options (surgery.plan.MergeOptions) are built from them in one place: plan_options."""
+    """Every option of `bam-surgery merge` as click parsed it: its own (inputs, OUT, recipe, output) declared here
+    with their click options (cli.options.option), and the merge's options, one MergeOptions whose flags come from
+    its fields (surgery/options.py, the one declaration: cli.options.options_of)."""
 
     seed: str = option(
         "--seed", "seed", required=True, metavar="[NAME=]CKPT",
@@ -222,92 +233,7 @@ class MergeArgs:
         "--recipe", default="bam", show_default=True, metavar="NAME|FILE.yaml",
         help="How tensors are merged: bam, bam-shared-kv, btx, btx-shared-expert, upcycle, or the path of a recipe "
              "file (see recipes/README.md).")
-    ffn_top_k: int | None = option(
-        "--ffn-top-k", type=click.IntRange(min=1, max=MAX_EXPERTS), metavar="K",
-        help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
-    # soft | topK
-    attention_routing: str | None = option(
-        "--attention-routing", metavar="soft|topK",
-        help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
-             "e.g. top2 (default: the recipe's).")
-    gate_norm: GateNorm | None = option(
-        "--gate-norm", type=click.Choice(GATE_NORMS),
-        help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
-             "over the chosen top-k.")
-    extra_ffn_experts: int | None = option(
-        "--extra-ffn-experts", type=click.IntRange(min=0, max=MAX_EXPERTS), metavar="N",
-        help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
-             "for upcycle, the number of copies besides the seed's own slot).")
-    seed_expert: bool | None = option(
-        "--seed-expert/--no-seed-expert", default=None,
-        help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
-             "still the reference for shapes and for --extra-ffn-experts.")
-    # W0,W1,... as given (plan_options reads the numbers)
-    weights: str | None = option(
-        "--weights", metavar="W0,W1,...",
-        help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
-             "order (seed first when it joins); normalized to sum 1. Default: uniform.")
-    shared_kv_rule: SharedKVRule | None = option(
-        "--shared-kv-rule", type=click.Choice(SHARED_KV_RULES),
-        help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
-             "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
-    router_seed: int = option(
-        "--router-seed", type=int, default=0, show_default=True, metavar="N",
-        help="Seed of the random router init; each router's generator is seeded from N and its tensor "
-             "name, so results do not depend on order.")
-    router_std: float | None = option(
-        "--router-std", type=click.FloatRange(min=0), metavar="X",
-        help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
-    router: Router | None = option(
-        "--router", type=click.Choice(ROUTERS),
-        help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
-             "default: the recipe's, linear).")
-    ffn_router: Router | None = option(
-        "--ffn-router", type=click.Choice(ROUTERS), help="Router kind of the FFN routers (overrides --router).")
-    attn_router: Router | None = option(
-        "--attn-router", type=click.Choice(ROUTERS),
-        help="Router kind of the attention routers (overrides --router).")
-    router_hidden: int | None = option(
-        "--router-hidden", type=click.IntRange(min=1), metavar="N",
-        help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
-             "(default head_dim).")
-    router_temperature: float | None = option(
-        "--router-temperature", type=click.FloatRange(min=0, min_open=True), metavar="T",
-        help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
-             "default 0.1).")
-    # ROUTER_INITS
-    router_init: str = option(
-        "--router-init", type=click.Choice(ROUTER_INITS), default="random",
-        show_default=True,
-        help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
-             "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
-             "(profile); the warm starts need --calibration.")
-    calibration: str | None = option(
-        "--calibration", metavar="SPEC",
-        help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
-             "(NAME=SOURCE,...; domain-mean: one domain per expert, named like the expert; the seed's "
-             "domain is general).")
-    calibration_tokens: int = option(
-        "--calibration-tokens", type=click.IntRange(min=1), default=8192, show_default=True, metavar="N",
-        help="Calibration tokens per domain (the first N of its train split).")
-    tokenizer: str | None = option(
-        "--tokenizer", metavar="PATH|bytes",
-        help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
-             "vocabularies of at most 512).")
-    token_cache: str | None = option(
-        "--token-cache", metavar="DIR",
-        help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
-    lb_coef: float | None = option(
-        "--lb-coef", type=click.FloatRange(min=0), metavar="ALPHA",
-        help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
-             "0.01).")
-    z_coef: float | None = option(
-        "--z-coef", type=click.FloatRange(min=0), metavar="BETA",
-        help="Router z-loss weight beta written into the output config (paper eq. 3; default 0.001).")
-    dtype: str | None = option(
-        "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-        help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
-             "float32 either way.")
+    options: MergeOptions = options_of(MergeOptions)
     max_shard_size: str | None = option(MAX_SHARD_SIZE)
     fmt: str = option(format_option("Output format."))
     dry_run: bool = option(
@@ -315,82 +241,28 @@ class MergeArgs:
         help="Print the plan and the parameter audit from the inputs' headers; read no tensor data and "
              "write nothing.")
     force: bool = option(OUT_FORCE)
-    allow_nonfinite: bool = option(
-        "--allow-nonfinite", is_flag=True,
-        help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
     allow_pickle: bool = option(ALLOW_PICKLE)
     quiet: bool = option(
         "--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
-
-    @property
-    def warm_start(self) -> WarmStart | None:
-        return None if self.router_init == "random" else self.router_init
-
-    def plan_options(self) -> MergeOptions:
-        """MergeOptions from the options of the same names; --weights read as numbers, --router-init as the
-        warm start."""
-        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(MergeOptions) if f.name != "weights"}
-        return MergeOptions(**same, weights=_parse_weights(self.weights))
 
 
 @cli.command()
 @command_options(MergeArgs)
 def merge(args: MergeArgs) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
-    # lazy: execute, output_path, branches and plan_reader pull in hashing (blake3), not needed for --help
-    from bam_surgery.surgery.execute import execute_plan
-
-    the_recipe = load_recipe(args.recipe)  # validated before any checkpoint is opened
-    shard_bytes = _check_merge_args(args)
-    options = args.plan_options()
-    named = [parse_named(args.seed), *split_specs(args.experts)]
-    names = input_names([spec for _, spec in named], [name for name, _ in named])
-    with ExitStack() as opened:
-        if not args.dry_run:
-            opened.enter_context(_warnings_unless_refused())
-        readers = [opened.enter_context(open_input(spec, args.allow_pickle)) for _, spec in named]
-        plan = compile_plan(the_recipe, readers, options, names=names)
-        check_export(args.fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any read
-        if args.warm_start and not args.dry_run:  # a stage before the streamed merge: reads inputs and data
-            plan = _warm_start(plan, args)
-        if args.dry_run:
-            _print_dry_run(plan, args)
-            return
-        if args.fmt == "canonical":
-            path = execute_plan(plan, args.out, force=args.force, max_shard_bytes=shard_bytes,
-                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now)
-        else:
-            path = _merge_export(plan, Path(args.out), args.fmt, args.force, shard_bytes)
-        output_written(path)
-    if not args.quiet:
-        _print_merge_summary(plan, path)
-
-
-def _check_merge_args(args: MergeArgs) -> int | None:
-    """The checks of merge's options among themselves, before any checkpoint is opened; the shard size in bytes."""
-    if args.out is None and not args.dry_run:
-        raise BamSurgeryError("--out is required (or use --dry-run)")
-    shard_bytes = parse_size(args.max_shard_size) if args.max_shard_size else None
-    if shard_bytes and args.out is not None and str(args.out).endswith(".safetensors"):
-        raise BamSurgeryError(f"--max-shard-size: {args.out} is a single .safetensors file; give a directory path "
-                              "to write shards")
-    _check_format_out(args.fmt, args.out)
-    if args.warm_start and not args.calibration:
-        raise BamSurgeryError(f"--router-init {args.router_init}: needs --calibration DATA (e.g. "
-                              "code=data/domains/code,general=data/domains/general)")
-    if args.calibration and not args.warm_start:
-        raise BamSurgeryError("--calibration: only --router-init domain-mean or profile reads calibration data")
-    return shard_bytes
-
-
-def _warm_start(plan, args: MergeArgs):
-    """The plan with its expert embeddings computed from the calibration data (surgery/warm_start.py)."""
-    # lazy: warm_start pulls in the tokenizers package (30 ms), for --router-init only
-    from bam_surgery.surgery.warm_start import Calibration, warm_start
-
     log = (lambda msg: None) if args.quiet else (lambda msg: click.echo(msg, err=True))
-    calibration = Calibration(args.calibration, args.calibration_tokens, args.tokenizer, args.token_cache)
-    return warm_start(plan, calibration, log)
+    with ExitStack() as held:
+        if not args.dry_run:
+            held.enter_context(_warnings_unless_refused())
+        result = app_merge([parse_named(args.seed), *split_specs(args.experts)], args.out, recipe=args.recipe,
+                           options=args.options, fmt=args.fmt, max_shard_size=args.max_shard_size,
+                           dry_run=args.dry_run, force=args.force, allow_pickle=args.allow_pickle,
+                           progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now, log=log,
+                           on_written=output_written)
+    if args.dry_run:
+        _print_dry_run(result.plan, args)
+    elif not args.quiet:
+        _print_merge_summary(result.plan, result.path)
 
 
 def _print_dry_run(plan, args: MergeArgs) -> None:
@@ -424,23 +296,6 @@ def untrained_gate_note(cfg) -> str | None:
     return f"until the routers are trained {scaled}{shared}, so perplexity before training is not representative"
 
 
-def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
-    """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
-    tensor when the exporter asks for it."""
-    # lazy: these pull in hashing (blake3), not needed for --help
-    from bam_surgery.surgery.branches import check_branches
-    from bam_surgery.surgery.output_path import check_output_path, plan_inputs
-    from bam_surgery.surgery.plan_reader import PlanReader
-
-    check_output_path(out, force, plan_inputs(plan))
-    check_branches(plan, _warn)
-    options = ExportOptions(tokenizer_files=tuple(check_tokenizers(plan, _warn)),
-                            model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
-                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader),
-                            replace=force)
-    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, options)
-
-
 @cli.command()
 @click.argument("source", metavar="CKPT")
 @click.option("--out", required=True, type=click.Path(), metavar="OUT",
@@ -457,12 +312,9 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
     """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
-    # lazy: output_path pulls in hashing (blake3), not needed for --help
-    from bam_surgery.surgery.output_path import check_output_path
-
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     out_path = Path(out)
-    _check_format_out(fmt, out)
+    check_format_out(fmt, out)
     with open_input(source, allow_pickle) as reader:
         arch = architecture or reader.architecture
         check_export(fmt, reader.config, architecture=arch)
@@ -479,8 +331,6 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle,
 
 def _audit_text(plan) -> str:
     """Parameter counts of the planned output, from its shapes only (the count-params table)."""
-    from bam_surgery.surgery.plan_reader import PlanReader  # lazy: pulls in hashing (blake3), not needed for --help
-
     return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
 
 

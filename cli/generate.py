@@ -22,7 +22,6 @@ import torch
 from bam_surgery.runtime import ModelKVCache, generate, model_from_reader
 from bam_surgery.runtime.memory import check_fits
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.surgery.open_input import open_input
 from bam_surgery.train.errors import TrainError
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.app.inputs import open_input
 from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.converters.gguf_export import GGUF_DTYPES, SUFFIX
 from bam_surgery.converters.hf.files import side_file
+from bam_surgery.runtime.output_path import check_output_path
+from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.surgery.open_input import open_input
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -37,10 +39,6 @@ from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 @ALLOW_PICKLE
 def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
     """Export a checkpoint as one GGUF file for llama.cpp (Llama-family models and their BTX mixtures)."""
-    # lazy: card and output_path pull in hashing and blake3, 0.015 s more for --help
-    from bam_surgery.surgery.card import generation_config, tokenizer_files
-    from bam_surgery.surgery.output_path import check_output_path
-
     if dtype is not None and dtype not in GGUF_DTYPES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(GGUF_DTYPES)}")
     out_path = Path(out)

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.app.inputs import open_input
 from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.converters.hf.files import side_file
 from bam_surgery.converters.onnx_export import DTYPES, check_opset
 from bam_surgery.converters.onnx_genai import GENAI_CONFIG, byte_tokenizer_files
 from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
+from bam_surgery.runtime.output_path import check_output_path
+from bam_surgery.surgery.card import generation_config
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.surgery.open_input import open_input
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -52,10 +54,6 @@ DTYPE_NAMES = ("fp32", "fp16")
 @ALLOW_PICKLE
 def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, allow_pickle) -> None:
     """Export a checkpoint as an ONNX graph with KV-cache inputs and outputs (onnxruntime)."""
-    # lazy: card and output_path pull in hashing and blake3, 0.015 s more for --help
-    from bam_surgery.surgery.card import generation_config
-    from bam_surgery.surgery.output_path import check_output_path
-
     if dtype not in DTYPE_NAMES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     opset_number = DEFAULT_OPSET if opset is None else _integer("--opset", opset)

@@ -34,17 +34,60 @@ def option(*decls, **attrs):
     return dataclasses.field(metadata={"option": decls[0] if shared else click.option(*decls, **attrs)})
 
 
+def options_of(cls):
+    """A field of a command's options dataclass that is itself a dataclass `cls` whose fields declare their flags
+    in their metadata (surgery/options.py:MergeOptions): its flags go where the field is, and the command gets
+    one `cls` instance built from them."""
+    return dataclasses.field(metadata={"options_of": cls})
+
+
 def command_options(cls):
     """A click command's options from the fields of `cls`, in field order, handed to the command as one `cls`
     instance: `@cli.command() @command_options(MergeArgs) def merge(args: MergeArgs)`."""
+    nested = {f.name: f.metadata["options_of"] for f in dataclasses.fields(cls) if "options_of" in f.metadata}
+
     def decorate(command):
         @functools.wraps(command)
         def with_options(**params):
+            for name, inner in nested.items():
+                params[name] = inner(**{f.name: _parsed(f, params.pop(f.name)) for f in dataclasses.fields(inner)})
             return command(cls(**params))
         for f in reversed(dataclasses.fields(cls)):
-            with_options = f.metadata["option"](with_options)
+            inner = nested.get(f.name)
+            for decorator in ([flag_option(g) for g in reversed(dataclasses.fields(inner))] if inner
+                              else [f.metadata["option"]]):
+                with_options = decorator(with_options)
         return with_options
     return decorate
+
+
+def flag_option(f: dataclasses.Field):
+    """The click option of a field that declares its flag in its metadata (flag, help, metavar, choices, bounds,
+    show_default): a bool|None field is --x/--no-x, a bool field an on/off flag, bounds an int or float range."""
+    m = f.metadata
+    attrs = dict(help=m["help"], metavar=m["metavar"], default=f.default)
+    if isinstance(m["show_default"], str):  # the flag spells its default (--router-init random)
+        attrs.update(default=m["show_default"], show_default=True)
+    elif m["show_default"]:
+        attrs["show_default"] = True
+    scalar = str(f.type).split(" ")[0]  # the annotation's first type: int, float, str, bool
+    if m["choices"]:
+        attrs["type"] = click.Choice(m["choices"])
+    elif m["bounds"]:
+        low, high = m["bounds"]
+        attrs["type"] = (click.IntRange(min=low, max=high) if scalar == "int"
+                         else click.FloatRange(min=low, max=high, min_open=m["min_open"]))
+    elif scalar == "int":
+        attrs["type"] = int
+    elif f.type == "bool":
+        attrs["is_flag"] = True
+    return click.option(m["flag"], f.name, **{k: v for k, v in attrs.items() if v is not None})
+
+
+def _parsed(f: dataclasses.Field, value):
+    """A flag's value as its field takes it (the field's `parse`, where it has one)."""
+    parse = f.metadata["parse"]
+    return parse(value) if parse is not None and value is not None else value
 
 
 def format_option(intro: str) -> callable:

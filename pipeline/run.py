@@ -4,7 +4,7 @@
     PipelineRun(spec, Path("runs/tiny")).run()                   # or run(only=["report"], resume=True)
 
 Stages (STAGES), each a list of units run in order through the Python APIs (train.train,
-merge's compile_plan/execute_plan, train.evaluate), each unit recorded in DIR/commands.sh as the
+app.merge.merge, train.evaluate), each unit recorded in DIR/commands.sh as the
 equivalent command line:
 
     tokenizer  train a byte-level BPE on every source's train split (data.tokenizer.bpe) tokenizer/
@@ -35,19 +35,18 @@ import shlex
 import shutil
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml
+from bam_surgery.app.merge import merge
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.text import render_table
-from bam_surgery.surgery.execute import execute_plan
-from bam_surgery.surgery.plan import compile_plan
+from bam_surgery.surgery.options import command_args
 from bam_surgery.train import TrainConfig, evaluate, load_run_config, train
 from bam_surgery.train.bpe import train_bpe
 from bam_surgery.train.checkpoints import latest_checkpoint, step_dir_name
@@ -233,18 +232,7 @@ class PipelineRun:
     def merge_args(self, mix: Mixture) -> list[str]:
         args = ["bam-surgery", "merge", "--seed", self.seed_checkpoint(), "--experts",
                 ",".join(str(self.models / d) for d in self.spec.domains), "--recipe", mix.recipe_spec]
-        flags = {"extra_ffn_experts": "--extra-ffn-experts", "ffn_top_k": "--ffn-top-k",
-                 "attention_routing": "--attention-routing", "gate_norm": "--gate-norm", "dtype": "--dtype",
-                 "router_seed": "--router-seed", "router_std": "--router-std", "shared_kv_rule": "--shared-kv-rule",
-                 "lb_coef": "--lb-coef", "z_coef": "--z-coef"}
-        for key, flag in flags.items():
-            if key in mix.given:
-                args += [flag, str(mix.given[key])]
-        if "seed_expert" in mix.given:
-            args.append("--seed-expert" if mix.given["seed_expert"] else "--no-seed-expert")
-        if "weights" in mix.given:
-            args += ["--weights", ",".join(repr(float(w)) for w in mix.given["weights"])]
-        return args + ["--out", str(self.mix_file(mix))]
+        return args + command_args(mix.given) + ["--out", str(self.mix_file(mix))]
 
     def eval_args(self, ckpt: str) -> list[str]:
         spec = self.spec
@@ -302,10 +290,8 @@ class PipelineRun:
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
         specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
-        with ExitStack() as opened:
-            readers = [opened.enter_context(open_checkpoint(s)) for s in specs]
-            plan = compile_plan(mix.recipe, readers, mix.options)
-            path = execute_plan(plan, self.mix_file(mix), warn=lambda m: self.log(f"  warning: {m}"))
+        path = merge([(None, s) for s in specs], self.mix_file(mix), recipe=mix.recipe, options=mix.options,
+                     warn=lambda m: self.log(f"  warning: {m}")).path
         return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
 
     def _eval(self, ckpt: str, out: Path) -> dict[str, Any]:

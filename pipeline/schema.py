@@ -27,9 +27,9 @@ from typing import Any, Callable
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
-from bam_surgery.runtime.errors import printable
-from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError
-from bam_surgery.surgery.plan import MergeOptions
+from bam_surgery.runtime.errors import UserError, printable
+from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.options import PIPELINE_OPTIONS, MergeOptions
 from bam_surgery.surgery.recipe import load_recipe, mixture_config
 from bam_surgery.train.bpe import MAX_VOCAB as BPE_MAX_VOCAB
 from bam_surgery.train.bpe import MIN_VOCAB as BPE_MIN_VOCAB
@@ -48,11 +48,8 @@ TOP_LEVEL = ("schema", "name", "description", "seed", "threads", "data", "knobs"
 # Knobs the pipeline sets itself for every run (a stage's knobs may not name them).
 PIPELINE_KNOBS = ("init", "preset", "model_config", "data", "eval_data", "out", "seed", "tokenizer", "seq_len",
                   "token_cache", "text_field")
-# Merge options a mixture may set (MergeOptions fields), with their YAML types.
-MERGE_OPTIONS: dict[str, tuple[type, ...]] = {
-    "seed_expert": (bool,), "extra_ffn_experts": (int,), "ffn_top_k": (int,), "attention_routing": (str, int),
-    "gate_norm": (str,), "weights": (list,), "dtype": (str,), "router_seed": (int,), "router_std": (float, int),
-    "shared_kv_rule": (str,), "lb_coef": (float, int), "z_coef": (float, int)}
+# Merge options a mixture may set, with their YAML types: those of surgery/options.py:MergeOptions that have some.
+MERGE_OPTIONS = PIPELINE_OPTIONS
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 RESERVED_MODEL_NAMES = ("seed", "general")
 
@@ -324,7 +321,7 @@ class _Validator:
             with open_checkpoint(init) as reader:
                 cfg = reader.config
                 local = Path(reader.source_dir or reader.path or init)
-        except (OSError, *USER_ERRORS) as e:
+        except (OSError, UserError) as e:
             self.fail("stages.seed.init", " ".join(str(e).split()) or type(e).__name__)
         if cfg.is_mixture:
             self.fail("stages.seed.init", f"{init} is a mixture; the seed is a dense checkpoint")
@@ -397,11 +394,10 @@ class _Validator:
             given.setdefault("router_seed", seed)
             try:
                 options = MergeOptions(**{k: (tuple(v) if k == "weights" else v) for k, v in given.items()})
-                n_members = n_domains + (1 if (recipe.defaults["seed_expert"] if options.seed_expert is None
-                                               else options.seed_expert) else 0)
+                n_members = n_domains + (1 if options.resolved("seed_expert", recipe) else 0)
                 if options.weights is not None and len(options.weights) != n_members:
                     self.fail(f"{where}.weights", f"{len(options.weights)} weights for {n_members} mixture members")
-                cfg = mixture_config(recipe, dense, n_members, options.mixture())
+                cfg = mixture_config(recipe, dense, n_members, options)
             except (ConfigError, TypeError, ValueError) as err:
                 self.fail(where, " ".join(str(err).split()))
             out.append(Mixture(name, recipe_spec, recipe, options, cfg, given, flops_per_token(cfg, seq_len)))

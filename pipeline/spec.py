@@ -25,7 +25,7 @@ import yaml
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.surgery.plan import MergeOptions
+from bam_surgery.surgery.options import MergeOptions
 from bam_surgery.surgery.recipe import Recipe
 from bam_surgery.train.config import TrainConfig
 from bam_surgery.train.metrics import flops_per_token

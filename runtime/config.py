@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
 from .config_rules import ConfigRules
+from .errors import UserError
 from .jsonfile import parse_json
 
 # Fields with a fixed set of values; the tuples are the same sets, for messages and checks.
@@ -56,7 +57,7 @@ WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final
                     "attn_scale_dim", "attn_softcap", "final_softcap")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config field is missing, unknown or inconsistent; the message names the field."""
 
 

@@ -1,15 +1,25 @@
-"""The runtime's user-facing errors, and how text read from files is shown.
+"""The root of every user-facing error (UserError), the runtime's own, and how text read from files is shown.
 
-CheckpointError (files on disk) and OutputError (a refused or failed output path) live here;
-ConfigError (configs) lives in config.py. Their messages are one line naming the file, tensor or
-field; the CLI prints them as `bam-surgery: error: <message>`.
+Every error a user can fix derives from UserError: CheckpointError (files on disk), OutputError (a refused
+or failed output path) and OptionError (a value given on the command line) here, ConfigError (configs) in
+config.py, TrainError (train/errors.py), BamSurgeryError (surgery/errors.py). Their messages are one line
+naming the file, tensor, field or option; the CLI catches UserError and prints it as
+`bam-surgery: error: <message>` (exit status 2). Anything else that escapes is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import re
 
 
-class CheckpointError(ValueError):
+class UserError(Exception):
+    """An error the user can fix (a bad file, option, config or output path); str(e) is the whole message."""
+
+
+class OptionError(UserError):
+    """A value given on the command line (a size, a path's name) is unusable; the message names the option."""
+
+
+class CheckpointError(UserError, ValueError):
     """A checkpoint file is unreadable, truncated or inconsistent; the message names file and tensor."""
 
 
@@ -37,3 +47,11 @@ def printable(text: object) -> str:
     name, a config string or a path read from a file cannot start a new output line or send escape
     sequences to the terminal."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
+def one_line(err: BaseException | str) -> str:
+    """The error's message as one printable line: surrounding whitespace dropped, and control
+    characters (a newline in a tensor name read from a file) escaped, so no message can forge a
+    second output line."""
+    text = str(err).strip()
+    return printable(text) or type(err).__name__

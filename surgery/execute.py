@@ -33,17 +33,10 @@ from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.safetensors_file import patch_header
 from bam_surgery.runtime.shards import write_file, write_index, write_shards
 
-from .branches import check_branches
-from .errors import BamSurgeryError
 from .hashing import FileDigest, InputHasher
-from .output_path import check_output_path, plan_inputs
 from .plan import Plan
 from .plan_reader import PlanReader
 from .provenance import digest_replacements, output_metadata, plan_input_files, provenance
-from .sizes import parse_size
-
-# Names callers import from here (the module held them before they got modules of their own).
-__all__ = ["PlanReader", "check_branches", "check_output_path", "execute_plan", "parse_size", "plan_inputs"]
 
 Warn = Callable[[str], None]
 
@@ -73,19 +66,14 @@ def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, 
 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
-                 progress: bool = False, warn: Warn | None = None, check_branch: bool = True,
-                 on_stale: Warn | None = None) -> Path:
-    """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory). on_stale: told when a
-    killed run's work folder for OUT is settled (default: warn)."""
+                 progress: bool = False, warn: Warn | None = None, on_stale: Warn | None = None) -> Path:
+    """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory; max_shard_bytes applies
+    to a directory). on_stale: told when a killed run's work folder for OUT is settled (default: warn).
+    OUT is checked by the caller, once (app/merge.py: the OUT policy and the branch check); the final rename
+    still never replaces what is not ours (runtime/atomic.py)."""
     out = Path(out)
     warn = warn or (lambda msg: print(f"bam-surgery: warning: {msg}", file=sys.stderr))
     single_file = out.suffix == ".safetensors"
-    if single_file and max_shard_bytes:
-        raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory "
-                              "path to write shards")
-    check_output_path(out, force, plan_inputs(plan))
-    if check_branch:
-        check_branches(plan, warn)
     pool = BufferPool()
     reader = PlanReader(plan, warn=warn, hash_inputs=False, pool=pool)
     hasher = InputHasher(plan_input_files(plan))

@@ -38,7 +38,7 @@ from typing import Any, Literal, Sequence, get_args
 
 import torch
 
-from bam_surgery.runtime.config import ConfigError, GateNorm, ModelConfig, Router
+from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES, nbytes
 from bam_surgery.runtime.layout import ranges, router_tensors, tensor_shapes
 from bam_surgery.runtime.memory import check_fits
@@ -47,8 +47,8 @@ from bam_surgery.runtime.routers import RouterTensor, router_class
 
 from .errors import BamSurgeryError, InputError
 from .names import input_names
-from .recipe import (SHARED_KV_RULES, WARM_STARTS, MixtureOptions, Recipe, SharedKVRule, WarmStart,
-                     dense_kind, mixture_config)
+from .options import MergeOptions
+from .recipe import SHARED_KV_RULES, WARM_STARTS, Recipe, SharedKVRule, WarmStart, dense_kind, mixture_config
 
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).
@@ -60,40 +60,6 @@ SHARED = re.compile(r"^(?P<layer>layers\.\d+)\.ffn_shared(?P<gate>_gate)?\.(?P<r
 # The ops of a plan's tensors (the module docstring; surgery/kernels.py computes them)
 PlanOp = Literal["stack", "mean", "copy", "normal", "unit_rows", "zeros", "full", "calibrated"]
 PLAN_OPS = get_args(PlanOp)
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """The options of a merge (`bam-surgery merge`'s flags: cli/commands.py MergeArgs.plan_options; a
-    pipeline's mixture); None means: the recipe's default."""
-
-    seed_expert: bool | None = None
-    extra_ffn_experts: int | None = None
-    ffn_top_k: int | None = None
-    attention_routing: str | int | None = None  # soft | topK
-    gate_norm: GateNorm | None = None
-    lb_coef: float | None = None
-    z_coef: float | None = None
-    weights: tuple[float, ...] | None = None  # one per mixture member (seed first when it joins)
-    dtype: str | torch.dtype | None = None  # None: the seed's embedding dtype
-    router_seed: int = 0
-    router_std: float | None = None
-    shared_kv_rule: SharedKVRule | None = None
-    allow_nonfinite: bool = False
-    router: Router | None = None  # router kind of every router (runtime/routers.py); None: the recipe's
-    ffn_router: Router | None = None  # the FFN routers' kind (over `router`)
-    attn_router: Router | None = None  # the attention routers' kind (over `router`)
-    router_hidden: int | None = None
-    router_temperature: float | None = None
-    warm_start: WarmStart | None = None  # None: random init
-
-    def mixture(self) -> MixtureOptions:
-        """The options that shape the output config (surgery.recipe.mixture_config)."""
-        return MixtureOptions(ffn_top_k=self.ffn_top_k, attn_top_k=self.attention_routing,
-                              extra_ffn_experts=self.extra_ffn_experts, gate_norm=self.gate_norm,
-                              lb_coef=self.lb_coef, z_coef=self.z_coef, router=self.router,
-                              ffn_router=self.ffn_router, attn_router=self.attn_router,
-                              router_hidden=self.router_hidden, router_temperature=self.router_temperature)
 
 
 @dataclass(frozen=True)
@@ -245,7 +211,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     layout = check_inputs(plan_inputs)
     dense_cfg = inputs[0].config
 
-    seed_expert = recipe.defaults["seed_expert"] if options.seed_expert is None else options.seed_expert
+    seed_expert = options.resolved("seed_expert", recipe)
     members = tuple(range(0 if seed_expert else 1, len(inputs)))
     if not members:
         raise BamSurgeryError(f"--no-seed-expert leaves recipe {recipe.name} with no input to build from; "
@@ -254,10 +220,10 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     weights = _mean_weights(options.weights, plan_inputs, members)
     _check_shared_kv_rule(recipe, options.shared_kv_rule)
     try:
-        out_cfg = mixture_config(recipe, dense_cfg, len(members), options.mixture())
+        out_cfg = mixture_config(recipe, dense_cfg, len(members), options)
     except ConfigError as e:
         raise BamSurgeryError(f"{e} (recipe {recipe.name}, {len(members)} mixture input(s))") from None
-    router_std = recipe.router_std if options.router_std is None else float(options.router_std)
+    router_std = float(options.resolved("router_std", recipe))
     std_from = "--router-std" if options.router_std is not None else f"recipe {recipe.name}: routers.std"
     dtype = _output_dtype(options.dtype, inputs[0])
     if dtype.is_floating_point and router_std * 16 > torch.finfo(dtype).max:  # |N(0,1)| samples stay below 16
@@ -266,7 +232,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
     _check_router_init(recipe, out_cfg, options.warm_start)
     _check_tensors_fit(out_cfg)
     ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
-    shared_rule = (options.shared_kv_rule or recipe.tensors["attn.k"]) if recipe.shared_kv else None
+    shared_rule = options.resolved("shared_kv_rule", recipe) if recipe.shared_kv else None
     choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
                    dtype, router_std, shared_rule)  # everything but the tensors
     routers = router_tensors(out_cfg)

@@ -24,6 +24,7 @@ import blake3
 
 from bam_surgery import __version__
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, file_metadata
+from bam_surgery.runtime.output_path import input_files
 from bam_surgery.runtime.reader import Reader
 
 from .hashing import ALGORITHM, FileDigest
@@ -32,11 +33,6 @@ from .plan import Plan
 
 def tool_version() -> str:
     return __version__
-
-
-def input_files(reader: Reader) -> list[Path]:
-    """The files a reader reads, resolved (what provenance hashes and OUT may not overwrite)."""
-    return [Path(f).resolve() for f in reader.files()]
 
 
 def plan_input_files(plan: Plan) -> list[Path]:

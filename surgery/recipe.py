@@ -33,6 +33,7 @@ from bam_surgery.runtime.config import (GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTER
 from bam_surgery.runtime.errors import printable
 
 from .errors import RecipeError
+from .options import SHARED_KV_RULES, WARM_STARTS, MergeOptions, SharedKVRule, WarmStart  # noqa: F401 (re-exported)
 
 SCHEMA_VERSION = 1
 
@@ -44,12 +45,9 @@ ATTENTION_KINDS = ("attn.q", "attn.k", "attn.v", "attn.o")
 FFN_KINDS = ("ffn.gate", "ffn.up", "ffn.down")
 Op = Literal["stack", "mean", "seed"]  # a recipe's tensor ops
 RouterInit = Literal["normal", "zeros"]
-SharedKVRule = Literal["mean", "seed"]  # how a shared K/V is made
 SharedExpert = Literal["seed"]  # where a recipe's shared FFN expert comes from
-WarmStart = Literal["domain-mean", "profile"]  # merge --router-init besides random (surgery/warm_start.py)
-OPS, ROUTER_INITS, SHARED_KV_RULES = get_args(Op), get_args(RouterInit), get_args(SharedKVRule)
+OPS, ROUTER_INITS = get_args(Op), get_args(RouterInit)
 SHARED_EXPERTS = get_args(SharedExpert)
-WARM_STARTS = get_args(WarmStart)
 
 # Built-in defaults for fields a recipe leaves out of `defaults:`.
 DEFAULTS: dict[str, Any] = dict(seed_expert=True, extra_ffn_experts=0, ffn_top_k=1, gate_norm="softmax",
@@ -335,26 +333,6 @@ def _is_finite_number(v: Any) -> bool:
 
 # ---- the output config ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MixtureOptions:
-    """The options of a mixture's config (merge's flags; surgery.plan.MergeOptions.mixture()); None: the
-    recipe's default. attn_top_k: 'soft' or 0 = soft routing, k or 'topK' = top-k routing. Router kinds:
-    router (every router), ffn_router / attn_router (one group, over router; an error where the mixture has
-    no such router)."""
-
-    ffn_top_k: int | None = None
-    attn_top_k: int | str | None = None
-    extra_ffn_experts: int | None = None
-    gate_norm: GateNorm | None = None
-    lb_coef: float | None = None
-    z_coef: float | None = None
-    router: Router | None = None
-    ffn_router: Router | None = None
-    attn_router: Router | None = None
-    router_hidden: int | None = None
-    router_temperature: float | None = None
-
-
-@dataclass(frozen=True)
 class MixtureShape:
     """A mixture's options checked and resolved against its recipe and inputs: what its config is built from."""
 
@@ -368,7 +346,7 @@ class MixtureShape:
     router_temperature: float | None
 
 
-def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MixtureOptions | None = None,
+def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MergeOptions | None = None,
                    **given: Any) -> ModelConfig:
     """The config of the mixture a recipe builds from `n_inputs` dense models of shape `dense_cfg`.
 
@@ -376,11 +354,11 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, option
     fields as keywords, `given`) left at None take the recipe's defaults. FFN experts: n_inputs +
     extra_ffn_experts; attention experts: n_inputs.
     """
-    options = dataclasses.replace(options or MixtureOptions(), **given)
+    options = dataclasses.replace(options or MergeOptions(), **given)
     return build_mixture_config(recipe, dense_cfg, options, check_mixture(recipe, dense_cfg, n_inputs, options))
 
 
-def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MixtureOptions) -> MixtureShape:
+def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MergeOptions) -> MixtureShape:
     """Validation: every option against the recipe and the inputs (ConfigError naming the option), resolved."""
     if dense_cfg.is_mixture:
         raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
@@ -390,10 +368,9 @@ def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options
     return MixtureShape(n_ffn, n_attn, top_k, attn_k, ffn_kind, attn_kind, hidden, temperature)
 
 
-def _check_experts(recipe: Recipe, n_inputs: int, options: MixtureOptions) -> tuple[int, int, int, int | None]:
+def _check_experts(recipe: Recipe, n_inputs: int, options: MergeOptions) -> tuple[int, int, int, int | None]:
     """(FFN experts, attention experts, FFN top-k, attention top-k or None: soft)."""
-    d = recipe.defaults
-    extra = d["extra_ffn_experts"] if options.extra_ffn_experts is None else options.extra_ffn_experts
+    extra = options.resolved("extra_ffn_experts", recipe)
     if not _is_int(extra) or not 0 <= extra <= MAX_EXPERTS:
         raise ConfigError(f"extra_ffn_experts: must be an integer from 0 to {MAX_EXPERTS}, got {shown(extra)}")
     if options.extra_ffn_experts and not recipe.ffn_experts:
@@ -402,7 +379,7 @@ def _check_experts(recipe: Recipe, n_inputs: int, options: MixtureOptions) -> tu
     if options.ffn_top_k is not None and not recipe.ffn_experts:
         raise ConfigError(f"ffn_top_k: recipe {recipe.name} has no FFN experts to route")
     try:
-        attn_k = parse_attention_routing(d["attention_routing"] if options.attn_top_k is None else options.attn_top_k)
+        attn_k = parse_attention_routing(options.resolved("attention_routing", recipe))
     except ValueError as e:
         raise ConfigError(f"attn_top_k: {e}") from None
     if attn_k is not None and not recipe.attention_experts:
@@ -416,7 +393,7 @@ def _check_experts(recipe: Recipe, n_inputs: int, options: MixtureOptions) -> tu
             hint = "add --experts or --extra-ffn-experts" if what == "FFN" else "add --experts"
             raise ConfigError(f"{what.lower()}_experts: recipe {recipe.name} would build 1 {what} expert from "
                               f"{n_inputs} input(s); a mixture needs at least 2 ({hint})")
-    top_k = d["ffn_top_k"] if options.ffn_top_k is None else options.ffn_top_k
+    top_k = options.resolved("ffn_top_k", recipe)
     if n_ffn and not 1 <= top_k <= n_ffn:
         raise ConfigError(f"ffn_top_k: top-{top_k} routing needs between 1 and {n_ffn} FFN experts")
     if attn_k is not None and not 1 <= attn_k <= n_attn:
@@ -424,7 +401,7 @@ def _check_experts(recipe: Recipe, n_inputs: int, options: MixtureOptions) -> tu
     return n_ffn, n_attn, top_k, attn_k
 
 
-def _check_routers(recipe: Recipe, options: MixtureOptions, n_ffn: int, n_attn: int
+def _check_routers(recipe: Recipe, options: MergeOptions, n_ffn: int, n_attn: int
                    ) -> tuple[Router, Router, int | None, float | None]:
     """(FFN router kind, attention router kind, hidden width, temperature): the options over the recipe's."""
     router, ffn_router, attn_router = options.router, options.ffn_router, options.attn_router
@@ -449,17 +426,14 @@ def _check_routers(recipe: Recipe, options: MixtureOptions, n_ffn: int, n_attn: 
     if options.router_temperature is not None and not takes_temperature:
         raise ConfigError(f"router_temperature: applies to expert_embedding routers; this mixture's routers are "
                           f"{', '.join(sorted(used)) or 'none'}")
-    hidden = (recipe.router_hidden if options.router_hidden is None else options.router_hidden
-              ) if takes_hidden else None
-    temperature = (recipe.router_temperature if options.router_temperature is None else options.router_temperature
-                   ) if takes_temperature else None
+    hidden = options.resolved("router_hidden", recipe) if takes_hidden else None
+    temperature = options.resolved("router_temperature", recipe) if takes_temperature else None
     return ffn_kind, attn_kind, hidden, temperature
 
 
-def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: MixtureOptions,
+def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: MergeOptions,
                          shape: MixtureShape) -> ModelConfig:
     """Construction: the mixture's config from the dense one and the checked shape (check_mixture)."""
-    d = recipe.defaults
     n_ffn, n_attn = shape.ffn_experts, shape.attn_experts
     # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
     kind = shape.ffn_router if n_ffn else (shape.attn_router if n_attn else "linear")
@@ -469,7 +443,7 @@ def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: Mixtur
         ffn_experts=n_ffn,
         ffn_top_k=shape.ffn_top_k if n_ffn else 1,
         ffn_shared_hidden=dense_cfg.ffn_hidden if recipe.shared_expert and n_ffn else 0,
-        gate_norm=d["gate_norm"] if options.gate_norm is None else options.gate_norm,
+        gate_norm=options.resolved("gate_norm", recipe),
         attn_experts=n_attn,
         attn_top_k=shape.attn_top_k if n_attn else None,
         kv_mode=recipe.kv_mode if n_attn else "expert",
@@ -478,7 +452,7 @@ def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: Mixtur
         router_hidden=shape.router_hidden,
         router_temperature=(temperature_default if shape.router_temperature is None
                             else float(shape.router_temperature)),
-        lb_coef=d["lb_coef"] if options.lb_coef is None else float(options.lb_coef),
-        z_coef=d["z_coef"] if options.z_coef is None else float(options.z_coef),
+        lb_coef=float(options.resolved("lb_coef", recipe)),
+        z_coef=float(options.resolved("z_coef", recipe)),
         name=f"{base}{recipe.name}",
     )

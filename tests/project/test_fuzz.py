@@ -21,7 +21,7 @@ from bam_surgery.converters.hf.architectures import ARCHITECTURES
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.safetensors_file import read_header
 from bam_surgery.runtime.shards import read_index, shard_path
-from bam_surgery.surgery.errors import USER_ERRORS, one_line
+from bam_surgery.runtime.errors import UserError, one_line
 from bam_surgery.surgery.recipe import parse_recipe
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
@@ -39,7 +39,7 @@ def clean(call) -> None:
     """call() succeeds or raises a user error whose message prints as one line."""
     try:
         call()
-    except USER_ERRORS as e:
+    except UserError as e:
         line = one_line(e)
         assert line and "\n" not in line and "\r" not in line
 

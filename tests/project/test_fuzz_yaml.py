@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from test_fuzz import FUZZ, json_values
 from bam_surgery.converters.yamlfile import parse_yaml
-from bam_surgery.surgery.errors import USER_ERRORS, one_line
+from bam_surgery.runtime.errors import UserError, one_line
 from bam_surgery.pipeline.schema import load_pipeline
 from bam_surgery.surgery.recipe import parse_recipe
 from bam_surgery.train.config import TrainConfig
@@ -56,7 +56,7 @@ def clean(call) -> None:
     """call() succeeds or raises a user error whose message is one line, cut short whatever the input."""
     try:
         call()
-    except USER_ERRORS as e:
+    except UserError as e:
         line = one_line(e)
         assert line and "\n" not in line and "\r" not in line and len(line) < 1000, line
 

@@ -34,7 +34,7 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.cli.commands import cli
 from bam_surgery.surgery.execute import execute_plan
 from bam_surgery.surgery.plan_reader import PlanReader
-from bam_surgery.surgery.sizes import parse_size
+from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.plan import MergeOptions, compile_plan
 from bam_surgery.surgery.recipe import load_recipe
 
@@ -354,7 +354,7 @@ def test_execution_streams_one_tensor_at_a_time(tmp_path):
             return t
 
     plan = compile_plan(load_recipe("bam"), [Counting(p) for p in paths], MergeOptions(extra_ffn_experts=2))
-    execute_plan(plan, tmp_path / "mix.safetensors", check_branch=False)
+    execute_plan(plan, tmp_path / "mix.safetensors")
     assert len(reads) == len(set(reads)) == 3 * len(CheckpointReader(paths[0]).names())
     assert peak[0] <= 2
     assert live[0] == 0

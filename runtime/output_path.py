@@ -1,4 +1,4 @@
-"""Where a command may write: the OUT policy of every command that writes (merge, convert, ...).
+"""Where a command may write (next to atomic.py, which writes there): the OUT policy of every command that writes (merge, convert, ...).
 
     check_output_path(out, force, inputs)     before any work: refuse early, in one line
 
@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bam_surgery.runtime.outputs import not_own_output
-from bam_surgery.runtime.reader import Reader
-
-from .errors import BamSurgeryError
-from .plan import Plan
-from .provenance import input_files
+from .errors import OptionError
+from .outputs import not_own_output
+from .reader import Reader
 
 
 def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Reader]]) -> None:
@@ -27,12 +24,12 @@ def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Reader]]) 
     that is (or contains) an input, and with --force anything that is not our own output."""
     raw = os.fspath(out)
     if raw in ("", ".", "..") or Path(raw).name in ("", ".", ".."):
-        raise BamSurgeryError(f"--out {raw!r}: not a name an output can be written to; give a file or folder name "
+        raise OptionError(f"--out {raw!r}: not a name an output can be written to; give a file or folder name "
                               "(e.g. out/mix.safetensors or out/mix)")
     out = Path(raw)
     exists = os.path.lexists(out)
     if exists and not force:
-        raise BamSurgeryError(f"{out}: already exists; pass --force to replace it")
+        raise OptionError(f"{out}: already exists; pass --force to replace it")
     resolved = out.resolve()
     for label, reader in inputs:
         for f in input_files(reader) + ([Path(label)] if label else []):
@@ -41,13 +38,14 @@ def check_output_path(out: Path, force: bool, inputs: list[tuple[str, Reader]]) 
             except OSError:
                 same = False
             if same:
-                raise BamSurgeryError(f"{out}: is input {label}; write the output somewhere else")
+                raise OptionError(f"{out}: is input {label}; write the output somewhere else")
     if exists:
         reason = not_own_output(out)
         if reason:
-            raise BamSurgeryError(f"{out}: {reason}; --force replaces only outputs of bam-surgery, so remove it "
+            raise OptionError(f"{out}: {reason}; --force replaces only outputs of bam-surgery, so remove it "
                                   "yourself or write elsewhere")
 
 
-def plan_inputs(plan: Plan) -> list[tuple[str, Reader]]:
-    return [(inp.label, inp.reader) for inp in plan.inputs]
+def input_files(reader: Reader) -> list[Path]:
+    """The files a reader reads, resolved (what provenance hashes and OUT may not overwrite)."""
+    return [Path(f).resolve() for f in reader.files()]

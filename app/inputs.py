@@ -10,12 +10,13 @@ from bam_surgery import converters  # called as converters.open_checkpoint: one 
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.train.checkpoints import resolve_checkpoint
 
-from .errors import USER_ERRORS, BamSurgeryError, one_line
+from bam_surgery.runtime.errors import UserError, one_line
+from bam_surgery.surgery.errors import BamSurgeryError
 
 
 def open_input(spec: str, allow_pickle: bool = False) -> Reader:
     try:
         return converters.open_checkpoint(resolve_checkpoint(spec), allow_pickle=allow_pickle)
-    except (*USER_ERRORS, OSError) as e:
+    except (UserError, OSError) as e:
         msg = one_line(e) if not isinstance(e, OSError) else f"cannot open ({e.strerror or e})"
         raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e

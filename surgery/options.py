@@ -1,0 +1,194 @@
+"""The options of a merge, declared once: MergeOptions.
+
+Each field carries, in its metadata, everything the other places need to know about it, so that a new merge
+option is one field here:
+
+    flag      the `bam-surgery merge` flag (cli/commands.py builds the click option from the field: its help,
+              metavar, choices, bounds and default)
+    recipe    the recipe key whose value a field left at None takes (`defaults.ffn_top_k`, `routers.std`):
+              `recipe_value` reads it, so the plan and the mixture config resolve it in one way
+    yaml      the types a pipeline file may give it (pipeline/schema.py offers the fields that have some, under
+              the same name, and pipeline/run.py writes them back as flags with `command_args`)
+
+    options = MergeOptions(ffn_top_k=2, router="mlp")
+    plan = compile_plan(load_recipe("bam"), readers, options)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
+
+from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
+
+from .errors import BamSurgeryError
+
+if TYPE_CHECKING:  # annotations only (recipe.py imports this module)
+    import torch
+
+    from .recipe import Recipe
+
+SharedKVRule = Literal["mean", "seed"]  # how a shared K/V is made
+WarmStart = Literal["domain-mean", "profile"]  # merge --router-init besides random (surgery/warm_start.py)
+SHARED_KV_RULES, WARM_STARTS = get_args(SharedKVRule), get_args(WarmStart)
+ROUTER_INITS = ("random", *WARM_STARTS)  # --router-init: random (no warm start), or a warm start
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def merge_option(default: Any, flag: str, help: str, *, metavar: str | None = None,
+                 choices: tuple[str, ...] | None = None, bounds: tuple[float | None, float | None] | None = None,
+                 min_open: bool = False, show_default: bool | str = False, parse: Callable[[Any], Any] | None = None,
+                 recipe: str | None = None, yaml: tuple[type, ...] | None = None) -> Any:
+    """A field of MergeOptions with its flag, help sentence, allowed values, recipe key and pipeline types.
+    show_default: a string is the flag's own default where it differs from the field's (--router-init random);
+    parse: the flag's text -> the field's value."""
+    return field(default=default, metadata=dict(
+        flag=flag, help=help, metavar=metavar, choices=choices, bounds=bounds, min_open=min_open,
+        show_default=show_default, parse=parse, recipe=recipe, yaml=yaml))
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Every option of a merge, its flag and its recipe default; None means: the recipe's default (or, for
+    warm_start, a random router init). The field order is the order of `bam-surgery merge --help`."""
+
+    ffn_top_k: int | None = merge_option(
+        None, "--ffn-top-k", metavar="K", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_top_k", yaml=(int,),
+        help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
+    attention_routing: str | int | None = merge_option(  # soft | topK
+        None, "--attention-routing", metavar="soft|topK", recipe="defaults.attention_routing", yaml=(str, int),
+        help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
+             "e.g. top2 (default: the recipe's).")
+    gate_norm: GateNorm | None = merge_option(
+        None, "--gate-norm", choices=GATE_NORMS, recipe="defaults.gate_norm", yaml=(str,),
+        help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
+             "over the chosen top-k.")
+    extra_ffn_experts: int | None = merge_option(
+        None, "--extra-ffn-experts", metavar="N", bounds=(0, MAX_EXPERTS), recipe="defaults.extra_ffn_experts",
+        yaml=(int,),
+        help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
+             "for upcycle, the number of copies besides the seed's own slot).")
+    seed_expert: bool | None = merge_option(
+        None, "--seed-expert/--no-seed-expert", recipe="defaults.seed_expert", yaml=(bool,),
+        help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
+             "still the reference for shapes and for --extra-ffn-experts.")
+    weights: tuple[float, ...] | None = merge_option(  # one per mixture member (seed first when it joins)
+        None, "--weights", metavar="W0,W1,...", parse=lambda text: parse_weights(text), yaml=(list,),
+        help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
+             "order (seed first when it joins); normalized to sum 1. Default: uniform.")
+    shared_kv_rule: SharedKVRule | None = merge_option(
+        None, "--shared-kv-rule", choices=SHARED_KV_RULES, recipe="tensors.attn.k", yaml=(str,),
+        help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
+             "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
+    router_seed: int = merge_option(
+        0, "--router-seed", metavar="N", show_default=True, yaml=(int,),
+        help="Seed of the random router init; each router's generator is seeded from N and its tensor "
+             "name, so results do not depend on order.")
+    router_std: float | None = merge_option(
+        None, "--router-std", metavar="X", bounds=(0, None), recipe="routers.std", yaml=(float, int),
+        help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
+    router: Router | None = merge_option(  # router kind of every router (runtime/routers.py)
+        None, "--router", choices=ROUTERS, recipe="routers.kind", yaml=(str,),
+        help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
+             "default: the recipe's, linear).")
+    ffn_router: Router | None = merge_option(  # the FFN routers' kind (over `router`)
+        None, "--ffn-router", choices=ROUTERS, recipe="routers.ffn_kind", yaml=(str,),
+        help="Router kind of the FFN routers (overrides --router).")
+    attn_router: Router | None = merge_option(  # the attention routers' kind (over `router`)
+        None, "--attn-router", choices=ROUTERS, recipe="routers.attn_kind", yaml=(str,),
+        help="Router kind of the attention routers (overrides --router).")
+    router_hidden: int | None = merge_option(
+        None, "--router-hidden", metavar="N", bounds=(1, None), recipe="routers.hidden", yaml=(int,),
+        help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
+             "(default head_dim).")
+    router_temperature: float | None = merge_option(
+        None, "--router-temperature", metavar="T", bounds=(0, None), min_open=True, recipe="routers.temperature",
+        yaml=(float, int),
+        help="expert_embedding routers: initial temperature tau of logits = cos(x, m_e) / tau (learned; "
+             "default 0.1).")
+    warm_start: WarmStart | None = merge_option(  # None: random init
+        None, "--router-init", choices=ROUTER_INITS, show_default="random",
+        parse=lambda init: None if init == "random" else init,
+        help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
+             "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
+             "(profile); the warm starts need --calibration.")
+    calibration: str | None = merge_option(
+        None, "--calibration", metavar="SPEC",
+        help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
+             "(NAME=SOURCE,...; domain-mean: one domain per expert, named like the expert; the seed's "
+             "domain is general).")
+    calibration_tokens: int = merge_option(
+        8192, "--calibration-tokens", metavar="N", bounds=(1, None), show_default=True,
+        help="Calibration tokens per domain (the first N of its train split).")
+    tokenizer: str | None = merge_option(
+        None, "--tokenizer", metavar="PATH|bytes",
+        help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
+             "vocabularies of at most 512).")
+    token_cache: str | None = merge_option(
+        None, "--token-cache", metavar="DIR",
+        help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
+    lb_coef: float | None = merge_option(
+        None, "--lb-coef", metavar="ALPHA", bounds=(0, None), recipe="defaults.lb_coef", yaml=(float, int),
+        help="Load-balancing loss weight alpha written into the output config (paper eq. 3; default "
+             "0.01).")
+    z_coef: float | None = merge_option(
+        None, "--z-coef", metavar="BETA", bounds=(0, None), recipe="defaults.z_coef", yaml=(float, int),
+        help="Router z-loss weight beta written into the output config (paper eq. 3; default 0.001).")
+    dtype: str | torch.dtype | None = merge_option(  # None: the seed's embedding dtype
+        None, "--dtype", choices=DTYPES, yaml=(str,),
+        help="Output dtype (default: the dtype of the seed's embedding). Averages are accumulated in "
+             "float32 either way.")
+    allow_nonfinite: bool = merge_option(
+        False, "--allow-nonfinite", yaml=(bool,),
+        help="Merge even if an input holds NaN or Inf values (they are reported as warnings).")
+
+    def resolved(self, name: str, recipe: Recipe) -> Any:
+        """The option's value, or where it was left at None the recipe's (its field's `recipe` key)."""
+        value = getattr(self, name)
+        return recipe_value(recipe, FIELDS[name].metadata["recipe"]) if value is None else value
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(MergeOptions)}
+# the options a pipeline's mixture may set (the fields with YAML types), with those types
+PIPELINE_OPTIONS: dict[str, tuple[type, ...]] = {n: f.metadata["yaml"] for n, f in FIELDS.items() if f.metadata["yaml"]}
+
+
+def recipe_value(recipe: Recipe, key: str) -> Any:
+    """A recipe's value for a key as the recipe file writes it: defaults.X, routers.X or tensors.X."""
+    section, _, name = key.partition(".")
+    if section == "defaults":
+        return recipe.defaults[name]
+    if section == "tensors":
+        return recipe.tensors[name]
+    attribute = {"std": "router_std", "kind": "ffn_router", "ffn_kind": "ffn_router", "attn_kind": "attn_router",
+                 "hidden": "router_hidden", "temperature": "router_temperature"}[name]
+    return getattr(recipe, attribute)
+
+
+def parse_weights(text: str | None) -> tuple[float, ...] | None:
+    """--weights W0,W1,... as numbers."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise BamSurgeryError(f"--weights: cannot read {text!r}; write comma-separated numbers, e.g. 0.4,0.2,0.2,0.2"
+                              ) from None
+
+
+def command_args(given: dict[str, Any]) -> list[str]:
+    """The `bam-surgery merge` flags that give these options (a pipeline's mixture as its command line)."""
+    args: list[str] = []
+    for name, f in FIELDS.items():
+        if name not in given:
+            continue
+        flag, value = f.metadata["flag"], given[name]
+        if "/" in flag:  # --x/--no-x
+            args.append(flag.split("/")[0 if value else 1])
+        elif f.type == "bool":
+            args += [flag] if value else []
+        elif name == "weights":
+            args += [flag, ",".join(repr(float(w)) for w in value)]
+        else:
+            args += [flag, str(value)]
+    return args
