@@ -28,20 +28,18 @@ from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.audit import audit_checkpoint
 from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.inspect import render_audit
-from bam_surgery.surgery.names import parse_named, split_specs
 from bam_surgery.surgery.options import MergeOptions
 from bam_surgery.surgery.plan import format_plan
 from bam_surgery.surgery.plan_reader import PlanReader
+from bam_surgery.surgery.specs import merge_inputs
 
-from .launch import INTERRUPTED_LINE
+from .early import EXPERTS, INTERRUPTED, SEED
 from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, command_options, format_option, option,
                       options_of, output_written)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-INTERRUPTED = INTERRUPTED_LINE.removeprefix("bam-surgery: ")  # spelt once, in launch.py (it prints it before this
-# module is imported)
 
 
 def _error_line(message: str) -> None:
@@ -216,15 +214,8 @@ class MergeArgs:
     with their click options (cli.options.option), and the merge's options, one MergeOptions whose flags come from
     its fields (surgery/options.py, the one declaration: cli.options.options_of)."""
 
-    seed: str = option(
-        "--seed", "seed", required=True, metavar="[NAME=]CKPT",
-        help="The dense seed checkpoint every expert was branched from; it joins as expert 0 unless "
-             "--no-seed-expert. Named 'seed' unless given NAME=CKPT.")
-    experts: tuple[str, ...] = option(
-        "--experts", "experts", multiple=True, metavar="[NAME=]CKPT,...",
-        help="Dense expert checkpoints branched from the seed, as NAME=CKPT (e.g. code=ckpt/code) or CKPT "
-             "(named after its file or folder), comma-separated or the option repeated (one each, for a "
-             "path holding a comma); they become experts 1, 2, ... in this order.")
+    seed: str = option(SEED)
+    experts: tuple[str, ...] = option(EXPERTS)
     out: str | None = option(
         "--out", "out", type=click.Path(dir_okay=True, file_okay=True), metavar="OUT",
         help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
@@ -254,7 +245,7 @@ def merge(args: MergeArgs) -> None:
     with ExitStack() as held:
         if not args.dry_run:
             held.enter_context(_warnings_unless_refused())
-        result = app_merge([parse_named(args.seed), *split_specs(args.experts)], args.out, recipe=args.recipe,
+        result = app_merge(merge_inputs(args.seed, args.experts), args.out, recipe=args.recipe,
                            options=args.options, fmt=args.fmt, max_shard_size=args.max_shard_size,
                            dry_run=args.dry_run, force=args.force, allow_pickle=args.allow_pickle,
                            progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now, log=log,

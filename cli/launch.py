@@ -20,23 +20,19 @@ import signal
 import sys
 from pathlib import Path
 
+import click
+
+from bam_surgery.surgery.specs import merge_inputs  # standard library only
+
+from .early import INPUTS, INTERRUPTED_LINE
+
 _INDEX = "model.safetensors.index.json"
 _MAX_INDEX_BYTES = 64 << 20
 
 
-def _option_values(args: list[str], option: str) -> list[str]:
-    """Values of `--option V` and `--option=V` in a click command line."""
-    out = []
-    for i, a in enumerate(args):
-        if a == option and i + 1 < len(args):
-            out.append(args[i + 1])
-        elif a.startswith(option + "="):
-            out.append(a[len(option) + 1:])
-    return out
-
-
 def _weight_files(path: Path) -> list[Path]:
-    """A plain local checkpoint's weight files; [] when it is not one (the merge decides, later)."""
+    """A plain local checkpoint's weight files; [] when it is not one (the merge decides, later). The index is
+    read here with json, not runtime.shards.read_index: importing the runtime package imports torch."""
     if path.is_file():
         return [path] if path.suffix == ".safetensors" else []
     if not path.is_dir():
@@ -57,26 +53,22 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def merge_input_files(args: list[str]) -> list[Path]:
-    """The weight files a `merge` command line names as --seed and --experts ([NAME=]PATH, comma
-    lists), guessed without the CLI's parser: a wrong guess costs only a read."""
-    if "--dry-run" in args or "--help" in args:
+    """The weight files a `merge` command line names as --seed and --experts, read with merge's own options
+    (cli/early.py) and spec lists (surgery/specs.py); a command line click would refuse names none."""
+    if "--dry-run" in args or "--help" in args or "-h" in args:
         return []
-    specs: list[str] = []
-    for value in _option_values(args, "--seed") + _option_values(args, "--experts"):
-        for part in [value, *value.split(",")]:
-            specs += [part, part.split("=", 1)[1]] if "=" in part else [part]
+    try:
+        with INPUTS.make_context("merge", list(args), resilient_parsing=True) as ctx:
+            seed, experts = ctx.params.get("seed"), ctx.params.get("experts") or ()
+    except click.ClickException:
+        return []
     files: list[Path] = []
-    for spec in dict.fromkeys(s.strip() for s in specs if s.strip()):
+    for _, spec in merge_inputs(seed, experts) if seed else []:
         try:
             files += _weight_files(Path(spec))
         except OSError:
             continue
-    return files
-
-
-# What the CLI prints for Ctrl-C (cli/commands.py INTERRUPTED); spelt here too, since a Ctrl-C can land
-# before that module is imported.
-INTERRUPTED_LINE = "bam-surgery: interrupted; nothing was written"
+    return list(dict.fromkeys(files))
 
 
 def _exit_now(signum: int, frame) -> None:

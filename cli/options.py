@@ -81,7 +81,7 @@ def flag_option(f: dataclasses.Field):
         attrs["type"] = int
     elif f.type == "bool":
         attrs["is_flag"] = True
-    return click.option(m["flag"], f.name, **{k: v for k, v in attrs.items() if v is not None})
+    return click.option(m["flag"], f.name, **{k: v for k, v in attrs.items() if v is not None or k == "default"})
 
 
 def _parsed(f: dataclasses.Field, value):

@@ -17,33 +17,11 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import BamSurgeryError
+from .specs import parse_named, split_specs  # noqa: F401 (the names callers import from here)
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_NAMED = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<spec>.+)$")
 _HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/(?P<repo>[A-Za-z0-9][\w.-]*)(@[\w./-]+)?$")
-
-
-def parse_named(value: str) -> tuple[str | None, str]:
-    """'code=path' -> ('code', 'path'); a value that exists as a path is a path, even with '='."""
-    m = _NAMED.match(value)
-    if m is None or os.path.lexists(value):
-        return None, value
-    return m.group("name"), m.group("spec")
-
-
-def split_specs(values: Sequence[str]) -> list[tuple[str | None, str]]:
-    """--experts values -> [(name or None, spec)]. Each value is one checkpoint if it exists as
-    given (so a path with a comma can be passed, one --experts each); otherwise a comma-separated
-    list of them."""
-    out: list[tuple[str | None, str]] = []
-    for value in values:
-        name, spec = parse_named(value.strip())
-        if os.path.lexists(spec):
-            out.append((name, spec))
-            continue
-        out.extend(parse_named(part.strip()) for part in value.split(",") if part.strip())
-    return out
 
 
 def default_name(spec: str) -> str:

@@ -2,7 +2,8 @@
 import name.
 
     cli         (the commands, the console-script entry, demo)   may import every layer below
-    pipeline    (seed/branch/mix/train/eval/report workflow)     may import surgery, train, converters, runtime
+    pipeline    (seed/branch/mix/train/eval/report workflow)     may import app, surgery, train, converters, runtime
+    app         (one function per use case: merge, ...)          may import surgery, train, converters, runtime
     surgery     (recipes -> plan -> execute, audits, hashing)    may import train, converters, runtime
     train       (data, loop, checkpoints, eval)                  may import converters, runtime
     converters  (HF formats, exporters)                          may import runtime
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("runtime", "converters", "train", "surgery", "pipeline", "cli")  # each may import the ones before it
+ORDER = ("runtime", "converters", "train", "surgery", "app", "pipeline", "cli")  # each may import the ones before it
 LAYER_DIRS = ORDER + ("recipes",)
 # files shipped into exported HF folders run without bam_surgery installed: torch/transformers only, and
 # each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it;
