@@ -44,14 +44,12 @@ def options_of(cls):
 def command_options(cls):
     """A click command's options from the fields of `cls`, in field order, handed to the command as one `cls`
     instance: `@cli.command() @command_options(MergeArgs) def merge(args: MergeArgs)`."""
-    nested = {f.name: f.metadata["options_of"] for f in dataclasses.fields(cls) if "options_of" in f.metadata}
+    nested = _nested(cls)
 
     def decorate(command):
         @functools.wraps(command)
         def with_options(**params):
-            for name, inner in nested.items():
-                params[name] = inner(**{f.name: _parsed(f, params.pop(f.name)) for f in dataclasses.fields(inner)})
-            return command(cls(**params))
+            return command(command_args(cls, params))
         for f in reversed(dataclasses.fields(cls)):
             inner = nested.get(f.name)
             for decorator in ([flag_option(g) for g in reversed(dataclasses.fields(inner))] if inner
@@ -59,6 +57,18 @@ def command_options(cls):
                 with_options = decorator(with_options)
         return with_options
     return decorate
+
+
+def command_args(cls, params: dict):
+    """The `cls` instance a command gets from click's parameters (command_options)."""
+    params = dict(params)
+    for name, inner in _nested(cls).items():
+        params[name] = inner(**{f.name: _parsed(f, params.pop(f.name)) for f in dataclasses.fields(inner)})
+    return cls(**params)
+
+
+def _nested(cls) -> dict:
+    return {f.name: f.metadata["options_of"] for f in dataclasses.fields(cls) if "options_of" in f.metadata}
 
 
 def flag_option(f: dataclasses.Field):

@@ -1,14 +1,19 @@
-"""One options object from the command line to the plan (issue 21, item 4): `merge`'s click parameters are
-exactly MergeArgs' fields, MergeArgs.plan_options fills every MergeOptions field, and MergeOptions.mixture
-every MixtureOptions field; each table of allowed values comes from its Literal alias."""
+"""One declaration of the merge options (issue 30): `merge`'s click parameters are MergeArgs' own fields plus one
+flag per MergeOptions field (surgery/options.py), built from it; click hands the command one MergeOptions; the
+pipeline's mixture keys and their command line come from the same fields; each table of allowed values comes
+from its Literal alias."""
 from __future__ import annotations
 
 import dataclasses
 from typing import get_args
 
-from bam_surgery.cli.commands import ROUTER_INITS, MergeArgs, merge
+from bam_surgery.cli.commands import MergeArgs, merge
+from bam_surgery.cli.options import command_args
+from bam_surgery.pipeline.schema import MERGE_OPTIONS
 from bam_surgery.runtime import blocks, layout
+from bam_surgery.surgery import options as merge_options
 from bam_surgery.surgery import plan, recipe
+from bam_surgery.surgery.options import FIELDS, MergeOptions, recipe_value
 from bam_surgery.train import config as train_config
 
 
@@ -17,31 +22,46 @@ def _fields(cls) -> set[str]:
 
 
 def test_merge_gets_its_options_as_one_dataclass():
-    assert {p.name for p in merge.params} - {"help"} == _fields(MergeArgs)
+    assert {p.name for p in merge.params} - {"help"} == (_fields(MergeArgs) - {"options"}) | _fields(MergeOptions)
+    flags = {p.name: p.opts + p.secondary_opts for p in merge.params}
+    for name, f in FIELDS.items():
+        assert f.metadata["flag"].split("/") == flags[name], name
+        assert f.metadata["help"].strip(), name
 
 
 def _args(*argv: str) -> MergeArgs:
-    """MergeArgs as click parses `merge --seed seed.safetensors --out mix ARGV...`."""
-    return MergeArgs(**merge.make_context("merge", ["--seed", "seed.safetensors", "--out", "mix", *argv]).params)
+    """MergeArgs as click parses `merge --seed seed.safetensors --out mix ARGV...` and hands it to the command."""
+    return command_args(MergeArgs, merge.make_context("merge", ["--seed", "seed.safetensors", "--out", "mix",
+                                                                *argv]).params)
 
 
-def test_plan_options_come_from_the_options_of_the_same_names():
+def test_the_options_come_from_the_flags_of_the_same_names():
     args = _args("--weights", "1,2", "--router-init", "profile", "--router", "mlp", "--gate-norm", "topk_softmax",
-                 "--ffn-top-k", "2", "--attention-routing", "top2", "--router-seed", "7", "--allow-nonfinite")
-    options = args.plan_options()
-    assert options.weights == (1.0, 2.0) and options.warm_start == "profile"
-    for name in _fields(plan.MergeOptions) - {"weights", "warm_start"}:
-        assert getattr(options, name) == getattr(args, name), name
-    assert _args().plan_options() == plan.MergeOptions(router_seed=0)  # defaults: the recipe's
+                 "--ffn-top-k", "2", "--attention-routing", "top2", "--router-seed", "7", "--allow-nonfinite",
+                 "--no-seed-expert")
+    options = args.options
+    assert options.weights == (1.0, 2.0) and options.warm_start == "profile" and options.router == "mlp"
+    assert (options.gate_norm, options.ffn_top_k, options.attention_routing) == ("topk_softmax", 2, "top2")
+    assert options.router_seed == 7 and options.allow_nonfinite and options.seed_expert is False
+    assert _args().options == MergeOptions()  # defaults: the recipe's (router-init random: no warm start)
 
 
-def test_the_mixture_options_are_the_merge_options_that_shape_the_config():
-    options = plan.MergeOptions(ffn_top_k=2, attention_routing="top2", extra_ffn_experts=1, gate_norm="softmax",
-                                lb_coef=0.1, z_coef=0.2, router="mlp", ffn_router="linear", attn_router="attention",
-                                router_hidden=8, router_temperature=0.5)
-    mixture = options.mixture()
-    assert all(getattr(mixture, name) is not None for name in _fields(recipe.MixtureOptions))
-    assert mixture.attn_top_k == "top2"
+def test_the_recipe_defaults_are_read_through_the_recipe_keys():
+    bam = recipe.load_recipe("bam")
+    for name, f in FIELDS.items():
+        if f.metadata["recipe"]:
+            assert MergeOptions().resolved(name, bam) == recipe_value(bam, f.metadata["recipe"]), name
+    assert MergeOptions(ffn_top_k=3).resolved("ffn_top_k", bam) == 3
+    assert recipe_value(bam, "defaults.ffn_top_k") == bam.defaults["ffn_top_k"]
+    assert recipe_value(bam, "routers.std") == bam.router_std
+
+
+def test_the_pipeline_keys_and_their_command_line_come_from_the_fields():
+    assert MERGE_OPTIONS == {n: f.metadata["yaml"] for n, f in FIELDS.items() if f.metadata["yaml"]}
+    assert {"router", "ffn_router", "attn_router", "router_hidden", "router_temperature"} <= set(MERGE_OPTIONS)
+    assert merge_options.command_args({"ffn_top_k": 2, "seed_expert": False, "weights": [1, 2], "router": "mlp",
+                         "allow_nonfinite": True}) == [
+        "--ffn-top-k", "2", "--no-seed-expert", "--weights", "1.0,2.0", "--router", "mlp", "--allow-nonfinite"]
 
 
 def test_every_table_of_values_is_its_literal_alias():
@@ -49,7 +69,8 @@ def test_every_table_of_values_is_its_literal_alias():
     assert set(get_args(blocks.FFNKernel)) == {*blocks.EXPERT_KERNELS, "dense"}
     assert layout.MISMATCH_KINDS == get_args(layout.MismatchKind)
     assert recipe.OPS == get_args(recipe.Op) and recipe.SHARED_KV_RULES == get_args(recipe.SharedKVRule)
-    assert recipe.WARM_STARTS == get_args(recipe.WarmStart) and ROUTER_INITS == ("random", *recipe.WARM_STARTS)
+    assert recipe.WARM_STARTS == get_args(recipe.WarmStart)
+    assert merge_options.ROUTER_INITS == ("random", *recipe.WARM_STARTS)
     from bam_surgery.surgery.kernels import OP_TABLE
     assert set(plan.PLAN_OPS) == {*OP_TABLE, "calibrated"}
     assert train_config.CHOICES == {"schedule": get_args(train_config.Schedule),
