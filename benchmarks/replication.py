@@ -169,12 +169,12 @@ def _paper_small_shape() -> tuple[float, float, float]:
     """(head share of the dense FLOPs, BAM/BTX, shared KV/BTX) at paper-small with 2,048-token sequences, by
     the project's FLOP count."""
     from bam_surgery.runtime.config import preset
-    from bam_surgery.surgery.plan import MergeOptions
+    from bam_surgery.surgery.options import MergeOptions
     from bam_surgery.surgery.recipe import load_recipe, mixture_config
     from bam_surgery.train.metrics import flops_per_token
 
     dense = preset("paper-small")
-    f = {r: flops_per_token(mixture_config(load_recipe(r), dense, 4, MergeOptions().mixture()), PAPER_SMALL_SEQ)
+    f = {r: flops_per_token(mixture_config(load_recipe(r), dense, 4, MergeOptions()), PAPER_SMALL_SEQ)
          for r in ("btx", "bam", "bam-shared-kv")}
     head = 6.0 * dense.vocab_size * dense.d_model / flops_per_token(dense, PAPER_SMALL_SEQ)
     return head, f["bam"] / f["btx"], f["bam-shared-kv"] / f["btx"]

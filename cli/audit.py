@@ -120,7 +120,7 @@ def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn
         # copies of the seed's FFN. Otherwise every expert is an input (extra copies count the same).
         n_inputs, extra = (1, experts - 1) if recipe.max_experts == 0 else (experts, 0)
         return mixture_config(recipe, dense, n_inputs, ffn_top_k=ffn_top_k, extra_ffn_experts=extra,
-                              attn_top_k=("soft" if attn_top_k is None else attn_top_k) if given else None,
+                              attention_routing=("soft" if attn_top_k is None else attn_top_k) if given else None,
                               router=router, router_hidden=router_hidden)
     except UserError as e:
         raise click.UsageError(f"--recipe {recipe_name}: {one_line(e)}") from e

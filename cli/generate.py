@@ -19,6 +19,7 @@ import time
 import click
 import torch
 
+from bam_surgery.app.inputs import open_input
 from bam_surgery.runtime import ModelKVCache, generate, model_from_reader
 from bam_surgery.runtime.memory import check_fits
 from bam_surgery.surgery.errors import BamSurgeryError

@@ -1,6 +1,5 @@
-"""Names of a merge's inputs: `--experts code=PATH`, kept in provenance (inputs[i]["name"]).
+"""Names of a merge's inputs: `--experts code=PATH` (read by surgery/specs.py), kept in provenance (inputs[i]["name"]).
 
-    split_specs(("code=a.safetensors,law=b/",))   -> [("code", "a.safetensors"), ("law", "b/")]
     input_names(["seed", "a.safetensors"], [None, None]) -> ["seed", "a"]
 
 A name is an identifier (letters, digits, '_', not starting with a digit; at most 64 characters),
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import BamSurgeryError
-from .specs import parse_named, split_specs  # noqa: F401 (the names callers import from here)
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")

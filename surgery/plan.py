@@ -47,8 +47,8 @@ from bam_surgery.runtime.routers import RouterTensor, router_class
 
 from .errors import BamSurgeryError, InputError
 from .names import input_names
-from .options import MergeOptions
-from .recipe import SHARED_KV_RULES, WARM_STARTS, Recipe, SharedKVRule, WarmStart, dense_kind, mixture_config
+from .options import SHARED_KV_RULES, WARM_STARTS, MergeOptions, SharedKVRule, WarmStart
+from .recipe import Recipe, dense_kind, mixture_config
 
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).

@@ -25,7 +25,6 @@ import blake3
 from bam_surgery import __version__
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, file_metadata
 from bam_surgery.runtime.output_path import input_files
-from bam_surgery.runtime.reader import Reader
 
 from .hashing import ALGORITHM, FileDigest
 from .plan import Plan

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from bam_surgery.converters.yamlfile import parse_yaml, read_yaml_text, shown
-from bam_surgery.runtime.config import (GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, GateNorm, KVMode,
+from bam_surgery.runtime.config import (GATE_NORMS, MAX_DIM, MAX_EXPERTS, ROUTERS, ConfigError, KVMode,
                                         ModelConfig, Router)
 from bam_surgery.runtime.errors import printable
 
 from .errors import RecipeError
-from .options import SHARED_KV_RULES, WARM_STARTS, MergeOptions, SharedKVRule, WarmStart  # noqa: F401 (re-exported)
+from .options import MergeOptions, SharedKVRule
 
 SCHEMA_VERSION = 1
 

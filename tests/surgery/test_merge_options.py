@@ -68,9 +68,10 @@ def test_every_table_of_values_is_its_literal_alias():
     assert blocks.IMPLS == get_args(blocks.Impl) and blocks.EXPERT_KERNELS == get_args(blocks.ExpertKernel)
     assert set(get_args(blocks.FFNKernel)) == {*blocks.EXPERT_KERNELS, "dense"}
     assert layout.MISMATCH_KINDS == get_args(layout.MismatchKind)
-    assert recipe.OPS == get_args(recipe.Op) and recipe.SHARED_KV_RULES == get_args(recipe.SharedKVRule)
-    assert recipe.WARM_STARTS == get_args(recipe.WarmStart)
-    assert merge_options.ROUTER_INITS == ("random", *recipe.WARM_STARTS)
+    assert recipe.OPS == get_args(recipe.Op)
+    assert merge_options.SHARED_KV_RULES == get_args(merge_options.SharedKVRule)
+    assert merge_options.WARM_STARTS == get_args(merge_options.WarmStart)
+    assert merge_options.ROUTER_INITS == ("random", *merge_options.WARM_STARTS)
     from bam_surgery.surgery.kernels import OP_TABLE
     assert set(plan.PLAN_OPS) == {*OP_TABLE, "calibrated"}
     assert train_config.CHOICES == {"schedule": get_args(train_config.Schedule),

@@ -46,16 +46,16 @@ def test_shipped_recipes_build_what_the_paper_describes():
     assert (btx.ffn_experts, btx.attn_experts, btx.ffn_top_k) == (6, 0, 3)
     up = mixture_config(load_recipe("upcycle"), dense, 1)
     assert (up.ffn_experts, up.attn_experts) == (4, 0)
-    routed = mixture_config(load_recipe("bam"), dense, 4, attn_top_k="top2", gate_norm="topk_softmax",
+    routed = mixture_config(load_recipe("bam"), dense, 4, attention_routing="top2", gate_norm="topk_softmax",
                             lb_coef=0.1, z_coef=0.0)
     assert (routed.attn_top_k, routed.gate_norm, routed.lb_coef, routed.z_coef) == (2, "topk_softmax", 0.1, 0.0)
-    assert mixture_config(load_recipe("bam"), dense, 4, attn_top_k="soft").attn_top_k is None
+    assert mixture_config(load_recipe("bam"), dense, 4, attention_routing="soft").attn_top_k is None
 
 
 @pytest.mark.parametrize("recipe,n,options,field", [
-    ("btx", 4, dict(attn_top_k=2), "attn_top_k"),
+    ("btx", 4, dict(attention_routing=2), "attn_top_k"),
     ("bam", 4, dict(ffn_top_k=5), "ffn_top_k"),
-    ("bam", 4, dict(attn_top_k="top5"), "attn_top_k"),
+    ("bam", 4, dict(attention_routing="top5"), "attn_top_k"),
     ("bam", 1, {}, "ffn_experts"),
     ("upcycle", 1, dict(extra_ffn_experts=0), "ffn_experts"),
     ("bam", 4, dict(gate_norm="sparsemax"), "gate_norm"),
