@@ -1,25 +1,20 @@
-"""`bam-surgery count-params` and `bam-surgery inspect`: thin click commands over surgery.audit and
-surgery.inspect. Both read checkpoint headers only (through converters.open_checkpoint)."""
+"""`bam-surgery count-params` and `bam-surgery inspect`: thin click commands over app/params.py (count_params,
+inspect), and the rendering of an inspection. Both read checkpoint headers only."""
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import Any
 
 import click
 
-from bam_surgery.app.inputs import open_input
+from bam_surgery.app.params import count_params, inspect
 from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
-from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS, ConfigError, ModelConfig, preset, preset_trainable
+from bam_surgery.runtime.config import MAX_EXPERTS, PRESETS, ROUTERS
 from bam_surgery.runtime.errors import printable
 from bam_surgery.runtime.text import render_table
-from bam_surgery.surgery.audit import CONVENTIONS, Audit, audit, audit_checkpoint
-from bam_surgery.runtime.errors import UserError, one_line
-from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.surgery.inspect import (Inspection, describe_kind, input_digest, inspect_checkpoint, key_config,
-                                         render_audit)
-from bam_surgery.surgery.recipe import load_recipe, mixture_config, parse_attention_routing
-from bam_surgery.train.config import split_patterns
+from bam_surgery.surgery.audit import CONVENTIONS
+from bam_surgery.surgery.inspect import Inspection, describe_kind, input_digest, key_config, render_audit
 
 from .options import ALLOW_PICKLE
 
@@ -91,59 +86,6 @@ def render_inspection(ins: Inspection) -> str:
     return "\n".join(out)
 
 
-# ---- resolving what to count ----------------------------------------------------------------
-def _open(spec: str, allow_pickle: bool = False):
-    return open_input(spec, allow_pickle)
-
-
-def _routing_option(value: str | None) -> tuple[bool, int | None]:
-    """--attention-routing: (given?, top-k or None for soft)."""
-    if value is None:
-        return False, None
-    try:
-        return True, parse_attention_routing(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--attention-routing") from None
-
-
-def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, ffn_top_k: int | None,
-                         attention_routing: str | None, router: str | None = None,
-                         router_hidden: int | None = None) -> ModelConfig:
-    """The config `merge --recipe` would write; `experts` counts every expert of the mixture."""
-    given, attn_top_k = _routing_option(attention_routing)
-    if dense.is_mixture:
-        raise click.UsageError(f"--recipe {recipe_name}: the base model is already a mixture "
-                               f"({describe_kind(dense)}); a recipe starts from a dense model")
-    try:
-        recipe = load_recipe(recipe_name)
-        # a recipe that takes no --experts (upcycle) has one input, the seed; its other experts are
-        # copies of the seed's FFN. Otherwise every expert is an input (extra copies count the same).
-        n_inputs, extra = (1, experts - 1) if recipe.max_experts == 0 else (experts, 0)
-        return mixture_config(recipe, dense, n_inputs, ffn_top_k=ffn_top_k, extra_ffn_experts=extra,
-                              attention_routing=("soft" if attn_top_k is None else attn_top_k) if given else None,
-                              router=router, router_hidden=router_hidden)
-    except UserError as e:
-        raise click.UsageError(f"--recipe {recipe_name}: {one_line(e)}") from e
-
-
-def _apply_routing(cfg: ModelConfig, ffn_top_k: int | None, attention_routing: str | None) -> ModelConfig:
-    """Re-route an existing model (changes the active count only)."""
-    given, attn_top_k = _routing_option(attention_routing)
-    changes: dict[str, Any] = {}
-    if ffn_top_k is not None:
-        if not cfg.ffn_experts:
-            raise click.UsageError("--ffn-top-k: this model has no FFN experts (dense FFN)")
-        changes["ffn_top_k"] = ffn_top_k
-    if given:
-        if not cfg.attn_experts:
-            raise click.UsageError("--attention-routing: this model has no attention experts (dense attention)")
-        changes["attn_top_k"] = attn_top_k
-    try:
-        return cfg.replace(**changes) if changes else cfg
-    except ConfigError as e:
-        raise click.UsageError(one_line(e)) from e
-
-
 def natural_order(names) -> list[str]:
     """Names sorted with their numbers compared as numbers (some-64 before some-128)."""
     return sorted(names, key=lambda n: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", n)])
@@ -182,51 +124,14 @@ def count_params_cmd(ckpt, preset_name, recipe_name, experts, ffn_top_k, attenti
     CKPT is a canonical checkpoint (only its header is read); or give --preset. With --recipe and
     --experts, count the mixture the recipe would build from that dense model.
     """
-    if ckpt and preset_name:
-        raise click.UsageError("give either CKPT or --preset, not both")
-    if not ckpt and not preset_name:
-        raise click.UsageError("nothing to count: give a checkpoint CKPT or --preset NAME")
-    if experts is not None and not recipe_name:
-        raise click.UsageError("--experts needs --recipe")
-    if recipe_name and experts is None:
-        raise click.UsageError("--recipe needs --experts N")
-    if (router_kind or router_hidden) and not recipe_name:
-        raise click.UsageError("--router and --router-hidden need --recipe (a checkpoint's routers are its own)")
-    if trainable is not None:
-        patterns = split_patterns(trainable)
-        if not patterns:
-            raise click.BadParameter("no patterns: give at least one (e.g. '*')", param_hint="--trainable")
-    else:
-        patterns = preset_trainable(preset_name) if preset_name else ["*"]
-
-    if ckpt:
-        with _open(ckpt, allow_pickle) as reader:
-            a = audit_checkpoint(reader, convention, trainable=patterns)
-        _refuse_mismatches(ckpt, a)
-        base, source = reader.config, ckpt
-    else:
-        base, source = preset(preset_name), f"preset {preset_name}"
-    if recipe_name:
-        cfg = _mixture_from_recipe(recipe_name, base, experts, ffn_top_k, attention_routing, router_kind,
-                                   router_hidden)
-        source += f" + recipe {recipe_name}, {experts} experts"
-    else:
-        cfg = _apply_routing(base, ffn_top_k, attention_routing)
-    if not ckpt or cfg is not base:
-        # a preset, a mixture that does not exist yet, or a re-routed checkpoint: its layout was
-        # checked above, so the config's shapes are the checkpoint's shapes
-        a = audit(cfg, convention, trainable=patterns)
+    count = count_params(ckpt, preset_name=preset_name, recipe=recipe_name, experts=experts, ffn_top_k=ffn_top_k,
+                         attention_routing=attention_routing, router=router_kind, router_hidden=router_hidden,
+                         trainable=trainable, convention=convention, allow_pickle=allow_pickle)
     if as_json:
-        click.echo(json.dumps(dict(source=source, kind=describe_kind(cfg), **a.to_dict()), indent=2))
+        click.echo(json.dumps(dict(source=count.source, kind=describe_kind(count.config), **count.audit.to_dict()),
+                              indent=2))
     else:
-        click.echo(render_audit(a, source))
-
-
-def _refuse_mismatches(ckpt: str, a: Audit) -> None:
-    if a.mismatches:
-        n = len(a.mismatches)
-        more = f" (and {n - 1} more; `bam-surgery inspect` lists them)" if n > 1 else ""
-        raise BamSurgeryError(f"{ckpt}: {a.mismatches[0].message()}{more}")
+        click.echo(render_audit(count.audit, count.source))
 
 
 @click.command("inspect")
@@ -239,8 +144,7 @@ def inspect_cmd(ckpt, as_json, allow_pickle):
     Reads the header only. Layout mismatches (tensors that disagree with the checkpoint's own
     config) are listed and make the command exit with status 1.
     """
-    with _open(ckpt, allow_pickle) as reader:
-        ins = inspect_checkpoint(reader)
+    ins = inspect(ckpt, allow_pickle)
     click.echo(json.dumps(ins.to_dict(), indent=2) if as_json else render_inspection(ins))
     if ins.audit.mismatches:
         click.get_current_context().exit(1)

@@ -22,7 +22,7 @@ from bam_surgery.app.merge import check_format_out
 from bam_surgery.app.merge import merge as app_merge
 from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
-from bam_surgery.runtime.errors import UserError, one_line
+from bam_surgery.runtime.errors import UsageError, UserError, one_line
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.audit import audit_checkpoint
@@ -91,6 +91,10 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except UsageError as e:  # shown as click's own usage errors are, naming the command's --help
+            sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            where = click.Context(sub, info_name=ctx.invoked_subcommand, parent=ctx) if sub is not None else ctx
+            raise click.UsageError(one_line(e), ctx=where) from None
         except UserError as e:
             raise OneLineError(one_line(e)) from None
         except KeyboardInterrupt as e:

@@ -1,7 +1,7 @@
 """The root of every user-facing error (UserError), the runtime's own, and how text read from files is shown.
 
 Every error a user can fix derives from UserError: CheckpointError (files on disk), OutputError (a refused
-or failed output path) and OptionError (a value given on the command line) here, ConfigError (configs) in
+or failed output path), OptionError (a value given on the command line) and UsageError here, ConfigError (configs) in
 config.py, TrainError (train/errors.py), BamSurgeryError (surgery/errors.py). Their messages are one line
 naming the file, tensor, field or option; the CLI catches UserError and prints it as
 `bam-surgery: error: <message>` (exit status 2). Anything else that escapes is a bug and keeps its traceback.
@@ -17,6 +17,11 @@ class UserError(Exception):
 
 class OptionError(UserError):
     """A value given on the command line (a size, a path's name) is unusable; the message names the option."""
+
+
+class UsageError(OptionError):
+    """Options that cannot go together (or a value click would have refused); the CLI shows it as click shows its
+    own usage errors, with the command's --help named."""
 
 
 class CheckpointError(UserError, ValueError):
