@@ -13,6 +13,7 @@ Shapes: B batch, T time, D d_model, H heads, G kv heads, Dh head dim, E experts,
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import re
@@ -700,3 +701,65 @@ def assert_doc_current(gen) -> None:
         diff = difflib.unified_diff(have.splitlines(), want.splitlines(), gen.DOC.name, "today", lineterm="", n=1)
         pytest.fail(f"{gen.DOC.name} is out of date: run {gen.REGENERATE}\n" + "\n".join(list(diff)[:40]),
                     pytrace=False)
+
+
+# ---- merge families (tests/app/test_app_merge.py, tests/surgery/test_merge.py) ---------------------------
+MERGE_CONFIGS = {  # the merge tests' three block shapes
+    # the paper's block: parallel attention + FFN on one shared layernorm, SwiGLU, RoPE
+    "parallel": tiny_config(block="parallel", norm="layernorm", activation="swiglu"),
+    # Llama-like: sequential block, RMSNorm, SwiGLU, GQA
+    "llama": tiny_config(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2),
+    # GPT-2-like: biases everywhere, learned positions, GELU, tied embeddings
+    "gpt2": tiny_config(block="sequential", norm="layernorm", norm_bias=True, activation="gelu",
+                        position="learned", qkv_bias=True, o_bias=True, ffn_bias=True, tie_embeddings=True),
+}
+
+
+def branched_family(cfg, n: int, seed: int = 0, share_kv: bool = False, share_attention: bool = False,
+                    spread: float = 0.1) -> list[dict[str, torch.Tensor]]:
+    """n dense states as after continued pre-training from one seed: state 0 is the seed; the others
+    move every attention/FFN tensor by `spread` of its scale (relative distance ~0.1, a real branch).
+    Norms and embeddings stay shared (what the recipes average), optionally K/V (shared-KV) or the
+    whole attention (BTX), so that forcing expert i must reproduce dense model i."""
+    base = random_state(cfg, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    family = [base]
+    for _ in range(1, n):
+        state = {}
+        for name, t in base.items():
+            shared = is_norm_or_embedding(name)
+            shared |= share_kv and (".attn.k." in name or ".attn.v." in name)
+            shared |= share_attention and ".attn." in name
+            state[name] = t.clone() if shared else t + spread * t.std() * torch.randn(t.shape, generator=gen)
+        family.append(state)
+    return family
+
+
+def save_family(tmp_path: Path, cfg, states, names=("seed", "code", "math", "law")) -> list[Path]:
+    from bam_surgery.runtime.checkpoint import save_checkpoint
+
+    paths = []
+    for name, state in zip(names, states):
+        p = tmp_path / f"{name}.safetensors"
+        save_checkpoint(state, cfg.replace(name=name), p)
+        paths.append(p)
+    return paths
+
+
+def logits(model, tokens, routing=None):
+    with torch.no_grad():
+        return model(tokens, routing=routing).logits
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def b3(path: Path) -> str:
+    """The provenance's digest of a file: BLAKE3 of its bytes, self-describing."""
+    import blake3
+    return "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
+
+
+def leftovers(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.endswith(".partial")]
