@@ -22,8 +22,11 @@ import torch
 from bam_surgery.app.inputs import open_input
 from bam_surgery.runtime import ModelKVCache, generate, model_from_reader
 from bam_surgery.runtime.memory import check_fits
+from bam_surgery.surgery.card import generation_config
 from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.surgery.plan_reader import all_finite
 from bam_surgery.train.errors import TrainError
+from bam_surgery.train.tokenize import HFTokenizer, checkpoint_tokenizer, resolve_tokenizer
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -55,8 +58,6 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperature, top_p, seed, device,
                  dtype) -> None:
     """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
-    from bam_surgery.surgery.card import generation_config  # lazy: hashing, blake3: 0.015 s on --help
-
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
     nucleus = _number("--top-p", top_p, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -120,8 +121,6 @@ def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:
 
 def _check_finite(model, checkpoint: str) -> None:
     """merge's check (surgery.plan_reader.all_finite) on the weights as they run: NaN or Inf gives no text."""
-    from bam_surgery.surgery.plan_reader import all_finite  # lazy: 0.015 s more for --help (hashing, blake3)
-
     for name, t in model.state_dict().items():
         if t.is_floating_point() and not all_finite(t):
             bad = int((~torch.isfinite(t)).sum())
@@ -167,8 +166,6 @@ def _tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
     """The tokenizer by train.tokenize.resolve_tokenizer's rules (--tokenizer PATH|bytes, the checkpoint's own,
     bytes for vocabularies of at most 512); None when only token ids are given (--tokens) and no tokenizer
     was asked for or carried and the byte fallback does not apply: the output is then printed as ids."""
-    from bam_surgery.train.tokenize import checkpoint_tokenizer, resolve_tokenizer  # lazy: tokenizers, 0.02 s
-
     # generate stops at the generation config's eos; the tokenizer's own end-of-text id (its document separator
     # in training) is not used here, so a tokenizer that has none is not refused for it
     if isinstance(eos, list):
@@ -184,8 +181,6 @@ def _tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
 def _encode(tok, prompt: str) -> list[int]:
     """The prompt's ids. An HF tokenizer adds its special tokens (a BOS), as transformers' generate expects;
     training encodes documents without them (train.tokenize.HFTokenizer.encode_batch)."""
-    from bam_surgery.train.tokenize import HFTokenizer  # lazy: tokenizers, 0.02 s more for --help
-
     if isinstance(tok, HFTokenizer):
         try:
             return tok.tok.encode(prompt).ids

@@ -24,6 +24,7 @@ from bam_surgery.converters.hf.files import side_file
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.train.tokenize import BYTES, checkpoint_tokenizer
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -63,9 +64,6 @@ def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
 def _tokenizer(reader, files: list[Path]) -> tuple[Path, ...]:
     """The input's tokenizer files; for a canonical folder or a run checkpoint, the tokenizer.json it carries (and
     tokenizer_config.json beside it), found as train finds it (train.tokenize.checkpoint_tokenizer)."""
-    # lazy: train.tokenize imports the tokenizers package, 0.02 s more for --help
-    from bam_surgery.train.tokenize import BYTES, checkpoint_tokenizer
-
     if any(f.name == "tokenizer.json" for f in files):
         return tuple(files)
     carried = checkpoint_tokenizer(reader)

@@ -26,8 +26,9 @@ from bam_surgery.converters.onnx_export import DTYPES, check_opset
 from bam_surgery.converters.onnx_genai import GENAI_CONFIG, byte_tokenizer_files
 from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
 from bam_surgery.runtime.output_path import check_output_path
-from bam_surgery.surgery.card import generation_config
+from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.train.tokenize import BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, checkpoint_tokenizer
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -77,10 +78,6 @@ def export_tokenizer(reader, scratch: Path) -> list[Path]:
     tokenizer_config.json and special_tokens_map.json; else, where train/tokenize.py's rules give the byte-level
     tokenizer (the checkpoint says so, or no tokenizer and a vocabulary of 256 to 512), tokenizer.json and
     tokenizer_config.json for GenAI (converters/onnx_genai.py), written into scratch."""
-    # lazy: card pulls in hashing (blake3), tokenize the tokenizers package: 0.05 s more for --help
-    from bam_surgery.surgery.card import tokenizer_files
-    from bam_surgery.train.tokenize import BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, checkpoint_tokenizer
-
     files = tokenizer_files(reader)
     if any(f.name == "tokenizer.json" for f in files):
         return files

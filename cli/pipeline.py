@@ -37,7 +37,7 @@ def pipeline_cmd(pipeline, out, resume, only, seed, prepare, dry_run):
     PIPELINE is a YAML file (schema: recipes/pipelines/README.md) or the name of a shipped one (tiny,
     paper-small). The file is checked completely before any work starts.
     """
-    # lazy: the pipeline layer loads the train loop, surgery and plots, 0.1 s more for --help
+    # lazy: the pipeline layer (the train loop, its plots) is 0.05-0.08 s more on every start
     from bam_surgery.pipeline.run import PipelineRun
     from bam_surgery.pipeline.schema import load_pipeline
 

@@ -1,4 +1,5 @@
-"""Where a command may write (next to atomic.py, which writes there): the OUT policy of every command that writes (merge, convert, ...).
+"""Where a command may write: the OUT policy of every command that writes (merge, convert, ...); atomic.py,
+beside it, does the writing.
 
     check_output_path(out, force, inputs)     before any work: refuse early, in one line
 
