@@ -272,6 +272,8 @@ BAD = [
     ("knobs.batch_tokens", 100, "batch_tokens: 100 is not a multiple of micro_batch * seq_len"),
     ("stages.mix.mixtures.0.top_k", 2, "stages.mix.mixtures[0].top_k: unknown field"),
     ("stages.mix.mixtures.4.weights", [1, 1], "stages.mix.mixtures[4].weights: 2 weights for 3 mixture members"),
+    ("stages.mix.mixtures.0.router", "moe", "stages.mix.mixtures[0]: router: unknown router kind 'moe'"),
+    ("stages.mix.mixtures.0.router_hidden", 8, "stages.mix.mixtures[0]: router_hidden: applies to mlp and attention"),
 ]
 
 
