@@ -47,6 +47,17 @@ def merge_option(default: Any, flag: str, help: str, *, metavar: str | None = No
         show_default=show_default, parse=parse, recipe=recipe, yaml=yaml))
 
 
+def parse_weights(text: str | None) -> tuple[float, ...] | None:
+    """--weights W0,W1,... as numbers."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise BamSurgeryError(f"--weights: cannot read {text!r}; write comma-separated numbers, e.g. 0.4,0.2,0.2,0.2"
+                              ) from None
+
+
 @dataclass(frozen=True)
 class MergeOptions:
     """Every option of a merge, its flag and its recipe default; None means: the recipe's default (or, for
@@ -64,8 +75,8 @@ class MergeOptions:
         help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
              "over the chosen top-k.")
     extra_ffn_experts: int | None = merge_option(
-        None, "--extra-ffn-experts", metavar="N", bounds=(0, MAX_EXPERTS), recipe="defaults.extra_ffn_experts",
-        yaml=(int,),
+        None, "--extra-ffn-experts", metavar="N", bounds=(0, MAX_EXPERTS), yaml=(int,),
+        recipe="defaults.extra_ffn_experts",
         help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
              "for upcycle, the number of copies besides the seed's own slot).")
     seed_expert: bool | None = merge_option(
@@ -73,7 +84,7 @@ class MergeOptions:
         help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
              "still the reference for shapes and for --extra-ffn-experts.")
     weights: tuple[float, ...] | None = merge_option(  # one per mixture member (seed first when it joins)
-        None, "--weights", metavar="W0,W1,...", parse=lambda text: parse_weights(text), yaml=(list,),
+        None, "--weights", metavar="W0,W1,...", parse=parse_weights, yaml=(list,),
         help="Weights of the averaged tensors (norms, embeddings, ...), one per mixture input in expert "
              "order (seed first when it joins); normalized to sum 1. Default: uniform.")
     shared_kv_rule: SharedKVRule | None = merge_option(
@@ -163,17 +174,6 @@ def recipe_value(recipe: Recipe, key: str) -> Any:
     attribute = {"std": "router_std", "kind": "ffn_router", "ffn_kind": "ffn_router", "attn_kind": "attn_router",
                  "hidden": "router_hidden", "temperature": "router_temperature"}[name]
     return getattr(recipe, attribute)
-
-
-def parse_weights(text: str | None) -> tuple[float, ...] | None:
-    """--weights W0,W1,... as numbers."""
-    if text is None:
-        return None
-    try:
-        return tuple(float(w) for w in text.split(","))
-    except ValueError:
-        raise BamSurgeryError(f"--weights: cannot read {text!r}; write comma-separated numbers, e.g. 0.4,0.2,0.2,0.2"
-                              ) from None
 
 
 def command_args(given: dict[str, Any]) -> list[str]:
