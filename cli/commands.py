@@ -1,4 +1,5 @@
-"""The bam-surgery command line: a thin layer over recipe -> plan -> execute.
+"""The bam-surgery command line: flags parsed, the use case called (app/: merge, count_params, ...), its result
+printed.
 
     bam-surgery merge --seed seed.safetensors --experts code.safetensors,math.safetensors --out mix.safetensors
 

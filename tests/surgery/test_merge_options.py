@@ -52,6 +52,9 @@ def test_the_recipe_defaults_are_read_through_the_recipe_keys():
         if f.metadata["recipe"]:
             assert MergeOptions().resolved(name, bam) == recipe_value(bam, f.metadata["recipe"]), name
     assert MergeOptions(ffn_top_k=3).resolved("ffn_top_k", bam) == 3
+    # a recipe's defaults: section holds exactly the options whose recipe key is defaults.NAME
+    assert set(recipe.DEFAULTS) == {f.metadata["recipe"].split(".", 1)[1] for f in FIELDS.values()
+                                    if (f.metadata["recipe"] or "").startswith("defaults.")}
     assert recipe_value(bam, "defaults.ffn_top_k") == bam.defaults["ffn_top_k"]
     assert recipe_value(bam, "routers.std") == bam.router_std
 
