@@ -35,7 +35,7 @@ from bam_surgery.surgery.recipe import Recipe, load_recipe
 from .inputs import open_input
 
 Warn = Callable[[str], None]
-MergeInput = tuple["str | None", str]  # (name or None: the default name, checkpoint spec); the seed first
+MergeInput = tuple[str | None, str]  # (name or None: the default name, checkpoint spec); the seed first
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
     fmt: an output format of converters.export; max_shard_size: '2GB' and the like (directory outputs);
     warn: the merge's warnings (default: printed to stderr); on_stale: told when a killed run's work folder for
     OUT is settled (default: warn); log: the warm start's progress lines; on_written: called with OUT the
-    moment it is in place (before the inputs are closed)."""
+    moment it is in place (before the inputs are closed). The result's plan holds closed readers: its shapes,
+    config and options are there to show, not its tensors."""
+    warn = warn or _print_warning
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # before any checkpoint is opened
     shard_bytes = check_request(out, options, fmt, max_shard_size, dry_run)
     names = input_names([spec for _, spec in inputs], [name for name, _ in inputs])
@@ -67,7 +69,6 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
         if dry_run:
             return MergeResult(plan, None)
         out = Path(out)
-        warn = warn or _print_warning
         check_output_path(out, force, [(inp.label, inp.reader) for inp in plan.inputs])
         check_branches(plan, warn)
         if fmt == "canonical":
