@@ -14,11 +14,11 @@
 #   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
-#   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
-#                   environment without downloading anything, run benchmarks/inference.py --device cuda --dtype bf16
+#   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch ($(GPU_PYTHON)), this checkout on its path
+#                   (nothing installed or downloaded), run benchmarks/inference.py --device cuda --dtype bf16
 #                   --size paper-small into bench-out/gpu/ (docs/gpu.md; BENCH_GPU_ARGS="--device cpu --size smoke"
 #                   checks it on a CPU)
-#   make test-gpu   the same install, then tests/runtime/test_cuda.py (every test skips without CUDA)
+#   make test-gpu   the same, tests/runtime/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -39,7 +39,7 @@ LAYERS         := $(shell sed -n 's/^LAYERS = (\(.*\))$$/\1/p' setup.py | tr -d 
 GPU_INSTALL = rm -rf $(GPU_PATH) && mkdir -p $(GPU_PATH)/bam_surgery \
 	&& ln -s $(CURDIR)/bam_surgery/*.py $(GPU_PATH)/bam_surgery/ \
 	&& for layer in $(LAYERS); do ln -s $(CURDIR)/$$layer $(GPU_PATH)/bam_surgery/$$layer; done
-GPU_RUN = PYTHONPATH=$(CURDIR)/$(GPU_PATH)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
+GPU_RUN = PYTHONSAFEPATH=1 PYTHONPATH=$(CURDIR)/$(GPU_PATH):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
 
 # The transformers versions the compat stage checks: the ends of the range converters/hf_bam/schema_bam.py declares
 # (the main test environment pins a third, requirements-test.txt); lm-eval runs with the newest.
