@@ -31,6 +31,7 @@ from .distributed import Dist, all_sum, pick_device
 from .errors import TrainError
 from .metrics import RoutingAccumulator, summarize_routing
 from .packing import eval_windows
+from .progress import ProgressLines
 from .provenance import expert_names, read_provenance
 from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
 
@@ -89,8 +90,11 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     results = {}
     plan = {name: group_windows(eval_windows(tokens, seq_len, max_tokens), batch_size)
             for name, tokens in streams.items()}
-    bar = tqdm.tqdm(total=sum(math.ceil(len(b) / d.world) for b in plan.values()), desc="eval", unit="batch",
-               leave=False, dynamic_ncols=True, file=sys.stderr, disable=not (progress and d.is_main))
+    total, terminal = sum(math.ceil(len(b) / d.world) for b in plan.values()), sys.stderr.isatty()
+    bar = tqdm.tqdm(total=total, desc="eval", unit="batch", leave=False, dynamic_ncols=True, file=sys.stderr,
+                    disable=not (progress and d.is_main and terminal))
+    ticker = ProgressLines("eval batches", total, enabled=progress and d.is_main and not terminal)  # lines instead
+    done = 0
     try:
         for name, tokens in streams.items():
             batches = plan[name]
@@ -116,6 +120,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                         on_routing(name, out.routing)
                 acc.add(out.routing, count=real)
                 bar.update(1)
+                ticker.tick(done := done + 1, name)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
             n = int(sums[1])

@@ -58,6 +58,7 @@ from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_
 from .optim import apply_trainable, build_optimizer, lr_at, set_lr
 from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
+from .progress import ProgressLines
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
 from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
 
@@ -474,6 +475,8 @@ class _Run:
         out = self._out
         if not bar.disable:
             self._out = _above_bar(tqdm.tqdm, out)
+        # no terminal to draw the bar on: a line now and then (train/progress.py)
+        ticker = ProgressLines("step", cfg.steps, self.log, enabled=bar.disable and cfg.progress and d.is_main)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
@@ -499,6 +502,7 @@ class _Run:
                 last_loss = rec["loss"]
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)  # shown by update
                 bar.update(1)
+                ticker.tick(n, f"loss {rec['loss']:.4f}, {tps:,.0f} tokens/s")
                 if self.eval_streams and ((cfg.eval_every > 0 and n % cfg.eval_every == 0) or n == cfg.steps):
                     last_eval = self._evaluate(n)
                     metrics.write(last_eval)
