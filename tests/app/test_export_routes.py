@@ -77,15 +77,20 @@ def sources(tmp_path_factory, one_thread):
     llama = folders["llama"]
     run_cli("convert", llama[0], "--out", root / "canon")
     run_cli("convert", llama[0], "--out", root / "canon.safetensors")
-    experts = ",".join(map(str, llama[1:]))
-    btx = ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2")
-    run_cli("merge", "--quiet", "--seed", llama[0], "--experts", experts, "--out", root / "btx", *btx)
-    (root / "text.txt").write_text("\n\n".join(CORPUS))
-    run_cli("train", "--init", root / "btx", "--data", f"code={root / 'text.txt'}",
-            "--out", root / "run", "--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-tokens", "32",
-            "--no-plot")
     return {"tokenizer": llama[0] / "tokenizer.json", "folders": folders, "hf": llama[0], "canonical-dir": root / "canon",
-            "canonical-file": root / "canon.safetensors", "run": root / "run"}
+            "canonical-file": root / "canon.safetensors", "root": root}
+
+
+@pytest.fixture(scope="module")
+def trained(sources):
+    """A train run (2 steps) of a BTX merge of the llama family: the run folder."""
+    root, (seed, *experts) = sources["root"], sources["folders"]["llama"]
+    run_cli("merge", "--quiet", "--seed", seed, "--experts", ",".join(map(str, experts)), "--out", root / "btx",
+            "--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2")
+    (root / "text.txt").write_text("\n\n".join(CORPUS))
+    run_cli("train", "--init", root / "btx", "--data", f"code={root / 'text.txt'}", "--out", root / "run",
+            "--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-tokens", "32", "--no-plot")
+    return root / "run"
 
 
 # merges: (family, recipe options, formats)
@@ -97,7 +102,7 @@ MERGES = {"btx": ("llama", ("--recipe", "btx", "--gate-norm", "topk_softmax", "-
           "olmo2": ("olmo2", ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2"), ("flex_olmo",))}
 ROUTES = [(r, f) for r, fmts in (("hf", ("canonical", "hf", "onnx", "gguf")),) for f in fmts]
 ROUTES += [(r, f) for r in ("canonical-dir", "canonical-file") for f in ("canonical", "hf", "onnx", "gguf")]
-ROUTES += [("run", f) for f in ("canonical", "hf", "mixtral", "onnx", "gguf")]
+RUN_FORMATS = ("canonical", "hf", "mixtral", "onnx", "gguf")
 MERGE_ROUTES = [(m, f) for m, (_, _, fmts) in MERGES.items() for f in fmts]
 
 
@@ -142,6 +147,14 @@ def test_route_carries_tokenizer_template_and_eos(sources, tmp_path, route, fmt)
     check_carried(tmp_path / out_name(fmt), fmt, sources["tokenizer"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", RUN_FORMATS)
+def test_run_carries_tokenizer_template_and_eos(sources, trained, tmp_path, fmt):
+    """convert RUN --format F: the run carries the seed's files (train copies them into each checkpoint)."""
+    run_cli("convert", trained, "--format", fmt, "--out", tmp_path / out_name(fmt))
+    check_carried(tmp_path / out_name(fmt), fmt, sources["tokenizer"])
+
+
 @pytest.mark.parametrize("merge,fmt", MERGE_ROUTES)
 def test_merge_carries_tokenizer_template_and_eos(sources, tmp_path, merge, fmt):
     family, recipe, _ = MERGES[merge]
@@ -159,26 +172,29 @@ def test_merge_to_a_single_file_carries_them(sources, tmp_path):
     check_carried(tmp_path / "mix.safetensors", "canonical", sources["tokenizer"])
 
 
-def test_export_commands_of_a_run(sources, tmp_path):
+@pytest.mark.slow
+def test_export_commands_of_a_run(sources, trained, tmp_path):
     """export-gguf and export-onnx of a run folder carry what convert carries."""
-    run = sources["run"]
+    run = trained
     run_cli("export-gguf", run, "--out", tmp_path / "run.gguf")
     check_carried(tmp_path / "run.gguf", "gguf", sources["tokenizer"])
     run_cli("export-onnx", run, "--out", tmp_path / "onnx")
     check_carried(tmp_path / "onnx", "onnx", sources["tokenizer"])
 
 
-def test_open_checkpoint_reads_a_run_folder(sources):
-    run = sources["run"]
+@pytest.mark.slow
+def test_open_checkpoint_reads_a_run_folder(trained):
+    run = trained
     with open_checkpoint(run) as reader:
         assert reader.path.name == "step-00000002" and reader.config.ffn_experts == 3
 
 
-def test_generate_on_the_run_stops_at_its_eos(sources):
+@pytest.mark.slow
+def test_generate_on_the_run_stops_at_its_eos(trained):
     """The run carries the seed's generation config, so generate stops at <|im_end|> (301) as on the seed."""
     from bam_surgery.surgery.card import generation_config
 
-    run = sources["run"]
+    run = trained
     with open_checkpoint(run) as reader:
         assert generation_config(reader)["eos_token_id"] == EOS
     out = run_cli("generate", run, "--tokens", "300,5,6", "--max-new-tokens", "3").output
