@@ -90,11 +90,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     results = {}
     plan = {name: group_windows(eval_windows(tokens, seq_len, max_tokens), batch_size)
             for name, tokens in streams.items()}
-    total, terminal = sum(math.ceil(len(b) / d.world) for b in plan.values()), sys.stderr.isatty()
-    bar = tqdm.tqdm(total=total, desc="eval", unit="batch", leave=False, dynamic_ncols=True, file=sys.stderr,
-                    disable=not (progress and d.is_main and terminal))
-    ticker = ProgressLines("eval batches", total, enabled=progress and d.is_main and not terminal)  # lines instead
-    done = 0
+    bar, ticker = _progress(sum(math.ceil(len(b) / d.world) for b in plan.values()), progress and d.is_main)
     try:
         for name, tokens in streams.items():
             batches = plan[name]
@@ -120,7 +116,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                         on_routing(name, out.routing)
                 acc.add(out.routing, count=real)
                 bar.update(1)
-                ticker.tick(done := done + 1, name)
+                ticker.tick(detail=name)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
             n = int(sums[1])
@@ -199,6 +195,14 @@ def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
     domains = parse_data_spec(data)
     cache = Path(token_cache) if token_cache else default_cache_dir()
     return {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
+
+
+def _progress(total: int, shown: bool):
+    """A bar on a terminal, else a line now and then (train/progress.py): (bar, ticker), one of them disabled."""
+    terminal = sys.stderr.isatty()
+    bar = tqdm.tqdm(total=total, desc="eval", unit="batch", leave=False, dynamic_ncols=True, file=sys.stderr,
+                    disable=not (shown and terminal))
+    return bar, ProgressLines("eval batches", total, enabled=shown and not terminal)
 
 
 def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,

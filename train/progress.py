@@ -22,12 +22,14 @@ class ProgressLines:
 
     def __init__(self, what: str, total: int, log: Callable[[str], None] = stderr_line, enabled: bool = True):
         self.what, self.total, self.log, self.enabled = what, total, log, enabled
-        self.last = time.monotonic()
+        self.last, self.done = time.monotonic(), 0
 
-    def tick(self, done: int, detail: str = "") -> None:
+    def tick(self, done: int | None = None, detail: str = "") -> None:
+        """`done` of total are done (None: one more than at the last tick)."""
+        self.done = self.done + 1 if done is None else done
         if not self.enabled:
             return
         now = time.monotonic()
         if now - self.last >= PROGRESS_EVERY_S:
             self.last = now
-            self.log(f"{self.what}: {done}/{self.total}" + (f" ({detail})" if detail else ""))
+            self.log(f"{self.what}: {self.done}/{self.total}" + (f" ({detail})" if detail else ""))
