@@ -60,7 +60,7 @@ from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
 from .progress import ProgressLines
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
-from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
+from .tokenize import BYTES, MODEL_SIDE_FILES, default_cache_dir, resolve_tokenizer, tokenize_source
 
 Log = Callable[[str], None]
 RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
@@ -316,6 +316,11 @@ class _Run:
     def _setup_tokenizer(self) -> None:
         cfg = self.cfg
         self.tok = resolve_tokenizer(cfg.tokenizer, self.init_reader, self.model_config.vocab_size, cfg.eos_id)
+        # each checkpoint carries the tokenizer's files, and the init checkpoint's chat template and generation
+        # config where the tokenizer's folder has none (the byte tokenizer, --tokenizer from elsewhere)
+        names = {f.name for f in self.tok.files}
+        own = self.init_reader.tokenizer_files() if self.init_reader is not None else []
+        self.carried = [*self.tok.files, *(f for f in own if f.name in MODEL_SIDE_FILES and f.name not in names)]
         if self.resume and self.tok.fingerprint != self.run_info["tokenizer"]["fingerprint"]:
             raise TrainError(f"--resume: the tokenizer ({self.tok.name}) is not the one the run used "
                              f"({self.run_info['tokenizer']['name']})")
@@ -586,7 +591,7 @@ class _Run:
             card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
                               self.experts, rel)
             path = save_run_checkpoint(self.dir, step, model_state, self.model_config, metadata, tensors, meta,
-                                       list(self.tok.files), card, elapsed_s=self.elapsed)
+                                       self.carried, card, elapsed_s=self.elapsed)
             prune_checkpoints(self.dir, self.cfg.keep_last, protect={self.cfg.steps})
         dist_.barrier(d)
         return path

@@ -74,7 +74,8 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
 
 
-CARRIED_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+MODEL_SIDE_FILES = ("chat_template.jinja", "generation_config.json")  # the model's, kept beside its tokenizer
+CARRIED_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json", *MODEL_SIDE_FILES)
 
 
 class HFTokenizer:

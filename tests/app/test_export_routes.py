@@ -216,3 +216,22 @@ def test_binary_side_file_in_a_single_file_is_refused(sources, tmp_path):
     assert not (tmp_path / "sp.safetensors").exists(), line
     run_cli("convert", folder, "--out", tmp_path / "sp-dir")
     assert (tmp_path / "sp-dir" / "tokenizer.model").read_bytes() == bytes(range(256))
+
+
+@pytest.mark.slow
+def test_a_byte_level_run_carries_its_seed_s_generation_config(tmp_path, one_thread):
+    """The byte tokenizer has no folder of its own: each checkpoint takes the init's generation config and chat
+    template, and generate stops where the seed says."""
+    from conftest import random_state, tiny_config
+    from bam_surgery.runtime.checkpoint import save_checkpoint
+
+    cfg = tiny_config(vocab_size=256, max_positions=32)
+    save_checkpoint(random_state(cfg), cfg, tmp_path / "seed")
+    (tmp_path / "seed" / "generation_config.json").write_text(json.dumps({"eos_token_id": 10}))
+    (tmp_path / "seed" / "chat_template.jinja").write_text(TEMPLATE)
+    (tmp_path / "text.txt").write_text("\n\n".join(CORPUS))
+    run_cli("train", "--init", tmp_path / "seed", "--data", f"code={tmp_path / 'text.txt'}", "--out", tmp_path / "run",
+            "--steps", "1", "--seq-len", "16", "--micro-batch", "2", "--eval-tokens", "32", "--no-plot")
+    step = tmp_path / "run" / "checkpoints" / "step-00000001"
+    assert json.loads((step / "generation_config.json").read_text()) == {"eos_token_id": 10}
+    assert (step / "chat_template.jinja").read_text() == TEMPLATE
