@@ -455,7 +455,11 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
-    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
+    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back).
+
+    The tokenizer files, chat template and generation config go with the weights into every format
+    (docs/deploy.md, "What every export carries"); a format that cannot carry them says so in one line.
+    """
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     _check_format_out(fmt, out)
     with open_input(source, allow_pickle) as reader:
