@@ -235,3 +235,21 @@ def test_a_byte_level_run_carries_its_seed_s_generation_config(tmp_path, one_thr
     step = tmp_path / "run" / "checkpoints" / "step-00000001"
     assert json.loads((step / "generation_config.json").read_text()) == {"eos_token_id": 10}
     assert (step / "chat_template.jinja").read_text() == TEMPLATE
+
+
+@pytest.mark.parametrize("entry", [{"../x.json": "{}"}, {"tokenizer.json": 3}, ["tokenizer.json"]])
+def test_hostile_side_files_in_a_single_file(tmp_path, entry):
+    """A single file's carried side files: names from the list only, text only; else one line naming the file."""
+    from safetensors.torch import save_file
+
+    from conftest import random_state, tiny_config
+    from bam_surgery.runtime.checkpoint import CONFIG_KEY, SIDE_FILES_KEY, CheckpointReader
+    from bam_surgery.runtime.errors import CheckpointError
+
+    cfg = tiny_config()
+    path = tmp_path / "x.safetensors"
+    save_file(random_state(cfg), path, metadata={"format": "bam-surgery/1", CONFIG_KEY: cfg.to_json(),
+                                                 SIDE_FILES_KEY: json.dumps(entry)})
+    with CheckpointReader(path) as reader, pytest.raises(CheckpointError) as e:
+        reader.tokenizer_files()
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
