@@ -51,10 +51,6 @@ class ExportInputs:
     hf_source: Reader | None = None  # an HF folder: a dense hf export copies its files as they are
     model_card: str | None = None  # a merge's card
 
-    @property
-    def chat_template(self) -> Path | None:
-        return next((f for f in self.files if f.name == "chat_template.jinja"), None)
-
 
 def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None = None,
                   warn: Callable[[str], None] | None = None) -> ExportInputs:
