@@ -1,7 +1,7 @@
 """What an export carries, over every route a checkpoint takes (issue 30): an HF folder with a byte-level BPE
 tokenizer.json that has special tokens, a chat template (chat_template.jinja) and a generation config, taken
 
-    HF -> each format          HF -> canonical (folder and single file) -> each format
+    HF -> each format          HF -> canonical (folder and single file) or GGUF -> each format
     merge -> each format       train run -> each format
 
 into every format the model allows (canonical, hf, mixtral, qwen2_moe, qwen3_moe, flex_olmo, onnx, gguf). In each
@@ -77,8 +77,9 @@ def sources(tmp_path_factory, one_thread):
     llama = folders["llama"]
     run_cli("convert", llama[0], "--out", root / "canon")
     run_cli("convert", llama[0], "--out", root / "canon.safetensors")
+    run_cli("export-gguf", llama[0], "--out", root / "seed.gguf")
     return {"tokenizer": llama[0] / "tokenizer.json", "folders": folders, "hf": llama[0], "canonical-dir": root / "canon",
-            "canonical-file": root / "canon.safetensors", "root": root}
+            "canonical-file": root / "canon.safetensors", "gguf": root / "seed.gguf", "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ MERGES = {"btx": ("llama", ("--recipe", "btx", "--gate-norm", "topk_softmax", "-
           "qwen3": ("qwen3", ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2"), ("qwen3_moe",)),
           "olmo2": ("olmo2", ("--recipe", "btx", "--gate-norm", "topk_softmax", "--ffn-top-k", "2"), ("flex_olmo",))}
 ROUTES = [(r, f) for r, fmts in (("hf", ("canonical", "hf", "onnx", "gguf")),) for f in fmts]
-ROUTES += [(r, f) for r in ("canonical-dir", "canonical-file") for f in ("canonical", "hf", "onnx", "gguf")]
+ROUTES += [(r, f) for r in ("canonical-dir", "canonical-file", "gguf") for f in ("canonical", "hf", "onnx", "gguf")]
 RUN_FORMATS = ("canonical", "hf", "mixtral", "onnx", "gguf")
 MERGE_ROUTES = [(m, f) for m, (_, _, fmts) in MERGES.items() for f in fmts]
 
@@ -142,7 +143,7 @@ def check_carried(out: Path, fmt: str, source_tokenizer: Path) -> None:
 @pytest.mark.parametrize("route,fmt", ROUTES)
 def test_route_carries_tokenizer_template_and_eos(sources, tmp_path, route, fmt):
     spec = sources[route]
-    args = ("--architecture", "llama") if fmt == "hf" and route.startswith("canonical") else ()
+    args = ("--architecture", "llama") if fmt == "hf" and route != "hf" else ()
     run_cli("convert", spec, "--format", fmt, "--out", tmp_path / out_name(fmt), *args)
     check_carried(tmp_path / out_name(fmt), fmt, sources["tokenizer"])
 
