@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from bam_surgery.converters.byte_tokenizer import BYTES, TOKENIZER_KEY, uses_byte_tokenizer
+from bam_surgery.converters.byte_tokenizer import BYTE_VOCAB, BYTES, TOKENIZER_KEY, uses_byte_tokenizer
 from bam_surgery.converters.export import ExportOptions, check_export, exporter, side_files
 from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.reader import Reader
@@ -65,7 +65,8 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
     has_vocabulary = any(f.name in VOCABULARY_FILES for f in files)
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
-                        byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size),
+                        byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size)
+                        and reader.config.vocab_size >= BYTE_VOCAB,  # ids 1..255 are bytes: the vocabulary holds them
                         hf_source=seed if seed.source_dir is not None and files and plan is None else None,
                         model_card=card)
 
@@ -116,13 +117,12 @@ def _byte_tokenizer_files(fmt: str, inputs: ExportInputs, scratch: Path) -> tupl
     """The byte tokenizer as a tokenizer.json (converters/onnx_genai.py) for the ONNX folder, whose GenAI
     tokenizer needs one; the other formats keep the fact otherwise (canonical: its metadata key, gguf: its
     vocabulary)."""
-    if fmt != "onnx" or not inputs.byte_tokenizer or any(f.name == "tokenizer.json" for f in inputs.files):
+    texts = byte_tokenizer_files()
+    if fmt != "onnx" or not inputs.byte_tokenizer or any(f.name in texts for f in inputs.files):
         return ()
-    written = []
-    for name, text in byte_tokenizer_files().items():
+    for name, text in texts.items():
         (scratch / name).write_text(text, encoding="utf-8")
-        written.append(scratch / name)
-    return tuple(written)
+    return tuple(scratch / name for name in texts)
 
 
 def _metadata(fmt: str, source: str | None, reader: Reader) -> dict[str, str]:
