@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 VERSION = re.search(r'^__version__ = "([^"]+)"$', (HERE / "bam_surgery" / "__init__.py").read_text(encoding="utf-8"),
                     re.M).group(1)
 
-LAYERS = ("runtime", "converters", "train", "surgery", "pipeline", "cli", "recipes")
+LAYERS = ("runtime", "converters", "train", "surgery", "app", "pipeline", "cli", "recipes")
 packages = ["bam_surgery"]
 package_dir = {"bam_surgery": "bam_surgery"}
 for layer in LAYERS:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.converters.export import ExportOptions, check_export, export, exporter
+from bam_surgery.app.exports import ExportRequest, carried_files, export, export_inputs
+from bam_surgery.converters.export import check_export, exporter
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
 from bam_surgery.surgery.audit import audit_checkpoint
-from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
 from bam_surgery.surgery.errors import USER_ERRORS, BamSurgeryError, missing_package_message, one_line, os_error_message
 from bam_surgery.surgery.inspect import render_audit
 from bam_surgery.surgery.names import input_names, parse_named, split_specs
@@ -357,8 +357,10 @@ def merge(args: MergeArgs) -> None:
             _print_dry_run(plan, args)
             return
         if args.fmt == "canonical":
+            carried = carried_files(export_inputs(plan.inputs[0].reader, "canonical", plan=plan, warn=_warn))
             path = execute_plan(plan, args.out, force=args.force, max_shard_bytes=shard_bytes,
-                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now)
+                                progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now,
+                                side_files=carried)
         else:
             path = _merge_export(plan, Path(args.out), args.fmt, args.force, shard_bytes)
         output_written(path)
@@ -426,7 +428,7 @@ def untrained_gate_note(cfg) -> str | None:
 
 def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | None) -> Path:
     """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
-    tensor when the exporter asks for it."""
+    tensor when the exporter asks for it; app.exports carries the seed's side files and the card."""
     # lazy: these pull in hashing (blake3), not needed for --help
     from bam_surgery.surgery.branches import check_branches
     from bam_surgery.surgery.output_path import check_output_path, plan_inputs
@@ -434,11 +436,8 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 
     check_output_path(out, force, plan_inputs(plan))
     check_branches(plan, _warn)
-    options = ExportOptions(tokenizer_files=tuple(check_tokenizers(plan, _warn)),
-                            model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
-                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader),
-                            replace=force)
-    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt, options)
+    return export(PlanReader(plan, warn=_warn, hash_inputs=False), out, fmt,
+                  ExportRequest(max_shard_bytes=shard_bytes, force=force), plan=plan, warn=_warn)
 
 
 @cli.command()
@@ -456,25 +455,19 @@ def _merge_export(plan, out: Path, fmt: str, force: bool, shard_bytes: int | Non
 @ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
-    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
-    # lazy: output_path pulls in hashing (blake3), not needed for --help
-    from bam_surgery.surgery.output_path import check_output_path
+    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back).
 
+    The tokenizer files, chat template and generation config go with the weights into every format
+    (docs/deploy.md, "What every export carries"); a format that cannot carry them says so in one line.
+    """
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    out_path = Path(out)
     _check_format_out(fmt, out)
     with open_input(source, allow_pickle) as reader:
-        arch = architecture or reader.architecture
-        check_export(fmt, reader.config, architecture=arch)
-        check_output_path(out_path, force, [(str(source), reader)])
-        tokenizer = tuple(tokenizer_files(reader))
-        options = ExportOptions(tokenizer_files=tokenizer, tokenizer_source=reader if tokenizer else None,
-                                generation=generation_config(reader), max_shard_bytes=shard_bytes,
-                                architecture=arch, metadata={"bam_source": str(source)}, replace=force)
-        export(reader, out_path, fmt, options)
-        output_written(out_path)
-        if not quiet:
-            click.echo(f"wrote {out_path} ({fmt})", err=True)
+        export(reader, out, fmt, ExportRequest(architecture=architecture, max_shard_bytes=shard_bytes, force=force),
+               source=str(source))
+        output_written(Path(out))
+    if not quiet:
+        click.echo(f"wrote {out} ({fmt})", err=True)
 
 
 def _audit_text(plan) -> str:

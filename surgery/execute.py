@@ -21,14 +21,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from tqdm import tqdm
 
 from bam_surgery.runtime.atomic import atomic_path
 from bam_surgery.runtime.buffers import BufferPool
-from bam_surgery.runtime.checkpoint import SHARD_METADATA, write_dir_config
+from bam_surgery.runtime.checkpoint import SHARD_METADATA, side_files_metadata, write_dir_config, write_side_files
 from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.safetensors_file import patch_header
 from bam_surgery.runtime.shards import write_file, write_index, write_shards
@@ -74,9 +74,11 @@ def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
                  progress: bool = False, warn: Warn | None = None, check_branch: bool = True,
-                 on_stale: Warn | None = None) -> Path:
+                 on_stale: Warn | None = None, side_files: Mapping[str, bytes] = {}) -> Path:
     """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory). on_stale: told when a
-    killed run's work folder for OUT is settled (default: warn)."""
+    killed run's work folder for OUT is settled (default: warn). side_files: {name: content} the output carries
+    (the seed's tokenizer files, chat template, generation config: app.exports.export_inputs), as
+    runtime.checkpoint.write_checkpoint carries them."""
     out = Path(out)
     warn = warn or (lambda msg: print(f"bam-surgery: warning: {msg}", file=sys.stderr))
     single_file = out.suffix == ".safetensors"
@@ -84,6 +86,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
         raise BamSurgeryError(f"--max-shard-size: {out} is a single .safetensors file; give a directory "
                               "path to write shards")
     check_output_path(out, force, plan_inputs(plan))
+    embedded = side_files_metadata(side_files, str(out)) if single_file else {}  # a binary one refused before any read
     if check_branch:
         check_branches(plan, warn)
     pool = BufferPool()
@@ -97,7 +100,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731
             if single_file:  # header first, with placeholders for the digests
                 pending = provenance(plan, hasher.pending())
-                write_file(tmp, entries, tensors, output_metadata(plan, None, pending), on_write)
+                write_file(tmp, entries, tensors, {**output_metadata(plan, None, pending), **embedded}, on_write)
                 digests = _digests_of_unchanged_inputs(plan, hasher)
                 patch_header(tmp, digest_replacements(pending, provenance(plan, digests)))
             else:  # the index last, with the digests
@@ -107,6 +110,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
                 write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, _digests_of_unchanged_inputs(
                     plan, hasher)))
                 write_dir_config(tmp, plan.config)
+                write_side_files(tmp, side_files)
     except BaseException:
         hasher.cancel()
         raise

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("runtime", "converters", "train", "surgery", "pipeline", "cli")  # each may import the ones before it
+ORDER = ("runtime", "converters", "train", "surgery", "app", "pipeline", "cli")  # each may import the ones before it
 LAYER_DIRS = ORDER + ("recipes",)
 # files shipped into exported HF folders run without bam_surgery installed: torch/transformers only, and
 # each other (runtime/blocks.py is shipped as blocks_bam.py next to modeling_bam.py, which imports it;
