@@ -14,11 +14,11 @@
 #   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
-#   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch: install this checkout into $(GPU_PYTHON)'s
-#                   environment without downloading anything, run benchmarks/inference.py --device cuda --dtype bf16
+#   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch ($(GPU_PYTHON)), this checkout on its path
+#                   (nothing installed or downloaded), run benchmarks/inference.py --device cuda --dtype bf16
 #                   --size paper-small into bench-out/gpu/ (docs/gpu.md; BENCH_GPU_ARGS="--device cpu --size smoke"
 #                   checks it on a CPU)
-#   make test-gpu   the same install, then tests/runtime/test_cuda.py (every test skips without CUDA)
+#   make test-gpu   the same, tests/runtime/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -26,15 +26,20 @@ PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
 REPRODUCE := reproduce-out
 
-# bench-gpu / test-gpu: the python of the preinstalled (CUDA torch) environment, not .venv; the package goes in
-# editable, without dependencies or build isolation (nothing is downloaded), unless that python already imports
-# this checkout. Later arguments win: BENCH_GPU_ARGS="--device cpu --size smoke" runs the same on a CPU.
+# bench-gpu / test-gpu: the python of the preinstalled (CUDA torch) environment, not .venv. Nothing is installed
+# there: a lent GPU machine has no network, and pip's editable install of a setup.py project needs a build
+# environment from the index. Instead build/gpu-path/bam_surgery is a tree of links to this checkout's folders
+# (the layers setup.py maps), put first on PYTHONPATH. Later arguments win: BENCH_GPU_ARGS="--device cpu --size smoke"
+# runs the same on a CPU.
 GPU_PYTHON     ?= python3
 BENCH_GPU_OUT  ?= bench-out/gpu
 BENCH_GPU_ARGS ?=
-GPU_INSTALL = $(GPU_PYTHON) -I -c "import pathlib, sys, bam_surgery.runtime as r; \
-	sys.exit(pathlib.Path(r.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null \
-	|| $(GPU_PYTHON) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+GPU_PATH       := build/gpu-path
+LAYERS         := $(shell sed -n 's/^LAYERS = (\(.*\))$$/\1/p' setup.py | tr -d '",')
+GPU_INSTALL = rm -rf $(GPU_PATH) && mkdir -p $(GPU_PATH)/bam_surgery \
+	&& ln -s $(CURDIR)/bam_surgery/*.py $(GPU_PATH)/bam_surgery/ \
+	&& for layer in $(LAYERS); do ln -s $(CURDIR)/$$layer $(GPU_PATH)/bam_surgery/$$layer; done
+GPU_RUN = PYTHONSAFEPATH=1 PYTHONPATH=$(CURDIR)/$(GPU_PATH):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
 
 # The transformers versions the compat stage checks: the ends of the range converters/hf_bam/schema_bam.py declares
 # (the main test environment pins a third, requirements-test.txt); lm-eval runs with the newest.
@@ -143,12 +148,12 @@ reproduce: $(VENV)/.runtime-installed
 
 bench-gpu:
 	$(GPU_INSTALL)
-	$(GPU_PYTHON) -m benchmarks.inference --device cuda --dtype bf16 --size paper-small --out $(BENCH_GPU_OUT) \
+	$(GPU_RUN) -m benchmarks.inference --device cuda --dtype bf16 --size paper-small --out $(BENCH_GPU_OUT) \
 		$(BENCH_GPU_ARGS)
 
 test-gpu:
 	$(GPU_INSTALL)
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py
+	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info

@@ -7,8 +7,8 @@
 Walk: the request's own checks (before any checkpoint is opened), the inputs opened (headers only), the
 plan compiled (surgery/plan.py) and the format's capability checked from its config, the warm start
 (surgery/warm_start.py, with --router-init domain-mean|profile), then OUT checked once (the OUT policy and
-the branch check) and written: canonical by surgery/execute.py, any other format by its exporter from a
-PlanReader (no intermediate canonical file). A dry run stops after the plan and returns it unwritten.
+the branch check) and written: canonical by surgery/execute.py (with the seed's side files), any other format
+through app/exports.py from a PlanReader (no intermediate canonical file). A dry run stops after the plan and returns it unwritten.
 """
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from bam_surgery.converters.export import ExportOptions, check_export, export, exporter
+from bam_surgery.converters.export import check_export, exporter
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.branches import check_branches
-from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card
 from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.execute import execute_plan
 from bam_surgery.surgery.names import input_names
@@ -32,6 +31,7 @@ from bam_surgery.surgery.plan import Plan, compile_plan
 from bam_surgery.surgery.plan_reader import PlanReader
 from bam_surgery.surgery.recipe import Recipe, load_recipe
 
+from .exports import ExportRequest, carried_files, export_inputs, write_export
 from .inputs import open_input
 
 Warn = Callable[[str], None]
@@ -70,11 +70,12 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
             return MergeResult(plan, None)
         out = Path(out)
         check_output_path(out, force, [(inp.label, inp.reader) for inp in plan.inputs])
-        check_branches(plan, warn)
-        if fmt == "canonical":
+        if fmt == "canonical":  # the seed's side files carried (app/exports.py); the branch check in execute_plan
+            carried = carried_files(export_inputs(plan.inputs[0].reader, "canonical", plan=plan, warn=warn))
             path = execute_plan(plan, out, force=force, max_shard_bytes=shard_bytes, progress=progress, warn=warn,
-                                on_stale=on_stale)
+                                on_stale=on_stale, side_files=carried)
         else:
+            check_branches(plan, warn)
             path = _export_merged(plan, out, fmt, force, shard_bytes, warn)
         if on_written is not None:
             on_written(path)
@@ -121,10 +122,7 @@ def _warm_start(plan: Plan, options: MergeOptions, log: Warn | None) -> Plan:
 
 
 def _export_merged(plan: Plan, out: Path, fmt: str, force: bool, shard_bytes: int | None, warn: Warn) -> Path:
-    """Export straight from the plan (no intermediate canonical file): a PlanReader computes each
-    tensor when the exporter asks for it."""
-    options = ExportOptions(tokenizer_files=tuple(check_tokenizers(plan, warn)),
-                            model_card=model_card(plan, fmt, str(out)), max_shard_bytes=shard_bytes,
-                            recipe=plan.recipe.name, generation=generation_config(plan.inputs[0].reader),
-                            replace=force)
-    return export(PlanReader(plan, warn=warn, hash_inputs=False), out, fmt, options)
+    """Export straight from the plan (no intermediate canonical file): a PlanReader computes each tensor when the
+    exporter asks for it; app/exports.py carries the seed's side files and the card (OUT checked above)."""
+    return write_export(PlanReader(plan, warn=warn, hash_inputs=False), out, fmt,
+                        ExportRequest(max_shard_bytes=shard_bytes, force=force), plan=plan, warn=warn)

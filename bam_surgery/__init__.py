@@ -5,6 +5,7 @@ are mapped here by setup.py (package_dir); imports point down only:
 
     bam_surgery.cli          the commands (click), the console-script entry, the demo
     bam_surgery.pipeline     the seed / branch / mix / train / eval / report workflow
+    bam_surgery.app          the use cases (export, ...) as plain functions the CLI and pipeline call
     bam_surgery.surgery      recipes -> plan -> streamed execution, audits, inspect, hashing
     bam_surgery.train        training and evaluation: data, tokenizers, the run loop, DDP/FSDP2
     bam_surgery.converters   Hugging Face architectures <-> canonical names, exporters

@@ -18,16 +18,14 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.app.exports import ExportRequest, export
 from bam_surgery.app.inputs import open_input
 from bam_surgery.app.merge import check_format_out
 from bam_surgery.app.merge import merge as app_merge
-from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
 from bam_surgery.runtime.errors import UsageError, UserError, one_line
-from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.audit import audit_checkpoint
-from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.inspect import render_audit
 from bam_surgery.surgery.options import MergeOptions
 from bam_surgery.surgery.plan import format_plan
@@ -307,22 +305,19 @@ def untrained_gate_note(cfg) -> str | None:
 @ALLOW_PICKLE
 @click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
-    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back)."""
+    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back).
+
+    The tokenizer files, chat template and generation config go with the weights into every format
+    (docs/deploy.md, "What every export carries"); a format that cannot carry them says so in one line.
+    """
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    out_path = Path(out)
     check_format_out(fmt, out)
     with open_input(source, allow_pickle) as reader:
-        arch = architecture or reader.architecture
-        check_export(fmt, reader.config, architecture=arch)
-        check_output_path(out_path, force, [(str(source), reader)])
-        tokenizer = tuple(tokenizer_files(reader))
-        options = ExportOptions(tokenizer_files=tokenizer, tokenizer_source=reader if tokenizer else None,
-                                generation=generation_config(reader), max_shard_bytes=shard_bytes,
-                                architecture=arch, metadata={"bam_source": str(source)}, replace=force)
-        export(reader, out_path, fmt, options)
-        output_written(out_path)
-        if not quiet:
-            click.echo(f"wrote {out_path} ({fmt})", err=True)
+        export(reader, out, fmt, ExportRequest(architecture=architecture, max_shard_bytes=shard_bytes, force=force),
+               source=str(source))
+        output_written(Path(out))
+    if not quiet:
+        click.echo(f"wrote {out} ({fmt})", err=True)
 
 
 def _audit_text(plan) -> str:

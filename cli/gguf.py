@@ -8,7 +8,8 @@ The same exporter as `merge --format gguf` and `convert --format gguf` (converte
 matrices' type as an option. What llama.cpp runs (Llama/Mistral/Qwen2-shaped dense models, Mixtral-shaped BTX
 mixtures, btx-shared-expert mixtures with softmax gates as qwen2moe) is decided from the config before anything is
 read; a BAM mixture (attention experts) is refused in one line naming the formats that carry it. The tokenizer
-goes into the file: the checkpoint's tokenizer.json (byte-level BPE), or the byte tokenizer. Every bad input is
+goes into the file (app/exports.py gathers it, as for every export): the checkpoint's tokenizer.json (byte-level
+BPE) with its chat template, or the byte tokenizer. Every bad input is
 one `bam-surgery: error:` line with exit status 2; the file appears at OUT only when it is complete.
 """
 from __future__ import annotations
@@ -17,14 +18,10 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.app.exports import ExportRequest, export
 from bam_surgery.app.inputs import open_input
-from bam_surgery.converters.export import ExportOptions, check_export, export
 from bam_surgery.converters.gguf_export import GGUF_DTYPES, SUFFIX
-from bam_surgery.converters.hf.files import side_file
-from bam_surgery.runtime.output_path import check_output_path
-from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.train.tokenize import BYTES, checkpoint_tokenizer
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -45,30 +42,11 @@ def export_gguf_cmd(checkpoint, out, dtype, force, allow_pickle) -> None:
     out_path = Path(out)
     if not out_path.name.endswith(SUFFIX) or out_path.name == SUFFIX:
         raise BamSurgeryError(f"--out {out}: a GGUF file needs a name ending in {SUFFIX} (e.g. model{SUFFIX})")
-    reader = open_input(checkpoint, allow_pickle)  # a run folder stands for its latest checkpoint
     lines: list[str] = []
-    with reader:
-        check_export("gguf", reader.config)
-        check_output_path(out_path, force, [(str(checkpoint), reader)])
-        options = ExportOptions(tokenizer_files=_tokenizer(reader, tokenizer_files(reader)),
-                                generation=generation_config(reader),
-                                gguf_dtype=dtype, metadata={"bam_source": str(checkpoint)}, replace=force,
-                                log=lines.append)
-        export(reader, out_path, "gguf", options)
+    with open_input(checkpoint, allow_pickle) as reader:  # a run folder stands for its latest checkpoint
+        export(reader, out_path, "gguf", ExportRequest(gguf_dtype=dtype, force=force, log=lines.append),
+               source=str(checkpoint))
         output_written(out_path)
     for line in lines:
         click.echo(line, err=True)
     click.echo(f"wrote {out_path} (gguf)", err=True)
-
-
-def _tokenizer(reader, files: list[Path]) -> tuple[Path, ...]:
-    """The input's tokenizer files; for a canonical folder or a run checkpoint, the tokenizer.json it carries (and
-    tokenizer_config.json beside it), found as train finds it (train.tokenize.checkpoint_tokenizer)."""
-    if any(f.name == "tokenizer.json" for f in files):
-        return tuple(files)
-    carried = checkpoint_tokenizer(reader)
-    if carried is None or carried == BYTES:
-        return tuple(files)
-    path = Path(carried)
-    config = side_file(path.parent, "tokenizer_config.json")
-    return (*files, path, *([config] if config is not None and config.is_file() else []))

@@ -6,29 +6,24 @@
 
 The same exporter as `convert --format onnx` (converters/onnx_export.py), with the options only this format
 has. The folder also holds genai_config.json for ONNX Runtime GenAI (converters/onnx_genai.py: its token ids from
-the checkpoint's generation config, as `bam-surgery generate` reads them) and the checkpoint's tokenizer files:
-an HF folder's, a run checkpoint's tokenizer.json with its siblings, or, where train/tokenize.py's rules give the
+the checkpoint's generation config, as `bam-surgery generate` reads them) and what app/exports.py gathers for
+every export: the checkpoint's tokenizer files and chat template, or, where the byte-tokenizer rule gives the
 byte-level tokenizer, a tokenizer.json that writes it for GenAI's tokenizer. Every bad input (option value,
 checkpoint, generation config, OUT) is one `bam-surgery: error:` line with exit status 2, checked before anything
 is written; the folder appears at OUT only when it is complete (and verified, with --verify).
 """
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import click
 
+from bam_surgery.app.exports import ExportRequest, export
 from bam_surgery.app.inputs import open_input
-from bam_surgery.converters.export import ExportOptions, check_export, export
-from bam_surgery.converters.hf.files import side_file
 from bam_surgery.converters.onnx_export import DTYPES, check_opset
-from bam_surgery.converters.onnx_genai import GENAI_CONFIG, byte_tokenizer_files
+from bam_surgery.converters.onnx_genai import GENAI_CONFIG
 from bam_surgery.converters.onnx_graph import DEFAULT_OPSET
-from bam_surgery.runtime.output_path import check_output_path
-from bam_surgery.surgery.card import generation_config, tokenizer_files
 from bam_surgery.surgery.errors import BamSurgeryError
-from bam_surgery.train.tokenize import BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, checkpoint_tokenizer
 
 from .options import ALLOW_PICKLE, OUT_FORCE, output_written
 
@@ -59,38 +54,13 @@ def export_onnx_cmd(checkpoint, out, opset, dtype, no_kv_cache, verify, force, a
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     opset_number = DEFAULT_OPSET if opset is None else _integer("--opset", opset)
     check_opset(opset_number)
-    out_path = Path(out)
-    reader = open_input(checkpoint, allow_pickle)  # a run folder stands for its latest checkpoint
-    with reader, tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
-        check_export("onnx", reader.config)
-        check_output_path(out_path, force, [(str(checkpoint), reader)])
-        options = ExportOptions(tokenizer_files=tuple(export_tokenizer(reader, Path(scratch))), dtype=DTYPES[dtype],
-                                generation=generation_config(reader), opset=opset_number, kv_cache=not no_kv_cache,
-                                verify=verify, replace=force, log=lambda line: click.echo(line, err=True))
-        export(reader, out_path, "onnx", options)
-        output_written(out_path)
-    click.echo(f"wrote {out_path} (onnx, {dtype}, opset {opset_number}"
+    with open_input(checkpoint, allow_pickle) as reader:  # a run folder stands for its latest checkpoint
+        export(reader, out, "onnx", ExportRequest(dtype=DTYPES[dtype], opset=opset_number, kv_cache=not no_kv_cache,
+                                                  verify=verify, force=force, log=lambda line: click.echo(line, err=True)),
+               source=str(checkpoint))
+        output_written(Path(out))
+    click.echo(f"wrote {out} (onnx, {dtype}, opset {opset_number}"
                f"{', no KV cache' if no_kv_cache else ', KV cache'})", err=True)
-
-
-def export_tokenizer(reader, scratch: Path) -> list[Path]:
-    """The tokenizer files the export carries: an HF input's; else a canonical folder's tokenizer.json with its
-    tokenizer_config.json and special_tokens_map.json; else, where train/tokenize.py's rules give the byte-level
-    tokenizer (the checkpoint says so, or no tokenizer and a vocabulary of 256 to 512), tokenizer.json and
-    tokenizer_config.json for GenAI (converters/onnx_genai.py), written into scratch."""
-    files = tokenizer_files(reader)
-    if any(f.name == "tokenizer.json" for f in files):
-        return files
-    carried = checkpoint_tokenizer(reader)
-    if carried not in (None, BYTES):
-        path = Path(carried)
-        siblings = (side_file(path.parent, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
-        return [path, *(p for p in siblings if p is not None and p.is_file())]
-    if carried == BYTES or (not files and BYTE_VOCAB <= reader.config.vocab_size <= BYTE_FALLBACK_MAX_VOCAB):
-        for name, text in byte_tokenizer_files().items():
-            (scratch / name).write_text(text, encoding="utf-8")
-            files.append(scratch / name)
-    return files
 
 
 def _integer(option: str, text: str) -> int:

@@ -114,13 +114,13 @@ def eval_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len, batch_si
     mixtures: the share of tokens per FFN expert, the mean attention gates, the experts used, the
     routing entropy in bits and the Gini coefficient of expert usage, per domain (means over layers;
     --json: per router; `routing-stats` shows every layer). A progress bar shows on stderr when it
-    is a terminal.
+    is a terminal, else a progress line every 30 seconds.
     """
     from bam_surgery.train import evaluate  # lazy: evaluation, 0.03 s on every start
 
     report = evaluate(ckpt, data, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len, batch_size=batch_size,
                       max_tokens=max_tokens, text_field=text_field, token_cache=token_cache, device=device,
-                      split=split, progress=sys.stderr.isatty())
+                      split=split, progress=True)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return

@@ -22,3 +22,10 @@ def byte_symbols() -> dict[int, str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def uses_byte_tokenizer(says_bytes: bool, has_tokenizer: bool, vocab_size: int) -> bool:
+    """The one rule for which models read UTF-8 bytes (train, generate and every export apply it): the checkpoint
+    says so (TOKENIZER_KEY: BYTES), or it carries no tokenizer and its vocabulary has at most
+    BYTE_FALLBACK_MAX_VOCAB tokens. Whether the vocabulary is large enough (BYTE_VOCAB) is each caller's check."""
+    return says_bytes or (not has_tokenizer and vocab_size <= BYTE_FALLBACK_MAX_VOCAB)

@@ -26,6 +26,7 @@ one-line CapabilityError saying why.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -34,9 +35,11 @@ from typing import Any
 from bam_surgery.runtime.checkpoint import write_checkpoint
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader, check_layout
+from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
+from .hf.files import GENERATION_CONFIG
 from .hf_export import HFExporter
 from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
@@ -64,7 +67,17 @@ class CanonicalExporter(Exporter):
         if options.dtype is not None:
             raise CapabilityError("canonical output keeps each tensor's dtype (no dtype cast)")
         check_layout(reader)  # a checkpoint whose tensors contradict its own config is never written
-        return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes, replace=options.replace)
+        return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes, replace=options.replace,
+                                side_files=side_files(options))
+
+
+def side_files(options: ExportOptions) -> dict[str, bytes]:
+    """{name: content} a canonical checkpoint carries: the tokenizer files and chat template as they are, the
+    generation config as generation_config.json (when it has entries)."""
+    files = {Path(f).name: read_side_file(Path(f)) for f in options.tokenizer_files}
+    if options.generation:
+        files[GENERATION_CONFIG] = (json.dumps(dict(options.generation), indent=2, sort_keys=True) + "\n").encode()
+    return files
 
 
 def exporters() -> dict[str, Exporter]:

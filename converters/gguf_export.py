@@ -105,7 +105,7 @@ from bam_surgery.runtime.shards import read_side_file
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
-                             byte_symbols)
+                             byte_symbols, uses_byte_tokenizer)
 from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import bias_problem, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
@@ -565,9 +565,12 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
         tok_config = {}
         if "tokenizer_config.json" in files:
             tok_config = _tokenizer_config(files["tokenizer_config.json"])
-        return bpe_vocabulary(files["tokenizer.json"], cfg.vocab_size, generation, tok_config)
-    says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES
-    if (says_bytes or cfg.vocab_size <= BYTE_FALLBACK_MAX_VOCAB) and cfg.vocab_size >= BYTE_VOCAB:
+        vocab = bpe_vocabulary(files["tokenizer.json"], cfg.vocab_size, generation, tok_config)
+        if "chat_template.jinja" in files:  # transformers' own file for the template, ahead of tokenizer_config's
+            vocab.chat_template = read_side_file(files["chat_template.jinja"]).decode("utf-8", errors="replace")
+        return vocab
+    if uses_byte_tokenizer(reader.metadata.get(TOKENIZER_KEY) == BYTES, False, cfg.vocab_size) \
+            and cfg.vocab_size >= BYTE_VOCAB:
         return byte_vocabulary(cfg.vocab_size)
     if files:
         raise CapabilityError(f"gguf export: the input's tokenizer ({', '.join(sorted(files))}) has no tokenizer.json; "

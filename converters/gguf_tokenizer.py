@@ -22,14 +22,11 @@ strings, ids outside the vocabulary, merges that are not pairs) is a CheckpointE
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from bam_surgery.runtime.cache import cache_root
+from bam_surgery.runtime.cache import cached_texts
 from bam_surgery.runtime.errors import CheckpointError, printable
 
 # tokenizer.json pre-tokenizer regexes that llama.cpp implements (src/llama-vocab.cpp quotes each beside its own)
@@ -169,23 +166,4 @@ def rebuild_tokenizer(fields: Mapping[str, Any], where: str, context_length: int
     texts = tokenizer_texts(fields, where, context_length)
     if isinstance(texts, str):
         return [], texts
-    digest = hashlib.sha256()
-    for name in sorted(texts):
-        digest.update(name.encode() + b"\0" + texts[name].encode() + b"\0")
-    folder = cache_root() / DIRECTORY / digest.hexdigest()[:32]
-    if not all((folder / n).is_file() for n in texts):
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-            for name, text in texts.items():
-                (tmp / name).write_text(text, encoding="utf-8")
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another process wrote the same files first
-                for name in texts:
-                    (tmp / name).unlink()
-                tmp.rmdir()
-        except OSError as e:
-            raise CheckpointError(f"{where}: cannot write its rebuilt tokenizer under {folder.parent} "
-                                  f"({e.strerror or e}; set BAM_SURGERY_CACHE to a writable folder)") from None
-    return [folder / n for n in texts], ""
+    return cached_texts(DIRECTORY, texts, where), ""

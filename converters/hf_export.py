@@ -6,6 +6,7 @@ trust_remote_code=True).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from bam_surgery.runtime.config import ModelConfig
@@ -13,7 +14,7 @@ from bam_surgery.runtime.reader import Reader
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES, architecture as lookup_architecture
-from .hf.writer import save_hf
+from .hf.writer import DEFAULT_SHARD_BYTES, export_with_options, save_hf
 from .hf_bam.export import check_hf_bam, export_hf_bam
 
 DENSE = ", ".join(m for m, a in ARCHITECTURES.items() if not a.mixture)
@@ -39,6 +40,10 @@ class HFExporter(Exporter):
             return export_hf_bam(reader, out, tokenizer_files=options.tokenizer_files, model_card=options.model_card,
                                  max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
                                  generation=options.generation, replace=options.replace)
+        if options.tokenizer_source is None:  # what the caller gathered (app.exports): files, generation config
+            shards = options.max_shard_bytes if options.max_shard_bytes is not None else DEFAULT_SHARD_BYTES
+            return export_with_options(reader, out, lookup_architecture(options.architecture),
+                                       replace(options, max_shard_bytes=shards), always_generation=False)
         shards = {} if options.max_shard_bytes is None else {"max_shard_bytes": options.max_shard_bytes}
         return save_hf(reader, out, options.architecture, tokenizer_from=options.tokenizer_source,
                        model_card=options.model_card, dtype=options.dtype, replace=options.replace, **shards)

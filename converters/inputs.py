@@ -3,6 +3,7 @@
 Accepted specs (everything that reads a checkpoint goes through `open_checkpoint`):
     mix.safetensors            canonical file (config JSON in the safetensors metadata)
     mix/                       canonical directory (config.json has "bam_config")
+    RUN/                       a training run folder: its newest checkpoint (run_folder.py)
     path/to/llama/             Hugging Face model directory (config.json has "model_type")
     path/to/export/            our Mixtral (model_type mixtral) or HF BAM (bam_mixture) exports
     model.gguf                 a GGUF file (llama.cpp, Ollama; gguf_reader.py), or any part of a split GGUF
@@ -27,6 +28,7 @@ from .gguf_reader import GGUFCheckpointReader
 from .hf.files import TOKENIZER_FILES, read_hf_config
 from .hf.reader import HFCheckpointReader
 from .hf_bam.reader import BamHFReader
+from .run_folder import resolve_run_folder
 
 # org/name with an optional @revision (branch, tag or commit)
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
@@ -41,7 +43,7 @@ HF_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 def open_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Reader:
     """The reader (runtime.reader protocol) of a checkpoint spec."""
-    path = Path(spec)
+    path = Path(resolve_run_folder(os.fspath(spec)))
     if path.is_dir():
         return _open_directory(path, allow_pickle)
     if path.is_file():

@@ -396,7 +396,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optio
         return out.view(B, Hq, T, Dh)
     folded = q.reshape(B, Hkv, rep * T, Dh)  # row r*T + t: query head g*rep + r at token t
     mask = mask[:, :, None].expand(mask.shape[0], 1, rep, T, S).reshape(mask.shape[0], 1, rep * T, S)
-    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, Hq, T, Dh)
+    # reshape, not view: CUDA's kernels may return the folded rows in a layout a view cannot unfold
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).reshape(B, Hq, T, Dh)
 
 
 def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,

@@ -5,6 +5,12 @@
         config.json                 {"bam_config": {...}, "format": "bam-surgery/1"}
         model-00001-of-0000N.safetensors ...
         model.safetensors.index.json      {"metadata": {...}, "weight_map": {name: file}}
+        tokenizer.json ...          the side files the model came with (runtime.shards.SIDE_FILES: tokenizer files,
+                                    chat_template.jinja, generation_config.json), as an HF folder holds them
+
+A single file carries the same side files as text in its metadata (SIDE_FILES_KEY: {name: text}); the reader
+gives them back as files (`tokenizer_files()`, written once into runtime.cache). A binary side file
+(tokenizer.model) fits only a directory.
 
 Writing streams any reader (runtime.reader) tensor by tensor through the one shard writer
 (runtime.shards), with a read-ahead thread (runtime.read_ahead); every write goes to a temporary
@@ -20,20 +26,23 @@ from typing import Mapping
 import torch
 
 from .atomic import atomic_dir, atomic_path
+from .cache import cached_texts
 from .config import ConfigError, ModelConfig
-from .errors import CheckpointError
-from .jsonfile import read_json
+from .errors import CheckpointError, printable
+from .jsonfile import parse_json, read_json
 from .layout import tensor_shapes
 from .outputs import FORMAT
 from .read_ahead import iter_tensors
 from .reader import Reader, SafetensorsReader, StateReader
-from .shards import INDEX_NAME, read_index, shard_path, total_size, write_file, write_index, write_shards
+from .shards import (INDEX_NAME, SIDE_FILES, read_index, shard_path, side_files_in, total_size, write_file, write_index,
+                     write_shards)
 
 CONFIG_KEY = "bam_config"
 PROVENANCE_KEY = "bam_provenance"  # a merge's record of how it was made (surgery.provenance writes it)
 SHARD_METADATA = {"format": FORMAT}  # each shard of a canonical directory; the index carries the rest
+SIDE_FILES_KEY = "bam_side_files"  # a single file's side files: JSON {name: text}, names from SIDE_FILES
 
-__all__ = ["CONFIG_KEY", "FORMAT", "PROVENANCE_KEY", "CheckpointError", "CheckpointReader", "load_checkpoint", "save_checkpoint",
+__all__ = ["CONFIG_KEY", "FORMAT", "PROVENANCE_KEY", "SIDE_FILES_KEY", "CheckpointError", "CheckpointReader", "load_checkpoint", "save_checkpoint",
            "write_checkpoint", "write_dir_config"]
 
 
@@ -80,6 +89,47 @@ class CheckpointReader(SafetensorsReader):
             where = self.path / "config.json" if self.path.is_dir() else self.path
             raise ConfigError(f"{where}: {e}") from None
 
+    def tokenizer_files(self) -> list[Path]:
+        """The side files the checkpoint carries: a directory's own (SIDE_FILES), a single file's from its
+        metadata (written once into the cache)."""
+        if self.path.is_dir():
+            return side_files_in(self.path)
+        texts = _embedded_side_files(self.metadata.get(SIDE_FILES_KEY), str(self.path))
+        return cached_texts("side-files", texts, str(self.path)) if texts else []
+
+
+def _embedded_side_files(raw: str | None, where: str) -> dict[str, str]:
+    """{name: text} of a single file's SIDE_FILES_KEY: names from SIDE_FILES only, text values; else a
+    CheckpointError naming the file."""
+    if not raw:
+        return {}
+    body = parse_json(raw, f"{where}: metadata {SIDE_FILES_KEY}", expect=dict)
+    for name, text in body.items():
+        if name not in SIDE_FILES or not isinstance(text, str):
+            raise CheckpointError(f"{where}: metadata {SIDE_FILES_KEY}: {printable(str(name))[:60]!r} is not a side "
+                                  f"file this format carries as text ({', '.join(SIDE_FILES)})")
+    return body
+
+
+def side_files_metadata(side_files: Mapping[str, bytes], where: str) -> dict[str, str]:
+    """The metadata entry that carries side files {name: content} in a single file (empty when there are none);
+    a binary one (tokenizer.model) is a CheckpointError naming it and the way out: a directory."""
+    if not side_files:
+        return {}
+    texts = {}
+    for name, data in side_files.items():
+        try:
+            texts[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{where}: a single .safetensors file carries side files as text, and {name} is "
+                                  "binary; give a directory OUT (no .safetensors suffix) to keep it") from None
+    return {SIDE_FILES_KEY: json.dumps(texts, ensure_ascii=False, sort_keys=True)}
+
+
+def write_side_files(directory: Path, side_files: Mapping[str, bytes]) -> None:
+    for name, data in side_files.items():
+        (directory / name).write_bytes(data)
+
 
 def _hf_model_type(folder: Path) -> object | None:
     """The model_type of an HF folder's config.json (None: no such file, or not an HF config)."""
@@ -105,7 +155,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tor
         return r.config, {k: r.get(k) for k in r.names()}
 
 
-RESERVED_METADATA = ("format", CONFIG_KEY, "total_size")
+RESERVED_METADATA = ("format", CONFIG_KEY, "total_size", SIDE_FILES_KEY)
 
 
 def check_metadata(metadata: Mapping[str, str] | None) -> None:
@@ -131,20 +181,23 @@ def file_metadata(config: ModelConfig, extra: Mapping[str, str] | None = None) -
 
 
 def write_checkpoint(reader: Reader, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
-                     max_shard_bytes: int | None = None, *, replace: bool = True) -> Path:
+                     max_shard_bytes: int | None = None, *, replace: bool = True,
+                     side_files: Mapping[str, bytes] = {}) -> Path:
     """Stream any reader into a canonical checkpoint, one tensor in memory at a time (plus the
     read-ahead). Tensors are written in canonical layout order, then any others by name.
     replace: an existing `path` may be replaced if it is an output of this tool (runtime.atomic);
-    False: an existing path is an OutputError."""
+    False: an existing path is an OutputError. side_files: {name: content} (names from SIDE_FILES) carried
+    beside the weights (a directory) or in the metadata (a single file)."""
     config = reader.config
     check_metadata(metadata)
     layout = tensor_shapes(config)
     names = set(reader.names())
     order = [n for n in layout if n in names] + sorted(names - set(layout))
     entries = [(n, tuple(reader.shape(n)), reader.dtype(n)) for n in order]
-    meta = file_metadata(config, metadata)
     path = Path(path)
-    if path.suffix == ".safetensors":
+    single = path.suffix == ".safetensors"
+    meta = file_metadata(config, {**(metadata or {}), **(side_files_metadata(side_files, str(path)) if single else {})})
+    if single:
         with atomic_path(path, replace=replace) as tmp:
             write_file(tmp, entries, iter_tensors(reader, order), meta)
         return path
@@ -153,6 +206,7 @@ def write_checkpoint(reader: Reader, path: str | os.PathLike, metadata: Mapping[
                                   file_metadata=SHARD_METADATA)
         write_index(tmp, weight_map, total_size(entries), meta)
         write_dir_config(tmp, config)
+        write_side_files(tmp, side_files)
     return path
 
 

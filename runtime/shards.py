@@ -120,6 +120,28 @@ def folder_file(directory: Path, path: Path, what: str) -> Path:
     raise _outside(directory, path, what, target)
 
 
+# The side files a model folder carries besides config and weights (tokenizer, its config and special tokens, the
+# chat template, the generation config), copied into every export of it (converters/hf/files.py, app/exports.py)
+# and into a canonical checkpoint (runtime/checkpoint.py).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+              "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def side_file(directory: Path, name: str) -> Path | None:
+    """The side file `name` of a model directory (one of SIDE_FILES), None when absent; a link
+    resolving outside the directory is refused (folder_file)."""
+    path = directory / name
+    if not (path.is_file() or path.is_symlink()):  # a link to nothing is still checked
+        return None
+    return folder_file(directory, path, name)
+
+
+def side_files_in(directory: Path) -> list[Path]:
+    """The side files (SIDE_FILES) present in a model directory."""
+    found = [side_file(directory, n) for n in SIDE_FILES]
+    return [p for p in found if p is not None and p.is_file()]
+
+
 def _inside(root: Path, target: Path) -> bool:
     """Whether the resolved `target` may be read as a file of the resolved folder `root` (folder_file's rule)."""
     return target.is_relative_to(root) or target.parent == _hub_blobs(root)

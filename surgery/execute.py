@@ -21,18 +21,19 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from tqdm import tqdm
 
 from bam_surgery.runtime.atomic import atomic_path
 from bam_surgery.runtime.buffers import BufferPool
-from bam_surgery.runtime.checkpoint import SHARD_METADATA, write_dir_config
+from bam_surgery.runtime.checkpoint import SHARD_METADATA, side_files_metadata, write_dir_config, write_side_files
 from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.safetensors_file import patch_header
 from bam_surgery.runtime.shards import write_file, write_index, write_shards
 
+from .branches import check_branches
 from .hashing import FileDigest, InputHasher
 from .plan import Plan
 from .plan_reader import PlanReader
@@ -66,14 +67,21 @@ def _digests_of_unchanged_inputs(plan: Plan, hasher: InputHasher) -> dict[Path, 
 
 
 def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max_shard_bytes: int | None = None,
-                 progress: bool = False, warn: Warn | None = None, on_stale: Warn | None = None) -> Path:
+                 progress: bool = False, warn: Warn | None = None, check_branch: bool = True,
+                 on_stale: Warn | None = None, side_files: Mapping[str, bytes] = {}) -> Path:
     """Run the plan into OUT (file if it ends in .safetensors, else a sharded directory; max_shard_bytes applies
     to a directory). on_stale: told when a killed run's work folder for OUT is settled (default: warn).
-    OUT is checked by the caller, once (app/merge.py: the OUT policy and the branch check); the final rename
-    still never replaces what is not ours (runtime/atomic.py)."""
+    side_files: {name: content} the output carries (the seed's tokenizer files, chat template, generation
+    config: app.exports.export_inputs), as runtime.checkpoint.write_checkpoint carries them; check_branch: warn
+    about experts that do not look branched from the seed (surgery/branches.py), once the side files are known
+    to fit. OUT is checked by the caller, once (app/merge.py: the OUT policy); the final rename still never
+    replaces what is not ours (runtime/atomic.py)."""
     out = Path(out)
     warn = warn or (lambda msg: print(f"bam-surgery: warning: {msg}", file=sys.stderr))
     single_file = out.suffix == ".safetensors"
+    embedded = side_files_metadata(side_files, str(out)) if single_file else {}  # a binary one refused before any read
+    if check_branch:
+        check_branches(plan, warn)
     pool = BufferPool()
     reader = PlanReader(plan, warn=warn, hash_inputs=False, pool=pool)
     hasher = InputHasher(plan_input_files(plan))
@@ -85,7 +93,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
             on_write = lambda name: bar.update(plan[name].nbytes)  # noqa: E731
             if single_file:  # header first, with placeholders for the digests
                 pending = provenance(plan, hasher.pending())
-                write_file(tmp, entries, tensors, output_metadata(plan, None, pending), on_write)
+                write_file(tmp, entries, tensors, {**output_metadata(plan, None, pending), **embedded}, on_write)
                 digests = _digests_of_unchanged_inputs(plan, hasher)
                 patch_header(tmp, digest_replacements(pending, provenance(plan, digests)))
             else:  # the index last, with the digests
@@ -95,6 +103,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
                 write_index(tmp, weight_map, plan.total_bytes, output_metadata(plan, _digests_of_unchanged_inputs(
                     plan, hasher)))
                 write_dir_config(tmp, plan.config)
+                write_side_files(tmp, side_files)
     except BaseException:
         hasher.cancel()
         raise

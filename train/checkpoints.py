@@ -24,7 +24,6 @@ complete checkpoint as it was.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,50 +37,24 @@ from bam_surgery.runtime.checkpoint import save_checkpoint as write_canonical
 from bam_surgery.runtime.safetensors_file import SafetensorsFile, SafetensorsStreamWriter
 from bam_surgery.runtime.shards import copy_side_file
 from bam_surgery.runtime.config import ConfigError
+from bam_surgery.converters.run_folder import (CHECKPOINTS, is_run_folder, latest_checkpoint,  # noqa: F401
+                                               list_checkpoints, resolve_run_folder, step_dir_name)
 from bam_surgery.runtime.jsonfile import json_field, parse_json, read_json
 
 from .errors import TrainError
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_FILE = "trainer.safetensors"
 TRAINER_KEY = "bam_trainer"
 TIMING_FILE = "timing.json"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def is_run_folder(path: Path) -> bool:
-    return (path / "config.yaml").is_file() and (path / CHECKPOINTS).is_dir()
-
-
-def list_checkpoints(run: Path) -> list[tuple[int, Path]]:
-    root = Path(run) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(out)
-
-
-def latest_checkpoint(run: Path) -> Path | None:
-    """The newest checkpoint: the highest step folder (every step folder is complete, since it is
-    renamed into place whole; `latest` may lag it by one if a crash came between the two renames)."""
-    found = list_checkpoints(run)
-    return found[-1][1] if found else None
 
 
 def resolve_checkpoint(spec: str) -> str:
     """A run folder stands for its latest checkpoint; anything else is returned as is."""
-    path = Path(spec)
-    if path.is_dir() and is_run_folder(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise TrainError(f"{spec}: run folder has no checkpoint yet")
-        return str(latest)
-    return spec
+    try:
+        return resolve_run_folder(spec)
+    except CheckpointError as e:
+        raise TrainError(str(e)) from None
 
 
 def _write_trainer_state(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

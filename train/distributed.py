@@ -134,7 +134,12 @@ def wrap(model: nn.Module, d: Dist) -> nn.Module:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*", category=UserWarning)
     # a parameter without a gradient on one process (frozen, or an expert no token reached there)
     # still joins the reduce-scatter with zeros, so every process calls the same collectives
-    model.set_reduce_scatter_unused_params(True)
+    if hasattr(model, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
+    elif d.world > 1:  # one process cannot disagree with itself about which parameters have gradients
+        raise TrainError(f"strategy: fsdp across processes needs a torch whose FSDP2 reduce-scatters unused "
+                         f"parameters (FSDPModule.set_reduce_scatter_unused_params; this is torch "
+                         f"{torch.__version__}): use --strategy ddp, or torch 2.13 (requirements.txt)")
     return model
 
 

@@ -31,6 +31,7 @@ from .distributed import Dist, all_sum, pick_device
 from .errors import TrainError
 from .metrics import RoutingAccumulator, summarize_routing
 from .packing import eval_windows
+from .progress import ProgressLines
 from .provenance import expert_names, read_provenance
 from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
 
@@ -89,8 +90,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
     results = {}
     plan = {name: group_windows(eval_windows(tokens, seq_len, max_tokens), batch_size)
             for name, tokens in streams.items()}
-    bar = tqdm.tqdm(total=sum(math.ceil(len(b) / d.world) for b in plan.values()), desc="eval", unit="batch",
-               leave=False, dynamic_ncols=True, file=sys.stderr, disable=not (progress and d.is_main))
+    bar, ticker = _progress(sum(math.ceil(len(b) / d.world) for b in plan.values()), progress and d.is_main)
     try:
         for name, tokens in streams.items():
             batches = plan[name]
@@ -116,6 +116,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                         on_routing(name, out.routing)
                 acc.add(out.routing, count=real)
                 bar.update(1)
+                ticker.tick(detail=name)
             sums = all_sum(d, torch.stack([nll_sum, count])).cpu()
             acc = reduce_routing(acc, d)
             n = int(sums[1])
@@ -194,6 +195,14 @@ def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
     domains = parse_data_spec(data)
     cache = Path(token_cache) if token_cache else default_cache_dir()
     return {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
+
+
+def _progress(total: int, shown: bool):
+    """A bar on a terminal, else a line now and then (train/progress.py): (bar, ticker), one of them disabled."""
+    terminal = sys.stderr.isatty()
+    bar = tqdm.tqdm(total=total, desc="eval", unit="batch", leave=False, dynamic_ncols=True, file=sys.stderr,
+                    disable=not (shown and terminal))
+    return bar, ProgressLines("eval batches", total, enabled=shown and not terminal)
 
 
 def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id: int | None = None,

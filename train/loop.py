@@ -58,8 +58,9 @@ from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_
 from .optim import apply_trainable, build_optimizer, lr_at, set_lr
 from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
+from .progress import ProgressLines
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
-from .tokenize import BYTES, default_cache_dir, resolve_tokenizer, tokenize_source
+from .tokenize import BYTES, MODEL_SIDE_FILES, default_cache_dir, resolve_tokenizer, tokenize_source
 
 Log = Callable[[str], None]
 RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
@@ -315,6 +316,11 @@ class _Run:
     def _setup_tokenizer(self) -> None:
         cfg = self.cfg
         self.tok = resolve_tokenizer(cfg.tokenizer, self.init_reader, self.model_config.vocab_size, cfg.eos_id)
+        # each checkpoint carries the tokenizer's files, and the init checkpoint's chat template and generation
+        # config where the tokenizer's folder has none (the byte tokenizer, --tokenizer from elsewhere)
+        names = {f.name for f in self.tok.files}
+        own = self.init_reader.tokenizer_files() if self.init_reader is not None else []
+        self.carried = [*self.tok.files, *(f for f in own if f.name in MODEL_SIDE_FILES and f.name not in names)]
         if self.resume and self.tok.fingerprint != self.run_info["tokenizer"]["fingerprint"]:
             raise TrainError(f"--resume: the tokenizer ({self.tok.name}) is not the one the run used "
                              f"({self.run_info['tokenizer']['name']})")
@@ -474,6 +480,8 @@ class _Run:
         out = self._out
         if not bar.disable:
             self._out = _above_bar(tqdm.tqdm, out)
+        # no terminal to draw the bar on: a line now and then (train/progress.py)
+        ticker = ProgressLines("step", cfg.steps, self.log, enabled=bar.disable and cfg.progress and d.is_main)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
@@ -499,6 +507,7 @@ class _Run:
                 last_loss = rec["loss"]
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)  # shown by update
                 bar.update(1)
+                ticker.tick(n, f"loss {rec['loss']:.4f}, {tps:,.0f} tokens/s")
                 if self.eval_streams and ((cfg.eval_every > 0 and n % cfg.eval_every == 0) or n == cfg.steps):
                     last_eval = self._evaluate(n)
                     metrics.write(last_eval)
@@ -582,7 +591,7 @@ class _Run:
             card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
                               self.experts, rel)
             path = save_run_checkpoint(self.dir, step, model_state, self.model_config, metadata, tensors, meta,
-                                       list(self.tok.files), card, elapsed_s=self.elapsed)
+                                       self.carried, card, elapsed_s=self.elapsed)
             prune_checkpoints(self.dir, self.cfg.keep_last, protect={self.cfg.steps})
         dist_.barrier(d)
         return path

@@ -32,7 +32,7 @@ import tokenizers
 from tqdm import tqdm
 
 from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES,
-                                                   TOKENIZER_KEY)
+                                                   TOKENIZER_KEY, uses_byte_tokenizer)
 from bam_surgery.converters.hf.files import side_file
 from bam_surgery.runtime.cache import cache_root
 
@@ -74,6 +74,10 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
 
 
+MODEL_SIDE_FILES = ("chat_template.jinja", "generation_config.json")  # the model's, kept beside its tokenizer
+CARRIED_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json", *MODEL_SIDE_FILES)
+
+
 class HFTokenizer:
     """A `tokenizers` tokenizer.json; documents are encoded without special tokens, EOS appended."""
 
@@ -85,8 +89,9 @@ class HFTokenizer:
             raise TrainError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        # the files a run checkpoint carries; the two beside tokenizer.json only from inside its folder
-        siblings = (side_file(path.parent, n) for n in ("tokenizer_config.json", "special_tokens_map.json"))
+        # the files a run checkpoint carries: tokenizer.json and, only from inside its folder, its config, special
+        # tokens, chat template and the model's generation config (where generate stops: the eos of the seed)
+        siblings = (side_file(path.parent, n) for n in CARRIED_SIBLINGS)
         self.files = (path, *(p for p in siblings if p is not None and p.is_file()))
         self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
         self._digest = file_sha256(path)
@@ -165,12 +170,10 @@ def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int
         hf_eos = ((reader.hf_config if reader is not None else None) or {}).get("eos_token_id")
         if isinstance(hf_eos, list):
             hf_eos = hf_eos[0] if hf_eos else None
-        if carried == BYTES:
+        if uses_byte_tokenizer(carried == BYTES, carried is not None, vocab_size):
             tok = ByteTokenizer(eos_id)
         elif carried is not None:
             tok = HFTokenizer(Path(carried), eos_id, fallback_eos=hf_eos)
-        elif vocab_size <= BYTE_FALLBACK_MAX_VOCAB:
-            tok = ByteTokenizer(eos_id)
         else:
             raise TrainError(f"no tokenizer found for a model with vocab_size {vocab_size}: the checkpoint carries "
                              "no tokenizer.json; pass --tokenizer PATH/tokenizer.json (or --tokenizer bytes)")

@@ -3,7 +3,7 @@
     config.json                                   read_hf_config
     model.safetensors | model-0000i-of-0000N.safetensors + model.safetensors.index.json
     pytorch_model*.bin (+ pytorch_model.bin.index.json)   only with allow_pickle
-    tokenizer files, generation_config.json       TOKENIZER_FILES
+    tokenizer files, chat_template.jinja, generation_config.json   TOKENIZER_FILES (runtime.shards.SIDE_FILES)
 
 Weights and side files may be symbolic links only to files inside the folder, or, in the Hugging
 Face cache, to the blobs of the same repository (runtime.shards.folder_file); any other link is
@@ -15,15 +15,15 @@ from pathlib import Path
 
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.jsonfile import read_json
-from bam_surgery.runtime.shards import INDEX_NAME, folder_file, read_index, shard_path
+from bam_surgery.runtime.shards import (INDEX_NAME, SIDE_FILES, folder_file, read_index, shard_path, side_file,  # noqa: F401
+                                       side_files_in)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"  # the weights of an unsharded directory
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # What a model directory carries besides config and weights; copied into exports of it.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", GENERATION_CONFIG)
+TOKENIZER_FILES = SIDE_FILES
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -33,19 +33,9 @@ def read_hf_config(directory: Path) -> dict:
     return read_json(cfg_file, expect=dict)
 
 
-def side_file(directory: Path, name: str) -> Path | None:
-    """The side file `name` of a model directory (one of TOKENIZER_FILES), None when absent; a link
-    resolving outside the directory is refused (folder_file)."""
-    path = directory / name
-    if not (path.is_file() or path.is_symlink()):  # a link to nothing is still checked
-        return None
-    return folder_file(directory, path, name)
-
-
 def tokenizer_files_in(directory: Path) -> list[Path]:
-    """The tokenizer files (and generation config) present in a model directory."""
-    found = [side_file(directory, n) for n in TOKENIZER_FILES]
-    return [p for p in found if p is not None and p.is_file()]
+    """The tokenizer files (and chat template, generation config) present in a model directory."""
+    return side_files_in(directory)
 
 
 def weight_files(directory: Path, allow_pickle: bool = False) -> tuple[list[Path], dict[str, Path] | None, bool]:

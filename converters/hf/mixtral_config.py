@@ -38,7 +38,7 @@ def mixtral_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
         out.append(("top-k gates renormalized to sum to 1 (gate_norm topk_softmax)",
                     f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts, "
                     "whose gates p_i do not sum to 1, so Mixtral's outputs would differ "
-                    "(rebuild the mixture with gate_norm: topk_softmax)"))
+                    "(rebuild the mixture with --gate-norm topk_softmax; in a recipe or pipeline, gate_norm: topk_softmax)"))
     return out
 
 

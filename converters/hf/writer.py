@@ -138,13 +138,21 @@ def export_native_mixture(reader: Reader, out_dir: str | os.PathLike, arch: Arch
     """A mixture as a native HF MoE architecture (Mixtral, Qwen2-MoE): shards always with shard names and an index
     (as save_pretrained writes them); generation_config.json, and its token ids in config.json (None where it has
     none, not the config class's own defaults); the card as README.md."""
+    return export_with_options(reader, out_dir, arch, options, single_file=None, always_index=True)
+
+
+def export_with_options(reader: Reader, out_dir: str | os.PathLike, arch: Architecture, options: ExportOptions,
+                        always_generation: bool = True, **layout) -> Path:
+    """`reader` as `arch` with what ExportOptions carry: the tokenizer files copied, generation_config.json from the
+    generation config (always, or only when it has entries) and its token ids in config.json, the card."""
     generation = dict(options.generation or {})
-    texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"}
+    texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"} \
+        if generation or always_generation else {}
     if options.model_card is not None:
         texts["README.md"] = options.model_card
     return export_architecture(reader, out_dir, arch, token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS},
                                texts=texts, copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
-                               dtype=options.dtype, single_file=None, always_index=True, replace=options.replace)
+                               dtype=options.dtype, replace=options.replace, **layout)
 
 
 def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:

@@ -301,7 +301,7 @@ def test_execution_streams_one_tensor_at_a_time(tmp_path):
             return t
 
     plan = compile_plan(load_recipe("bam"), [Counting(p) for p in paths], MergeOptions(extra_ffn_experts=2))
-    execute_plan(plan, tmp_path / "mix.safetensors")
+    execute_plan(plan, tmp_path / "mix.safetensors", check_branch=False)
     assert len(reads) == len(set(reads)) == 3 * len(CheckpointReader(paths[0]).names())
     assert peak[0] <= 2
     assert live[0] == 0
@@ -351,21 +351,21 @@ def test_a_dry_run_returns_the_plan_and_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("fmt,out", [("canonical", "mix.safetensors"), ("hf", "mix-hf")])
 def test_out_is_checked_once_before_any_tensor_is_read(tmp_path, monkeypatch, fmt, out):
-    """The OUT policy and the branch check run once per merge, whatever the format (cli and execute_plan each
-    ran them before issue 30), and refuse before a tensor is read."""
+    """The OUT policy runs once per merge, whatever the format (the command, execute_plan and the export each ran
+    it before issue 30), and refuses before a tensor is read."""
+    import bam_surgery.app.exports as app_exports
     import bam_surgery.app.merge as app_merge
     from bam_surgery.runtime.errors import UserError
+    from bam_surgery.runtime.output_path import check_output_path
 
     cfg = CONFIGS["llama"]
     paths = save_family(tmp_path, cfg, branched_family(cfg, 3, seed=22))
-    calls = {"check_output_path": 0, "check_branches": 0}
-    for name in calls:
-        def counted(*args, _name=name, _f=getattr(app_merge, name), **kwargs):
-            calls[_name] += 1
-            return _f(*args, **kwargs)
-        monkeypatch.setattr(app_merge, name, counted)
+    calls = []
+    counted = lambda *args, **kwargs: (calls.append(args[0]), check_output_path(*args, **kwargs))[1]  # noqa: E731
+    monkeypatch.setattr(app_merge, "check_output_path", counted)
+    monkeypatch.setattr(app_exports, "check_output_path", counted)
     merge([(None, str(p)) for p in paths], tmp_path / out, fmt=fmt)
-    assert calls == {"check_output_path": 1, "check_branches": 1}
+    assert calls == [tmp_path / out]
     reads = []
     monkeypatch.setattr(CheckpointReader, "get", lambda self, name: reads.append(name))
     with pytest.raises(UserError, match="already exists; pass --force"):

@@ -16,6 +16,7 @@ FSDP2 at world size 1 against plain training: fp32, losses within 1e-5 and param
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -211,6 +212,14 @@ def test_fsdp2_world_size_one_equals_plain_training(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+# the command needs every package setup.py declares; a lent GPU machine's preinstalled environment may lack some
+# (the first one had no blake3, and no network to install it)
+CLI_PACKAGES = ("blake3", "onnx", "onnxruntime", "onnxscript", "click", "yaml", "safetensors")
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in CLI_PACKAGES),
+                    reason="this environment lacks a package the export-onnx command imports: "
+                    + ", ".join(p for p in CLI_PACKAGES if importlib.util.find_spec(p) is None))
 def test_export_onnx_of_a_cuda_trained_model_verifies(tmp_path):
     """Trained on the device under bf16 autocast, saved, exported by the CLI with --verify (onnxruntime on the CPU
     against the runtime): the export verifies."""

@@ -152,12 +152,31 @@ def test_make_targets_use_the_preinstalled_python():
     out = subprocess.run(["make", "-n", "bench-gpu", "test-gpu", "GPU_PYTHON=/opt/gpu/bin/python"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "/opt/gpu/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e ." \
-        in out.stdout
-    assert re.search(r"/opt/gpu/bin/python -m benchmarks\.inference --device cuda --dtype bf16 --size paper-small",
+    # nothing is installed (a lent machine has no network): a link tree of every layer setup.py maps goes first on
+    # PYTHONPATH
+    assert "pip install" not in out.stdout
+    layers = re.search(r"^LAYERS = \((.*)\)$", (ROOT / "setup.py").read_text(encoding="utf-8"), re.M).group(1)
+    names = " ".join(layers.replace('"', "").replace(",", " ").split())
+    assert f"for layer in {names}; do ln -s" in out.stdout
+    assert re.search(r"PYTHONPATH=\S*build/gpu-path\S* /opt/gpu/bin/python -m benchmarks\.inference --device cuda --dtype bf16 --size paper-small",
                      out.stdout)
-    assert "/opt/gpu/bin/python -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py" in out.stdout
+    assert re.search(r"PYTHONPATH=\S*build/gpu-path\S* /opt/gpu/bin/python -m pytest -q -p no:cacheprovider "
+                     r"tests/runtime/test_cuda\.py", out.stdout)
     assert ".venv" not in out.stdout
+
+
+def test_make_test_gpu_imports_this_checkout_through_the_link_tree():
+    """`make test-gpu` with this interpreter (no CUDA here: every test skips) imports the package through
+    build/gpu-path, which resolves to this checkout."""
+    out = subprocess.run(["make", "-s", "test-gpu", f"GPU_PYTHON={sys.executable}"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    probe = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import os, bam_surgery.runtime as r, bam_surgery.recipes as q; "
+                            "print(os.path.realpath(r.__file__), os.path.realpath(q.__file__))",
+                            str(ROOT / "build" / "gpu-path")], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == [str(ROOT / "runtime" / "__init__.py"), str(ROOT / "recipes" / "__init__.py")]
 
 
 # ---- the decode step under torch.compile's rules (reduce-overhead / CUDA graphs) -------------------

@@ -97,7 +97,7 @@ def test_streamed_merge_reuses_its_buffers_and_writes_the_same_bytes(tmp_path, m
     monkeypatch.setattr(buffers.BufferPool, "__init__", small_pool)
     readers = [CheckpointReader(p) for p in paths]
     plan = compile_plan(load_recipe(recipe), readers, MergeOptions())
-    streamed = execute_plan(plan, tmp_path / "streamed.safetensors")
+    streamed = execute_plan(plan, tmp_path / "streamed.safetensors", check_branch=False)
     (pool,) = pools
     pooled = [t for t in plan.tensors if t.nbytes >= 4096]
     assert len(pooled) > 10 and pool.allocated <= 6  # a handful of buffers carried every pooled tensor
@@ -118,7 +118,7 @@ def test_pooled_merge_faults_in_far_less_memory_than_it_streams(tmp_path):
              for i in range(3)]
     plan = compile_plan(load_recipe("bam"), [CheckpointReader(p) for p in paths], MergeOptions())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    execute_plan(plan, tmp_path / "mix.safetensors")
+    execute_plan(plan, tmp_path / "mix.safetensors", check_branch=False)
     faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096
     streamed = sum(t.nbytes for t in plan.tensors) + sum(p.stat().st_size for p in paths)
     assert faulted < 0.75 * streamed, (faulted, streamed)  # 0.44 here; 1.35 with a fresh allocation per tensor
