@@ -1,0 +1,223 @@
+"""Constant folding of a traced ONNX graph, one weight at a time, and writing its initializers without holding
+them all: how `export-onnx` keeps its memory near one copy of the model.
+
+    fold_constants(graph, {name: tensor.numpy() for name, tensor in state.items()}, store)   # graph: no weights
+    write_model(folded, store, folder / "model.onnx", external=store.nbytes > LIMIT)
+
+Why: torch.onnx.export(export_params=True) folds every weight into a transposed or per-expert copy, builds the
+whole model as one protobuf in C++, serializes it to a string, hands Python a bytes copy and parses it once more
+(five copies of the weights at its peak: a 1.8 GB model took 9.2 GB). Traced with export_params=False and
+do_constant_folding=False instead, the graph holds no weights: each weight is a graph input named after its
+parameter, feeding the nodes that transpose, split or reshape it. fold_constants evaluates those nodes (every
+node whose inputs are all constant: weights, Constant nodes, outputs of folded nodes) in graph order with onnx's
+reference evaluator, keeps each value only until its last folding consumer has run, and hands every value that
+a remaining node reads to the store, which appends its bytes to a file at once. The graph that comes out runs
+the same computation on the same values as the exporter's own folding (the weights' transposes and slices are
+exact); its folded initializers are named after the node outputs they replace.
+
+ONNXWeightStore appends initializers to one data file (external data, offsets aligned as onnx aligns them);
+write_model either points model.onnx at that file (external data) or streams the weights into model.onnx
+itself, one tensor at a time: protobuf parsers merge repeated occurrences of a message field, so the model
+without initializers followed by one `graph { initializer: t }` record per tensor parses as the model with all
+of them (the protobuf encoding's documented rule for a singular message field seen more than once).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+
+# Offsets of tensors of at least ALIGN_THRESHOLD bytes are multiples of ALIGN (onnx's own external-data
+# defaults: aligned tensors can be memory-mapped on every platform).
+ALIGN = 64 * 1024
+ALIGN_THRESHOLD = 1024 * 1024
+INLINE_BYTES = 1024  # smaller initializers stay in model.onnx (ONNXWeightStore)
+# Nodes never folded: control flow (subgraphs) and ops whose output is not a function of their inputs.
+NOT_FOLDED = {"If", "Loop", "Scan", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+              "Multinomial", "Bernoulli", "SequenceConstruct"}
+GRAPH_FIELD = 7  # ModelProto.graph
+
+
+class ONNXWeightStore:
+    """Initializers written as they come to one file, those under INLINE_BYTES kept in memory: they stay in
+    model.onnx even with external data (onnxruntime's shape inference reads small constant inputs such as
+    Reshape shapes and Slice bounds from the graph file itself; onnx's save_model keeps them there too)."""
+
+    def __init__(self, path: Path, location: str):
+        self.path, self.location = Path(path), location
+        # name, data_type, dims, then (offset, length) in the file or the bytes themselves
+        self.entries: list[tuple[str, int, list[int], tuple[int, int] | bytes]] = []
+        self.nbytes = 0  # of the file
+        self.weight_bytes = 0  # of every initializer
+        self._file = open(self.path, "wb")
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        from onnx import helper
+
+        value = np.ascontiguousarray(value)
+        data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+        self.weight_bytes += value.nbytes
+        if value.nbytes < INLINE_BYTES:
+            self.entries.append((name, data_type, list(value.shape), value.tobytes()))
+            return
+        if value.nbytes >= ALIGN_THRESHOLD and self.nbytes % ALIGN:
+            pad = ALIGN - self.nbytes % ALIGN
+            self._file.write(b"\0" * pad)
+            self.nbytes += pad
+        self._file.write(memoryview(value.reshape(-1)).cast("B"))
+        self.entries.append((name, data_type, list(value.shape), (self.nbytes, value.nbytes)))
+        self.nbytes += value.nbytes
+
+    def discard(self) -> None:
+        """Close and delete the file (a failed export)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def external_tensors(self) -> Iterator:
+        """TensorProtos in the order added: pointing into the file (data_location EXTERNAL), small ones inline."""
+        from onnx import TensorProto
+
+        for name, data_type, dims, data in self.entries:
+            if isinstance(data, bytes):
+                yield TensorProto(name=name, data_type=data_type, dims=dims, raw_data=data)
+                continue
+            t = TensorProto(name=name, data_type=data_type, dims=dims, data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", self.location), ("offset", str(data[0])), ("length", str(data[1]))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            yield t
+
+    def inline_tensors(self) -> Iterator:
+        """TensorProtos with their bytes (raw_data), read back one at a time, in the order added."""
+        from onnx import TensorProto
+
+        with open(self.path, "rb") as f:
+            for name, data_type, dims, data in self.entries:
+                if not isinstance(data, bytes):
+                    f.seek(data[0])
+                    data = f.read(data[1])
+                yield TensorProto(name=name, data_type=data_type, dims=dims, raw_data=data)
+
+
+def fold_constants(model, weights: Mapping[str, np.ndarray], store: ONNXWeightStore) -> None:
+    """Fold `model` (an onnx ModelProto traced with export_params=False: its weights are graph inputs named as in
+    `weights`) in place: every node whose inputs are all constant is evaluated and removed, the weights leave the
+    graph inputs, and every constant a remaining node reads is added to `store` (write_model sets the
+    initializers from it)."""
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    weight_names = {i.name for i in graph.input if i.name in weights}
+    constant_nodes = {o: n for n in graph.node if n.op_type == "Constant" for o in n.output}
+    constant = weight_names | set(constant_nodes) | {""}
+    folded: list = []
+    for node in graph.node:
+        if (node.op_type != "Constant" and node.op_type not in NOT_FOLDED and node.domain in ("", "ai.onnx")
+                and not any(a.g.node or a.graphs for a in node.attribute) and all(i in constant for i in node.input)):
+            folded.append(node)
+            constant.update(node.output)
+    folded_ids = {id(n) for n in folded}
+    remaining = {}  # constant -> folded nodes still to read it
+    for node in folded:
+        for i in node.input:
+            remaining[i] = remaining.get(i, 0) + 1
+    live_readers = {i for n in graph.node if id(n) not in folded_ids for i in n.input}
+    live_readers.update(o.name for o in graph.output)
+    needed = {c for c in constant if c in live_readers and c not in constant_nodes and c}  # initializers
+
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    values: dict[str, np.ndarray] = {}
+    written: set[str] = set()
+
+    def value(name: str) -> np.ndarray:
+        if name not in values:
+            if name in weight_names:
+                values[name] = np.asarray(weights[name])
+            else:
+                (values[name],) = ReferenceEvaluator(constant_nodes[name], opsets=opsets).run(None, {})
+        return values[name]
+
+    def emit(name: str, v: np.ndarray) -> None:
+        if name in needed and name not in written:
+            store.add(name, v)
+            written.add(name)
+
+    for node in folded:
+        args = {i: value(i) for i in node.input if i}
+        outs = ReferenceEvaluator(node, opsets=opsets).run(None, args)
+        for i in node.input:
+            if not i:
+                continue
+            remaining[i] -= 1
+            if remaining[i] == 0:
+                emit(i, values.pop(i))
+        for o, v in zip(node.output, outs):
+            v = np.asarray(v)
+            emit(o, v)
+            if remaining.get(o):
+                values[o] = v
+    for name in sorted(needed - written, key=_input_order(graph)):  # weights only remaining nodes read
+        emit(name, value(name))
+        values.pop(name)
+
+    kept = [n for n in graph.node if id(n) not in folded_ids and
+            (n.op_type != "Constant" or any(o in live_readers for o in n.output))]
+    del graph.node[:]
+    graph.node.extend(kept)
+    inputs = [i for i in graph.input if i.name not in weight_names]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    info = [v for v in graph.value_info if v.name not in constant]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
+
+
+def _input_order(graph) -> Callable[[str], int]:
+    order = {i.name: k for k, i in enumerate(graph.input)}
+    return lambda name: order.get(name, len(order))
+
+
+def write_model(model, store: ONNXWeightStore, path: Path, *, external: bool) -> None:
+    """model.onnx at path with the store's initializers: pointing into the store's file (external: the file stays
+    where it is, named store.location beside path), or streamed into model.onnx itself (the file is deleted)."""
+    store.close()
+    del model.graph.initializer[:]
+    if external:
+        model.graph.initializer.extend(store.external_tensors())
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    from onnx import GraphProto
+
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+        for tensor in store.inline_tensors():
+            record = GraphProto(initializer=[tensor]).SerializeToString()
+            f.write(_key(GRAPH_FIELD) + _varint(len(record)))
+            f.write(record)
+        f.flush()
+        os.fsync(f.fileno())
+    store.path.unlink()
+
+
+def _key(field: int) -> bytes:
+    return _varint(field << 3 | 2)  # wire type 2: length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
