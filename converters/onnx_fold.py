@@ -37,7 +37,9 @@ INLINE_BYTES = 1024  # smaller initializers stay in model.onnx (ONNXWeightStore)
 # Nodes never folded: control flow (subgraphs) and ops whose output is not a function of their inputs.
 NOT_FOLDED = {"If", "Loop", "Scan", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
               "Multinomial", "Bernoulli", "SequenceConstruct"}
-GRAPH_FIELD = 7  # ModelProto.graph
+# protobuf field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
+GRAPH_FIELD, INITIALIZER_FIELD, RAW_DATA_FIELD = 7, 5, 9
+COPY_CHUNK = 16 * 1024 * 1024
 
 
 class ONNXWeightStore:
@@ -95,16 +97,31 @@ class ONNXWeightStore:
                 entry.key, entry.value = key, value
             yield t
 
-    def inline_tensors(self) -> Iterator:
-        """TensorProtos with their bytes (raw_data), read back one at a time, in the order added."""
+    def write_inline(self, out) -> None:
+        """Append every initializer to out (an open model.onnx holding the model without initializers) as one
+        `graph { initializer: t }` record each, in the order added, copying the bytes from the file in chunks:
+        the tensor's fields but raw_data are encoded by protobuf, raw_data (field 9) appended by hand (protobuf
+        fields may come in any order)."""
         from onnx import TensorProto
 
         with open(self.path, "rb") as f:
             for name, data_type, dims, data in self.entries:
-                if not isinstance(data, bytes):
-                    f.seek(data[0])
-                    data = f.read(data[1])
-                yield TensorProto(name=name, data_type=data_type, dims=dims, raw_data=data)
+                head = TensorProto(name=name, data_type=data_type, dims=dims).SerializeToString()
+                length = len(data) if isinstance(data, bytes) else data[1]
+                raw = _key(RAW_DATA_FIELD) + _varint(length)
+                tensor_len = len(head) + len(raw) + length
+                graph_len = len(_key(INITIALIZER_FIELD)) + len(_varint(tensor_len)) + tensor_len
+                out.write(_key(GRAPH_FIELD) + _varint(graph_len) + _key(INITIALIZER_FIELD) + _varint(tensor_len))
+                out.write(head + raw)
+                if isinstance(data, bytes):
+                    out.write(data)
+                    continue
+                f.seek(data[0])
+                left = length
+                while left:
+                    chunk = f.read(min(left, COPY_CHUNK))
+                    out.write(chunk)
+                    left -= len(chunk)
 
 
 def fold_constants(model, weights: Mapping[str, np.ndarray], store: ONNXWeightStore) -> None:
@@ -197,14 +214,9 @@ def write_model(model, store: ONNXWeightStore, path: Path, *, external: bool) ->
             f.flush()
             os.fsync(f.fileno())
         return
-    from onnx import GraphProto
-
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-        for tensor in store.inline_tensors():
-            record = GraphProto(initializer=[tensor]).SerializeToString()
-            f.write(_key(GRAPH_FIELD) + _varint(len(record)))
-            f.write(record)
+        store.write_inline(f)
         f.flush()
         os.fsync(f.fileno())
     store.path.unlink()

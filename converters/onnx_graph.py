@@ -175,8 +175,7 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
     are dispatched with nonzero/index_add (impl "export"), and the tests run the graph at other batch,
     sequence and past sizes than it was traced at.
 
-    Memory: the graph is traced without its weights (export_params=False and no folding: each weight is an
-    input), then converters/onnx_fold folds the nodes that transpose and slice the weights, one weight at a
+    Memory: the graph is traced without its weights (each weight is an input, nothing folded: see trace), then converters/onnx_fold folds the nodes that transpose and slice the weights, one weight at a
     time, writing each initializer as it comes, so this holds the model once plus about one weight (the
     exporter's own folding and serialization held five copies of the weights)."""
     import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
@@ -192,7 +191,7 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
     store = ONNXWeightStore(path.parent / (path.name + ".data"), path.name + ".data")
     try:
         with torch.no_grad():
-            fold_constants(graph, {name: t.detach().numpy() for name, t in wrapper.state_dict().items()}, store)
+            fold_constants(graph, {name: p.detach().numpy() for name, p in wrapper.named_parameters()}, store)
     except BaseException:
         store.discard()
         raise
@@ -211,22 +210,57 @@ def write_graph(graph, store, path: Path, *, external_data_bytes: int = EXTERNAL
 
 def trace(wrapper: DecoderGraph, *, opset: int, kv_cache: bool):
     """The traced graph (an onnx ModelProto) of a DecoderGraph, without weights: each parameter is a graph input
-    named as in wrapper.state_dict(), feeding the nodes that use it unfolded."""
-    import onnx  # lazy: see export_graph
+    named as in wrapper.named_parameters(), feeding the nodes that use it, unfolded.
+
+    The parameters go in as inputs of the traced function (_WeightsAsInputs), not as the module's parameters:
+    torch.onnx.export runs ONNX shape inference over every parameter it is given and copies each into a
+    protobuf on the way (twice the weights at its peak, even with export_params=False); an input is only a
+    shape to it."""
+    import onnx  # lazy: see fold_graph
 
     model = wrapper.model
     dtype = model.embed.weight.dtype
-    args = example_inputs(model, kv_cache, dtype)
     n_layers = model.config.n_layers
+    as_inputs = _WeightsAsInputs(wrapper)
+    args = (*example_inputs(model, kv_cache, dtype), *(p.detach() for _, p in wrapper.named_parameters()))
     buffer = io.BytesIO()
     with torch.no_grad(), _quiet():
-        torch.onnx.export(wrapper, args, buffer, dynamo=False, opset_version=opset, export_params=False,
-                          do_constant_folding=False, input_names=input_names(n_layers, kv_cache),
+        torch.onnx.export(as_inputs, args, buffer, dynamo=False, opset_version=opset, do_constant_folding=False,
+                          input_names=input_names(n_layers, kv_cache) + as_inputs.names,
                           output_names=output_names(n_layers, kv_cache), dynamic_axes=dynamic_axes(n_layers, kv_cache))
     graph = onnx.load_model_from_string(buffer.getvalue())
     if model.config.position == "none":
         _declare_position_ids(graph)
     return graph
+
+
+class _WeightsAsInputs(nn.Module):
+    """forward(*graph inputs, *parameters): a DecoderGraph run with the given tensors in place of its parameters.
+    The DecoderGraph is held but not registered, so this module has no parameters; while forward runs, each
+    parameter of the model is swapped for its input tensor (a plain attribute) and put back afterwards
+    (torch.func.functional_call refuses to run under the tracer)."""
+
+    def __init__(self, graph: DecoderGraph):
+        super().__init__()
+        self.__dict__["graph"] = graph
+        self.names = [name for name, _ in graph.named_parameters()]
+
+    def forward(self, *args: Tensor):
+        n = len(args) - len(self.names)
+        slots = [self.graph.get_submodule(name.rpartition(".")[0]) for name in self.names]
+        originals = [getattr(module, name.rpartition(".")[2]) for module, name in zip(slots, self.names)]
+        try:
+            for module, name, tensor in zip(slots, self.names, args[n:]):
+                attr = name.rpartition(".")[2]
+                delattr(module, attr)  # unregisters the parameter; the plain tensor goes in its place
+                setattr(module, attr, tensor)
+            return self.graph(*args[:n])
+        finally:
+            for module, name, parameter in zip(slots, self.names, originals):
+                attr = name.rpartition(".")[2]
+                if attr in module.__dict__:
+                    delattr(module, attr)
+                module.register_parameter(attr, parameter)
 
 
 def _declare_position_ids(graph) -> None:
