@@ -32,6 +32,7 @@ from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .onnx_genai import GENAI_CONFIG, genai_config
+from .onnx_fold import move_inline
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
 from .onnx_graph import EXTERNAL_DATA_BYTES as GRAPH_EXTERNAL_DATA_BYTES
 from .onnx_runtime import compare_export, reference_outputs
@@ -74,8 +75,9 @@ class OnnxExporter(Exporter):
         with atomic_dir(out, replace=options.replace) as tmp:
             # One copy of the model at a time (issue 31: the exporter's own folding and serialization held five,
             # 9.2 GB for a 1.8 GB model): the weights are folded into tmp/DATA_FILE as they are traced
-            # (onnx_graph.fold_graph), --verify's runtime outputs are taken before the model is dropped, and
-            # onnxruntime loads the graph only after that.
+            # (onnx_graph.fold_graph), --verify's runtime outputs are taken before the model is dropped, the
+            # checker and onnxruntime read the graph with its weights still in DATA_FILE, and only then, under
+            # EXTERNAL_DATA_BYTES, are they streamed into model.onnx (onnx_fold.move_inline).
             traced = model_from_reader(reader, "cpu", dtype)
             metadata = {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True), "producer": "bam-surgery"}
             graph, store = fold_graph(traced, tmp / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache,
@@ -88,21 +90,24 @@ class OnnxExporter(Exporter):
                         traced = model_from_reader(reader, "cpu", torch.float32)
                     reference = reference_outputs(traced)
                 del traced
-                external = write_graph(graph, store, tmp / GRAPH_FILE, external_data_bytes=EXTERNAL_DATA_BYTES)
+                write_graph(graph, store, tmp / GRAPH_FILE)
+                del graph
             finally:
                 store.close()
-            del graph
-            onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also reads external data
-            for f in options.tokenizer_files:
-                copy_side_file(Path(f), tmp / Path(f).name)
-            write_genai_config(cfg, tmp, options, log)
-            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
+            external = store.weight_bytes > EXTERNAL_DATA_BYTES
+            onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also checks the external data
             if reference is not None:
                 report = compare_export(reference, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
                 log(report.summary())
                 if not report.ok:
                     raise VerificationError(f"{out}: the ONNX export does not match the runtime ({report.summary()}); "
                                             "nothing was written")
+            if not external:
+                move_inline(tmp / GRAPH_FILE, store)
+            for f in options.tokenizer_files:
+                copy_side_file(Path(f), tmp / Path(f).name)
+            write_genai_config(cfg, tmp, options, log)
+            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
         return out
 
 

@@ -2,7 +2,8 @@
 them all: how `export-onnx` keeps its memory near one copy of the model.
 
     fold_constants(graph, {name: tensor.numpy() for name, tensor in state.items()}, store)   # graph: no weights
-    write_model(folded, store, folder / "model.onnx", external=store.nbytes > LIMIT)
+    write_external(graph, store, folder / "model.onnx")        # the weights in model.onnx.data beside it
+    move_inline(folder / "model.onnx", store)                 # under 2 GB: into model.onnx itself
 
 Why: torch.onnx.export(export_params=True) folds every weight into a transposed or per-expert copy, builds the
 whole model as one protobuf in C++, serializes it to a string, hands Python a bytes copy and parses it once more
@@ -16,8 +17,8 @@ the same computation on the same values as the exporter's own folding (the weigh
 exact); its folded initializers are named after the node outputs they replace.
 
 ONNXWeightStore appends initializers to one data file (external data, offsets aligned as onnx aligns them);
-write_model either points model.onnx at that file (external data) or streams the weights into model.onnx
-itself, one tensor at a time: protobuf parsers merge repeated occurrences of a message field, so the model
+write_external points model.onnx at that file, and move_inline then streams the weights into model.onnx
+itself, in chunks (a model under protobuf's 2 GB, checked and verified in its external form first): protobuf parsers merge repeated occurrences of a message field, so the model
 without initializers followed by one `graph { initializer: t }` record per tensor parses as the model with all
 of them (the protobuf encoding's documented rule for a singular message field seen more than once).
 """
@@ -202,24 +203,37 @@ def _input_order(graph) -> Callable[[str], int]:
     return lambda name: order.get(name, len(order))
 
 
-def write_model(model, store: ONNXWeightStore, path: Path, *, external: bool) -> None:
-    """model.onnx at path with the store's initializers: pointing into the store's file (external: the file stays
-    where it is, named store.location beside path), or streamed into model.onnx itself (the file is deleted)."""
+def write_external(model, store: ONNXWeightStore, path: Path) -> None:
+    """model.onnx at path with the store's initializers pointing into the store's file (which stays where it is,
+    named store.location beside path)."""
     store.close()
     del model.graph.initializer[:]
-    if external:
-        model.graph.initializer.extend(store.external_tensors())
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        return
-    with open(path, "wb") as f:
+    model.graph.initializer.extend(store.external_tensors())
+    _write(path, model.SerializeToString())
+
+
+def move_inline(path: Path, store: ONNXWeightStore) -> None:
+    """Rewrite the model.onnx write_external wrote at path with its initializers inside it, streamed from the
+    store's file one chunk at a time, and delete that file."""
+    import onnx  # lazy: see fold_constants
+
+    model = onnx.load(os.fspath(path), load_external_data=False)
+    del model.graph.initializer[:]
+    partial = path.with_name(path.name + ".inline")
+    with open(partial, "wb") as f:
         f.write(model.SerializeToString())
         store.write_inline(f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(partial, path)
     store.path.unlink()
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _key(field: int) -> bytes:

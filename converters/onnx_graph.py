@@ -157,10 +157,16 @@ def export_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cac
     """Trace `model` (eval mode, in the dtype it should run in, fp32 or fp16) into an ONNX file at path, with
     dynamic batch, sequence and past-sequence axes and `metadata` as its metadata_props. Returns whether the
     weights went to external data: one file, path's name + ".data" beside it, when they pass
-    external_data_bytes (protobuf cannot hold 2 GB in one file). fold_graph and write_graph are its two halves,
-    for a caller that frees the model in between (onnx_export)."""
+    external_data_bytes (protobuf cannot hold 2 GB in one file). fold_graph, write_graph and onnx_fold.move_inline
+    are its steps, for a caller that frees the model and checks the graph in between (onnx_export)."""
+    from .onnx_fold import move_inline
+
     graph, store = fold_graph(model, path, opset=opset, kv_cache=kv_cache, ffn_kernel=ffn_kernel, metadata=metadata)
-    return write_graph(graph, store, path, external_data_bytes=external_data_bytes)
+    write_graph(graph, store, path)
+    if store.weight_bytes > external_data_bytes:
+        return True
+    move_inline(path, store)
+    return False
 
 
 def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache: bool = True,
@@ -175,9 +181,10 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
     are dispatched with nonzero/index_add (impl "export"), and the tests run the graph at other batch,
     sequence and past sizes than it was traced at.
 
-    Memory: the graph is traced without its weights (each weight is an input, nothing folded: see trace), then converters/onnx_fold folds the nodes that transpose and slice the weights, one weight at a
-    time, writing each initializer as it comes, so this holds the model once plus about one weight (the
-    exporter's own folding and serialization held five copies of the weights)."""
+    Memory: the graph is traced without its weights (each weight is an input, nothing folded: see trace), then
+    converters/onnx_fold folds the nodes that transpose and slice the weights, one weight at a time, writing
+    each initializer as it comes, so this holds the model once plus about one weight (the exporter's own
+    folding and serialization held five copies of the weights)."""
     import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
 
     from .onnx_fold import ONNXWeightStore, fold_constants
@@ -198,14 +205,11 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
     return graph, store
 
 
-def write_graph(graph, store, path: Path, *, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> bool:
-    """Write fold_graph's graph at path: its weights inside it, or, past external_data_bytes, in the store's file
-    beside it. Returns whether the weights are external."""
-    from .onnx_fold import write_model
+def write_graph(graph, store, path: Path) -> None:
+    """Write fold_graph's graph at path, its weights in the store's file beside it (onnx_fold.write_external)."""
+    from .onnx_fold import write_external
 
-    external = store.weight_bytes > external_data_bytes
-    write_model(graph, store, path, external=external)
-    return external
+    write_external(graph, store, path)
 
 
 def trace(wrapper: DecoderGraph, *, opset: int, kv_cache: bool):
