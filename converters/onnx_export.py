@@ -32,7 +32,6 @@ from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .onnx_genai import GENAI_CONFIG, genai_config
-from .onnx_fold import move_inline
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
 from .onnx_graph import EXTERNAL_DATA_BYTES as GRAPH_EXTERNAL_DATA_BYTES
 from .onnx_runtime import compare_export, reference_outputs
@@ -63,6 +62,8 @@ class OnnxExporter(Exporter):
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
+
+        from .onnx_fold import move_inline  # lazy: as onnx (it imports onnx)
 
         opset = options.opset or DEFAULT_OPSET
         check_opset(opset)

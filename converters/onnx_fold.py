@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
+import onnx  # this module is imported only by the export itself (onnx_graph imports it lazily)
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 # Offsets of tensors of at least ALIGN_THRESHOLD bytes are multiples of ALIGN (onnx's own external-data
 # defaults: aligned tensors can be memory-mapped on every platform).
@@ -57,8 +60,6 @@ class ONNXWeightStore:
         self._file = open(self.path, "wb")
 
     def add(self, name: str, value: np.ndarray) -> None:
-        from onnx import helper
-
         value = np.ascontiguousarray(value)
         data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
         self.weight_bytes += value.nbytes
@@ -86,8 +87,6 @@ class ONNXWeightStore:
 
     def external_tensors(self) -> Iterator:
         """TensorProtos in the order added: pointing into the file (data_location EXTERNAL), small ones inline."""
-        from onnx import TensorProto
-
         for name, data_type, dims, data in self.entries:
             if isinstance(data, bytes):
                 yield TensorProto(name=name, data_type=data_type, dims=dims, raw_data=data)
@@ -103,8 +102,6 @@ class ONNXWeightStore:
         `graph { initializer: t }` record each, in the order added, copying the bytes from the file in chunks:
         the tensor's fields but raw_data are encoded by protobuf, raw_data (field 9) appended by hand (protobuf
         fields may come in any order)."""
-        from onnx import TensorProto
-
         with open(self.path, "rb") as f:
             for name, data_type, dims, data in self.entries:
                 head = TensorProto(name=name, data_type=data_type, dims=dims).SerializeToString()
@@ -128,74 +125,79 @@ class ONNXWeightStore:
 def fold_constants(model, weights: Mapping[str, np.ndarray], store: ONNXWeightStore) -> None:
     """Fold `model` (an onnx ModelProto traced with export_params=False: its weights are graph inputs named as in
     `weights`) in place: every node whose inputs are all constant is evaluated and removed, the weights leave the
-    graph inputs, and every constant a remaining node reads is added to `store` (write_model sets the
+    graph inputs, and every constant a remaining node reads is added to `store` (write_external sets the
     initializers from it)."""
-    from onnx.reference import ReferenceEvaluator
-
     graph = model.graph
-    weight_names = {i.name for i in graph.input if i.name in weights}
-    constant_nodes = {o: n for n in graph.node if n.op_type == "Constant" for o in n.output}
-    constant = weight_names | set(constant_nodes) | {""}
-    folded: list = []
-    for node in graph.node:
-        if (node.op_type != "Constant" and node.op_type not in NOT_FOLDED and node.domain in ("", "ai.onnx")
-                and not any(a.g.node or a.graphs for a in node.attribute) and all(i in constant for i in node.input)):
-            folded.append(node)
-            constant.update(node.output)
-    folded_ids = {id(n) for n in folded}
-    remaining = {}  # constant -> folded nodes still to read it
-    for node in folded:
-        for i in node.input:
-            remaining[i] = remaining.get(i, 0) + 1
-    live_readers = {i for n in graph.node if id(n) not in folded_ids for i in n.input}
-    live_readers.update(o.name for o in graph.output)
-    needed = {c for c in constant if c in live_readers and c not in constant_nodes and c}  # initializers
-
+    plan = _FoldPlan(graph, {i.name for i in graph.input if i.name in weights})
     opsets = {o.domain or "": o.version for o in model.opset_import}
     values: dict[str, np.ndarray] = {}
     written: set[str] = set()
 
     def value(name: str) -> np.ndarray:
         if name not in values:
-            if name in weight_names:
+            if name in plan.weights:
                 values[name] = np.asarray(weights[name])
             else:
-                (values[name],) = ReferenceEvaluator(constant_nodes[name], opsets=opsets).run(None, {})
+                (values[name],) = ReferenceEvaluator(plan.constant_nodes[name], opsets=opsets).run(None, {})
         return values[name]
 
     def emit(name: str, v: np.ndarray) -> None:
-        if name in needed and name not in written:
+        if name in plan.needed and name not in written:
             store.add(name, v)
             written.add(name)
 
-    for node in folded:
-        args = {i: value(i) for i in node.input if i}
-        outs = ReferenceEvaluator(node, opsets=opsets).run(None, args)
+    remaining = dict(plan.readers)  # constant -> folded nodes still to read it
+    for node in plan.folded:
+        outs = ReferenceEvaluator(node, opsets=opsets).run(None, {i: value(i) for i in node.input if i})
         for i in node.input:
-            if not i:
-                continue
-            remaining[i] -= 1
-            if remaining[i] == 0:
-                emit(i, values.pop(i))
+            if i:
+                remaining[i] -= 1
+                if remaining[i] == 0:  # its last folding reader has run: written if a remaining node reads it
+                    emit(i, values.pop(i))
         for o, v in zip(node.output, outs):
-            v = np.asarray(v)
-            emit(o, v)
+            emit(o, np.asarray(v))
             if remaining.get(o):
-                values[o] = v
-    for name in sorted(needed - written, key=_input_order(graph)):  # weights only remaining nodes read
+                values[o] = np.asarray(v)
+    for name in sorted(plan.needed - written, key=_input_order(graph)):  # weights only remaining nodes read
         emit(name, value(name))
         values.pop(name)
+    plan.rewrite(graph)
 
-    kept = [n for n in graph.node if id(n) not in folded_ids and
-            (n.op_type != "Constant" or any(o in live_readers for o in n.output))]
-    del graph.node[:]
-    graph.node.extend(kept)
-    inputs = [i for i in graph.input if i.name not in weight_names]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    info = [v for v in graph.value_info if v.name not in constant]
-    del graph.value_info[:]
-    graph.value_info.extend(info)
+
+class _FoldPlan:
+    """Which nodes of a graph fold (all inputs constant: weights, Constant nodes' outputs, folded outputs; no
+    subgraph, no randomness), how many folded nodes read each constant, and which constants the nodes left
+    read (the initializers; a Constant node a remaining node reads stays a Constant node)."""
+
+    def __init__(self, graph, weights: set[str]):
+        self.weights = weights
+        self.constant_nodes = {o: n for n in graph.node if n.op_type == "Constant" for o in n.output}
+        constant = weights | set(self.constant_nodes) | {""}
+        self.folded = []
+        for node in graph.node:
+            if (node.op_type != "Constant" and node.op_type not in NOT_FOLDED and node.domain in ("", "ai.onnx")
+                    and not any(a.g.node or a.graphs for a in node.attribute) and all(i in constant for i in node.input)):
+                self.folded.append(node)
+                constant.update(node.output)
+        self.constant = constant
+        folded_ids = {id(n) for n in self.folded}
+        self.readers: dict[str, int] = {}
+        for node in self.folded:
+            for i in node.input:
+                self.readers[i] = self.readers.get(i, 0) + 1
+        self.kept = [n for n in graph.node if id(n) not in folded_ids]
+        self.live = {i for n in self.kept for i in n.input} | {o.name for o in graph.output}
+        self.needed = {c for c in constant if c and c in self.live and c not in self.constant_nodes}
+
+    def rewrite(self, graph) -> None:
+        """The graph without the folded nodes, the unread Constant nodes, the weight inputs and the value_info
+        of constants."""
+        kept = [n for n in self.kept if n.op_type != "Constant" or any(o in self.live for o in n.output)]
+        inputs = [i for i in graph.input if i.name not in self.weights]
+        info = [v for v in graph.value_info if v.name not in self.constant]
+        for field, items in ((graph.node, kept), (graph.input, inputs), (graph.value_info, info)):
+            del field[:]
+            field.extend(items)
 
 
 def _input_order(graph) -> Callable[[str], int]:
@@ -215,8 +217,6 @@ def write_external(model, store: ONNXWeightStore, path: Path) -> None:
 def move_inline(path: Path, store: ONNXWeightStore) -> None:
     """Rewrite the model.onnx write_external wrote at path with its initializers inside it, streamed from the
     store's file one chunk at a time, and delete that file."""
-    import onnx  # lazy: see fold_constants
-
     model = onnx.load(os.fspath(path), load_external_data=False)
     del model.graph.initializer[:]
     partial = path.with_name(path.name + ".inline")

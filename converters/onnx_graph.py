@@ -159,7 +159,7 @@ def export_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cac
     weights went to external data: one file, path's name + ".data" beside it, when they pass
     external_data_bytes (protobuf cannot hold 2 GB in one file). fold_graph, write_graph and onnx_fold.move_inline
     are its steps, for a caller that frees the model and checks the graph in between (onnx_export)."""
-    from .onnx_fold import move_inline
+    from .onnx_fold import move_inline  # lazy: onnx_fold imports onnx (0.06 s at start-up)
 
     graph, store = fold_graph(model, path, opset=opset, kv_cache=kv_cache, ffn_kernel=ffn_kernel, metadata=metadata)
     write_graph(graph, store, path)
@@ -187,7 +187,7 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
     folding and serialization held five copies of the weights)."""
     import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
 
-    from .onnx_fold import ONNXWeightStore, fold_constants
+    from .onnx_fold import ONNXWeightStore, fold_constants  # lazy: as onnx
 
     if model.embed.weight.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"the ONNX export traces fp32 or fp16 models, not {model.embed.weight.dtype}")
@@ -207,7 +207,7 @@ def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache
 
 def write_graph(graph, store, path: Path) -> None:
     """Write fold_graph's graph at path, its weights in the store's file beside it (onnx_fold.write_external)."""
-    from .onnx_fold import write_external
+    from .onnx_fold import write_external  # lazy: onnx_fold imports onnx (0.06 s at start-up)
 
     write_external(graph, store, path)
 
