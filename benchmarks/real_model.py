@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,13 @@ def prepare(gguf: Path, work: Path, models: list[str]) -> dict[str, dict[str, Pa
     if "bam" in models and not paths["bam"]["ckpt"].exists():
         cli("merge", "--seed", str(gguf), "--experts", ",".join([str(gguf)] * 3), "--recipe", "bam",
             "--out", str(paths["bam"]["ckpt"]))
+    if "bam" in models and not (paths["bam"]["ckpt"] / "tokenizer.json").exists():
+        # the seed's tokenizer beside the mixture (a merge of GGUF inputs does not carry it to its output yet)
+        from bam_surgery.converters import open_checkpoint
+
+        with open_checkpoint(str(gguf)) as reader:
+            for f in reader.tokenizer_files():
+                shutil.copyfile(f, paths["bam"]["ckpt"] / Path(f).name)
     for m in models:
         if not paths[m]["hf"].exists():
             cli("convert", str(paths[m]["ckpt"]), "--format", "hf", "--out", str(paths[m]["hf"]))
@@ -79,8 +87,6 @@ def tokenizer_of(ckpt: Path):
 
 
 def train_ours(a, paths, work: Path) -> dict:
-    import shutil
-
     from bam_surgery.train import TrainConfig, train
 
     out = work / f"run-{a.model}"
