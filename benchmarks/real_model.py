@@ -278,8 +278,9 @@ def render(rows: list[dict]) -> str:
             continue
         same = ""
         if r["case"].startswith("generate") and not r["case"].endswith("ours"):
-            want = next(x["tokens"] for x in rows if x["model"] == r["model"] and x["case"] == "generate ours")
-            same = "yes" if r["tokens"] == want else f"no (from token {next(i for i, (p, q) in enumerate(zip(r['tokens'], want)) if p != q)})" if len(r["tokens"]) == len(want) else "no"
+            want = next((x.get("tokens") for x in rows if x["model"] == r["model"] and x["case"] == "generate ours"), None)
+            same = "" if want is None else "yes" if r["tokens"] == want else "no, from new token " + str(
+                next((i for i, (p, q) in enumerate(zip(r["tokens"], want)) if p != q), min(len(want), len(r["tokens"]))))
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base and not r["case"].endswith("ours") else ""
         lines.append(f"| {r['model']} | {r['case']} | {r['tokens_per_s']:,.1f} | {ratio} | {same} | {r['load']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -291,6 +292,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out/real"))
     ap.add_argument("--size", choices=sorted(SIZES), default="default")
     ap.add_argument("--models", default="seed,bam")
+    ap.add_argument("--cases", default=",".join(CASES), help="a comma-separated subset of the cases (names as in the table)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf-python", default=str(ROOT / ".venv-compat" / "gguf" / "bin" / "python"),
                     help="an interpreter with llama-cpp-python (its rows are skipped when it is missing)")
@@ -317,8 +319,14 @@ def main() -> None:
     paths = prepare(a.gguf.resolve(), a.out, models)
     has_llama = Path(a.gguf_python).exists()
     rows = []
+    from bam_surgery.pipeline.files import code_commit, machine
+
+    result = {"command": " ".join(sys.argv), "commit": code_commit(), "machine": f"{machine()}, Python {platform.python_version()}",
+              "load_average_start": load, "settings": {k: getattr(a, k) for k in SIZES["default"]} | {"threads": a.threads},
+              "rows": rows}
+    cases = [c for c in CASES if c in a.cases.split(",")]
     for model in models:
-        for case in CASES:
+        for case in cases:
             row = {"model": model, "case": case}
             if "llama.cpp" in case and model != "seed":
                 row["not_carried"] = "not carried (llama.cpp has no attention experts)"
@@ -327,13 +335,8 @@ def main() -> None:
             else:
                 row.update(child(a, case, model, paths[model], a.gguf_python if "llama.cpp" in case else sys.executable))
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "loss")}), flush=True)
-    from bam_surgery.pipeline.files import code_commit, machine
-
-    result = {"command": " ".join(sys.argv), "commit": code_commit(), "machine": f"{machine()}, Python {platform.python_version()}",
-              "load_average_start": load, "settings": {k: getattr(a, k) for k in SIZES["default"]} | {"threads": a.threads},
-              "rows": rows}
-    (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(json.dumps(row), flush=True)
+            (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row: a kill keeps them
     (a.out / "results.md").write_text(render(rows))
     print(render(rows))
 
