@@ -295,3 +295,30 @@ def test_export_holds_the_weights_about_once(tmp_path):
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     added = (rss["peak_kb"] - rss["before_kb"]) * 1024
     assert added < 3.0 * weights, f"export added {added / 1e6:.0f} MB to the peak for {weights / 1e6:.0f} MB of weights"
+
+
+@pytest.mark.parametrize("kind", ["dense_gpt2", "bam_expert_kv", "bam_gemma_window"])
+def test_folding_equals_torch_onnx_folding(kind, tmp_path):
+    """The graph onnx_fold folds (weights traced as inputs, folded one at a time) gives onnxruntime's logits and
+    presents bit for bit as torch.onnx.export's own folding of the same model (export_params, do_constant_folding)."""
+    from bam_surgery.converters import onnx_graph as og
+
+    model = model_for(kind, seed=5)
+    n = model.config.n_layers
+    with torch.no_grad(), og._quiet():
+        torch.onnx.export(og.DecoderGraph(model).eval(), og.example_inputs(model, True, torch.float32),
+                          str(tmp_path / "torch.onnx"), dynamo=False, opset_version=og.DEFAULT_OPSET,
+                          input_names=og.input_names(n, True), output_names=og.output_names(n, True),
+                          dynamic_axes=og.dynamic_axes(n, True), do_constant_folding=True)
+    og.export_graph(model, tmp_path / "ours.onnx")
+    ids = np.array([[1, 2, 3, 4, 5], [3, 4, 5, 6, 7]])
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0
+    outputs = []
+    for name in ("torch.onnx", "ours.onnx"):
+        decoder = OrtDecoder(tmp_path / name)
+        logits, present = decoder.forward(ids, mask)
+        step, _ = decoder.forward(np.array([[7], [8]]), np.ones((2, 6), np.int64), present)
+        outputs.append((logits, step, *present.values()))
+    for theirs, ours in zip(*outputs):
+        np.testing.assert_array_equal(ours, theirs)
