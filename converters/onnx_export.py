@@ -18,7 +18,6 @@ it is put in place; a mismatch leaves nothing at OUT.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -33,13 +32,14 @@ from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
 from .onnx_genai import GENAI_CONFIG, genai_config
-from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph
-from .onnx_runtime import verify_export
+from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
+from .onnx_graph import EXTERNAL_DATA_BYTES as GRAPH_EXTERNAL_DATA_BYTES
+from .onnx_runtime import compare_export, reference_outputs
 
 GRAPH_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # Weights past this go to DATA_FILE: a protobuf message (model.onnx) cannot exceed 2 GiB; leave room for the graph.
-EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2
+EXTERNAL_DATA_BYTES = GRAPH_EXTERNAL_DATA_BYTES
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -63,6 +63,8 @@ class OnnxExporter(Exporter):
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
 
+        from .onnx_fold import move_inline  # lazy: as onnx (it imports onnx)
+
         opset = options.opset or DEFAULT_OPSET
         check_opset(opset)
         dtype = options.dtype or torch.float32
@@ -72,35 +74,41 @@ class OnnxExporter(Exporter):
         check_layout(reader)
         log = options.log or (lambda line: None)
         with atomic_dir(out, replace=options.replace) as tmp:
+            # One copy of the model at a time (issue 31: the exporter's own folding and serialization held five,
+            # 9.2 GB for a 1.8 GB model): the weights are folded into tmp/DATA_FILE as they are traced
+            # (onnx_graph.fold_graph), --verify's runtime outputs are taken before the model is dropped, the
+            # checker and onnxruntime read the graph with its weights still in DATA_FILE, and only then, under
+            # EXTERNAL_DATA_BYTES, are they streamed into model.onnx (onnx_fold.move_inline).
             traced = model_from_reader(reader, "cpu", dtype)
-            scratch = tmp / ".trace"  # the tracer's file (and, past 2 GB, its one file per weight)
-            scratch.mkdir()
+            metadata = {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True), "producer": "bam-surgery"}
+            graph, store = fold_graph(traced, tmp / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache,
+                                      metadata=metadata)
             try:
-                export_graph(traced, scratch / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache)
-                # the runtime model is kept only as --verify's reference; the weights are held once more below
-                reference = traced if options.verify and dtype == torch.float32 else None
+                reference = None
+                if options.verify:
+                    if dtype != torch.float32:  # an fp16 graph is checked against the fp32 runtime
+                        del traced
+                        traced = model_from_reader(reader, "cpu", torch.float32)
+                    reference = reference_outputs(traced)
                 del traced
-                graph = onnx.load(scratch / GRAPH_FILE)  # with the weights, wherever the tracer put them
+                write_graph(graph, store, tmp / GRAPH_FILE)
+                del graph
             finally:
-                shutil.rmtree(scratch)
-            onnx.helper.set_model_props(graph, {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True),
-                                                "producer": "bam-surgery"})
-            external = weight_bytes(graph) > EXTERNAL_DATA_BYTES
-            onnx.save_model(graph, tmp / GRAPH_FILE, save_as_external_data=external, all_tensors_to_one_file=True,
-                            location=DATA_FILE, size_threshold=0)
-            del graph
-            onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also reads external data
-            for f in options.tokenizer_files:
-                copy_side_file(Path(f), tmp / Path(f).name)
-            write_genai_config(cfg, tmp, options, log)
-            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
-            if options.verify:
-                reference = reference or model_from_reader(reader, "cpu", torch.float32)
-                report = verify_export(reference, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
+                store.close()
+            external = store.weight_bytes > EXTERNAL_DATA_BYTES
+            onnx.checker.check_model(str(tmp / GRAPH_FILE))  # by path: also checks the external data
+            if reference is not None:
+                report = compare_export(reference, tmp / GRAPH_FILE, fp16=dtype == torch.float16)
                 log(report.summary())
                 if not report.ok:
                     raise VerificationError(f"{out}: the ONNX export does not match the runtime ({report.summary()}); "
                                             "nothing was written")
+            if not external:
+                move_inline(tmp / GRAPH_FILE, store)
+            for f in options.tokenizer_files:
+                copy_side_file(Path(f), tmp / Path(f).name)
+            write_genai_config(cfg, tmp, options, log)
+            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
         return out
 
 
@@ -112,13 +120,6 @@ def write_genai_config(cfg: ModelConfig, folder: Path, options: ExportOptions, l
         return
     text = json.dumps(genai_config(cfg, options.generation, GRAPH_FILE), indent=2) + "\n"
     (folder / GENAI_CONFIG).write_text(text, encoding="utf-8")
-
-
-def weight_bytes(graph) -> int:
-    """Bytes of the graph's initializers (its weights)."""
-    from onnx import numpy_helper  # lazy: onnx costs 0.06 s at start-up
-
-    return sum(numpy_helper.to_array(t).nbytes if not t.raw_data else len(t.raw_data) for t in graph.graph.initializer)
 
 
 def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, external: bool) -> str:

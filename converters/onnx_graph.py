@@ -1,7 +1,7 @@
 """The ONNX graph of a runtime model: what it takes, what it returns, and how it is traced.
 
     graph = DecoderGraph(model, kv_cache=True)        # a wrapper module; the model math stays in runtime/blocks.py
-    export_graph(model, path, opset=18, kv_cache=True)
+    export_graph(model, path, opset=18, kv_cache=True)   # model.onnx (+ model.onnx.data past 2 GB); onnx_fold
 
 Graph I/O (B batch, T new tokens, P past tokens, Hkv = the heads the runtime cache holds per layer: E*G for
 expert KV, G for shared KV and dense attention; Dh head_dim; V vocab):
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -43,6 +42,10 @@ MIN_OPSET = 14
 DEFAULT_OPSET = 17
 MAX_OPSET = 20
 
+
+# Weights past this go to external data (one file beside the graph): a protobuf message cannot exceed 2 GiB;
+# leave room for the graph.
+EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2
 
 # the cache's input and output names (ONNX Runtime GenAI's defaults too: converters/onnx_genai.py)
 PAST_NAME = "past_key_values.{layer}.{kind}"
@@ -149,40 +152,130 @@ def dynamic_axes(n_layers: int, kv_cache: bool) -> dict[str, dict[int, str]]:
 
 
 def export_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache: bool = True,
-                 ffn_kernel: Optional[str] = None) -> None:
-    """Trace `model` (eval mode, in the dtype it should run in) into an ONNX file at path, with dynamic batch,
-    sequence and past-sequence axes.
+                 ffn_kernel: Optional[str] = None, metadata: Optional[dict[str, str]] = None,
+                 external_data_bytes: int = EXTERNAL_DATA_BYTES) -> bool:
+    """Trace `model` (eval mode, in the dtype it should run in, fp32 or fp16) into an ONNX file at path, with
+    dynamic batch, sequence and past-sequence axes and `metadata` as its metadata_props. Returns whether the
+    weights went to external data: one file, path's name + ".data" beside it, when they pass
+    external_data_bytes (protobuf cannot hold 2 GB in one file). fold_graph, write_graph and onnx_fold.move_inline
+    are its steps, for a caller that frees the model and checks the graph in between (onnx_export)."""
+    from .onnx_fold import move_inline  # lazy: onnx_fold imports onnx (0.06 s at start-up)
+
+    graph, store = fold_graph(model, path, opset=opset, kv_cache=kv_cache, ffn_kernel=ffn_kernel, metadata=metadata)
+    write_graph(graph, store, path)
+    if store.weight_bytes > external_data_bytes:
+        return True
+    move_inline(path, store)
+    return False
+
+
+def fold_graph(model: Model, path: Path, *, opset: int = DEFAULT_OPSET, kv_cache: bool = True,
+               ffn_kernel: Optional[str] = None, metadata: Optional[dict[str, str]] = None):
+    """(graph, store): the traced graph of `model` with its weights folded into initializers written to
+    path's name + ".data" (converters/onnx_fold.ONNXWeightStore); write_graph then writes model.onnx.
 
     The TorchScript exporter (torch.onnx.export(dynamo=False)): a tiny model exports in about a second, where
     the dynamo exporter takes 25-35 s, and its named dynamic axes can say that the mask's length is the
     past's plus the new tokens' (torch.export's Dims cannot). Tracing records Python values as constants, so
     the traced code has no Python branch on anything that varies: sizes are read from tensors, FFN experts
     are dispatched with nonzero/index_add (impl "export"), and the tests run the graph at other batch,
-    sequence and past sizes than it was traced at. Models past 2 GB come out with their weights as separate
-    files beside path (see onnx_export, which packs them into one)."""
-    dtype = model.embed.weight.dtype
-    graph = DecoderGraph(model, kv_cache, ffn_kernel).eval()
-    args = example_inputs(model, kv_cache, dtype)
-    n_layers = model.config.n_layers
-    with torch.no_grad(), _quiet():
-        torch.onnx.export(graph, args, os.fspath(path), dynamo=False, opset_version=opset,
-                          input_names=input_names(n_layers, kv_cache), output_names=output_names(n_layers, kv_cache),
-                          dynamic_axes=dynamic_axes(n_layers, kv_cache), do_constant_folding=True)
-    if model.config.position == "none":
-        _declare_position_ids(path)
+    sequence and past sizes than it was traced at.
 
-
-def _declare_position_ids(path: Path) -> None:
-    """A model without positions never reads position_ids, and the tracer drops unread inputs; declare it again
-    (ONNX allows an unused input) so every export takes the same inputs."""
+    Memory: the graph is traced without its weights (each weight is an input, nothing folded: see trace), then
+    converters/onnx_fold folds the nodes that transpose and slice the weights, one weight at a time, writing
+    each initializer as it comes, so this holds the model once plus about one weight (the exporter's own
+    folding and serialization held five copies of the weights)."""
     import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
 
-    graph = onnx.load(os.fspath(path))
+    from .onnx_fold import ONNXWeightStore, fold_constants  # lazy: as onnx
+
+    if model.embed.weight.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"the ONNX export traces fp32 or fp16 models, not {model.embed.weight.dtype}")
+    wrapper = DecoderGraph(model, kv_cache, ffn_kernel).eval()
+    graph = trace(wrapper, opset=opset, kv_cache=kv_cache)
+    if metadata:
+        onnx.helper.set_model_props(graph, metadata)
+    store = ONNXWeightStore(path.parent / (path.name + ".data"), path.name + ".data")
+    try:
+        with torch.no_grad():
+            fold_constants(graph, {name: p.detach().numpy() for name, p in wrapper.named_parameters()}, store)
+    except BaseException:
+        store.discard()
+        raise
+    return graph, store
+
+
+def write_graph(graph, store, path: Path) -> None:
+    """Write fold_graph's graph at path, its weights in the store's file beside it (onnx_fold.write_external)."""
+    from .onnx_fold import write_external  # lazy: onnx_fold imports onnx (0.06 s at start-up)
+
+    write_external(graph, store, path)
+
+
+def trace(wrapper: DecoderGraph, *, opset: int, kv_cache: bool):
+    """The traced graph (an onnx ModelProto) of a DecoderGraph, without weights: each parameter is a graph input
+    named as in wrapper.named_parameters(), feeding the nodes that use it, unfolded.
+
+    The parameters go in as inputs of the traced function (_WeightsAsInputs), not as the module's parameters:
+    torch.onnx.export runs ONNX shape inference over every parameter it is given and copies each into a
+    protobuf on the way (twice the weights at its peak, even with export_params=False); an input is only a
+    shape to it."""
+    import onnx  # lazy: see fold_graph
+
+    model = wrapper.model
+    dtype = model.embed.weight.dtype
+    n_layers = model.config.n_layers
+    as_inputs = _WeightsAsInputs(wrapper)
+    args = (*example_inputs(model, kv_cache, dtype), *(p.detach() for _, p in wrapper.named_parameters()))
+    buffer = io.BytesIO()
+    with torch.no_grad(), _quiet():
+        torch.onnx.export(as_inputs, args, buffer, dynamo=False, opset_version=opset, do_constant_folding=False,
+                          input_names=input_names(n_layers, kv_cache) + as_inputs.names,
+                          output_names=output_names(n_layers, kv_cache), dynamic_axes=dynamic_axes(n_layers, kv_cache))
+    graph = onnx.load_model_from_string(buffer.getvalue())
+    if model.config.position == "none":
+        _declare_position_ids(graph)
+    return graph
+
+
+class _WeightsAsInputs(nn.Module):
+    """forward(*graph inputs, *parameters): a DecoderGraph run with the given tensors in place of its parameters.
+    The DecoderGraph is held but not registered, so this module has no parameters; while forward runs, each
+    parameter of the model is swapped for its input tensor (a plain attribute) and put back afterwards
+    (torch.func.functional_call refuses to run under the tracer)."""
+
+    def __init__(self, graph: DecoderGraph):
+        super().__init__()
+        self.__dict__["graph"] = graph
+        self.names = [name for name, _ in graph.named_parameters()]
+
+    def forward(self, *args: Tensor):
+        n = len(args) - len(self.names)
+        slots = [self.graph.get_submodule(name.rpartition(".")[0]) for name in self.names]
+        originals = [getattr(module, name.rpartition(".")[2]) for module, name in zip(slots, self.names)]
+        try:
+            for module, name, tensor in zip(slots, self.names, args[n:]):
+                attr = name.rpartition(".")[2]
+                delattr(module, attr)  # unregisters the parameter; the plain tensor goes in its place
+                setattr(module, attr, tensor)
+            return self.graph(*args[:n])
+        finally:
+            for module, name, parameter in zip(slots, self.names, originals):
+                attr = name.rpartition(".")[2]
+                if attr in module.__dict__:
+                    delattr(module, attr)
+                module.register_parameter(attr, parameter)
+
+
+def _declare_position_ids(graph) -> None:
+    """A model without positions never reads position_ids, and the tracer drops unread inputs; declare it again
+    (ONNX allows an unused input) so every export takes the same inputs."""
+    import onnx  # lazy: see export_graph
+
     names = [i.name for i in graph.graph.input]
     if "position_ids" not in names:
         declared = onnx.helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, ["batch", "sequence"])
         graph.graph.input.insert(names.index("attention_mask") + 1, declared)
-        onnx.save_model(graph, os.fspath(path))
 
 
 @contextlib.contextmanager

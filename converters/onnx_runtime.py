@@ -4,6 +4,7 @@
     logits, present = decoder.forward(ids, mask)                 # numpy int64 [B, T] each; present: name -> array
     tokens = decoder.greedy(ids, mask, max_new_tokens=8)        # [B, 8], through the graph's own KV cache
     report = verify_export(model, "out/model.onnx")             # ORT vs runtime logits and greedy tokens
+    report = compare_export(reference_outputs(model), path)     # the same in two steps (the model dropped between)
 
 Greedy decoding feeds each step's present.{i}.key/value back as past_key_values.{i}.key/value, grows the
 attention mask by one column of ones and counts position ids from the mask, exactly as runtime.generate does
@@ -113,18 +114,40 @@ def prompt_batch(model: Model, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask, n_new
 
 
+@dataclass(frozen=True)
+class Reference:
+    """What --verify compares an export with: the runtime's logits on prompt_batch and its greedy tokens."""
+    ids: torch.Tensor  # [3, T]
+    mask: torch.Tensor  # [3, T], left padding
+    logits: torch.Tensor  # [3, T, V]
+    tokens: np.ndarray  # [3, n_new], runtime.generate's
+
+
 @torch.no_grad()
-def verify_export(model: Model, path: str | os.PathLike, fp16: bool = False) -> VerifyReport:
-    """Run the export at path in onnxruntime against `model` (the runtime, fp32, eval): logits of a left-padded
-    prompt batch, and greedy generation through the graph's KV cache against runtime.generate."""
-    decoder = OrtDecoder(path)
+def reference_outputs(model: Model) -> Reference:
+    """The runtime's side of verify_export (taken first, so the model can be dropped before onnxruntime loads the
+    graph: export-onnx never holds both)."""
     ids, mask, n_new = prompt_batch(model)
-    ref = model(ids, attention_mask=mask).logits
+    logits = model(ids, attention_mask=mask).logits
+    return Reference(ids, mask, logits, generate(model, ids, n_new, attention_mask=mask).numpy())
+
+
+def compare_export(reference: Reference, path: str | os.PathLike, fp16: bool = False) -> VerifyReport:
+    """Run the export at path in onnxruntime against the runtime's outputs: logits of the left-padded prompt
+    batch, and greedy generation through the graph's KV cache against runtime.generate."""
+    decoder = OrtDecoder(path)
+    ids, mask, ref = reference.ids, reference.mask, reference.logits
     logits, _ = decoder.forward(ids.numpy(), mask.numpy())
     real = mask.bool()
     diff = float((torch.from_numpy(logits.astype(np.float32)) - ref)[real].abs().max())
     tolerance = FP16_TOLERANCE * max(1.0, float(ref[real].abs().max())) if fp16 else FP32_TOLERANCE
-    want = generate(model, ids, n_new, attention_mask=mask).numpy()
+    n_new = reference.tokens.shape[1]
     got = decoder.greedy(ids.numpy(), mask.numpy(), n_new)
-    return VerifyReport(max_abs_diff=diff, tolerance=tolerance, tokens_equal=bool(np.array_equal(want, got)),
+    return VerifyReport(max_abs_diff=diff, tolerance=tolerance, tokens_equal=bool(np.array_equal(reference.tokens, got)),
                         n_tokens=n_new, batch=ids.shape[0], prompt_len=ids.shape[1], required_tokens=not fp16)
+
+
+def verify_export(model: Model, path: str | os.PathLike, fp16: bool = False) -> VerifyReport:
+    """Run the export at path in onnxruntime against `model` (the runtime, fp32, eval): logits of a left-padded
+    prompt batch, and greedy generation through the graph's KV cache against runtime.generate."""
+    return compare_export(reference_outputs(model), path, fp16=fp16)
