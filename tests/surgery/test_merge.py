@@ -133,8 +133,12 @@ def test_identical_inputs_with_top_k_all_reproduce_the_dense_model(tmp_path, rec
     mix = load_model(out)
     tokens = tokens_for(cfg)
     assert max_diff(logits(mix, tokens), logits(load_model(seed), tokens)) <= TOL
-    # top-1 with full-softmax gates scales the FFN by p_max < 1: not the dense model
-    merge_family([seed, seed, seed], tmp_path / "top1.safetensors", "--recipe", recipe)
+    # the recipe's defaults (top-2, gates renormalized to sum to 1) keep the dense model too
+    merge_family([seed, seed, seed], tmp_path / "default.safetensors", "--recipe", recipe)
+    assert max_diff(logits(load_model(tmp_path / "default.safetensors"), tokens), logits(load_model(seed), tokens)) <= TOL
+    # the paper's top-1 with full-softmax gates scales the FFN by p_max < 1: not the dense model
+    merge_family([seed, seed, seed], tmp_path / "top1.safetensors", "--recipe", recipe, "--ffn-top-k", "1",
+                 "--gate-norm", "softmax")
     assert max_diff(logits(load_model(tmp_path / "top1.safetensors"), tokens), logits(load_model(seed), tokens)) > 1e-3
 
 
@@ -149,11 +153,13 @@ def test_upcycle_reproduces_its_dense_model(tmp_path, arch):
     tokens, dense = tokens_for(cfg), logits(load_model(seed), tokens_for(cfg))
     for i in range(4):
         assert max_diff(logits(mix, tokens, ForcedRouting(expert=i)), dense) <= TOL
-    # learned top-1 routing with full-softmax gates scales the FFN by p_max: close, not equal
-    assert max_diff(logits(mix, tokens), dense) > 1e-4
-    # renormalized top-k gates sum to 1 over identical experts: the dense model again
-    merge("--recipe", "upcycle", "--seed", seed, "--out", tmp_path / "up8.safetensors", "--extra-ffn-experts", "7",
-          "--ffn-top-k", "2", "--gate-norm", "topk_softmax")
+    # the recipe's renormalized top-2 gates sum to 1 over identical experts: the dense model
+    assert max_diff(logits(mix, tokens), dense) <= TOL
+    # the paper's learned top-1 routing with full-softmax gates scales the FFN by p_max: close, not equal
+    merge("--recipe", "upcycle", "--seed", seed, "--out", tmp_path / "up1.safetensors", "--ffn-top-k", "1",
+          "--gate-norm", "softmax")
+    assert max_diff(logits(load_model(tmp_path / "up1.safetensors"), tokens), dense) > 1e-4
+    merge("--recipe", "upcycle", "--seed", seed, "--out", tmp_path / "up8.safetensors", "--extra-ffn-experts", "7")
     mix8 = load_model(tmp_path / "up8.safetensors")
     assert mix8.config.ffn_experts == 8
     assert max_diff(logits(mix8, tokens), dense) <= TOL
@@ -693,8 +699,10 @@ def test_untrained_softmax_top1_mixture_gets_a_note(tmp_path):
     _, _, paths = _family(tmp_path)
     args = ("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])))
     note = "bam-surgery: note: until the routers are trained each FFN output is scaled by its gate, about 1/3"
-    result = CliRunner().invoke(cli, ["merge", *map(str, args), "--out", str(tmp_path / "a.safetensors")])
+    paper = ["--ffn-top-k", "1", "--gate-norm", "softmax"]  # the paper's gates (the recipes' are renormalized)
+    result = CliRunner().invoke(cli, ["merge", *map(str, args), *paper, "--out", str(tmp_path / "a.safetensors")])
     assert note in result.stderr and "perplexity before training is not representative" in result.stderr
-    for extra in (["--gate-norm", "topk_softmax"], ["--ffn-top-k", "3"]):  # gates sum to 1: no note
-        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"{extra[0]}")])
+    for i, extra in enumerate(([], ["--ffn-top-k", "1", "--gate-norm", "topk_softmax"],
+                               ["--ffn-top-k", "3", "--gate-norm", "softmax"])):  # gates sum to 1: no note
+        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"b{i}")])
         assert result.exit_code == 0 and "note:" not in result.stderr
