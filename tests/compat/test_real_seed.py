@@ -145,6 +145,15 @@ def test_tokenizer_and_chat_template_equal_transformers(transformers_gguf, ours)
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
 
 
+def test_demo_real_chat_prompt_is_smollm2s_template(transformers_gguf):
+    """make demo-real's literal chat prompt (cli/demo_real.py) is what SmolLM2's chat template renders."""
+    from bam_surgery.cli import demo_real
+
+    tok, _ = transformers_gguf
+    messages = [{"role": "user", "content": demo_real.QUESTION}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == demo_real.CHAT_PROMPT
+
+
 def test_convert_to_hf_continues_like_the_runtime(seed, ours, tmp_path):
     transformers = _need("transformers")
     model, _ = ours
