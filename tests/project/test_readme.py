@@ -120,7 +120,7 @@ RUNS = {
         Run(compare="close", why="the forward pass's 4-decimal figures, computed in float32"),
     "make demo-real":
         Run(compare="shape", why="SmolLM2-135M for 10 + 10 steps takes many minutes (the README says how many): the demo "
-                                 "runs with the demo's tiny seed for SmolLM2's GGUF (--seed), one step per run and 256 "
+                                 "runs with the demo's tiny seed for SmolLM2's GGUF (--seed), two steps per run and 256 "
                                  "held-out tokens; tests/cli/test_demo_real.py checks the Makefile's wiring"),
     "bam-surgery train --init demo-out/mix.safetensors":
         Run(options={**SMALL_TRAIN, "--eval-every": "2", "--save-every": "2"}, compare="shape",
@@ -218,7 +218,8 @@ def readme_examples(text: str, file: str = "README.md") -> list[Example]:
 
 def run_key(command: str) -> str | None:
     command = command.removeprefix("$ ")
-    keys = [k for k in RUNS if command == k or command.startswith(k + " ")]
+    keys = [k for k in RUNS if command.startswith(k)]
+    keys = [k for k in keys if not any(o != k and o.startswith(k) for o in keys)]  # `make demo` in `make demo-real`
     assert len(keys) <= 1, f"{command}: several RUNS entries match: {keys}"
     return keys[0] if keys else None
 
@@ -434,15 +435,15 @@ class ReadmeSession:
         self.demo_output = out.getvalue()
 
     def make_demo_real(self) -> str:
-        """demo_real shrunk: the demo's tiny seed for SmolLM2, one step per training run, 256 held-out tokens, a
+        """demo_real shrunk: the demo's tiny seed for SmolLM2, two steps per training run, 256 held-out tokens, a
         prompt that fits its 128 positions."""
         makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
         assert "-m bam_surgery.cli.demo_real --out demo-real-out" in makefile, \
             "the Makefile's demo-real target changed: run it here as it does (ReadmeSession.make_demo_real)"
         out = io.StringIO()
         with self.inside(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            demo_real.main(["--out", "demo-real-out", "--seed", DEMO["seed"], "--specialist-steps", "1",
-                            "--mix-steps", "1", "--eval-tokens", "256", "--prompt", "The court held that"])
+            demo_real.main(["--out", "demo-real-out", "--seed", DEMO["seed"], "--specialist-steps", "2",
+                            "--mix-steps", "2", "--eval-tokens", "256", "--prompt", "The court held that"])
         return out.getvalue()
 
     def outcomes(self, index: int) -> list[Outcome]:
