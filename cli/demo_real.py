@@ -64,7 +64,9 @@ def data(domains) -> str:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    return max((run_dir / "checkpoints").iterdir())
+    from bam_surgery.train.checkpoints import resolve_checkpoint  # a run folder -> its latest checkpoint
+
+    return Path(resolve_checkpoint(str(run_dir)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,8 @@ from bam_surgery.runtime import generate, load_model, model_from_reader
 from bam_surgery.runtime.blocks import ForcedRouting
 from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.train.data import DOC_SEPARATOR, file_documents
-from bam_surgery.train.evaluation import evaluate_streams, load_model_for_eval, load_streams
+from bam_surgery.train.checkpoints import resolve_checkpoint
+from bam_surgery.train.evaluation import evaluate_streams, load_streams
 from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -252,7 +253,7 @@ def trained(seed, corpus, token_cache, tmp_path_factory) -> dict[str, Path]:
         run_cli("train", "--init", seed, "--data", f"{d}={corpus[d]}", "--out", root / d, "--steps", SPECIALIST_STEPS,
                 "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4", "--eval-every", "-1",
                 "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0", "--token-cache", token_cache)
-        (out[d],) = (root / d / "checkpoints").iterdir()
+        out[d] = Path(resolve_checkpoint(str(root / d)))  # the run's final checkpoint
     return out
 
 
@@ -359,7 +360,7 @@ def test_short_mixture_training_improves_a_fresh_merge(seed, ours, trained, corp
             "--steps", TRAIN_STEPS, "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4",
             "--eval-every", "-1", "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0",
             "--token-cache", token_cache)
-    (final,) = (tmp_path / "run" / "checkpoints").iterdir()
+    final = resolve_checkpoint(str(tmp_path / "run"))
     after = losses(load_model(final).eval(), held_out)
     mean = lambda ls: sum(ls.values()) / len(ls)  # noqa: E731
     print(f"\nbtx, {TRAIN_STEPS} steps of mixture training: mean held-out loss {mean(before):.3f} -> {mean(after):.3f} ("
