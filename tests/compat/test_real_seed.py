@@ -28,7 +28,8 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
   printed); N identical experts (the seed given three times, recipe bam) reproduce the seed within IDENTITY_TOL;
   and a short mixture training (TRAIN_STEPS steps) lowers the fresh btx merge's mean held-out loss.
 
-The stage's time on a 2-core machine: printed by pytest --durations (the trained-specialist tests take most of it).
+The stage's time (pytest --durations): the trained-specialist tests 15.5 minutes on a 2-core machine shared with other
+jobs (9 of them training the specialists, ~20x slower a step than quiet); the reader checks 2.7 minutes quiet.
 """
 from __future__ import annotations
 
