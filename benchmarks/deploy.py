@@ -14,7 +14,7 @@ files); the routes are fed token ids, so no tokenizer runs inside a timed region
     dense              the seed: random matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2)
     btx                `bam-surgery merge --recipe btx --gate-norm topk_softmax` of the seed and three perturbed
                        copies (every matrix + 0.2 x its std x N(0, 1)): 4 FFN experts, top-2, dense attention
-    bam                `merge --recipe bam`: 4 FFN experts top-2 (softmax gates, the recipe's) and 4 soft-routed
+    bam                `merge --recipe bam`: 4 FFN experts top-2 (renormalized gates, the recipe's) and 4 soft-routed
                        attention experts (expert KV)
     btx-shared-expert  `merge --recipe btx-shared-expert --gate-norm softmax` (--shared-gate-norm; llama.cpp's
                        qwen2moe takes softmax gates only): the copies' FFNs routed, top-2 of 3, the seed's FFN as an always-on shared expert (Qwen2-MoE's shape)

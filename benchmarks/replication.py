@@ -174,7 +174,8 @@ def _paper_small_shape() -> tuple[float, float, float]:
     from bam_surgery.train.metrics import flops_per_token
 
     dense = preset("paper-small")
-    f = {r: flops_per_token(mixture_config(load_recipe(r), dense, 4, MergeOptions()), PAPER_SMALL_SEQ)
+    paper = MergeOptions(ffn_top_k=1, gate_norm="softmax")  # the paper's gates (the recipes route to 2)
+    f = {r: flops_per_token(mixture_config(load_recipe(r), dense, 4, paper), PAPER_SMALL_SEQ)
          for r in ("btx", "bam", "bam-shared-kv")}
     head = 6.0 * dense.vocab_size * dense.d_model / flops_per_token(dense, PAPER_SMALL_SEQ)
     return head, f["bam"] / f["btx"], f["bam-shared-kv"] / f["btx"]

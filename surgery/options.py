@@ -65,7 +65,8 @@ class MergeOptions:
 
     ffn_top_k: int | None = merge_option(
         None, "--ffn-top-k", metavar="K", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_top_k", yaml=(int,),
-        help="FFN experts each token is routed to (default: the recipe's, 1 for the shipped recipes).")
+        help="FFN experts each token is routed to (default: the recipe's: 2 for the shipped recipes, 1 for "
+             "btx-shared-expert; the paper's is 1).")
     attention_routing: str | int | None = merge_option(  # soft | topK
         None, "--attention-routing", metavar="soft|topK", recipe="defaults.attention_routing", yaml=(str, int),
         help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
@@ -73,7 +74,8 @@ class MergeOptions:
     gate_norm: GateNorm | None = merge_option(
         None, "--gate-norm", choices=GATE_NORMS, recipe="defaults.gate_norm", yaml=(str,),
         help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
-             "over the chosen top-k.")
+             "over the chosen top-k (default: the recipe's: topk_softmax for the shipped recipes, softmax for "
+             "btx-shared-expert).")
     extra_ffn_experts: int | None = merge_option(
         None, "--extra-ffn-experts", metavar="N", bounds=(0, MAX_EXPERTS), yaml=(int,),
         recipe="defaults.extra_ffn_experts",

@@ -300,8 +300,10 @@ def test_count_params_table_and_json(tiny_ckpt):
 
 
 def test_count_params_recipes_reproduce_table5_and_7():
-    cases = [(["--recipe", "bam", "--experts", 4], "bam"), (["--recipe", "bam-shared-kv", "--experts", 4],
-             "bam-shared-kv"), (["--recipe", "btx", "--experts", 4], "btx-top1"),
+    top1 = ["--ffn-top-k", 1]  # the paper's top-1 (the shipped recipes route to 2)
+    cases = [(["--recipe", "bam", "--experts", 4, *top1], "bam"),
+             (["--recipe", "bam-shared-kv", "--experts", 4, *top1], "bam-shared-kv"),
+             (["--recipe", "btx", "--experts", 4, *top1], "btx-top1"),
              (["--recipe", "btx", "--experts", 4, "--ffn-top-k", 3], "btx-top3"), ([], "dense")]
     for args, model in cases:
         res = invoke(count_params_cmd, ["--preset", "paper-small", *args, "--convention", "paper", "--json"])

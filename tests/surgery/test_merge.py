@@ -333,8 +333,10 @@ def test_untrained_softmax_top1_mixture_gets_a_note(tmp_path):
     _, _, paths = _family(tmp_path)
     args = ("--seed", paths[0], "--experts", ",".join(map(str, paths[1:])))
     note = "bam-surgery: note: until the routers are trained each FFN output is scaled by its gate, about 1/3"
-    result = CliRunner().invoke(cli, ["merge", *map(str, args), "--out", str(tmp_path / "a.safetensors")])
+    paper = ["--ffn-top-k", "1", "--gate-norm", "softmax"]  # the paper's gates (the recipes' are renormalized)
+    result = CliRunner().invoke(cli, ["merge", *map(str, args), *paper, "--out", str(tmp_path / "a.safetensors")])
     assert note in result.stderr and "perplexity before training is not representative" in result.stderr
-    for extra in (["--gate-norm", "topk_softmax"], ["--ffn-top-k", "3"]):  # gates sum to 1: no note
-        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"{extra[0]}")])
+    for i, extra in enumerate(([], ["--ffn-top-k", "1", "--gate-norm", "topk_softmax"],
+                               ["--ffn-top-k", "3", "--gate-norm", "softmax"])):  # gates sum to 1: no note
+        result = CliRunner().invoke(cli, ["merge", *map(str, args), *extra, "--out", str(tmp_path / f"b{i}")])
         assert result.exit_code == 0 and "note:" not in result.stderr

@@ -39,7 +39,12 @@ def test_shipped_recipes_load_and_start_with_their_command(name):
 def test_shipped_recipes_build_what_the_paper_describes():
     dense = preset("paper-small")
     bam = mixture_config(load_recipe("bam"), dense, 4)
-    assert (bam.ffn_experts, bam.attn_experts, bam.kv_mode, bam.attn_top_k, bam.ffn_top_k) == (4, 4, "expert", None, 1)
+    assert (bam.ffn_experts, bam.attn_experts, bam.kv_mode, bam.attn_top_k) == (4, 4, "expert", None)
+    # the FFN gates: the shipped defaults keep a merged model's function (two experts, gates summing to 1);
+    # the paper's (top-1, p_i of the full softmax) are the options ffn_top_k=1, gate_norm=softmax
+    assert (bam.ffn_top_k, bam.gate_norm) == (2, "topk_softmax")
+    paper = mixture_config(load_recipe("bam"), dense, 4, ffn_top_k=1, gate_norm="softmax")
+    assert (paper.ffn_top_k, paper.gate_norm) == (1, "softmax")
     shared = mixture_config(load_recipe("bam-shared-kv"), dense, 4)
     assert (shared.attn_experts, shared.kv_mode) == (4, "shared")
     btx = mixture_config(load_recipe("btx"), dense, 4, extra_ffn_experts=2, ffn_top_k=3)  # Table 7
