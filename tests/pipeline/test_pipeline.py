@@ -46,6 +46,9 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
+PAPER_GATES = {"ffn_top_k": 1, "gate_norm": "softmax"}
+
+
 def micro_doc(corpus: Path, cache: Path) -> dict:
     return {
         "name": "micro", "description": "micro pipeline for the tests", "seed": 3, "threads": 1,
@@ -58,12 +61,12 @@ def micro_doc(corpus: Path, cache: Path) -> dict:
                                                  "ffn_hidden": 48, "max_positions": 16},
                      "knobs": {"steps": 8, "lr": 3.0e-3, "warmup_steps": 2}},
             "branch": {"general_share": 0.1, "knobs": {"steps": 4, "warmup_steps": 1}},
-            "mix": {"mixtures": [
-                {"name": "btx", "recipe": "btx"},
-                {"name": "bam", "recipe": "bam"},
-                {"name": "bam-shared-kv", "recipe": "bam-shared-kv"},
-                {"name": "bam-top1", "recipe": "bam", "attention_routing": 1, "router_std": 0.05},
-                {"name": "btx-total", "recipe": "btx", "extra_ffn_experts": 1, "ffn_top_k": 2,
+            "mix": {"mixtures": [  # the paper's gates (top-1, full softmax), as the replication pipelines set them
+                {"name": "btx", "recipe": "btx", **PAPER_GATES},
+                {"name": "bam", "recipe": "bam", **PAPER_GATES},
+                {"name": "bam-shared-kv", "recipe": "bam-shared-kv", **PAPER_GATES},
+                {"name": "bam-top1", "recipe": "bam", "attention_routing": 1, "router_std": 0.05, **PAPER_GATES},
+                {"name": "btx-total", "recipe": "btx", "extra_ffn_experts": 1, "ffn_top_k": 2, "gate_norm": "softmax",
                  "weights": [2, 1, 1], "lb_coef": 0}]},
             "train": {"compute_reference": "btx", "knobs": {"steps": 12, "lr": 2.0e-3, "warmup_steps": 2}},
             "eval": {"max_tokens": 192, "batch_size": 4},
@@ -592,7 +595,8 @@ def test_a_finished_run_grows_by_a_mixture_and_the_dense_baseline(micro, corpus,
               and p.name not in ("report.json", "report.md", "pipeline.resolved.yaml", "commands.sh")
               and "plots" not in p.parts and "configs" not in p.parts}
     doc = yaml.safe_load(Path(path).read_text())
-    doc["stages"]["mix"]["mixtures"].append({"name": "btx-topk", "recipe": "btx", "gate_norm": "topk_softmax"})
+    doc["stages"]["mix"]["mixtures"].append({"name": "btx-topk", "recipe": "btx", "ffn_top_k": 1,
+                                               "gate_norm": "topk_softmax"})
     doc["stages"]["train"]["dense_baseline"] = True
     changed = copy.deepcopy(doc)
     changed["stages"]["train"]["knobs"]["lr"] = 1.0e-3
