@@ -24,7 +24,7 @@ from bam_surgery.converters import open_checkpoint
 from bam_surgery.runtime import load_model, model_from_reader
 from conftest import run_cli
 # transformers_gguf: the SmolLM2 module's fixture, here over this module's `seed` (the Gemma GGUF)
-from test_real_seed import _need, sample_text, transformers_gguf  # noqa: F401 (a fixture)
+from test_real_seed import _need, assert_logits_equal, sample_text, transformers_gguf  # noqa: F401 (a fixture)
 
 LOGIT_TOL = 5e-4  # max |logit difference| against transformers (measured 8.4e-5 over 384 tokens, max |logit| 40.9)
 IDENTITY_TOL = 5e-4
@@ -52,14 +52,7 @@ def ids(transformers_gguf):
 
 def test_logits_equal_transformers_gguf_loader(transformers_gguf, ours, ids):
     _, hf = transformers_gguf
-    with torch.no_grad():
-        theirs = hf(ids).logits[0].float()
-        mine = ours(ids).logits[0]
-    diff = (theirs - mine).abs().max().item()
-    print(f"\nGemma-3-270M logits vs transformers' GGUF loader: max |diff| {diff:.3g} over {ids.shape[1]} tokens "
-          f"(within the 512-token sliding window), max |logit| {theirs.abs().max().item():.1f}")
-    assert diff < LOGIT_TOL
-    assert torch.equal(theirs.argmax(-1), mine.argmax(-1))
+    assert_logits_equal(hf, ours, ids, "Gemma-3-270M (within the 512-token sliding window)", LOGIT_TOL)
 
 
 def test_the_sentencepiece_tokenizer_is_not_rebuilt_and_says_so(seed, transformers_gguf, ids):

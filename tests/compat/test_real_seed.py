@@ -114,18 +114,24 @@ def ours(seed):
     return model, files
 
 
-def test_logits_equal_transformers_gguf_loader(transformers_gguf, ours):
-    tok, hf = transformers_gguf
-    model, _ = ours
-    ids = tok(sample_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :384]
+def assert_logits_equal(hf, model, ids, name: str, tol: float) -> None:
+    """`model`'s logits on `ids` within `tol` of transformers' `hf`, with the same argmax everywhere; the
+    difference printed."""
     with torch.no_grad():
         theirs = hf(ids).logits[0].float()
         mine = model(ids).logits[0]
     diff = (theirs - mine).abs().max().item()
-    print(f"\nSmolLM2 logits vs transformers' GGUF loader: max |diff| {diff:.3g} over {ids.shape[1]} tokens, "
+    print(f"\n{name} logits vs transformers' GGUF loader: max |diff| {diff:.3g} over {ids.shape[1]} tokens, "
           f"max |logit| {theirs.abs().max().item():.1f}")
-    assert diff < LOGIT_TOL
+    assert diff < tol
     assert torch.equal(theirs.argmax(-1), mine.argmax(-1))
+
+
+def test_logits_equal_transformers_gguf_loader(transformers_gguf, ours):
+    tok, hf = transformers_gguf
+    model, _ = ours
+    ids = tok(sample_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :384]
+    assert_logits_equal(hf, model, ids, "SmolLM2", LOGIT_TOL)
 
 
 def test_tokenizer_and_chat_template_equal_transformers(transformers_gguf, ours):
