@@ -13,13 +13,13 @@ through app/exports.py from a PlanReader (no intermediate canonical file). A dry
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from bam_surgery.converters.export import check_export, exporter
+from bam_surgery.runtime.errors import print_warning
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.branches import check_branches
@@ -56,7 +56,7 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
     OUT is settled (default: warn); log: the warm start's progress lines; on_written: called with OUT the
     moment it is in place (before the inputs are closed). The result's plan holds closed readers: its shapes,
     config and options are there to show, not its tensors."""
-    warn = warn or _print_warning
+    warn = warn or print_warning
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # before any checkpoint is opened
     shard_bytes = check_request(out, options, fmt, max_shard_size, dry_run)
     names = input_names([spec for _, spec in inputs], [name for name, _ in inputs])
@@ -105,10 +105,6 @@ def check_format_out(fmt: str, out: str | os.PathLike | None) -> None:
     """A format that writes a directory refuses an OUT named like one file."""
     if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
         raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
-
-
-def _print_warning(msg: str) -> None:
-    print(f"bam-surgery: warning: {msg}", file=sys.stderr)
 
 
 def _warm_start(plan: Plan, options: MergeOptions, log: Warn | None) -> Plan:

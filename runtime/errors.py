@@ -9,6 +9,7 @@ naming the file, tensor, field or option; the CLI catches UserError and prints i
 from __future__ import annotations
 
 import re
+import sys
 
 
 class UserError(Exception):
@@ -60,3 +61,9 @@ def one_line(err: BaseException | str) -> str:
     second output line."""
     text = str(err).strip()
     return printable(text) or type(err).__name__
+
+
+def print_warning(msg: str) -> None:
+    """A warning on stderr, the library's default where a caller gives no warn callback (the CLI passes its own,
+    which holds warnings back behind a progress bar)."""
+    print(f"bam-surgery: warning: {one_line(msg)}", file=sys.stderr)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from bam_surgery.runtime.atomic import atomic_path
 from bam_surgery.runtime.buffers import BufferPool
 from bam_surgery.runtime.checkpoint import SHARD_METADATA, side_files_metadata, write_dir_config, write_side_files
+from bam_surgery.runtime.errors import print_warning
 from bam_surgery.runtime.read_ahead import iter_tensors
 from bam_surgery.runtime.safetensors_file import patch_header
 from bam_surgery.runtime.shards import write_file, write_index, write_shards
@@ -77,7 +78,7 @@ def execute_plan(plan: Plan, out: str | os.PathLike, *, force: bool = False, max
     to fit. OUT is checked by the caller, once (app/merge.py: the OUT policy); the final rename still never
     replaces what is not ours (runtime/atomic.py)."""
     out = Path(out)
-    warn = warn or (lambda msg: print(f"bam-surgery: warning: {msg}", file=sys.stderr))
+    warn = warn or print_warning
     single_file = out.suffix == ".safetensors"
     embedded = side_files_metadata(side_files, str(out)) if single_file else {}  # a binary one refused before any read
     if check_branch:
