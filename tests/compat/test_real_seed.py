@@ -36,6 +36,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -184,8 +186,9 @@ def test_count_params_and_inspect_take_the_gguf(seed):
 
 
 @pytest.fixture(scope="module")
-def specialists(seed, tmp_path_factory) -> list[Path]:
-    """Two specialists: the seed with seeded noise (2% of each tensor's std) on its FFN weights, as canonical files."""
+def specialists(seed, tmp_path_factory) -> Iterator[list[Path]]:
+    """Two specialists: the seed with seeded noise (2% of each tensor's std) on its FFN weights, as canonical files
+    (1.1 GB, removed when the module ends)."""
     folder = tmp_path_factory.mktemp("specialists")
     with open_checkpoint(seed) as reader:
         cfg = reader.config
@@ -197,7 +200,8 @@ def specialists(seed, tmp_path_factory) -> list[Path]:
                    for n, t in state.items()}
         out.append(save_checkpoint(changed, cfg, folder / f"{name}.safetensors"))
         del changed
-    return out
+    yield out
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize("recipe", ["btx", "bam"])
@@ -252,8 +256,9 @@ def token_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(seed, corpus, token_cache, tmp_path_factory) -> dict[str, Path]:
-    """One specialist per domain, trained from the GGUF: {domain: its final checkpoint folder}."""
+def trained(seed, corpus, token_cache, tmp_path_factory) -> Iterator[dict[str, Path]]:
+    """One specialist per domain, trained from the GGUF: {domain: its final checkpoint folder} (the weights only:
+    AdamW's state, 1.1 GB each, is dropped; the folder is removed when the module ends)."""
     root = tmp_path_factory.mktemp("specialists-trained")
     out = {}
     for d in DOMAINS:
@@ -261,7 +266,17 @@ def trained(seed, corpus, token_cache, tmp_path_factory) -> dict[str, Path]:
                 "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4", "--eval-every", "-1",
                 "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0", "--token-cache", token_cache)
         out[d] = Path(resolve_checkpoint(str(root / d)))  # the run's final checkpoint
-    return out
+        _drop_optimizer_state(out[d])
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _drop_optimizer_state(checkpoint: Path) -> None:
+    """Remove a run checkpoint's trainer state (AdamW's moments: twice the weights); merge and eval read only the
+    weights."""
+    state = checkpoint / "trainer.safetensors"
+    assert state.is_file(), f"{checkpoint}: no trainer.safetensors (the checkpoint layout changed)"
+    state.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +382,9 @@ def test_short_mixture_training_improves_a_fresh_merge(seed, ours, trained, corp
             "--steps", TRAIN_STEPS, "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4",
             "--eval-every", "-1", "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0",
             "--token-cache", token_cache)
+    shutil.rmtree(out)  # 1.5 GB, read by train's start only
     final = resolve_checkpoint(str(tmp_path / "run"))
+    _drop_optimizer_state(Path(final))
     after = losses(load_model(final).eval(), held_out)
     mean = lambda ls: sum(ls.values()) / len(ls)  # noqa: E731
     print(f"\nbtx, {TRAIN_STEPS} steps of mixture training: mean held-out loss {mean(before):.3f} -> {mean(after):.3f} ("
