@@ -29,6 +29,8 @@ from typing import Any, Mapping
 from bam_surgery.runtime.cache import cached_texts
 from bam_surgery.runtime.errors import CheckpointError, printable
 
+from .gguf_sentencepiece import sentencepiece_tokenizer
+
 # tokenizer.json pre-tokenizer regexes that llama.cpp implements (src/llama-vocab.cpp quotes each beside its own)
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -56,7 +58,7 @@ PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
                "Digits (one by one) + ByteLevel (GPT-2's regex)", False),
 }
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
-CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # gguf.TokenType
+UNDEFINED, NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 3, 4, 5, 6  # llama.cpp's token types
 DIRECTORY = "gguf-tokenizers"
 
 
@@ -76,37 +78,23 @@ def _token_id(fields: Mapping[str, Any], key: str, n: int, where: str) -> int | 
     return value
 
 
-def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int | None) -> dict[str, str] | str:
-    """{file name: text} of the rebuilt tokenizer, or a sentence saying why there is none."""
-    model = fields.get("tokenizer.ggml.model")
-    if model is None:
-        return "the file carries no tokenizer (no tokenizer.ggml.model)"
-    if model != "gpt2":
-        return (f"its tokenizer is llama.cpp's {printable(str(model))[:30]!r} model; only byte-level BPE (gpt2) is "
-                "rebuilt as a tokenizer.json (pass --tokenizer)")
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    pre = PRE_ALIASES.get(pre, pre)
-    if pre not in PRE_TOKENIZERS:
-        return (f"its pre-tokenizer {printable(str(pre))[:30]!r} is none this reader rebuilds "
-                f"({', '.join(PRE_TOKENIZERS)}); pass --tokenizer")
-    tokens = _strings(fields, "tokenizer.ggml.tokens", where)
+def _flag(fields: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = fields.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key} is {printable(str(value))[:20]!r}, not a boolean")
+    return value
+
+
+def _byte_level_bpe(fields: Mapping[str, Any], tokens: list[str], types: list[int], ids: dict[str, int | None],
+                    add_bos: bool, add_eos: bool, pre: str, where: str) -> dict:
+    """tokenizer.json of llama.cpp's gpt2 model."""
     merges = _strings(fields, "tokenizer.ggml.merges", where) if "tokenizer.ggml.merges" in fields else []
-    types = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
-        raise CheckpointError(f"{where}: tokenizer.ggml.token_type is not one integer per token ({len(tokens)})")
     pairs = []
     for m in merges:
         parts = m.split(" ")
         if len(parts) != 2 or not all(parts):
             raise CheckpointError(f"{where}: tokenizer.ggml.merges holds {printable(m)[:40]!r}, not a pair of tokens")
         pairs.append(parts)
-    ids = {k: _token_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), where)
-           for k in ("bos", "eos", "padding", "unknown")}
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False))
-    for kind, wanted in (("bos", add_bos), ("eos", add_eos)):
-        if wanted and ids[kind] is None:
-            raise CheckpointError(f"{where}: tokenizer.ggml.add_{kind}_token is set but the file names no {kind} token")
     vocab: dict[str, int] = {}
     for i, (t, k) in enumerate(zip(tokens, types)):
         if k != UNUSED:  # padding ids past the tokenizer ([PADn]; the export writes them so)
@@ -115,13 +103,61 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
               "special": k == CONTROL}
              for i, (t, k) in enumerate(zip(tokens, types)) if k in (CONTROL, USER_DEFINED) and vocab.get(t) == i]
     pre_json, _, ignore_merges = PRE_TOKENIZERS[pre]
-    body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-            "pre_tokenizer": pre_json, "post_processor": _post_processor(tokens, ids, add_bos, add_eos),
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": pre_json, "post_processor": _post_processor(tokens, ids, add_bos, add_eos, byte_level=True),
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": ignore_merges, "vocab": vocab, "merges": pairs}}
+
+
+def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int | None) -> dict[str, str] | str:
+    """{file name: text} of the rebuilt tokenizer, or a sentence saying why there is none."""
+    model = fields.get("tokenizer.ggml.model")
+    if model is None:
+        return "the file carries no tokenizer (no tokenizer.ggml.model)"
+    if model not in ("gpt2", "llama"):
+        return (f"its tokenizer is llama.cpp's {printable(str(model))[:30]!r} model; only byte-level BPE (gpt2) and "
+                "SentencePiece (llama) are rebuilt as a tokenizer.json (pass --tokenizer)")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    pre = PRE_ALIASES.get(pre, pre)
+    if model == "llama" and pre != "gpt-2":  # a SentencePiece vocabulary has no pre-tokenizer of llama.cpp's own
+        return (f"its SentencePiece tokenizer names the pre-tokenizer {printable(str(pre))[:30]!r}, which no "
+                "SentencePiece tokenizer this reader rebuilds uses; pass --tokenizer")
+    if pre not in PRE_TOKENIZERS:
+        return (f"its pre-tokenizer {printable(str(pre))[:30]!r} is none this reader rebuilds "
+                f"({', '.join(PRE_TOKENIZERS)}); pass --tokenizer")
+    tokens = _strings(fields, "tokenizer.ggml.tokens", where)
+    types = fields.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type is not one integer per token ({len(tokens):,} "
+                              f"tokens)")
+    bad = next((i for i, t in enumerate(types) if not UNDEFINED <= t <= BYTE), None)
+    if bad is not None:
+        raise CheckpointError(f"{where}: tokenizer.ggml.token_type[{bad}] is {types[bad]}, not a token type of "
+                              f"llama.cpp ({UNDEFINED} to {BYTE})")
+    ids = {k: _token_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), where)
+           for k in ("bos", "eos", "padding", "unknown")}
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (transformers follows)
+    add_bos = _flag(fields, "tokenizer.ggml.add_bos_token", model == "llama" and ids["bos"] is not None, where)
+    add_eos = _flag(fields, "tokenizer.ggml.add_eos_token", False, where)
+    for kind, wanted in (("bos", add_bos), ("eos", add_eos)):
+        if wanted and ids[kind] is None:
+            raise CheckpointError(f"{where}: tokenizer.ggml.add_{kind}_token is set but the file names no {kind} token")
+    extra: dict = {"config": {}, "eog": []}
+    if model == "llama":
+        built = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+        if isinstance(built, str):
+            return built
+        body, extra = built
+        body["post_processor"] = _post_processor(tokens, ids, add_bos, add_eos, byte_level=False)
+    else:
+        body = _byte_level_bpe(fields, tokens, types, ids, add_bos, add_eos, pre, where)
     config, generation = _configs(fields, tokens, ids, add_bos, add_eos, context_length)
+    config.update(extra["config"])
+    if extra["eog"] and ids["eos"] is not None:  # llama.cpp also stops at end-of-turn tokens (Gemma's <end_of_turn>)
+        generation["eos_token_id"] = [ids["eos"]] + [i for i in extra["eog"] if i != ids["eos"]]
 
     def dump(value) -> str:
         return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
@@ -147,18 +183,23 @@ def _configs(fields: Mapping[str, Any], tokens: list[str], ids: dict[str, int | 
     return config, generation
 
 
-def _post_processor(tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool) -> dict:
-    if not (add_bos or add_eos):
+def _post_processor(tokens: list[str], ids: dict[str, int | None], add_bos: bool, add_eos: bool,
+                    byte_level: bool) -> dict:
+    """BOS / EOS around each sequence as transformers' update_post_processor writes them (the pair's second one of
+    type 1); a byte-level BPE adding neither keeps the ByteLevel post-processor."""
+    if byte_level and not (add_bos or add_eos):
         return {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
     first = [tokens[ids["bos"]]] if add_bos else []
     last = [tokens[ids["eos"]]] if add_eos else []
 
-    def seq(name: str) -> list[dict]:
-        return ([{"SpecialToken": {"id": t, "type_id": 0}} for t in first] + [{"Sequence": {"id": name, "type_id": 0}}]
-                + [{"SpecialToken": {"id": t, "type_id": 0}} for t in last])
+    def seq(name: str, type_id: int) -> list[dict]:
+        return ([{"SpecialToken": {"id": t, "type_id": type_id}} for t in first]
+                + [{"Sequence": {"id": name, "type_id": type_id}}]
+                + [{"SpecialToken": {"id": t, "type_id": type_id}} for t in last])
     special = {tokens[ids[kind]]: {"id": tokens[ids[kind]], "ids": [ids[kind]], "tokens": [tokens[ids[kind]]]}
                for kind, wanted in (("bos", add_bos), ("eos", add_eos)) if wanted}
-    return {"type": "TemplateProcessing", "single": seq("A"), "pair": seq("A") + seq("B"), "special_tokens": special}
+    return {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
+            "special_tokens": special}
 
 
 def rebuild_tokenizer(fields: Mapping[str, Any], where: str, context_length: int | None) -> tuple[list[Path], str]:

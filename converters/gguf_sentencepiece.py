@@ -1,0 +1,122 @@
+"""A GGUF's SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma) as a tokenizer.json.
+
+    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+
+The result is the tokenizer transformers' own GGUF loader builds from the same metadata
+(AutoTokenizer.from_pretrained(folder, gguf_file=...): integrations/gguf/gguf_tokenizer_mapping.py), rebuilt here
+without transformers:
+
+  model          BPE with byte fallback (the <0x00>..<0xFF> tokens) and fused unknowns over the vocabulary as the file
+                 spells it; the merges the vocabulary implies (a GGUF of SentencePiece stores none): every token cut
+                 in two where both halves are tokens, the cuts ranked by the token's score (tokenizer.ggml.scores),
+                 higher first, then by the longer left half, then the longer right half, then file order. Gemma's
+                 scores do not follow its merge order, its token order does: there a token's rank is its position
+                 (earlier first), and its tokens of two or more spaces, stored as spaces, are spelled with U+2581 as
+                 the normalized text is. Linear in the vocabulary's characters (each token's cuts looked up in a
+                 dict), never pairwise over the vocabulary; tokens longer than MAX_TOKEN_CHARS are not rebuilt.
+  normalizer     Gemma: spaces -> U+2581; Phi-3: U+2581 prepended, spaces -> U+2581; Llama: none.
+  pre-tokenizer  Gemma: Split on " " (merged with the previous piece; after the normalizer it never cuts);
+                 Llama: Metaspace (U+2581, prepended to the first piece only, no split); Phi-3: none.
+  decoder        U+2581 -> space, byte fallback, fuse; Llama and Phi-3 then strip the one leading space.
+  added tokens   CONTROL tokens and the named bos/eos/unk/pad (and Gemma's <mask>) as special tokens, USER_DEFINED
+                 ones (Gemma's "\\n", runs of tabs, ...) as plain added tokens; all matched whole on the raw text.
+
+`extra`: tokenizer_config.json entries beyond the shared ones (Gemma's mask_token) and the end-of-generation ids
+(EOG_TEXTS: Gemma's <end_of_turn>, ...) that llama.cpp stops at besides eos.
+Malformed metadata (scores not one finite number per token) is a CheckpointError naming the file and the key.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from bam_surgery.runtime.errors import CheckpointError
+
+SPACE = "\u2581"  # SentencePiece's visible space
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # transformers' gemma_tokenizer
+PHI3_ARCHS = ("phi3",)  # transformers' phi3_tokenizer; every other architecture: LlamaTokenizer's shape
+CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
+MAX_TOKEN_CHARS = 4096  # a longer token makes cutting it into pairs quadratic in its length: not rebuilt
+# control tokens llama.cpp ends generation at besides eos (llama-vocab.cpp's end-of-turn names)
+EOG_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>", "<EOT>")
+
+
+def _scores(fields: Mapping[str, Any], n: int, where: str) -> list[float]:
+    key = "tokenizer.ggml.scores"
+    value = fields.get(key)
+    if not isinstance(value, list) or len(value) != n:
+        got = f"{len(value):,} values" if isinstance(value, list) else ("missing" if value is None else "not a list")
+        raise CheckpointError(f"{where}: {key} is not one score per token ({n:,} tokens; {got})")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CheckpointError(f"{where}: {key}[{i}] is {str(v)[:20]!r}, not a finite number")
+    return value
+
+
+def implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[list[str]]:
+    """The merges a vocabulary implies: for each token of `rank` (in its order), every cut into two tokens of `vocab`;
+    the cuts sorted by (the token's rank, len(left), len(right)), highest first, ties in `rank`'s order (Python's sort
+    keeps it under reverse=True), as transformers' generate_merges orders them."""
+    cuts: list[tuple[float, int, int, str, str]] = []
+    for token, score in rank.items():
+        for i in range(1, len(token)):
+            left = token[:i]
+            if left in vocab:
+                right = token[i:]
+                if right in vocab:
+                    cuts.append((score, i, len(token) - i, left, right))
+    cuts.sort(key=lambda c: c[:3], reverse=True)
+    return [[c[3], c[4]] for c in cuts]
+
+
+def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types: list[int],
+                            ids: dict[str, int | None], where: str) -> tuple[dict, dict] | str:
+    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt."""
+    arch = fields.get("general.architecture")
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]), default=None)
+    if longest is not None and len(tokens[longest]) > MAX_TOKEN_CHARS:
+        return (f"its token {longest} is {len(tokens[longest]):,} characters long (the rebuild takes tokens of up to "
+                f"{MAX_TOKEN_CHARS:,}); pass --tokenizer")
+    gemma = arch in GEMMA_ARCHS
+    if gemma:
+        spelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}  # a repeated string keeps its last id, as transformers' does
+        merges = implied_merges(vocab, {t: -i for i, t in enumerate(spelled)})
+    else:
+        scores = _scores(fields, len(tokens), where)
+        spelled = tokens
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = implied_merges(vocab, dict(zip(tokens, scores)))
+    named = {tokens[i] for i in ids.values() if i is not None}
+    config: dict[str, Any] = {}
+    if gemma and "<mask>" in vocab:  # GemmaTokenizer's mask token
+        named.add("<mask>")
+        config["mask_token"] = "<mask>"
+    special = {t for t, k in zip(tokens, types) if k == CONTROL} | named
+    plain = {t for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab} - special
+    added = [{"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": t in special}
+             for t in special | plain if t in vocab]
+    added.sort(key=lambda a: a["id"])
+    strip = [] if gemma else [{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+    decoder = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}, *strip]}
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+    if gemma:
+        normalizer: dict | None = replace
+        pre: dict | None = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                            "invert": False}
+    elif arch in PHI3_ARCHS:
+        normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]}
+        pre = None
+    else:
+        normalizer = None
+        pre = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first", "split": False}
+    body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+            "pre_tokenizer": pre, "post_processor": None, "decoder": decoder,
+            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>" if gemma else None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                      "byte_fallback": True, "ignore_merges": False, "vocab": vocab, "merges": merges}}
+    eog = [vocab[t] for t in EOG_TEXTS if t in special and t in vocab]
+    return body, {"config": config, "eog": eog}
