@@ -22,13 +22,15 @@ strings, ids outside the vocabulary, merges that are not pairs) is a CheckpointE
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from bam_surgery.runtime.cache import cached_texts
+from bam_surgery.runtime.cache import cached_build, cached_texts
 from bam_surgery.runtime.errors import CheckpointError, printable
 
+from . import gguf_sentencepiece
 from .gguf_sentencepiece import sentencepiece_tokenizer
 
 # tokenizer.json pre-tokenizer regexes that llama.cpp implements (src/llama-vocab.cpp quotes each beside its own)
@@ -60,6 +62,7 @@ PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
 UNDEFINED, NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 3, 4, 5, 6  # llama.cpp's token types
 DIRECTORY = "gguf-tokenizers"
+FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # tokenizer_texts' names, in order
 
 
 def _strings(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
@@ -202,9 +205,24 @@ def _post_processor(tokens: list[str], ids: dict[str, int | None], add_bos: bool
             "special_tokens": special}
 
 
+def _input_key(fields: Mapping[str, Any], context_length: int | None) -> str:
+    """A digest of everything the rebuild reads: the tokenizer.* metadata, the architecture, the context length and
+    this code (its source files), so a cached rebuild is found without rebuilding it and a changed rule never
+    reuses an old one."""
+    digest = hashlib.sha256()
+    for source in (__file__, gguf_sentencepiece.__file__):
+        digest.update(Path(source).read_bytes())
+    used = sorted(k for k in fields if k.startswith("tokenizer.") or k == "general.architecture")
+    digest.update(repr([(k, fields[k]) for k in used] + [context_length]).encode("utf-8", "surrogatepass"))
+    return "in-" + digest.hexdigest()[:32]
+
+
 def rebuild_tokenizer(fields: Mapping[str, Any], where: str, context_length: int | None) -> tuple[list[Path], str]:
-    """(the rebuilt files in the cache, "") or ([], why there are none)."""
-    texts = tokenizer_texts(fields, where, context_length)
-    if isinstance(texts, str):
-        return [], texts
-    return cached_texts(DIRECTORY, texts, where), ""
+    """(the rebuilt files in the cache, "") or ([], why there are none). A rebuild is cached under a digest of its
+    inputs (a SentencePiece vocabulary of 262,144 tokens takes seconds to rebuild, milliseconds to find)."""
+    if fields.get("tokenizer.ggml.model") not in ("gpt2", "llama"):
+        texts = tokenizer_texts(fields, where, context_length)  # a sentence saying why
+        return ([], texts) if isinstance(texts, str) else (cached_texts(DIRECTORY, texts, where), "")
+    files = cached_build(DIRECTORY, _input_key(fields, context_length), FILES,
+                         lambda: tokenizer_texts(fields, where, context_length), where)
+    return ([], files) if isinstance(files, str) else (files, "")

@@ -11,7 +11,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from .errors import CheckpointError
 
@@ -30,18 +30,38 @@ def cached_texts(directory: str, texts: Mapping[str, str], where: str) -> list[P
         digest.update(name.encode() + b"\0" + texts[name].encode() + b"\0")
     folder = cache_root() / directory / digest.hexdigest()[:32]
     if not all((folder / n).is_file() for n in texts):
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-            for name, text in texts.items():
-                (tmp / name).write_text(text, encoding="utf-8")
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another process wrote the same files first
-                for name in texts:
-                    (tmp / name).unlink()
-                tmp.rmdir()
-        except OSError as e:
-            raise CheckpointError(f"{where}: cannot write its side files under {folder.parent} "
-                                  f"({e.strerror or e}; set BAM_SURGERY_CACHE to a writable folder)") from None
+        _write_folder(folder, texts, where)
     return [folder / n for n in texts]
+
+
+def cached_build(directory: str, key: str, names: Sequence[str], build: Callable[[], Mapping[str, str] | str],
+                 where: str) -> list[Path] | str:
+    """The files `names` of the folder cache_root() / directory / KEY, where KEY is a digest of everything `build`
+    computes them from (the caller's inputs and code): `build()` runs only when the folder is missing, and its
+    {file name: text} is written as cached_texts writes (once, atomically). A str from `build` (why there are no
+    files) is returned as it is and nothing is written."""
+    folder = cache_root() / directory / key
+    if all((folder / n).is_file() for n in names):
+        return [folder / n for n in names]
+    texts = build()
+    if isinstance(texts, str):
+        return texts
+    _write_folder(folder, texts, where)
+    return [folder / n for n in texts]
+
+
+def _write_folder(folder: Path, texts: Mapping[str, str], where: str) -> None:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        for name, text in texts.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process wrote the same files first
+            for name in texts:
+                (tmp / name).unlink()
+            tmp.rmdir()
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot write its side files under {folder.parent} "
+                              f"({e.strerror or e}; set BAM_SURGERY_CACHE to a writable folder)") from None
