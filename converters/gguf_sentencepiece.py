@@ -23,7 +23,8 @@ without transformers:
 
 `extra`: tokenizer_config.json entries beyond the shared ones (Gemma's mask_token) and the end-of-generation ids
 (EOG_TEXTS: Gemma's <end_of_turn>, ...) that llama.cpp stops at besides eos.
-Malformed metadata (scores not one finite number per token) is a CheckpointError naming the file and the key.
+Malformed metadata (scores not one finite number per token; required but for Gemma, checked whenever present) is a
+CheckpointError naming the file and the key.
 """
 from __future__ import annotations
 
@@ -78,12 +79,13 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         return (f"its token {longest} is {len(tokens[longest]):,} characters long (the rebuild takes tokens of up to "
                 f"{MAX_TOKEN_CHARS:,}); pass --tokenizer")
     gemma = arch in GEMMA_ARCHS
+    if not gemma or "tokenizer.ggml.scores" in fields:  # Gemma's are unused, but checked as any file's
+        scores = _scores(fields, len(tokens), where)
     if gemma:
         spelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}  # a repeated string keeps its last id, as transformers' does
         merges = implied_merges(vocab, {t: -i for i, t in enumerate(spelled)})
     else:
-        scores = _scores(fields, len(tokens), where)
         spelled = tokens
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = implied_merges(vocab, dict(zip(tokens, scores)))

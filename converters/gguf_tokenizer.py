@@ -1,24 +1,31 @@
-"""A GGUF's tokenizer (tokenizer.ggml.*, llama.cpp's gpt2 model: byte-level BPE) rebuilt as Hugging Face files.
+"""A GGUF's tokenizer (tokenizer.ggml.*) rebuilt as Hugging Face files: llama.cpp's gpt2 model (byte-level BPE) here,
+its llama model (SentencePiece) in gguf_sentencepiece.py.
 
-    files = rebuild_tokenizer(fields, where="model.gguf")   # [tokenizer.json, tokenizer_config.json,
-                                                            #  generation_config.json] in the cache, or [] + a note
+    files, note = rebuild_tokenizer(fields, where="model.gguf", context_length=...)
+    # [tokenizer.json, tokenizer_config.json, generation_config.json] in the cache, or [] and why there are none
 
-  tokenizer.json         BPE over GPT-2's byte symbols: the vocabulary (tokenizer.ggml.tokens), the merges
+  tokenizer.json         gpt2: BPE over GPT-2's byte symbols: the vocabulary (tokenizer.ggml.tokens), the merges
                          (tokenizer.ggml.merges), the pre-tokenizer of tokenizer.ggml.pre (PRE_TOKENIZERS: the same
                          table the GGUF export matches a tokenizer.json against), CONTROL tokens as special added tokens
                          and USER_DEFINED ones as plain added tokens (both matched whole, as llama.cpp does), UNUSED
-                         ones (the [PADn] ids past the tokenizer) left out, a
-                         post-processor adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token say so;
+                         ones (the [PADn] ids past the tokenizer) left out;
+                         llama: transformers' GGUF tokenizer of the same metadata (gguf_sentencepiece.py);
+                         both with a post-processor adding BOS / EOS when tokenizer.ggml.add_bos_token / add_eos_token
+                         say so (a SentencePiece file that does not say adds BOS, as llama.cpp and transformers do);
   tokenizer_config.json  bos / eos / pad / unk tokens, add_bos_token / add_eos_token, the chat template
                          (tokenizer.chat_template), model_max_length ({arch}.context_length);
-  generation_config.json bos_token_id / eos_token_id / pad_token_id.
+  generation_config.json bos_token_id / eos_token_id / pad_token_id (SentencePiece: eos and the end-of-turn tokens
+                         llama.cpp also stops at, Gemma's <end_of_turn>: gguf_sentencepiece.EOG_TEXTS).
 
-The files are content-addressed in runtime.cache.cache_root() / "gguf-tokenizers" / DIGEST (written once, atomically,
-never changed), so that they outlive the reader (a training run copies them into its checkpoints) and travel into
-every output as an HF directory's tokenizer files do. Another tokenizer model (llama's SentencePiece, ...) or a
-pre-tokenizer outside PRE_TOKENIZERS is not rebuilt: the weights still read, the reader's metadata says why there is
-no tokenizer, and the commands that need one ask for --tokenizer. Malformed tokenizer metadata (tokens that are not
-strings, ids outside the vocabulary, merges that are not pairs) is a CheckpointError naming the key.
+The files are written once, atomically, never changed, in runtime.cache.cache_root() / "gguf-tokenizers" / KEY, KEY a
+digest of the tokenizer metadata and of this code (runtime.cache.cached_build), so that a rebuild is found without
+redoing it (Gemma's 262,144 tokens: ~3 s to rebuild) and the files outlive the reader (a training run copies them
+into its checkpoints) and travel into every output as an HF directory's tokenizer files do. Another tokenizer model
+(t5's Unigram, ...), a pre-tokenizer outside PRE_TOKENIZERS or a SentencePiece vocabulary naming one is not rebuilt:
+the weights still read, the reader's metadata says why there is no tokenizer, and the commands that need one ask for
+--tokenizer. Malformed tokenizer metadata (tokens that are not strings, token types not one integer of llama.cpp's
+per token, scores not one finite number per token, ids outside the vocabulary, flags that are not booleans, merges
+that are not pairs) is a CheckpointError naming the file and the key.
 """
 from __future__ import annotations
 

@@ -223,6 +223,38 @@ def test_gguf_on_mutated_files(tmp_path_factory, tiny_gguf, data):
     clean(lambda: _open_gguf(bytes(body[:cut]), tmp_path_factory.mktemp("g")))
 
 
+# tokenizer metadata of a SentencePiece (or byte-level BPE) GGUF: lists of the wrong length, type or range
+spm_tokens = st.lists(st.one_of(st.sampled_from(["<bos>", "<eos>", "\u2581", "a", "b", "ab", "\u2581a", "  ", "<0x41>"]),
+                                st.text(max_size=4)), min_size=1, max_size=12)
+spm_fields = st.fixed_dictionaries({
+    "general.architecture": st.sampled_from(["gemma3", "llama", "phi3", 7]),
+    "tokenizer.ggml.model": st.sampled_from(["llama", "gpt2", "t5", None]),
+    "tokenizer.ggml.tokens": st.one_of(spm_tokens, scalars, st.lists(scalars, max_size=4)),
+}, optional={
+    "tokenizer.ggml.scores": st.one_of(st.lists(st.one_of(st.floats(), st.integers(-5, 5), st.text(max_size=2)),
+                                                max_size=12), scalars),
+    "tokenizer.ggml.token_type": st.one_of(st.lists(st.one_of(st.integers(-2, 8), st.booleans(), st.text(max_size=1)),
+                                                    max_size=12), scalars),
+    "tokenizer.ggml.pre": st.sampled_from(["default", "llama-bpe", "gpt-2", "x"]),
+    "tokenizer.ggml.merges": st.lists(st.text(max_size=5), max_size=4),
+    "tokenizer.ggml.bos_token_id": scalars, "tokenizer.ggml.eos_token_id": st.integers(-1, 14),
+    "tokenizer.ggml.add_bos_token": scalars, "tokenizer.ggml.add_eos_token": st.booleans(),
+    "tokenizer.chat_template": scalars,
+}).map(lambda d: {k: v for k, v in d.items() if v is not None})
+
+
+@FUZZ
+@given(spm_fields)
+def test_gguf_tokenizer_metadata(fields):
+    """What the GGUF reader rebuilds a tokenizer from: files' texts, a note saying why not, or one line."""
+    from bam_surgery.converters.gguf_tokenizer import tokenizer_texts
+
+    def rebuild() -> None:
+        texts = tokenizer_texts(fields, "fuzz.gguf", None)
+        assert isinstance(texts, str) or json.loads(texts["tokenizer.json"])["model"]["type"] == "BPE"
+    clean(rebuild)
+
+
 def test_the_fuzzers_can_fail():
     """The property is not vacuous: a parser that raised anything else would fail it."""
     with pytest.raises(ZeroDivisionError):
