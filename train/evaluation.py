@@ -5,7 +5,8 @@
 
 Each domain's held-out token stream is cut into consecutive windows of seq_len + 1 tokens that
 overlap by one (packing.eval_windows): every token but the first is predicted exactly once, with
-as much context as the window gives. loss = (sum of next-token NLL) / (tokens predicted), in nats;
+as much context as the window gives; a window's first input is the tokenizer's beginning-of-sequence
+token where it has one (Gemma's, Llama's <bos>), as in training. loss = (sum of next-token NLL) / (tokens predicted), in nats;
 perplexity = exp(loss). Routing statistics (metrics.py) are over the same tokens.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .data import parse_data_spec, open_source
 from .distributed import Dist, all_sum, pick_device
 from .errors import TrainError
 from .metrics import RoutingAccumulator, summarize_routing
-from .packing import eval_windows
+from .packing import eval_windows, window_inputs
 from .progress import ProgressLines
 from .provenance import expert_names, read_provenance
 from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
@@ -73,8 +74,10 @@ def autocast(device: torch.device, precision: str):
 def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: int, batch_size: int = 8,
                      max_tokens: int = 0, device: torch.device | None = None, precision: str = "auto",
                      routing=None, expert_names: dict[str, list[str]] | None = None,
-                     d: Dist | None = None, on_routing=None, progress: bool = False) -> dict[str, DomainResult]:
-    """Evaluate a model on tokenized streams {domain: 1-D token array}.
+                     d: Dist | None = None, on_routing=None, progress: bool = False,
+                     bos_id: int | None = None) -> dict[str, DomainResult]:
+    """Evaluate a model on tokenized streams {domain: 1-D token array}; each window's first input is bos_id
+    where given (the tokenizer's beginning-of-sequence token: packing.window_inputs).
 
     on_routing(domain, out.routing), if given, sees every counted forward pass in order (routing_report
     records the top-1 choices with it). progress: a bar on stderr over the forward passes of every
@@ -104,7 +107,7 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                 real = i < len(batches)
                 wins = batches[i if real else 0]
                 seq = torch.stack([torch.from_numpy(np.asarray(tokens[s:e], dtype=np.int64)) for s, e in wins])
-                inputs, targets = seq[:, :-1].to(device), seq[:, 1:].to(device)
+                inputs, targets = window_inputs(seq, bos_id).to(device), seq[:, 1:].to(device)
                 with autocast(device, precision):
                     out = model(inputs, routing=routing)
                 nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1),
@@ -218,5 +221,5 @@ def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id
     T = check_seq_len(seq_len, loaded.config)
     streams = load_streams(data, loaded.tokenizer, split, text_field, token_cache)
     results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision, routing,
-                               loaded.expert_names, progress=progress)
+                               loaded.expert_names, progress=progress, bos_id=loaded.tokenizer.bos_id)
     return EvalReport(loaded.spec, loaded.tokenizer.name, T, results, loaded.expert_names)

