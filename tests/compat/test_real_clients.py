@@ -178,7 +178,7 @@ def test_onnxruntime_continues_like_the_runtime(request, tmp_path):
         new.append(int(generator.get_next_tokens()[0]))
     check("onnxruntime-genai, onnx", Continuation(ids, new, tok.decode(np.array(new, dtype=np.int32))), expected)
     del generator, model
-    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    eos = json.loads((out / "genai_config.json").read_text())["model"]["eos_token_id"]  # the folder's generation ids
     greedy = OrtDecoder(out / "model.onnx").greedy(np.array([ids]), np.ones((1, len(ids)), np.int64), N_NEW)[0]
     new = until_eos(greedy.tolist(), eos)
     check("onnxruntime (InferenceSession, OrtDecoder's greedy loop), onnx",
