@@ -114,6 +114,13 @@ def btx(seed, specialists, root) -> tuple[Path, Continuation]:  # noqa: F811
     return path, runtime_continuation(path)
 
 
+@pytest.fixture(scope="module")
+def shared(seed, specialists, root) -> tuple[Path, Continuation]:  # noqa: F811
+    """btx-shared-expert: the seed as the always-on shared expert, the specialists routed (softmax gates)."""
+    path = merged(seed, specialists, root, "btx-shared-expert")
+    return path, runtime_continuation(path)
+
+
 def check(name: str, got: Continuation, expected: Continuation) -> None:
     print(f"\n{name}: prompt {len(got.prompt)} tokens, {len(got.new)} greedy tokens {got.new}, text {got.text!r}; "
           f"the runtime's: {expected.new}, {expected.text!r}")
@@ -135,10 +142,13 @@ def until_eos(ids, eos) -> list[int]:
 
 
 # ---- transformers ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["hf", "mixtral"])
+TRANSFORMERS_FORMATS = {"hf": "bam", "mixtral": "btx", "qwen2_moe": "shared"}  # export format: mixture fixture
+
+
+@pytest.mark.parametrize("fmt", list(TRANSFORMERS_FORMATS))
 def test_transformers_continues_like_the_runtime(fmt, request, tmp_path):
     transformers = client("transformers")
-    path, expected = request.getfixturevalue("bam" if fmt == "hf" else "btx")
+    path, expected = request.getfixturevalue(TRANSFORMERS_FORMATS[fmt])
     out = tmp_path / fmt
     run_cli("convert", path, "--format", fmt, "--out", out)
     tok = transformers.AutoTokenizer.from_pretrained(str(out), trust_remote_code=fmt == "hf")  # its config's code
@@ -186,12 +196,13 @@ def test_onnxruntime_continues_like_the_runtime(request, tmp_path):
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------------------------
-def test_llama_cpp_continues_like_the_runtime(request, tmp_path):
+@pytest.mark.parametrize("mixture", ["btx", "shared"])  # llama.cpp's llama (Mixtral's layout) and qwen2moe
+def test_llama_cpp_continues_like_the_runtime(mixture, request, tmp_path):
     llama_cpp = client("llama_cpp")
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    path, expected = request.getfixturevalue("btx")
-    out = tmp_path / "btx.gguf"
+    path, expected = request.getfixturevalue(mixture)
+    out = tmp_path / f"{mixture}.gguf"
     run_cli("export-gguf", path, "--out", out, "--dtype", "f32")
     # f32 KV cache: llama.cpp's default f16 cache moves real-model logits by up to ~5e-2 (docs/deploy.md, llama.cpp)
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, n_threads=2, n_threads_batch=2,
@@ -206,7 +217,7 @@ def test_llama_cpp_continues_like_the_runtime(request, tmp_path):
         new.append(int(token))
         if token == llm.token_eos() or len(new) == N_NEW:
             break
-    check("llama.cpp, gguf f32", Continuation(ids, new, llm.detokenize(new).decode()), expected)
+    check(f"llama.cpp, gguf f32 ({llm.metadata['general.architecture']})", Continuation(ids, new, llm.detokenize(new).decode()), expected)
     llm.close()
 
 
