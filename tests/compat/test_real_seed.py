@@ -185,22 +185,27 @@ def test_count_params_and_inspect_take_the_gguf(seed):
     assert "llama" in run_cli("inspect", seed).output
 
 
-@pytest.fixture(scope="module")
-def specialists(seed, tmp_path_factory) -> Iterator[list[Path]]:
-    """Two specialists: the seed with seeded noise (2% of each tensor's std) on its FFN weights, as canonical files
-    (1.1 GB, removed when the module ends)."""
-    folder = tmp_path_factory.mktemp("specialists")
+def perturbed_specialists(seed: Path, folder: Path, names: tuple[str, ...] = ("code", "law")) -> list[Path]:
+    """Cheap specialists: the seed with seeded noise (2% of each tensor's std; specialist k seeded k) on its FFN
+    weights, as canonical files in `folder` (550 MB each); also tests/compat/test_real_clients.py's."""
     with open_checkpoint(seed) as reader:
         cfg = reader.config
         state = {n: reader.get(n).float() for n in reader.names()}
     out = []
-    for k, name in enumerate(("code", "law")):
+    for k, name in enumerate(names):
         gen = torch.Generator().manual_seed(k)
         changed = {n: (t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) if ".ffn." in n else t)
                    for n, t in state.items()}
         out.append(save_checkpoint(changed, cfg, folder / f"{name}.safetensors"))
         del changed
-    yield out
+    return out
+
+
+@pytest.fixture(scope="module")
+def specialists(seed, tmp_path_factory) -> Iterator[list[Path]]:
+    """Two specialists (perturbed_specialists: 1.1 GB, removed when the module ends)."""
+    folder = tmp_path_factory.mktemp("specialists")
+    yield perturbed_specialists(seed, folder)
     shutil.rmtree(folder, ignore_errors=True)
 
 
