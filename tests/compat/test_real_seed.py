@@ -37,7 +37,7 @@ import gzip
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -185,16 +185,18 @@ def test_count_params_and_inspect_take_the_gguf(seed):
     assert "llama" in run_cli("inspect", seed).output
 
 
-def perturbed_specialists(seed: Path, folder: Path, names: tuple[str, ...] = ("code", "law")) -> list[Path]:
-    """Cheap specialists: the seed with seeded noise (2% of each tensor's std; specialist k seeded k) on its FFN
-    weights, as canonical files in `folder` (550 MB each); also tests/compat/test_real_clients.py's."""
+def perturbed_specialists(seed: Path, folder: Path, names: tuple[str, ...] = ("code", "law"),
+                          which: Callable[[str], bool] = lambda name: ".ffn." in name) -> list[Path]:
+    """Cheap specialists: the seed with seeded noise (2% of each tensor's std; specialist k seeded k) on the tensors
+    `which` names (default: the FFN weights), as canonical files in `folder` (550 MB each for SmolLM2); also
+    tests/compat/test_real_clients.py's and test_real_gemma_mix.py's."""
     with open_checkpoint(seed) as reader:
         cfg = reader.config
         state = {n: reader.get(n).float() for n in reader.names()}
     out = []
     for k, name in enumerate(names):
         gen = torch.Generator().manual_seed(k)
-        changed = {n: (t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) if ".ffn." in n else t)
+        changed = {n: (t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) if which(n) else t)
                    for n, t in state.items()}
         out.append(save_checkpoint(changed, cfg, folder / f"{name}.safetensors"))
         del changed
@@ -293,8 +295,11 @@ def held_out(ours, corpus, token_cache) -> dict[str, "np.ndarray"]:
     return load_streams(",".join(f"{d}={corpus[d]}" for d in DOMAINS), tok, token_cache=token_cache)
 
 
-def losses(model, streams, routing=None) -> dict[str, float]:
-    results = evaluate_streams(model, streams, 128, 8, EVAL_TOKENS, torch.device("cpu"), "fp32", routing)
+def losses(model, streams, routing=None, bos_id: int | None = None) -> dict[str, float]:
+    """Held-out loss per domain, as `bam-surgery eval` computes it (windows of 128; the first input of each is
+    bos_id where the tokenizer has one: SmolLM2's has none, Gemma's <bos>)."""
+    results = evaluate_streams(model, streams, 128, 8, EVAL_TOKENS, torch.device("cpu"), "fp32", routing,
+                               bos_id=bos_id)
     return {d: r.loss for d, r in results.items()}
 
 
