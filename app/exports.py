@@ -13,8 +13,9 @@ GGUF file, a train run's checkpoint, a merge's seed), what travels with the weig
                         an HF folder's, a canonical folder's or single file's carried ones, a GGUF's rebuilt ones)
     chat template       chat_template.jinja (or tokenizer_config.json's chat_template, inside that file)
     generation config   generation_config.json's entries (bos/eos/pad ids, stop ids), else config.json's token ids;
-                        every format writes its own generation_config.json from them (and the ids into config.json,
-                        genai_config.json, the GGUF's tokenizer.ggml.*)
+                        every format but the GGUF writes generation_config.json from them (the HF formats also
+                        the ids into config.json, the ONNX folder into genai_config.json), the GGUF its
+                        tokenizer.ggml.* ids
     byte tokenizer      converters/byte_tokenizer.py:uses_byte_tokenizer (the one rule): the canonical format
                         keeps its metadata key, the GGUF embeds its vocabulary, the ONNX folder a tokenizer.json
     card                a merge's model card (README.md of the HF formats)

@@ -26,7 +26,6 @@ one-line CapabilityError saying why.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +38,7 @@ from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
-from .hf.files import GENERATION_CONFIG
+from .hf.files import GENERATION_CONFIG, generation_config_text
 from .hf_export import HFExporter
 from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
@@ -76,7 +75,7 @@ def side_files(options: ExportOptions) -> dict[str, bytes]:
     generation config as generation_config.json (when it has entries)."""
     files = {Path(f).name: read_side_file(Path(f)) for f in options.tokenizer_files}
     if options.generation:
-        files[GENERATION_CONFIG] = (json.dumps(dict(options.generation), indent=2, sort_keys=True) + "\n").encode()
+        files[GENERATION_CONFIG] = generation_config_text(options.generation).encode()
     return files
 
 

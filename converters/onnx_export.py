@@ -31,6 +31,7 @@ from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .hf.files import GENERATION_CONFIG, generation_config_text
 from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
 from .onnx_graph import EXTERNAL_DATA_BYTES as GRAPH_EXTERNAL_DATA_BYTES
@@ -107,6 +108,8 @@ class OnnxExporter(Exporter):
                 move_inline(tmp / GRAPH_FILE, store)
             for f in options.tokenizer_files:
                 copy_side_file(Path(f), tmp / Path(f).name)
+            if options.generation:  # eos for any loop over the graph (GenAI's is genai_config.json's)
+                (tmp / GENERATION_CONFIG).write_text(generation_config_text(options.generation), encoding="utf-8")
             write_genai_config(cfg, tmp, options, log)
             (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
         return out

@@ -11,6 +11,7 @@ refused before anything is read, so that no export carries a file from elsewhere
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bam_surgery.runtime.errors import CheckpointError
@@ -24,6 +25,12 @@ SINGLE_FILE = "model.safetensors"  # the weights of an unsharded directory
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # What a model directory carries besides config and weights; copied into exports of it.
 TOKENIZER_FILES = SIDE_FILES
+
+
+def generation_config_text(generation) -> str:
+    """generation_config.json's text of a generation config's entries (the HF formats, the canonical folder and the
+    ONNX folder write it alike)."""
+    return json.dumps(dict(generation), indent=2, sort_keys=True) + "\n"
 
 
 def read_hf_config(directory: Path) -> dict:

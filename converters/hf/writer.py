@@ -33,7 +33,8 @@ from ..base import ExportOptions
 from .architectures import Architecture, BoundRule
 from .architectures import architecture as lookup_architecture
 from .architectures import bind
-from .files import CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, read_hf_config, tokenizer_files_in
+from .files import (CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, generation_config_text, read_hf_config,
+                    tokenizer_files_in)
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained puts in each weight file
@@ -146,7 +147,7 @@ def export_with_options(reader: Reader, out_dir: str | os.PathLike, arch: Archit
     """`reader` as `arch` with what ExportOptions carry: the tokenizer files copied, generation_config.json from the
     generation config (always, or only when it has entries) and its token ids in config.json, the card."""
     generation = dict(options.generation or {})
-    texts = {GENERATION_CONFIG: json.dumps(generation, indent=2, sort_keys=True) + "\n"} \
+    texts = {GENERATION_CONFIG: generation_config_text(generation)} \
         if generation or always_generation else {}
     if options.model_card is not None:
         texts["README.md"] = options.model_card

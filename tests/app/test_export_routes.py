@@ -7,7 +7,7 @@ tokenizer.json that has special tokens, a chat template (chat_template.jinja) an
 into every format the model allows (canonical, hf, mixtral, qwen2_moe, qwen3_moe, flex_olmo, onnx, gguf). In each
 output, read back as a user would (open_checkpoint, the GGUF's rebuilt tokenizer, the ONNX folder's files): the
 tokenizer encodes a sample of code, prose and special tokens to the source's ids, the chat template is the
-source's, and the eos id is the source's (in config.json and genai_config.json too).
+source's, and the eos id is the source's (in generation_config.json, and config.json or genai_config.json too).
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def carried(out: Path, fmt: str) -> tuple[Path, str | None, object, object]:
     if fmt == "onnx":
         files = {p.name: p for p in out.iterdir()}
         genai = json.loads((out / "genai_config.json").read_text())["model"]["eos_token_id"]
-        return files["tokenizer.json"], _template(files), genai, genai
+        generation = json.loads(files["generation_config.json"].read_text())["eos_token_id"]
+        return files["tokenizer.json"], _template(files), generation, genai
     with open_checkpoint(out) as reader:  # the files read back: a GGUF's rebuilt, a single file's carried
         inputs = export_inputs(reader, "canonical")
         files = {f.name: f for f in inputs.files}
