@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from bam_surgery.runtime.cache import cached_build, cached_texts
+from bam_surgery.runtime.cache import cached_build
 from bam_surgery.runtime.errors import CheckpointError, printable
 
 from . import gguf_sentencepiece
@@ -227,9 +227,6 @@ def _input_key(fields: Mapping[str, Any], context_length: int | None) -> str:
 def rebuild_tokenizer(fields: Mapping[str, Any], where: str, context_length: int | None) -> tuple[list[Path], str]:
     """(the rebuilt files in the cache, "") or ([], why there are none). A rebuild is cached under a digest of its
     inputs (a SentencePiece vocabulary of 262,144 tokens takes seconds to rebuild, milliseconds to find)."""
-    if fields.get("tokenizer.ggml.model") not in ("gpt2", "llama"):
-        texts = tokenizer_texts(fields, where, context_length)  # a sentence saying why
-        return ([], texts) if isinstance(texts, str) else (cached_texts(DIRECTORY, texts, where), "")
     files = cached_build(DIRECTORY, _input_key(fields, context_length), FILES,
                          lambda: tokenizer_texts(fields, where, context_length), where)
     return ([], files) if isinstance(files, str) else (files, "")

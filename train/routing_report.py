@@ -130,9 +130,9 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, tok
         raise TrainError(f"--data: domain {empty[0]!r} ({split} split) has fewer than 2 tokens; nothing to route")
 
     recorder = _Top1Recorder() if compare is not None else None
+    bos_id = loaded.tokenizer.bos_id  # both models read the windows as this tokenizer's (packing.window_inputs)
     results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision,
-                               expert_names=loaded.expert_names, on_routing=recorder,
-                               bos_id=loaded.tokenizer.bos_id)
+                               expert_names=loaded.expert_names, on_routing=recorder, bos_id=bos_id)
     loaded.model = None  # one model in memory at a time
     compare_spec = None
     if compare is not None:
@@ -140,7 +140,7 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, tok
         compare_spec = second.spec
         recorder2 = _Top1Recorder()
         evaluate_streams(second.model, streams, T, batch_size, max_tokens, dev, precision, on_routing=recorder2,
-                         bos_id=loaded.tokenizer.bos_id)
+                         bos_id=bos_id)
         second.model = None
         changed = top1_changes(recorder.joined(), recorder2.joined())
     else:
