@@ -21,14 +21,17 @@ the first, whose problems are the refusal.
                       soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
                       derives from the block count: gguf_table's WINDOWS section; no Gemma mixture.
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
-  mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
-           that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
-           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
-           QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's norm_topk_prob;
-           softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
+  mixture  the FFN experts the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts
+           of that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
+           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral, with the q/k/v
+           and o biases llama.cpp's llama adds when the file has them (a BTX of Qwen2 models); with softmax gates
+           (the paper's top-1), which llama's graph would renormalize, `qwen2moe` with an all-zero shared expert (below);
+           with a per-head QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's
+           norm_topk_prob; softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
   shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
            (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes:
-           routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
+           routed experts as above, plus the shared expert scaled by sigmoid(x . w); a mixture without one is written
+           with converters/qwen2_moe.py's all-zero shared expert, which adds exactly 0; expert_count,
            expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
            gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
            read for qwen2moe), so gate_norm softmax, the recipe's default, is written and topk_softmax refused (unless
@@ -112,12 +115,11 @@ from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
 from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
                          sliding_layers, tensor_layout, tensor_names, window_keys)
-from .qwen2_moe import WithZeroQKVBias
+from .qwen2_moe import qwen2_moe_view, zeros_note
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
 _SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
-CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
@@ -130,7 +132,9 @@ _SOFTCAPS = {"none": "no {} soft-capping", "always": "{} soft-capping", "optiona
 def candidates(cfg: ModelConfig) -> list[str]:
     """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
     if cfg.ffn_experts:
-        return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
+        if cfg.ffn_shared_hidden:
+            return ["qwen2moe"]
+        return ["qwen3moe"] if cfg.qk_norm == "head" else ["llama", "qwen2moe"]
     if cfg.norm_position == "sandwich":
         return ["gemma3" if cfg.qk_norm == "head" else "gemma2"]
     if cfg.qk_norm == "full" or cfg.norm_position == "post":
@@ -160,8 +164,8 @@ def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
     """What llama.cpp's `arch` (its gguf_table.ARCHS row) lacks for this model: a mixture's FFN side as the HF format
-    of its shape judges it (hf/mixtral_config.py, hf/qwen2_moe_config.py: llama.cpp runs the same experts), the rest
-    from the row."""
+    of its shape judges it (hf/mixtral_config.py, hf/qwen2_moe_config.py: llama.cpp runs the same experts), its
+    attention biases and the rest from the row."""
     row = ARCHS[arch]
     out: list[tuple[str, str]] = []
 
@@ -175,7 +179,13 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
                      "a mixture of Gemma's shape (norms before and after each sublayer)")]
         plain = cfg.replace(qk_norm="none", norm_position="pre", nope_layers=None, scaled_rope=None,
                             gate_norm=row.gate_norm or cfg.gate_norm)
-        out += (qwen2_moe_problems if cfg.ffn_shared_hidden else mixtral_problems)(plain)
+        if arch == "qwen2moe":
+            out += qwen2_moe_problems(plain)  # q/k/v biases at most
+        else:  # llama adds q/k/v and o biases (Qwen2's); qwen3moe none
+            out += mixtral_problems(plain.replace(qkv_bias=False, o_bias=False, ffn_bias=False, lm_head_bias=False))
+            allowed = ("q/k/v", "o") if arch == "llama" else ()
+            out += bias_problem(cfg, allowed, f"no biases but on q/k/v and o (llama.cpp's {arch})" if allowed else
+                                f"bias-free projections (llama.cpp's {arch})")
         top = f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts"
         # topk_softmax and softmax agree only when every expert is selected (the top-k probabilities sum to 1)
         if cfg.gate_norm != row.gate_norm and cfg.ffn_top_k != cfg.ffn_experts:
@@ -268,13 +278,9 @@ def rope_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
 
 
 def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
-    """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
-    problems = gguf_problems(cfg)
-    if problems:
-        carried = CARRIED_BY
-        if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
-            carried = "canonical, hf, qwen2_moe or onnx"
-        raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
+    """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes (check_export
+    adds the formats that carry it)."""
+    raise_problems(gguf_problems(cfg), "gguf export (llama.cpp)", recipe)
 
 
 def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
@@ -614,11 +620,11 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     """general.* and bam_surgery.* entries: {key: value} (strings, or lists for base models)."""
     cfg = reader.config
     prov = _provenance(reader)
+    zeros = zeros_note(reader)
     if cfg.ffn_shared_hidden:
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
                 f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
-                f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout"
-                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
+                f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout{'; ' + zeros if zeros else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
@@ -766,8 +772,8 @@ class GGUFExporter(Exporter):
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
-        if arch == "qwen2moe" and not cfg.qkv_bias:  # Qwen2-MoE files carry q/k/v biases: zeros add nothing
-            reader = WithZeroQKVBias(reader)
+        if arch == "qwen2moe":  # Qwen2-MoE's layout: q/k/v biases and a shared expert, zeros where the model has none
+            reader = qwen2_moe_view(reader)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
         for note in vocab.notes:

@@ -3,7 +3,7 @@ compute, the config.json entries they write alike, and the checks of reading one
 
 Each is a sequential block with RMSNorm (no bias), half-split RoPE over the whole head (any scaled RoPE, read and
 written by config_map.Rope like the dense families), dense GQA attention and SwiGLU FFN experts behind a linear
-router, a final norm and an unscaled head. They differ in the trunk's norms (`TRUNKS`: Mixtral and Qwen2-MoE have
+router, a final norm and an unscaled head. They differ in the trunk's norms (Mixtral and Qwen2-MoE have
 no QK-norm and norms before the sublayers, Qwen3-MoE a per-head QK-norm, FlexOlmo OLMo 2's full-width QK-norm and
 norms after the sublayers) and in what mixtral_config.py, qwen2_moe_config.py and qwen3_moe_config.py add
 (biases, gate normalization, the shared expert).
@@ -28,9 +28,6 @@ TRUNK_FIELDS: dict[str, str] = {
 }
 
 
-# (qk_norm, norm_position) of each mixture trunk -> the format that carries it (the formats say so when they refuse)
-TRUNKS: dict[tuple[str, str], str] = {("none", "pre"): "mixtral", ("head", "pre"): "qwen3_moe",
-                                      ("full", "post"): "flex_olmo"}
 _QK_NORMS = {"none": "no QK-norm", "head": "a per-head QK-norm", "full": "a full-width QK-norm"}
 _NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN",
                    "sandwich": "norms before and after attention and FFN"}
@@ -44,9 +41,7 @@ def _trunk_text(qk_norm: str, norm_position: str, other_position: str) -> str:
 
 def trunk_problems(cfg: ModelConfig, qk_norm: str = "none", norm_position: str = "pre") -> Problems:
     """Every feature of `cfg` the Llama-family mixture trunk with this QK-norm and norm position cannot express (from
-    the config alone). A model whose trunk another format has is told to use it (`TRUNKS`)."""
-    elsewhere = TRUNKS.get((cfg.qk_norm, cfg.norm_position))
-    hint = f" (use --format {elsewhere})" if elsewhere else ""
+    the config alone). Which formats do carry a refused model, converters/export.py:check_export adds."""
     checks = [
         (cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}"),
         (cfg.attn_experts == 0, "dense attention", f"{cfg.attn_experts} attention experts"),
@@ -56,7 +51,7 @@ def trunk_problems(cfg: ModelConfig, qk_norm: str = "none", norm_position: str =
         (cfg.block == "sequential", "sequential blocks", f"block {cfg.block}"),
         ((cfg.qk_norm, cfg.norm_position) == (qk_norm, norm_position),
          _trunk_text(qk_norm, norm_position, cfg.norm_position),
-         _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position) + hint),
+         _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position)),
         (cfg.position == "rope", "RoPE", f"position {cfg.position}"),
         (not cfg.nope_layers, "RoPE in every layer", f"no RoPE in layers {cfg.nope_layers}"),
         (not cfg.rope_interleaved, "half-split RoPE", "interleaved RoPE"),
@@ -84,7 +79,7 @@ def gemma_problems(cfg: ModelConfig) -> Problems:
 
 def shared_expert_problem(cfg: ModelConfig) -> Problems:
     """A shared FFN expert, which only Qwen2-MoE carries."""
-    return [("no shared expert (--format qwen2_moe carries one)", "a shared FFN expert")] if cfg.ffn_shared_hidden else []
+    return [("no shared expert", "a shared FFN expert")] if cfg.ffn_shared_hidden else []
 
 
 def attention_bias_problems(cfg: ModelConfig) -> Problems:
@@ -178,7 +173,7 @@ class MoeConfigMap:
     key_of: Mapping[str, str]  # canonical field -> config.json key
     defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) for keys a config.json may omit
     typed_keys: tuple[str, ...] = ()  # config.json keys whose wrong type read_fields would trip on
-    qk_norm, norm_position = "none", "pre"  # the trunk (TRUNKS)
+    qk_norm, norm_position = "none", "pre"  # the trunk
 
     @property
     def rope(self) -> Rope:

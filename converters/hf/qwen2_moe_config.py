@@ -4,8 +4,9 @@ Qwen2MoeForCausalLM computes, per layer: a sequential pre-norm block with RMSNor
 biases on q/k/v (none on o) and no QK-norm, half-split RoPE (any scaled RoPE) over the whole head, and a sparse MoE block of SwiGLU experts
 (softmax over all experts, top-k, renormalized when `norm_topk_prob`) plus an always-on shared SwiGLU expert
 whose output is scaled by sigmoid(shared_expert_gate(x)). That is our runtime with `ffn_shared_hidden` > 0
-(recipe btx-shared-expert); `qwen2_moe_problems` lists what a model lacks, from the config alone. Our models
-without q/k/v biases are written with zero biases (converters/qwen2_moe.py), which Qwen2-MoE adds exactly.
+(recipe btx-shared-expert), and, with that shared expert all zeros, every BTX or upcycled mixture of this trunk;
+`qwen2_moe_problems` lists what a model lacks, from the config alone. What a model lacks of Qwen2-MoE's layout (q/k/v
+biases, a shared expert) is written as zeros, which add exactly nothing (converters/qwen2_moe.py).
 """
 from __future__ import annotations
 
@@ -36,10 +37,7 @@ QWEN2_MOE_DEFAULTS: dict[str, Any] = {
 
 def qwen2_moe_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(what Qwen2-MoE needs, what this model has) for every feature Qwen2-MoE cannot express."""
-    out = trunk_problems(cfg)
-    if not cfg.ffn_shared_hidden:
-        out.append(("a shared expert (recipe btx-shared-expert; without one use --format mixtral)", "no shared expert"))
-    return out + bias_problem(cfg, ("q/k/v",), "no biases but on q/k/v")
+    return trunk_problems(cfg) + bias_problem(cfg, ("q/k/v",), "no biases but on q/k/v")
 
 
 class Qwen2MoeConfigMap(MoeConfigMap):
