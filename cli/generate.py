@@ -3,18 +3,21 @@ HF directory or hub id, our Mixtral and HF BAM exports), through runtime.generat
 
     bam-surgery generate mix.safetensors --prompt "def fib(n):" --max-new-tokens 40
     bam-surgery generate mix/ --tokens 1,2,3 --temperature 0.8 --top-p 0.95 --seed 1
+    bam-surgery generate model.gguf --chat "What is BAM?" --system "Answer briefly."
 
 The tokenizer is found as train, eval and merge find theirs (train.tokenize.resolve_tokenizer): --tokenizer
 (a tokenizer.json, a folder holding one, or `bytes`), else the checkpoint's own, else the byte-level tokenizer
-for vocabularies of at most 512. Prints the continuation on stdout (text, decoded with that tokenizer; token
-ids, comma-separated, when --tokens is given and no tokenizer applies) and one summary line on stderr. Every
+for vocabularies of at most 512. --chat renders a user turn (after --system's) through the checkpoint's own chat
+template, or --chat-template FILE's, as transformers' apply_chat_template(add_generation_prompt=True) does
+(train/chat.py). Prints the continuation on stdout (text, decoded with that tokenizer; token
+ids, comma-separated, when --tokens is given and no tokenizer applies) and one summary line on stderr: the prefill
+(the prompt's forward pass and the first token) and the decoding of the other tokens timed apart. Every
 bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: error:` line with exit status 2.
 """
 from __future__ import annotations
 
 import re
 import sys
-import time
 
 import click
 import torch
@@ -25,6 +28,7 @@ from bam_surgery.runtime.memory import check_fits
 from bam_surgery.surgery.card import generation_config
 from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.plan_reader import all_finite
+from bam_surgery.train.chat import chat_messages, chat_prompt_ids, template_file
 from bam_surgery.train.errors import TrainError
 from bam_surgery.train.tokenize import HFTokenizer, checkpoint_tokenizer, resolve_tokenizer
 
@@ -40,6 +44,13 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 @click.option("--prompt", metavar="TEXT", help="Text to continue; encoded with the tokenizer (see --tokenizer).")
 @click.option("--tokens", metavar="ID,ID,...",
               help="Token ids to continue instead of --prompt, comma-separated, e.g. 1,2,3.")
+@click.option("--chat", metavar="TEXT", help="A user message instead of --prompt, rendered through the checkpoint's chat "
+                                           "template with the assistant's turn opened (as transformers' "
+                                           "apply_chat_template(add_generation_prompt=True)).")
+@click.option("--system", metavar="TEXT", help="A system message before --chat's.")
+@click.option("--chat-template", metavar="FILE",
+              help="A Jinja chat template for --chat (default: the one beside the tokenizer: chat_template.jinja, "
+                   "or tokenizer_config.json's chat_template).")
 @click.option("--tokenizer", metavar="PATH|bytes",
               help="Tokenizer of --prompt and of the printed text: a tokenizer.json, a folder holding one, or bytes "
                    "(default: the checkpoint's own; bytes for vocabularies of at most 512).")
@@ -55,8 +66,8 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
               help="Where the model runs: cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, metavar="|".join(DTYPES),
               help="Weight dtype for the run. Default: float32 on cpu, the checkpoint's own on cuda.")
-def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperature, top_p, seed, device,
-                 dtype) -> None:
+def generate_cmd(checkpoint, prompt, tokens, chat, system, chat_template, tokenizer, max_new_tokens, temperature,
+                 top_p, seed, device, dtype) -> None:
     """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
@@ -66,15 +77,17 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
     run_device = _device(device)
     if dtype is not None and dtype not in DTYPES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if (prompt is None) == (tokens is None):
-        raise BamSurgeryError("give the input as exactly one of --prompt TEXT and --tokens ID,ID,...")
+    if [prompt, tokens, chat].count(None) != 2:
+        raise BamSurgeryError("give the input as exactly one of --prompt TEXT, --tokens ID,ID,... and --chat TEXT")
+    if chat is None and (system is not None or chat_template is not None):
+        raise BamSurgeryError(f"{'--system' if system is not None else '--chat-template'} goes with --chat")
     ids = _token_ids(tokens) if tokens is not None else None
-    if prompt is not None:
+    for option, text in (("--prompt", prompt), ("--chat", chat), ("--system", system)):
         try:
-            prompt.encode("utf-8")
+            (text or "").encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate: bytes of the command line that are not UTF-8
-            raise BamSurgeryError(f"--prompt: not valid text at character {e.start + 1} (a lone surrogate "
-                                  f"{prompt[e.start]!r}: the argument holds bytes that are not UTF-8)") from None
+            raise BamSurgeryError(f"{option}: not valid text at character {e.start + 1} (a lone surrogate "
+                                  f"{text[e.start]!r}: the argument holds bytes that are not UTF-8)") from None
     if nucleus < 1 and temp == 0:
         click.echo(f"bam-surgery: note: --top-p {top_p} is unused under greedy decoding (--temperature 0); give "
                    "--temperature above 0 to sample", err=True)
@@ -83,6 +96,9 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         cfg = reader.config
         eos = generation_config(reader).get("eos_token_id")
         tok = _tokenizer(tokenizer, reader, cfg.vocab_size, eos, needed=ids is None)
+        if chat is not None:
+            ids = chat_prompt_ids(tok, chat_messages(chat, system), template_file(chat_template) if chat_template
+                                  else None)
         if ids is None:
             ids = _encode(tok, prompt)
             if not ids:
@@ -99,16 +115,25 @@ def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperat
         model = model_from_reader(reader, run_device, weight_dtype)
         _check_finite(model, checkpoint)
 
-    start = time.perf_counter()
+    timings: dict[str, float] = {}
     new = generate(model, torch.tensor([ids]), n_new, temperature=temp, top_p=nucleus, seed=sampler_seed,
-                   eos_token_id=eos)[0].tolist()
-    seconds = time.perf_counter() - start
+                   eos_token_id=eos, timings=timings)[0].tolist()
     if tok is not None:
         click.echo(_for_terminal(tok.decode(new)) if sys.stdout.isatty() else tok.decode(new))
     else:
         click.echo(",".join(str(i) for i in new))
-    click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens in {seconds:.2f} s "
-               f"({len(new) / max(seconds, 1e-9):.1f} tokens/s, {run_device.type}, {str(weight_dtype)[6:]})", err=True)
+    click.echo(f"{len(new)} new tokens after {len(ids)} prompt tokens: {_speeds(len(ids), len(new), timings)} "
+               f"({run_device.type}, {str(weight_dtype)[6:]})", err=True)
+
+
+def _speeds(prompt: int, new: int, timings: dict[str, float]) -> str:
+    """Prefill (the prompt's forward pass, which gives the first new token) and decode (one step per later token)
+    apart: a short answer's rate is not its prompt's."""
+    prefill, decode = timings.get("prefill_s", 0.0), timings.get("decode_s", 0.0)
+    out = f"prefill {prompt} tokens in {prefill:.2f} s ({prompt / max(prefill, 1e-9):.1f} tokens/s)"
+    if new > 1:
+        out += f", decode {new - 1} tokens in {decode:.2f} s ({(new - 1) / max(decode, 1e-9):.1f} tokens/s)"
+    return out
 
 
 def _check_cache_fits(cfg, tokens: int, dtype, device) -> None:

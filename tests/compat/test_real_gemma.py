@@ -15,7 +15,8 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
   chat tokens in it; the file has no chat template (neither tokenizer has one), Gemma's turn format encodes alike,
   and the rebuilt generation config stops at <eos> and <end_of_turn>;
 * generate: `bam-surgery generate model.gguf --prompt CHAT` greedy-continues Gemma's chat turn with the tokens of
-  transformers' generate on its GGUF-loaded model;
+  transformers' generate on its GGUF-loaded model; `--chat` is refused in one line (no chat template travels with
+  the file) and, given Gemma 3's template with --chat-template FILE, renders apply_chat_template's ids;
 * a merge: recipe bam (default gates) of the seed with itself as two more experts reproduces the seed
   (IDENTITY_TOL): attention experts, (1 + w) norms, sliding windows and all.
 """
@@ -120,6 +121,84 @@ def test_chat_turn_and_generation_config(transformers_gguf, rebuilt):
     assert generation == {"bos_token_id": tok.bos_token_id, "eos_token_id": [tok.eos_token_id, end_of_turn],
                           "pad_token_id": tok.pad_token_id}
     assert hf.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
+
+
+# Gemma 3's chat template (what the instruction-tuned Gemma 3 tokenizers ship; the base GGUF carries none): a system
+# turn folded into the first user turn, roles alternating, content as text or parts
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+def test_chat_without_a_template_is_refused_and_a_template_file_gives_transformers_ids(seed, transformers_gguf,
+                                                                                      rebuilt, tmp_path):
+    """The GGUF carries no chat template: `generate --chat` says so in one line and what to do; with
+    --chat-template FILE (Gemma 3's), the prompt is apply_chat_template's ids (the same template given to
+    transformers' GGUF tokenizer) and the turn format written out above."""
+    from bam_surgery.train.chat import chat_messages, chat_prompt_ids, template_file
+    from bam_surgery.train.tokenize import HFTokenizer
+
+    tok, _ = transformers_gguf
+    result = run_cli("generate", seed, "--chat", "What is the capital of France?", code=2)
+    line = result.stderr.strip()
+    assert line.startswith("bam-surgery: error: no chat template travels with this model's tokenizer") and \
+        "--chat-template FILE" in line and "\n" not in line, line
+    (tmp_path / "gemma3.jinja").write_text(GEMMA3_TEMPLATE)
+    mine = HFTokenizer(rebuilt["tokenizer.json"])
+    for messages in (chat_messages("What is the capital of France?"),
+                     chat_messages("  Capital of Peru?  ", "Answer in one word."),
+                     chat_messages("café 日本語 🦙 <end_of_turn> inside")):
+        expected = list(tok.apply_chat_template(messages, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+        assert chat_prompt_ids(mine, messages, template_file(tmp_path / "gemma3.jinja")) == expected, messages
+    assert chat_prompt_ids(mine, chat_messages("What is the capital of France?"), (GEMMA3_TEMPLATE, "t")) == \
+        tok(CHAT_PROMPT).input_ids
+    tokenizers = _need("tokenizers")
+    _, hf = transformers_gguf
+    ids = tok(CHAT_PROMPT, return_tensors="pt").input_ids
+    eos = json.loads(rebuilt["generation_config.json"].read_text())["eos_token_id"]
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    result = run_cli("generate", seed, "--chat", "What is the capital of France?", "--chat-template",
+                     tmp_path / "gemma3.jinja", "--max-new-tokens", N_NEW)
+    assert result.stdout == tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs) + "\n"
 
 
 def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
