@@ -128,7 +128,8 @@ def eval_cmd(ckpt, data, split, tokenizer, eos_id, text_field, seq_len, batch_si
 
 
 def render_eval(report) -> str:
-    out = [f"checkpoint  {report.checkpoint}", f"tokenizer   {report.tokenizer}, windows of {report.seq_len}", ""]
+    out = [f"checkpoint  {report.checkpoint}", f"tokenizer   {report.tokenizer}, windows of {report.seq_len}",
+           f"separator   {report.separator}", ""]
     rows = [(n, r.tokens, f"{r.loss:.4f}", f"{r.perplexity:.3f}") for n, r in report.domains.items()]
     out.append(render_table(("domain", "tokens", "loss", "perplexity"), rows))
     for kind, title, key in (("ffn", "FFN experts: share of tokens", "share"),
