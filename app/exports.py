@@ -18,7 +18,8 @@ GGUF file, a train run's checkpoint, a merge's seed), what travels with the weig
                         tokenizer.ggml.* ids
     byte tokenizer      converters/byte_tokenizer.py:uses_byte_tokenizer (the one rule): the canonical format
                         keeps its metadata key, the GGUF embeds its vocabulary, the ONNX folder a tokenizer.json
-    card                a merge's model card (README.md of the HF formats)
+    card                README.md of the HF formats: a merge's model card, else a card of the conversion (what the
+                        model is, its source and the merge and training records it carries, config, load)
 
 The formats themselves (converters/export.py's table) write what they are given; a format that cannot carry
 what the source has says so in one line (a GGUF without a byte-level BPE, a binary tokenizer.model in a single
@@ -36,7 +37,8 @@ from bam_surgery.converters.export import ExportOptions, check_export, exporter,
 from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.reader import Reader
-from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
+from bam_surgery.surgery.card import (HF_FORMATS, check_tokenizers, conversion_card, generation_config, model_card,
+                                      tokenizer_files)
 
 # the files that say how text becomes ids (the rest: special tokens, templates)
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -50,11 +52,11 @@ class ExportInputs:
     generation: Mapping[str, Any] | None = None  # generation_config.json's entries
     byte_tokenizer: bool = False  # the model reads UTF-8 bytes (train's byte tokenizer)
     hf_source: Reader | None = None  # an HF folder: a dense hf export copies its files as they are
-    model_card: str | None = None  # a merge's card
+    model_card: str | None = None  # README.md: a merge's card, or the conversion's
 
 
 def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None = None,
-                  warn: Callable[[str], None] | None = None) -> ExportInputs:
+                  warn: Callable[[str], None] | None = None, source: str | None = None) -> ExportInputs:
     """The side files, generation config, byte-tokenizer fact and card of an export of `reader` in format `fmt`;
     of a merge (`plan`), the seed's (the specialists' tokenizers checked against it, a differing one warned)."""
     if plan is not None:
@@ -62,7 +64,8 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
         files = check_tokenizers(plan, warn or (lambda msg: None))
         card = model_card(plan, fmt, str(out)) if fmt != "canonical" else None
     else:
-        seed, files, card = reader, tokenizer_files(reader), None
+        seed, files = reader, tokenizer_files(reader)
+        card = conversion_card(reader, fmt, str(out), source) if fmt in HF_FORMATS and out is not None else None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
     has_vocabulary = any(f.name in VOCABULARY_FILES for f in files)
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
@@ -106,7 +109,7 @@ def write_export(reader: Reader, out: Path, fmt: str, request: ExportRequest = E
     """export's writing, once the format and OUT are checked (app/merge.py checks them itself, once)."""
     arch = _architecture(reader, request, plan)
     recipe = plan.recipe.name if plan is not None else None
-    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warn)
+    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warn, source=source)
     with tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
         options = ExportOptions(
             tokenizer_files=inputs.files + _byte_tokenizer_files(fmt, inputs, Path(scratch)),

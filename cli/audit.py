@@ -23,7 +23,13 @@ from .options import ALLOW_PICKLE
 def _show(field: str, value: Any) -> str:
     if field == "attn_top_k" and value is None:
         return "soft (every expert)"
-    return str(value)
+    if field == "attn_router" and value is None:
+        return "as router"
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def render_inspection(ins: Inspection) -> str:

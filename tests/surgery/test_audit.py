@@ -358,6 +358,11 @@ def test_inspect_table_and_json(tiny_ckpt):
     line = next(x for x in tensors_section.splitlines() if x.strip().startswith("ffn_experts "))
     assert line.split()[1:] == ["6", "196,608", "49,152", "393,216", "bfloat16"]
     assert "ok: every tensor name and shape matches" in text
+    config = {ln.split()[0]: ln.split()[1:] for ln in text.split("\nconfig\n")[1].split("\n\n")[0].splitlines()[2:]}
+    for field in ("rope_theta", "norm_eps", "qkv_bias", "o_bias", "max_positions", "qk_norm", "scaled_rope", "lb_coef"):
+        shown = " ".join(config[field])
+        value = getattr(TINY_BAM, field)
+        assert shown == ("-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)), field
 
     res = invoke(inspect_cmd, [tiny_ckpt, "--json"])
     out = json.loads(res.output)
