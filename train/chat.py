@@ -26,6 +26,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import MAX_JSON_BYTES, read_bounded, read_json
 from bam_surgery.runtime.shards import read_side_file
@@ -88,44 +93,10 @@ def special_tokens(tok: Any) -> dict[str, str]:
 def render_chat(template: str, messages: list[Mapping[str, Any]], tokens: Mapping[str, str], *,
                 add_generation_prompt: bool = True, where: str = "chat template") -> str:
     """The conversation rendered by the template, as transformers renders it (module docstring)."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):  # {% generation %}...{% endgeneration %}: transformers' assistant-mask marker
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    class Namespace(jinja2.utils.Namespace):  # as transformers': no underscore-prefixed attributes
-        def __init__(*args, **kwargs):
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            if any(isinstance(k, str) and k.startswith("_") for k in attrs):
-                raise jinja2.exceptions.SecurityError("a namespace cannot hold underscore-prefixed attributes")
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError("a namespace cannot hold underscore-prefixed attributes")
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=lambda *a, **k: dict(*a, **k), namespace=Namespace)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=lambda *a, **k: dict(*a, **k), namespace=_Namespace)
     try:
         compiled = env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -138,6 +109,44 @@ def render_chat(template: str, messages: list[Mapping[str, Any]], tokens: Mappin
     except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError, RecursionError) as e:
         raise TrainError(f"{where}: the template failed on this conversation ({type(e).__name__}: "
                          f"{_line(str(e))})") from None
+
+
+class _Generation(Extension):
+    """{% generation %}...{% endgeneration %}, transformers' assistant-mask marker: renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace(...) as transformers': no underscore-prefixed attributes."""
+
+    def __init__(*args, **kwargs):
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        if any(isinstance(k, str) and k.startswith("_") for k in attrs):
+            raise jinja2.exceptions.SecurityError("a namespace cannot hold underscore-prefixed attributes")
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError("a namespace cannot hold underscore-prefixed attributes")
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """Jinja's tojson without HTML escaping, with json.dumps' options (transformers')."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def chat_messages(message: str, system: str | None = None) -> list[dict[str, str]]:
