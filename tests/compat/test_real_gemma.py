@@ -30,7 +30,7 @@ import torch
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.runtime import load_model, model_from_reader
-from conftest import run_cli
+from conftest import GEMMA3_CHAT_TEMPLATE as GEMMA3_TEMPLATE, run_cli
 # transformers_gguf: the SmolLM2 module's fixture, here over this module's `seed` (the Gemma GGUF)
 from test_real_seed import _need, assert_logits_equal, sample_text, transformers_gguf  # noqa: F401 (a fixture)
 
@@ -123,47 +123,6 @@ def test_chat_turn_and_generation_config(transformers_gguf, rebuilt):
     assert hf.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
 
 
-# Gemma 3's chat template (what the instruction-tuned Gemma 3 tokenizers ship; the base GGUF carries none): a system
-# turn folded into the first user turn, roles alternating, content as text or parts
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
 
 
 def test_chat_without_a_template_is_refused_and_a_template_file_gives_transformers_ids(seed, transformers_gguf,
@@ -189,21 +148,15 @@ def test_chat_without_a_template_is_refused_and_a_template_file_gives_transforme
         assert chat_prompt_ids(mine, messages, template_file(tmp_path / "gemma3.jinja")) == expected, messages
     assert chat_prompt_ids(mine, chat_messages("What is the capital of France?"), (GEMMA3_TEMPLATE, "t")) == \
         tok(CHAT_PROMPT).input_ids
-    tokenizers = _need("tokenizers")
-    _, hf = transformers_gguf
-    ids = tok(CHAT_PROMPT, return_tensors="pt").input_ids
-    eos = json.loads(rebuilt["generation_config.json"].read_text())["eos_token_id"]
-    with torch.no_grad():
-        theirs = hf.generate(ids, max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    _, _, text = transformers_greedy(transformers_gguf, rebuilt)
     result = run_cli("generate", seed, "--chat", "What is the capital of France?", "--chat-template",
                      tmp_path / "gemma3.jinja", "--max-new-tokens", N_NEW)
-    assert result.stdout == tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs) + "\n"
+    assert result.stdout == text + "\n"
 
 
-def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
-    """`bam-surgery generate model.gguf --prompt CHAT` (the rebuilt tokenizer, BOS added) continues greedily with
-    transformers' tokens on the GGUF-loaded model (both stopping at the generation config's eos ids)."""
+def transformers_greedy(transformers_gguf, rebuilt) -> tuple[int, list[int], str]:
+    """transformers' greedy continuation of CHAT_PROMPT on the GGUF-loaded model, stopping at the rebuilt generation
+    config's eos ids: (prompt length, new ids, their text through the rebuilt tokenizer)."""
     tokenizers = _need("tokenizers")
     tok, hf = transformers_gguf
     ids = tok(CHAT_PROMPT, return_tensors="pt").input_ids
@@ -211,11 +164,17 @@ def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
     with torch.no_grad():
         theirs = hf.generate(ids, max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos,
                              pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+    return ids.shape[1], theirs, tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs)
+
+
+def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
+    """`bam-surgery generate model.gguf --prompt CHAT` (the rebuilt tokenizer, BOS added) continues greedily with
+    transformers' tokens on the GGUF-loaded model (both stopping at the generation config's eos ids)."""
+    prompt, theirs, text = transformers_greedy(transformers_gguf, rebuilt)
     result = run_cli("generate", seed, "--prompt", CHAT_PROMPT, "--max-new-tokens", N_NEW)
-    text = tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs)
     print(f"\ngenerate on Gemma-3-270M, greedy: {text!r}")
     assert result.stdout == text + "\n"
-    assert f"{len(theirs)} new tokens after {ids.shape[1]} prompt tokens" in result.output, result.output
+    assert f"{len(theirs)} new tokens after {prompt} prompt tokens" in result.output, result.output
     assert theirs and text.strip()  # the base model (not instruction-tuned) continues the turn as it likes
 
 
