@@ -16,7 +16,7 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
   and the rebuilt generation config stops at <eos> and <end_of_turn>;
 * generate: `bam-surgery generate model.gguf --prompt CHAT` greedy-continues Gemma's chat turn with the tokens of
   transformers' generate on its GGUF-loaded model; `--chat` is refused in one line (no chat template travels with
-  the file) and, given Gemma 3's template with --chat-template FILE, renders apply_chat_template's ids;
+  the file) and, given Gemma 3's template (--chat-template FILE), train/chat.py renders apply_chat_template's ids;
 * a merge: recipe bam (default gates) of the seed with itself as two more experts reproduces the seed
   (IDENTITY_TOL): attention experts, (1 + w) norms, sliding windows and all.
 """
@@ -129,7 +129,7 @@ def test_chat_without_a_template_is_refused_and_a_template_file_gives_transforme
                                                                                       rebuilt, tmp_path):
     """The GGUF carries no chat template: `generate --chat` says so in one line and what to do; with
     --chat-template FILE (Gemma 3's), the prompt is apply_chat_template's ids (the same template given to
-    transformers' GGUF tokenizer) and the turn format written out above."""
+    transformers' GGUF tokenizer) and the turn format written out above (CHAT_PROMPT)."""
     from bam_surgery.train.chat import chat_messages, chat_prompt_ids, template_file
     from bam_surgery.train.tokenize import HFTokenizer
 
@@ -146,17 +146,14 @@ def test_chat_without_a_template_is_refused_and_a_template_file_gives_transforme
         expected = list(tok.apply_chat_template(messages, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"])
         assert chat_prompt_ids(mine, messages, template_file(tmp_path / "gemma3.jinja")) == expected, messages
+    # the turn format test_generate_greedy_equals_transformers continues (with BOS), so --chat continues it alike
     assert chat_prompt_ids(mine, chat_messages("What is the capital of France?"), (GEMMA3_TEMPLATE, "t")) == \
         tok(CHAT_PROMPT).input_ids
-    _, _, text = transformers_greedy(transformers_gguf, rebuilt)
-    result = run_cli("generate", seed, "--chat", "What is the capital of France?", "--chat-template",
-                     tmp_path / "gemma3.jinja", "--max-new-tokens", N_NEW)
-    assert result.stdout == text + "\n"
 
 
-def transformers_greedy(transformers_gguf, rebuilt) -> tuple[int, list[int], str]:
-    """transformers' greedy continuation of CHAT_PROMPT on the GGUF-loaded model, stopping at the rebuilt generation
-    config's eos ids: (prompt length, new ids, their text through the rebuilt tokenizer)."""
+def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
+    """`bam-surgery generate model.gguf --prompt CHAT` (the rebuilt tokenizer, BOS added) continues greedily with
+    transformers' tokens on the GGUF-loaded model (both stopping at the generation config's eos ids)."""
     tokenizers = _need("tokenizers")
     tok, hf = transformers_gguf
     ids = tok(CHAT_PROMPT, return_tensors="pt").input_ids
@@ -164,17 +161,11 @@ def transformers_greedy(transformers_gguf, rebuilt) -> tuple[int, list[int], str
     with torch.no_grad():
         theirs = hf.generate(ids, max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos,
                              pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
-    return ids.shape[1], theirs, tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs)
-
-
-def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):
-    """`bam-surgery generate model.gguf --prompt CHAT` (the rebuilt tokenizer, BOS added) continues greedily with
-    transformers' tokens on the GGUF-loaded model (both stopping at the generation config's eos ids)."""
-    prompt, theirs, text = transformers_greedy(transformers_gguf, rebuilt)
     result = run_cli("generate", seed, "--prompt", CHAT_PROMPT, "--max-new-tokens", N_NEW)
+    text = tokenizers.Tokenizer.from_file(str(rebuilt["tokenizer.json"])).decode(theirs)
     print(f"\ngenerate on Gemma-3-270M, greedy: {text!r}")
     assert result.stdout == text + "\n"
-    assert f"{len(theirs)} new tokens after {prompt} prompt tokens" in result.output, result.output
+    assert f"{len(theirs)} new tokens after {ids.shape[1]} prompt tokens" in result.output, result.output
     assert theirs and text.strip()  # the base model (not instruction-tuned) continues the turn as it likes
 
 
