@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from bam_surgery.runtime.errors import UserError  # the runtime's leaf modules import no torch
+from bam_surgery.app.errors import UserError  # the app's errors and the runtime's leaf modules import no torch
 from bam_surgery.runtime.shards import INDEX_NAME, read_index
 from bam_surgery.surgery.specs import merge_inputs  # standard library only
 

@@ -665,6 +665,19 @@ def branch_state(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, t
     return out
 
 
+def export_carries(source) -> dict:
+    """save_hf's tokenizer_files and generation as every export carries them from `source` (a reader or a
+    checkpoint path): app/exports.py:export_inputs, the one owner."""
+    from bam_surgery.app.exports import export_inputs
+    from bam_surgery.converters import open_checkpoint
+
+    if isinstance(source, (str, Path)):
+        with open_checkpoint(str(source)) as reader:
+            return export_carries(reader)
+    inputs = export_inputs(source, "hf")
+    return dict(tokenizer_files=inputs.files, generation=inputs.generation)
+
+
 def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False) -> list[Path]:
     """HF folders root/NAME of FAMILY_CASES[case]: a random seed (random_hf_model) and specialists branched from it
     (branch_state), each written back in the family's own format by the exporter, so every one loads in
@@ -677,7 +690,7 @@ def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lam
         state = {n: seed.get(n) for n in seed.names()}
         for j, name in enumerate(names[1:], 1):
             save_hf(branch_state(state, keep, 10 * j), root / name, seed.architecture, config=seed.config,
-                    tokenizer_from=root / names[0])
+                    **export_carries(seed))
     return [root / n for n in names]
 
 
