@@ -1,5 +1,5 @@
 """A light foundation: the runtime's leaf modules, the console entry's start-up path and the public package
-import with torch (and numpy, safetensors, transformers) blocked, in a fresh interpreter; so the start-up path uses
+(bam_surgery) import with torch (and numpy, safetensors, transformers) blocked, in a fresh interpreter; so the start-up path uses
 the one JSON reader (runtime/jsonfile.py) and the one shard-index reader (runtime/shards.py) instead of standard-
 library copies of them."""
 from __future__ import annotations
@@ -33,6 +33,18 @@ def import_blocked(modules: tuple[str, ...]) -> subprocess.CompletedProcess:
 
 def test_leaf_modules_and_start_up_path_import_without_torch():
     proc = import_blocked((*(f"bam_surgery.runtime.{m}" for m in LEAF_MODULES), *START_UP))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_package_imports_without_torch_and_promises_its_list():
+    """`import bam_surgery` (the public API, docs/api.md) loads nothing heavy, and its public names are __all__
+    (tests/app/test_api.py: each documented)."""
+    proc = import_blocked(("bam_surgery",))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = BLOCKER + ("import bam_surgery as bs\n"
+                      "public = sorted(n for n in dir(bs) if not n.startswith('_'))\n"
+                      "assert public == sorted(set(bs.__all__) - {'__version__'}), public\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
