@@ -32,6 +32,7 @@ from .inputs import open_input
 # the merge options count-params takes (MergeOptions fields marked `counts`); a checkpoint is re-routed by these
 COUNTED = tuple(name for name, f in FIELDS.items() if f.metadata["counts"])
 REROUTE = ("ffn_top_k", "attention_routing")
+PAPER_WORDS = {"ffn_top_k": "top-1 FFN routing", "gate_norm": "softmax gates", "attention_routing": "soft attention"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,9 @@ def count_params(ckpt: str | None = None, *, preset_name: str | None = None, rec
         base, source = preset(preset_name), f"preset {preset_name}"
     if recipe:
         cfg, paper = _mixture_from_recipe(recipe, base, experts, options, convention)
-        source += f" + recipe {recipe}, {experts} experts" + (", the paper's routing (top-1, softmax gates)"
-                                                              if paper else "")
+        source += f" + recipe {recipe}, {experts} experts"
+        if paper:  # the paper's routing where the options left it to the recipe, said
+            source += ", the paper's " + " and ".join(PAPER_WORDS[name] for name in paper)
     else:
         cfg = _apply_routing(base, options)
     if not ckpt or cfg is not base:
@@ -119,10 +121,10 @@ def routing_option(value: str | int | None) -> tuple[bool, int | None]:
 
 
 def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, options: MergeOptions,
-                         convention: str) -> tuple[ModelConfig, bool]:
+                         convention: str) -> tuple[ModelConfig, dict[str, Any]]:
     """The config `merge --recipe` would write with these options; `experts` counts every expert of the mixture.
     With the paper's convention, the paper's routing where the options leave it to the recipe; the second value
-    says whether it was taken."""
+    is what of it was taken."""
     if dense.is_mixture:
         raise UsageError(f"--recipe {recipe_name}: the base model is already a mixture "
                          f"({describe_kind(dense)}); a recipe starts from a dense model")
@@ -138,7 +140,7 @@ def _mixture_from_recipe(recipe_name: str, dense: ModelConfig, experts: int, opt
         else:
             n_inputs = experts
         paper = _paper_routing(recipe, options) if convention == "paper" else {}
-        return mixture_config(recipe, dense, n_inputs, dataclasses.replace(options, **paper)), bool(paper)
+        return mixture_config(recipe, dense, n_inputs, dataclasses.replace(options, **paper)), paper
     except UsageError:
         raise
     except UserError as e:

@@ -17,6 +17,7 @@ complete (and verified, with --verify).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,21 +67,26 @@ def convert(args: ConvertArgs) -> None:
         click.echo(f"wrote {args.out} ({args.fmt})", err=True)
 
 
-@dataclass(frozen=True)
-class OnnxArgs:
-    checkpoint: str = option(CKPT)
-    out: str = option(
-        "--out", required=True, type=click.Path(), metavar="DIR",
-        help="Output folder: model.onnx (and model.onnx.data past 2 GB), README.md, genai_config.json (ONNX Runtime "
-             "GenAI), tokenizer files.")
-    own: Any = options_of(format_options("onnx"))  # --opset, --dtype, --kv-cache/--no-kv-cache, --verify
-    force: bool = option(OUT_FORCE)
-    allow_pickle: bool = option(ALLOW_PICKLE)
+def format_args(fmt: str, out_metavar: str, out_help: str) -> type:
+    """The options of a format's own export command, in --help order: CKPT, --out, the format's own flags (its
+    Exporter.Options), --force, --allow-pickle."""
+    return dataclasses.make_dataclass(f"{fmt.title()}Args", [
+        ("checkpoint", str, option(CKPT)),
+        ("out", str, option("--out", required=True, type=click.Path(), metavar=out_metavar, help=out_help)),
+        ("own", Any, options_of(format_options(fmt))),
+        ("force", bool, option(OUT_FORCE)),
+        ("allow_pickle", bool, option(ALLOW_PICKLE))], frozen=True)
+
+
+OnnxArgs = format_args("onnx", "DIR", "Output folder: model.onnx (and model.onnx.data past 2 GB), README.md, "
+                                      "genai_config.json (ONNX Runtime GenAI), tokenizer files.")
+GGUFArgs = format_args("gguf", "FILE.gguf", "Output file (a name ending in .gguf): weights, tokenizer and model card "
+                                            "in one file.")
 
 
 @click.command("export-onnx")
 @command_options(OnnxArgs)
-def export_onnx_cmd(args: OnnxArgs) -> None:
+def export_onnx_cmd(args) -> None:
     """Export a checkpoint as an ONNX graph with KV-cache inputs and outputs (onnxruntime)."""
     own = args.own
     app_convert(args.checkpoint, args.out, "onnx", own=own, force=args.force, allow_pickle=args.allow_pickle,
@@ -89,19 +95,9 @@ def export_onnx_cmd(args: OnnxArgs) -> None:
                f"{', KV cache' if own.kv_cache else ', no KV cache'})", err=True)
 
 
-@dataclass(frozen=True)
-class GGUFArgs:
-    checkpoint: str = option(CKPT)
-    out: str = option("--out", required=True, type=click.Path(), metavar="FILE.gguf",
-                      help="Output file (a name ending in .gguf): weights, tokenizer and model card in one file.")
-    own: Any = options_of(format_options("gguf"))  # --dtype
-    force: bool = option(OUT_FORCE)
-    allow_pickle: bool = option(ALLOW_PICKLE)
-
-
 @click.command("export-gguf")
 @command_options(GGUFArgs)
-def export_gguf_cmd(args: GGUFArgs) -> None:
+def export_gguf_cmd(args) -> None:
     """Export a checkpoint as one GGUF file for llama.cpp (Llama-family models and their BTX mixtures)."""
     out = Path(args.out)
     if not out.name.endswith(GGUF_SUFFIX) or out.name == GGUF_SUFFIX:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 from pathlib import Path
@@ -12,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import save_file
 
 import bam_surgery as bs
 from bam_surgery.app.errors import one_line_errors, user_error
-from conftest import llama_hf_shapes
+from conftest import hf_llama_family
 
 ROOT = Path(__file__).resolve().parents[2]
 API_DOC = ROOT / "docs" / "api.md"
@@ -68,20 +66,6 @@ def test_options_are_checked_by_name(tmp_path):
         bs.export_onnx("seed", tmp_path / "x", dtype="fp8")
 
 
-def write_family(root: Path) -> None:
-    """seed, code, law: tiny HF Llama folders; the specialists are the seed plus a 2% perturbation."""
-    gen = torch.Generator().manual_seed(0)
-    seed = {n: 1 + 0.1 * torch.randn(s, generator=gen) if len(s) == 1 else torch.randn(s, generator=gen) / s[-1] ** 0.5
-            for n, s in sorted(llama_hf_shapes(LLAMA).items())}
-    for i, name in enumerate(("seed", "code", "law")):
-        g = torch.Generator().manual_seed(100 + i)
-        state = seed if i == 0 else {n: t + 0.02 * t.abs().mean() * torch.randn(t.shape, generator=g)
-                                     for n, t in seed.items()}
-        (root / name).mkdir()
-        save_file(state, str(root / name / "model.safetensors"), metadata={"format": "pt"})
-        (root / name / "config.json").write_text(json.dumps(LLAMA, indent=2))
-
-
 @pytest.mark.slow
 def test_the_documented_session_runs(tmp_path, monkeypatch, one_thread):
     """docs/api.md's Python blocks, run in order in a folder holding what the page says; then the CLI's merge of
@@ -90,7 +74,7 @@ def test_the_documented_session_runs(tmp_path, monkeypatch, one_thread):
     monkeypatch.setenv("BAM_SURGERY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     (tmp_path / "data").symlink_to(ROOT / "data", target_is_directory=True)
-    write_family(tmp_path)
+    hf_llama_family(tmp_path, LLAMA, ("seed", "code", "law"))
     namespace: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):

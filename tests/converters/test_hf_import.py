@@ -82,16 +82,21 @@ def safetensors_state(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Each case saved once with save_pretrained (module-scoped to keep the file fast)."""
+def save_cases(tmp_path_factory, cases) -> dict:
+    """{case: (the transformers model, its folder)}: each case saved once with save_pretrained."""
     out = {}
-    for case in CASES:
+    for case in cases:
         d = tmp_path_factory.mktemp(case)
         model = hf_model(case)
         model.save_pretrained(d)
         out[case] = (model, d)
     return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each case saved once (module-scoped to keep the file fast)."""
+    return save_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
