@@ -50,8 +50,8 @@ fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
 as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` and `smollm3` architectures rotate
 pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
 convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are.
-Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16
-for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
+Types: the matrices in f32, f16 or q8_0 (GGUFOptions.dtype, the format's own option, else f32 for float32 weights
+and f16 for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
 and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
 converted and appended.
@@ -95,9 +95,10 @@ from bam_surgery.runtime.atomic import atomic_path
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
-from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.errors import CheckpointError, OptionError, printable
 from bam_surgery.runtime.jsonfile import json_field, parse_json
 from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.options import declared
 from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import read_side_file
@@ -277,18 +278,29 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
 
 
-def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
-    """The matrices' type: options.gguf_dtype, else options.dtype (float32 / float16), else f32 for float32
-    weights and f16 for 16-bit ones."""
-    if options.gguf_dtype is not None:
-        if options.gguf_dtype not in GGUF_DTYPES:
-            raise CapabilityError(f"gguf dtype {options.gguf_dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-        return options.gguf_dtype
-    if options.dtype is not None:
-        named = {torch.float32: "f32", torch.float16: "f16"}
-        if options.dtype not in named:
-            raise CapabilityError(f"gguf export writes f32, f16 or q8_0 matrices, not {str(options.dtype)[6:]}")
-        return named[options.dtype]
+def parse_gguf_dtype(text: str) -> str:
+    """--dtype f32|f16|q8_0."""
+    if text not in GGUF_DTYPES:
+        raise OptionError(f"--dtype: unknown dtype {text!r}; choose one of {', '.join(GGUF_DTYPES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """The gguf format's own options (`bam-surgery export-gguf` declares its flags from them)."""
+
+    dtype: str | None = declared(
+        None, "--dtype", metavar="|".join(GGUF_DTYPES), parse=parse_gguf_dtype,
+        help="Type of the weight matrices: f32, f16 or q8_0 (8-bit blocks of 32); norms, biases and routers stay f32. "
+             "Default: f32 for float32 checkpoints, f16 for 16-bit ones.")
+
+
+def resolve_dtype(reader: Reader, own: GGUFOptions) -> str:
+    """The matrices' type: the one asked for, else f32 for float32 weights and f16 for 16-bit ones."""
+    if own.dtype is not None:
+        if own.dtype not in GGUF_DTYPES:
+            raise CapabilityError(f"gguf dtype {own.dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+        return own.dtype
     entries = [(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
     return "f32" if main_dtype(entries) == torch.float32 else "f16"
 
@@ -753,6 +765,7 @@ class GGUFExporter(Exporter):
                "OLMo 2, SmolLM3, Gemma 2 and Gemma 3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
                "qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
+    Options = GGUFOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         check_gguf(cfg, recipe)
@@ -762,7 +775,7 @@ class GGUFExporter(Exporter):
         check_gguf(cfg, options.recipe)
         if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
             raise CapabilityError(f"--format gguf writes one file named *{SUFFIX}; {printable(str(out))} is not")
-        dtype = resolve_dtype(reader, options)
+        dtype = resolve_dtype(reader, self.own(options))
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
@@ -779,4 +792,4 @@ class GGUFExporter(Exporter):
         return out
 
 
-__all__ = ["CapabilityError", "GGUFExporter", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]
+__all__ = ["CapabilityError", "GGUFExporter", "GGUFOptions", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]

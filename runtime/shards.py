@@ -1,4 +1,5 @@
-"""The one shard writer: tensors streamed into size-bounded safetensors files, plus the index.
+"""The one shard writer: tensors streamed into size-bounded safetensors files, plus the index, and the one
+reader of a model folder's index and side files.
 
     model-00001-of-0000N.safetensors ...      (or one file with the format's single-file name)
     model.safetensors.index.json              {"metadata": {"total_size": ..., ...}, "weight_map": {name: file}}
@@ -6,6 +7,9 @@
 Every directory output (canonical checkpoints, merges, HF, Mixtral and HF BAM exports) is written
 by `write_shards`; the formats differ only in the file names, the per-file metadata and whether
 they write an index for a single shard, which the caller says.
+
+Importing this module imports no torch (the writer's modules load when a file is written), so the console entry
+reads a merge's shard index here (`read_index`) while torch is still being imported.
 """
 from __future__ import annotations
 
@@ -14,20 +18,22 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import BinaryIO, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping
 
-import torch
-
-from .dtypes import nbytes
 from .errors import CheckpointError, printable
 from .jsonfile import MAX_JSON_BYTES, open_regular, read_json
-from .safetensors_file import Entry, SafetensorsStreamWriter
+
+if TYPE_CHECKING:  # annotations only: the writer's modules import torch
+    import torch
+
+    from .safetensors_file import Entry
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def plan_shards(entries: list[Entry], max_shard_bytes: int | None) -> list[list[Entry]]:
     """Split entries (in order) into shards of at most max_shard_bytes (a single bigger tensor gets its own)."""
+    from .dtypes import nbytes  # lazy: torch (the module docstring)
     if not max_shard_bytes:
         return [list(entries)]
     shards: list[list] = [[]]
@@ -49,6 +55,7 @@ def shard_name(i: int, n: int) -> str:
 def write_file(path: Path, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
                metadata: Mapping[str, str] | None = None, on_write: Callable[[str], None] | None = None) -> None:
     """One safetensors file: the next len(entries) (name, tensor) pairs of `tensors`, in entries' order."""
+    from .safetensors_file import SafetensorsStreamWriter  # lazy: torch (the module docstring)
     with SafetensorsStreamWriter(path, entries, metadata) as writer:
         for name, tensor in itertools.islice(tensors, len(entries)):
             writer.write(name, tensor)
@@ -79,6 +86,7 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int, me
 
 
 def total_size(entries: list[Entry]) -> int:
+    from .dtypes import nbytes  # lazy: torch (the module docstring)
     return sum(nbytes(shape, dtype) for _, shape, dtype in entries)
 
 
