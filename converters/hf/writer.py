@@ -151,9 +151,24 @@ def export_with_options(reader: Reader, out_dir: str | os.PathLike, arch: Archit
     if options.model_card is not None:
         texts["README.md"] = options.model_card
     dtype = options.own.dtype if isinstance(options.own, CastOptions) else None
-    return export_architecture(reader, out_dir, arch, token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS},
+    return export_architecture(reader, out_dir, arch, token_ids=config_token_ids(generation, reader.hf_config),
                                texts=texts, copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
                                dtype=dtype, replace=options.replace, **layout)
+
+
+def config_token_ids(generation: Mapping[str, Any], source_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """config.json's bos/eos/pad ids: the generation config's, else the source config.json's where it is an HF
+    model (a dense HF folder converted keeps its pad_token_id), else null. A source id that is not a token id
+    (an integer, or a non-empty list of them) is left out rather than carried."""
+    source = source_config or {}
+
+    def token_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+
+    def valid(v) -> bool:
+        return token_id(v) or (isinstance(v, list) and bool(v) and all(token_id(x) for x in v))
+    return {k: generation[k] if k in generation else (source.get(k) if valid(source.get(k)) else None)
+            for k in TOKEN_ID_KEYS}
 
 
 def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathLike, architecture: str, *,
