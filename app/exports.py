@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from bam_surgery.converters.byte_tokenizer import BYTE_VOCAB, BYTES, TOKENIZER_KEY, uses_byte_tokenizer
+from bam_surgery.converters.byte_tokenizer import (BYTE_VOCAB, BYTES, TOKENIZER_KEY, unavailable_tokenizer,
+                                                   uses_byte_tokenizer)
 from bam_surgery.converters.export import ExportOptions, check_export, exporter, side_files
 from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.output_path import check_output_path
@@ -64,7 +65,7 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
     else:
         seed, files, card = reader, tokenizer_files(reader), None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
-    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files)
+    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files) or unavailable_tokenizer(seed.metadata) is not None
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
                         byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size)
                         and reader.config.vocab_size >= BYTE_VOCAB,  # ids 1..255 are bytes: the vocabulary holds them
@@ -142,10 +143,11 @@ def _byte_tokenizer_files(fmt: str, inputs: ExportInputs, scratch: Path) -> tupl
 
 def _metadata(fmt: str, source: str | None, reader: Reader) -> dict[str, str]:
     """The canonical file's (and the GGUF card's) extra metadata: the source, and the byte tokenizer's key where
-    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it)."""
+    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it), or that
+    its own tokenizer is unavailable (a GGUF's not rebuilt: no later command reads bytes in its place)."""
     out = {"bam_source": source} if source else {}
-    if fmt == "canonical" and reader.metadata.get(TOKENIZER_KEY) == BYTES:
-        out[TOKENIZER_KEY] = BYTES
+    if fmt == "canonical" and (reader.metadata.get(TOKENIZER_KEY) == BYTES or unavailable_tokenizer(reader.metadata)):
+        out[TOKENIZER_KEY] = reader.metadata[TOKENIZER_KEY]  # bytes, or why its own tokenizer is unavailable
     return out
 
 

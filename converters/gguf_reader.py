@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bam_surgery.runtime.cache import untrusted_cache
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
@@ -38,11 +39,13 @@ from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
+from .byte_tokenizer import TOKENIZER_KEY, UNAVAILABLE
 from .gguf_file import GGUFFile, TensorInfo, open_gguf, parse_gguf, split_files
 from .gguf_metadata import INTEGER, NUMBER, STRING, MetadataError, metadata_value
 from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, gguf_module, hparams,
                          is_norm, rope_halves, rope_heads, rope_tensor_name, scaled_rope_of, tensor_layout,
                          tensor_names, windows_of)
+from .gguf_tokenizer import DIRECTORY as TOKENIZER_CACHE
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -113,7 +116,13 @@ class GGUFCheckpointReader(Reader):
         # the token ids an HF config.json carries (bos / eos / pad): the rebuilt generation_config.json's
         self.hf_config = read_json(self._tokenizer[-1], expect=dict) if self._tokenizer else None
         self.metadata = {"format": "gguf", "source": str(self.path), "gguf_architecture": arch_name}
-        notes = [f"tokenizer not rebuilt: {note}"] if note else []
+        notes = [f"tokenizer not rebuilt: {note} (the commands that need it take --tokenizer)"] if note else []
+        if note and "tokenizer.ggml.model" in fields:  # a tokenizer it carries: never read as bytes in its place
+            self.metadata[TOKENIZER_KEY] = f"{UNAVAILABLE}{note}"
+        problem = untrusted_cache(TOKENIZER_CACHE) if self._tokenizer else None
+        if problem:
+            notes.append(f"tokenizer rebuilt into a private temporary folder, not the cache: {problem} (set "
+                         "BAM_SURGERY_CACHE to a folder of your own)")
         notes += [self._rope_note] if self._rope_note else []
         if notes:
             self.metadata["notes"] = "; ".join(notes)

@@ -80,7 +80,7 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         longest = max(map(len, tokens))
         return (f"its tokenizer.ggml.tokens (SentencePiece, {len(tokens):,} tokens of up to {longest:,} characters) "
                 f"imply merges whose derivation slices {work:,} characters, more than the {MAX_MERGE_WORK:,} the "
-                "rebuild takes (Gemma 3's 262,144 tokens: 10.8 M); pass --tokenizer")
+                "rebuild takes (Gemma 3's 262,144 tokens: 10.8 M)")
     gemma = arch in GEMMA_ARCHS
     if not gemma or "tokenizer.ggml.scores" in fields:  # Gemma's are unused, but checked as any file's
         scores = _scores(fields, len(tokens), where)

@@ -177,15 +177,15 @@ def _rebuilt_kind(fields: Mapping[str, Any], where: str) -> tuple[str, str] | st
         return "the file carries no tokenizer (no tokenizer.ggml.model)"
     if model not in ("gpt2", "llama"):
         return (f"its tokenizer.ggml.model is llama.cpp's {printable(model)[:30]!r}; only byte-level BPE (gpt2) and "
-                "SentencePiece (llama) are rebuilt as a tokenizer.json (pass --tokenizer)")
+                "SentencePiece (llama) are rebuilt as a tokenizer.json")
     pre = metadata_value(fields, "tokenizer.ggml.pre", STRING, "default", where=where)
     pre = PRE_ALIASES.get(pre, pre)
     if model == "llama" and pre != "gpt-2":  # a SentencePiece vocabulary has no pre-tokenizer of llama.cpp's own
         return (f"its SentencePiece tokenizer names the pre-tokenizer {printable(pre)[:30]!r} (tokenizer.ggml.pre), "
-                "which no SentencePiece tokenizer this reader rebuilds uses; pass --tokenizer")
+                "which no SentencePiece tokenizer this reader rebuilds uses")
     if pre not in PRE_TOKENIZERS:
         return (f"its pre-tokenizer {printable(pre)[:30]!r} (tokenizer.ggml.pre) is none this reader rebuilds "
-                f"({', '.join(PRE_TOKENIZERS)}); pass --tokenizer")
+                f"({', '.join(PRE_TOKENIZERS)})")
     return model, pre
 
 
@@ -199,7 +199,7 @@ def _too_many(fields: Mapping[str, Any], tokens: list[str], where: str) -> str |
                    ("tokenizer.ggml.merges", len(merges) if isinstance(merges, list) else 0)):
         if n > MAX_TOKENIZER_ITEMS:
             return (f"its {key} holds {n:,} entries; a rebuilt tokenizer holds at most {MAX_TOKENIZER_ITEMS:,} "
-                    "(twice the largest vocabulary in use); pass --tokenizer")
+                    "(twice the largest vocabulary in use)")
     return None
 
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json
@@ -92,10 +92,7 @@ class Provenance:
 
     @property
     def inputs(self) -> list[dict[str, Any]]:
-        ins = (self.fields or {}).get("inputs") or []
-        if isinstance(ins, dict):  # {role: {...}} or {role: path}
-            return [dict(role=k, **(v if isinstance(v, dict) else {"path": v})) for k, v in ins.items()]
-        return [i if isinstance(i, dict) else {"path": i} for i in ins]
+        return provenance_inputs(self.fields)
 
 
 HOW_OBTAINED = {

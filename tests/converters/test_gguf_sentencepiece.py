@@ -195,4 +195,4 @@ def test_a_token_too_long_to_cut_is_not_rebuilt_and_says_so():
               "tokenizer.ggml.tokens": tokens + [long], "tokenizer.ggml.scores": scores + [0.0],
               "tokenizer.ggml.token_type": types + [1]}
     note = tokenizer_texts(fields, "l.gguf", None)
-    assert isinstance(note, str) and "tokenizer.ggml.tokens" in note and "--tokenizer" in note
+    assert isinstance(note, str) and "tokenizer.ggml.tokens" in note and "more than" in note
