@@ -60,7 +60,7 @@ def render_inspection(ins: Inspection) -> str:
         if isinstance(per_tensor, dict):  # one line per op; the full map is in --json
             ops: dict[str, int] = {}
             for rec in per_tensor.values():
-                op = rec.get("op", "?") if isinstance(rec, dict) else "?"
+                op = str(rec.get("op", "?")) if isinstance(rec, dict) else "?"
                 ops[op] = ops.get(op, 0) + 1
             head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
@@ -72,9 +72,7 @@ def render_inspection(ins: Inspection) -> str:
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
         if prov.training:  # the chain: merge (above) -> each training run, oldest first
-            rows = [(i + 1, (r.get("init") or {}).get("spec", "-"), r.get("steps", "-"), r.get("tokens", "-"),
-                     ", ".join(f"{d.get('domain')} {d.get('weight', 0):.2g}" for d in r.get("data") or []) or "-")
-                    for i, r in enumerate(prov.training)]
+            rows = [_training_row(i, r) for i, r in enumerate(prov.training)]
             out += ["  training (oldest first)", render_table(("run", "init", "steps", "tokens", "data"), rows,
                                                               indent="    ", left=2)]
     out += ["", "layout check"]
@@ -84,6 +82,18 @@ def render_inspection(ins: Inspection) -> str:
     else:
         out.append("  ok: every tensor name and shape matches the config")
     return "\n".join(out)
+
+
+def _training_row(i: int, run: dict) -> tuple:
+    """One training run of a provenance record as a row, whatever types its fields hold (a file we did not write)."""
+    init = run.get("init")
+    data = run.get("data") if isinstance(run.get("data"), list) else []
+
+    def weight(w) -> str:
+        return f"{w:.2g}" if isinstance(w, (int, float)) and not isinstance(w, bool) else str(w)
+    domains = ", ".join(f"{d.get('domain')} {weight(d.get('weight', 0))}" for d in data if isinstance(d, dict))
+    return (i + 1, init.get("spec", "-") if isinstance(init, dict) else "-", run.get("steps", "-"),
+            run.get("tokens", "-"), domains or "-")
 
 
 def natural_order(names) -> list[str]:

@@ -106,7 +106,7 @@ def input_digest(entry: dict[str, Any]) -> tuple[str, str]:
     merges recorded a bare sha256 of each file (or of a sha256sum manifest for a sharded input)."""
     files = entry.get("files") if isinstance(entry.get("files"), list) else []
     if "digest" in entry:
-        hows = sorted({f.get("how") for f in files if isinstance(f, dict)} - {None})
+        hows = sorted({str(f["how"]) for f in files if isinstance(f, dict) and f.get("how") is not None})
         how = "; ".join(HOW_OBTAINED.get(h, str(h)) for h in hows) or "-"
         if len(files) > 1:
             how = f"BLAKE3 of the manifest of {len(files)} files ({how})"
