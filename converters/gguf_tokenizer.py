@@ -43,6 +43,7 @@ import numpy as np
 
 from bam_surgery.runtime.cache import cached_build
 from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.shards import MAX_SIDE_FILE_BYTES
 
 from . import gguf_metadata, gguf_sentencepiece
 from .gguf_metadata import BOOLEAN, INTEGER, INTEGERS, STRING, STRINGS, metadata_value
@@ -166,8 +167,12 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
 
     def dump(value) -> str:
         return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
-    return {"tokenizer.json": json.dumps(body, ensure_ascii=False), "tokenizer_config.json": dump(config),
-            "generation_config.json": dump(generation)}
+    text = json.dumps(body, ensure_ascii=False)
+    size = len(text.encode("utf-8"))
+    if size > MAX_SIDE_FILE_BYTES:  # no command would read or copy it (runtime.shards)
+        return (f"its tokenizer.ggml.* make a tokenizer.json of {size:,} bytes, more than the {MAX_SIDE_FILE_BYTES:,} "
+                "any command reads or copies")
+    return {"tokenizer.json": text, "tokenizer_config.json": dump(config), "generation_config.json": dump(generation)}
 
 
 def _rebuilt_kind(fields: Mapping[str, Any], where: str) -> tuple[str, str] | str:

@@ -200,11 +200,27 @@ def test_a_vocabulary_of_a_aa_aaa_is_not_derived(tmp_path, monkeypatch):
     assert str(path) in line and "tokenizer.ggml.tokens" in line and "--tokenizer" in line, line
 
 
-def test_the_merge_work_bound_leaves_room_for_real_vocabularies():
-    """Gemma 3's 262,144 tokens (at most 31 characters) take 10.8 M characters of cuts (measured on the real file,
-    tests/compat/test_real_gemma.py); a vocabulary twice as large of tokens as long stays within the bound."""
-    assert gguf_sentencepiece.MAX_MERGE_WORK >= 6 * 10_835_666
-    assert gguf_sentencepiece.merge_work(["x" * 31] * (2 * 262_144 // 31)) < gguf_sentencepiece.MAX_MERGE_WORK
+def test_the_derivation_bounds_leave_room_for_real_vocabularies():
+    """Gemma 3's 262,144 tokens take 10.8 M characters of cuts and imply 514,906 merges (measured on the real file,
+    which tests/compat/test_real_gemma.py rebuilds): a vocabulary twice as large, of the same shape, stays within
+    both bounds; the largest the bounds allow writes a tokenizer.json every command still reads (under 64 MiB)."""
+    assert 2 * 10_835_666 < gguf_sentencepiece.MAX_MERGE_WORK and 2 * 514_906 < gguf_sentencepiece.MAX_IMPLIED_MERGES
+    tokens = ["a" * n for n in range(1, 2000)]
+    at_bound = next(k for k in range(1, 2000) if gguf_sentencepiece.merge_work(tokens[:k + 1]) > gguf_sentencepiece.
+                    MAX_MERGE_WORK)
+    merges = gguf_sentencepiece.implied_merges({t: 0 for t in tokens[:at_bound]}, {t: 0.0 for t in tokens[:at_bound]})
+    assert sum(len(a) + len(b) + 7 for a, b in merges) < 64 << 20
+
+
+def test_a_vocabulary_implying_too_many_merges(monkeypatch):
+    """Every string over {a, b} up to 16 characters (131,070 tokens) passes the work bound (27.8 M) but implies
+    1.8 M merges; the derivation stops at MAX_IMPLIED_MERGES (lowered here to 1,000: the same path, cheaper)."""
+    monkeypatch.setattr(gguf_sentencepiece, "MAX_IMPLIED_MERGES", 1000)
+    tokens = [format(i, "b")[1:].replace("0", "a").replace("1", "b") for i in range(2, 2 ** 9)]  # up to 8 characters
+    fields = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.scores": [0.0] * len(tokens)}
+    note = gguf_tokenizer.tokenizer_texts(fields, "m.gguf", None)
+    assert isinstance(note, str) and "imply more than 1,000 merges" in note, note
 
 
 # ---- cause 5: many scores -----------------------------------------------------------------------------------
