@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from .atomic import rename_exchange
 from .errors import CheckpointError, printable
 
 DIGEST = "DIGEST"  # each entry's sha256 of its files, names and bytes
@@ -194,8 +195,6 @@ def _write_entry(folder: Path, key: str, texts: Mapping[str, str]) -> None:
     """A new entry folder / key: written into a private temporary folder beside it and renamed into place; an entry
     already there that fails its check (a partial or a planted one) is swapped out for it and removed, one that
     passes (another process wrote the same files first) is kept."""
-    from .atomic import rename_exchange  # lazy: atomic imports the output machinery
-
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))  # 0700
     try:
         _fill(tmp, texts)

@@ -186,6 +186,18 @@ def _config_eos(reader: Reader) -> int | None:
     return value[0] if isinstance(value, list) else value
 
 
+def _carried_tokenizer(reader: Reader, path: Path, eos_id: int | None) -> HFTokenizer:
+    """The checkpoint's own tokenizer.json; one rebuilt from a GGUF's metadata that does not load is that GGUF's to
+    name (its cache entry would tell the user nothing)."""
+    try:
+        return HFTokenizer(path, eos_id, fallback_eos=_config_eos(reader))
+    except TrainError as e:
+        if reader.metadata.get("format") != "gguf":
+            raise
+        raise TrainError(f"{reader.path}: the tokenizer rebuilt from its tokenizer.ggml.* metadata does not load "
+                         f"({e})") from None
+
+
 def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int,
                       eos_id: int | None = None) -> Tokenizer:
     """Apply the rules in the module docstring; check the vocabulary fits the model's."""
@@ -199,7 +211,7 @@ def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int
         if uses_byte_tokenizer(carried == BYTES, carried is not None or missing is not None, vocab_size):
             tok = ByteTokenizer(eos_id)
         elif carried is not None:
-            tok = HFTokenizer(Path(carried), eos_id, fallback_eos=_config_eos(reader))
+            tok = _carried_tokenizer(reader, Path(carried), eos_id)
         elif missing is not None:  # its own tokenizer could not be rebuilt: never bytes in its place
             raise TrainError(f"{reader.path}: its tokenizer could not be rebuilt: {missing}; pass --tokenizer "
                              "PATH/tokenizer.json")

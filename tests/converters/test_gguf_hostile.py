@@ -328,6 +328,16 @@ def test_an_unknown_pre_tokenizer_is_never_read_as_bytes(tmp_path, bpe):
     assert "new tokens" in result.output
 
 
+def test_a_rebuilt_tokenizer_that_does_not_load_names_the_gguf(tmp_path, bpe, monkeypatch):
+    """Were a rebuilt tokenizer.json ever one `tokenizers` refuses (here the merges' check taken away), generate names
+    the GGUF, not the cache entry it never wrote."""
+    path = hostile(tmp_path, bpe, "unloadable", tokenizer__ggml__merges=(ARRAY, ["zz yy"], STRING))
+    monkeypatch.setattr(gguf_tokenizer, "_merge_pairs", lambda fields, vocab, where: [["zz", "yy"]])
+    line = cli_error_line("generate", path, "--prompt", "a", "--max-new-tokens", 1)
+    assert line.startswith(f"bam-surgery: error: {path}: the tokenizer rebuilt from its tokenizer.ggml.* metadata "
+                           "does not load"), line
+
+
 @pytest.mark.parametrize("case", ["duplicate", "empty", "nul", "16 MB"])
 def test_odd_tokens_read_correctly(tmp_path, bpe, case):
     """Tokens the rebuilt tokenizer.json holds as they are (duplicates keep their first id): tokenizers loads it
