@@ -8,14 +8,13 @@ line `bam-surgery: error: ...` naming the file and the field, exit status 2, or 
   the tokenizer names no eos, refuses in one line naming config.json (converters.hf.files.check_token_ids, the
   rule generate and the exports already applied);
 * a tokenizer.json whose post-processor's special-token entry is a string: export-gguf names the entry;
-* `plot --out DIR` on a full disk (matplotlib's write failing without a file name): the line names the file in DIR;
+* `plot --out DIR` on a full disk (matplotlib's write failing without a file name): the line names the file in DIR
+  (tests/cli/test_disk_full.py);
 * `generate --tokenizer /dev/zero`: "not a regular file", not "no such file or folder".
 """
 from __future__ import annotations
 
-import errno
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -123,26 +122,6 @@ def test_a_special_token_entry_that_is_a_string(tmp_path):
     assert "tokenizer.json: post_processor.single[0]: field 'SpecialToken' must be an object, got a string" in line, \
         line
     assert not (tmp_path / "o.gguf").exists()
-
-
-# ---- plot on a full disk ----------------------------------------------------------------------------------------
-def test_plot_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
-    """matplotlib writes the PNG through a file object; on a full disk the OSError has no file name."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 3.0 - s, "lr": 1e-3})
-                                               + "\n" for s in (1, 2)))
-
-    def full(self, fname, *args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(Figure, "savefig", full)
-    out = tmp_path / "png"
-    line = cli_error_line("plot", run, "--out", out)
-    assert f"{out / 'loss.png'}: could not be written (No space left on device)" in line, line
-    assert not out.exists()
 
 
 # ---- --tokenizer /dev/zero --------------------------------------------------------------------------------------
