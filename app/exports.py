@@ -65,7 +65,10 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
     else:
         seed, files, card = reader, tokenizer_files(reader), None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
-    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files) or unavailable_tokenizer(seed.metadata) is not None
+    missing = unavailable_tokenizer(seed.metadata)
+    if missing is not None and warn is not None and fmt != "canonical":  # the canonical format keeps the fact
+        warn(f"{seed.path}: its tokenizer could not be rebuilt, so the output carries none ({missing})")
+    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files) or missing is not None
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
                         byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size)
                         and reader.config.vocab_size >= BYTE_VOCAB,  # ids 1..255 are bytes: the vocabulary holds them

@@ -314,7 +314,7 @@ def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle,
     check_format_out(fmt, out)
     with open_input(source, allow_pickle) as reader:
         export(reader, out, fmt, ExportRequest(architecture=architecture, max_shard_bytes=shard_bytes, force=force),
-               source=str(source))
+               source=str(source), warn=_warn)
         output_written(Path(out))
     if not quiet:
         click.echo(f"wrote {out} ({fmt})", err=True)

@@ -321,6 +321,9 @@ def test_an_unknown_pre_tokenizer_is_never_read_as_bytes(tmp_path, bpe):
         assert str(path) in line and "'weird' (tokenizer.ggml.pre)" in line, line
     assert "--tokenizer" in cli_error_line("generate", path, "--prompt", "a")
     assert not (tmp_path / "o.gguf").exists()
+    result = run_cli("convert", path, "--format", "hf", "--out", tmp_path / "hf")  # without one, saying so
+    assert "warning: " in result.stderr and "could not be rebuilt, so the output carries none" in result.stderr
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
     run_cli("convert", path, "--format", "canonical", "--out", tmp_path / "c.safetensors")
     line = cli_error_line("generate", tmp_path / "c.safetensors", "--prompt", "a")
     assert "tokenizer.ggml.pre" in line, line
