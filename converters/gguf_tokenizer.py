@@ -199,9 +199,8 @@ def _too_many(fields: Mapping[str, Any], tokens: list[str], where: str) -> str |
     malformed."""
     if not tokens:
         raise CheckpointError(f"{where}: tokenizer.ggml.tokens is empty")
-    merges = fields.get("tokenizer.ggml.merges")
-    for key, n in (("tokenizer.ggml.tokens", len(tokens)),
-                   ("tokenizer.ggml.merges", len(merges) if isinstance(merges, list) else 0)):
+    merges = metadata_value(fields, "tokenizer.ggml.merges", STRINGS, [], where=where)
+    for key, n in (("tokenizer.ggml.tokens", len(tokens)), ("tokenizer.ggml.merges", len(merges))):
         if n > MAX_TOKENIZER_ITEMS:
             return (f"its {key} holds {n:,} entries; a rebuilt tokenizer holds at most {MAX_TOKENIZER_ITEMS:,} "
                     "(twice the largest vocabulary in use)")
