@@ -21,6 +21,7 @@ MetadataError (a ValueError whose message starts with the key), for callers that
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from typing import Any, Mapping
 
 import numpy as np
@@ -76,7 +77,7 @@ def _scalar_ok(value: Any, kind: str) -> bool:
 def _array(value: Any, kind: str) -> Any:
     """The array `value` as `kind` gives it, or None when it is not one."""
     if kind == STRINGS:
-        return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+        return value if isinstance(value, list) and all(map(isinstance, value, repeat(str))) else None
     if isinstance(value, list):  # a caller's plain list
         item = {INTEGERS: INTEGER, NUMBERS: NUMBER, BOOLEANS: BOOLEAN}[kind]
         if not all(_scalar_ok(v, item) for v in value):

@@ -101,10 +101,11 @@ def _merge_pairs(fields: Mapping[str, Any], vocab: Mapping[str, int], where: str
     pairs = []
     for i, m in enumerate(merges):
         parts = m.split(" ")
-        if len(parts) != 2 or not all(parts):
+        if len(parts) != 2 or not parts[0] or not parts[1]:
             raise CheckpointError(f"{where}: {key}[{i}] is {printable(m)[:40]!r}, not a pair of tokens")
-        missing = next((t for t in (*parts, parts[0] + parts[1]) if t not in vocab), None)
-        if missing is not None:
+        left, right = parts
+        if left not in vocab or right not in vocab or left + right not in vocab:
+            missing = next(t for t in (left, right, left + right) if t not in vocab)
             raise CheckpointError(f"{where}: {key}[{i}] ({printable(m)[:40]!r}) names {printable(missing)[:40]!r}, "
                                   "which is no token of tokenizer.ggml.tokens (a merge joins two tokens into a third)")
         pairs.append(parts)
