@@ -35,30 +35,34 @@ STRING, ARRAY = 8, 9
 FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def _string(s: str) -> bytes:
-    b = s.encode("utf-8")
+def gguf_string(s: str | bytes) -> bytes:
+    """A GGUF string: its 8-byte length, then its bytes (a str as UTF-8, lone surrogates kept: a hostile file)."""
+    b = s.encode("utf-8", "surrogatepass") if isinstance(s, str) else s
     return struct.pack("<Q", len(b)) + b
 
 
 def _value(vtype: int, value, itype: int | None) -> bytes:
     if vtype == STRING:
-        return _string(value)
+        return gguf_string(value)
     if vtype == ARRAY:
         head = struct.pack("<IQ", itype, len(value))
         if itype == STRING:
-            return head + b"".join(_string(v) for v in value)
-        return head + np.asarray(value).astype(np.dtype(FORMATS[itype])).tobytes()
+            return head + b"".join(gguf_string(v) for v in value)
+        with np.errstate(invalid="ignore", over="ignore"):  # float64 values past float32's range: inf
+            return head + np.asarray(value).astype(np.dtype(FORMATS[itype])).tobytes()
     return struct.pack(FORMATS[vtype], value)
 
 
 def write_gguf(path: Path, fields: dict, tensors: list) -> Path:
-    """fields {key: (type, value, item type)}, tensors [(name, float32 array)], 32-byte aligned."""
-    kv = b"".join(_string(k) + struct.pack("<I", t) + _value(t, v, i) for k, (t, v, i) in fields.items())
+    """A GGUF file of `fields` {key: (value type, value, array item type or None)}, in order, any value under any key,
+    and `tensors` [(name, numpy array, GGML type)] (their bytes as they are), written byte by byte, 32-byte aligned
+    (tests/converters/test_gguf_hostile.py writes its files with it too)."""
+    kv = b"".join(gguf_string(k) + struct.pack("<I", t) + _value(t, v, i) for k, (t, v, i) in fields.items())
     infos, data, offset = b"", [], 0
-    for name, array in tensors:
+    for name, array, qtype in tensors:
         dims = list(reversed(array.shape))
-        infos += _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, 0, offset)
-        raw = array.astype(np.float32).tobytes()
+        infos += gguf_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, qtype, offset)
+        raw = array.tobytes()
         raw += b"\0" * (-len(raw) % 32)
         data.append(raw)
         offset += len(raw)
@@ -89,7 +93,7 @@ def tiny_llama(work: Path) -> tuple[dict, list]:
     parsed = parse_gguf(path)
     fields = {k: (parsed.types[k][0], v, parsed.types[k][1]) for k, v in parsed.fields.items()}
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = [(t.name, np.frombuffer(raw[t.start:t.start + t.nbytes], np.float32).reshape(t.shape))
+    tensors = [(t.name, np.frombuffer(raw[t.start:t.start + t.nbytes], np.float32).reshape(t.shape), 0)
                for t in parsed.tensors]
     return fields, tensors
 
@@ -110,14 +114,14 @@ def with_vocabulary(base: tuple[dict, list], tokens: list[str], spm: bool, score
         fields["tokenizer.ggml.pre"] = (STRING, "gpt-2", None)
         fields["tokenizer.ggml.merges"] = (ARRAY, [], STRING)
     tensors = [(name, np.full((n, a.shape[1]), 0.01, np.float32) if name in ("token_embd.weight", "output.weight")
-                else a) for name, a in tensors]
+                else a, qtype) for name, a, qtype in tensors]
     return fields, tensors
 
 
 def one_array(path: Path, itype: int, n: int, item: bytes) -> Path:
     """A GGUF holding one array of n items of `item`'s bytes (a string of them, or raw numbers)."""
     with open(path, "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string("x.a") + struct.pack("<IIQ", ARRAY, itype, n))
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_string("x.a") + struct.pack("<IIQ", ARRAY, itype, n))
         chunk = item * min(n, 1 << 16)
         for start in range(0, n, 1 << 16):
             f.write(chunk if start + (1 << 16) <= n else item * (n - start))

@@ -20,7 +20,7 @@ and the weak messages: general.alignment "32", bos_token_id "0", value_length un
 pre-tokenizer of a small vocabulary (never read as bytes), merges naming no token (what `tokenizers` could not load:
 duplicate or emptied tokens), the bounds on key-value pairs, tensors and array strings; duplicate, empty, NUL and
 16 MB tokens read correctly. Hypothesis fuzzes the type and size of every metadata key the reader reads. The files are
-written byte by byte here (raw_gguf), so any value type can sit under any key. Wall times and memory are measured
+written byte by byte (raw_gguf: benchmarks/hostile_gguf.py's writer), so any value type can sit under any key. Wall times and memory are measured
 outside the tests (no timing here): the bounds asserted are the work the code does.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,43 +47,9 @@ from test_gguf import llama_config, write, write_bpe  # noqa: E402
 from test_gguf_sentencepiece import vocabulary  # noqa: E402
 
 STRING, ARRAY = 8, 9
-FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-# ---- writing any GGUF ---------------------------------------------------------------------------------------
-def _string(s: str | bytes) -> bytes:
-    b = s.encode("utf-8", "surrogatepass") if isinstance(s, str) else s
-    return struct.pack("<Q", len(b)) + b
-
-
-def _value(vtype: int, value, itype: int | None = None) -> bytes:
-    if vtype == STRING:
-        return _string(value)
-    if vtype == ARRAY:
-        head = struct.pack("<IQ", itype, len(value))
-        if itype == STRING:
-            return head + b"".join(_string(v) for v in value)
-        with np.errstate(invalid="ignore", over="ignore"):  # float64 values past float32's range: inf
-            return head + np.asarray(value).astype(np.dtype(FORMATS[itype])).tobytes()
-    return struct.pack(FORMATS[vtype], value)
-
-
-def raw_gguf(path: Path, fields: dict, tensors: list, alignment: int = 32) -> Path:
-    """A GGUF file of `fields` {key: (value type, value, array item type or None)} in order and `tensors`
-    [(name, numpy array, GGML type)], written byte by byte."""
-    kv = b"".join(_string(k) + struct.pack("<I", t) + _value(t, v, i) for k, (t, v, i) in fields.items())
-    infos, data, offset = b"", [], 0
-    for name, array, qtype in tensors:
-        dims = list(reversed(array.shape))
-        infos += _string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
-        infos += struct.pack("<IQ", qtype, offset)
-        raw = array.tobytes()
-        raw += b"\0" * (-len(raw) % alignment)
-        data.append(raw)
-        offset += len(raw)
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(fields)) + kv + infos
-    path.write_bytes(head + b"\0" * (-len(head) % alignment) + b"".join(data))
-    return path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks/ writes GGUF files too
+from benchmarks.hostile_gguf import gguf_string as _string  # noqa: E402
+from benchmarks.hostile_gguf import write_gguf as raw_gguf  # noqa: E402
 
 
 def contents(path: Path) -> tuple[dict, list]:
