@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from bam_surgery.converters.byte_tokenizer import BYTE_VOCAB, BYTES, TOKENIZER_KEY, uses_byte_tokenizer
+from bam_surgery.converters.byte_tokenizer import (BYTE_VOCAB, BYTES, TOKENIZER_KEY, unavailable_tokenizer,
+                                                   uses_byte_tokenizer)
 from bam_surgery.converters.export import REFUSED_FORMATS, ExportOptions, check_export, exporter, exporters, side_files
 from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.output_path import check_output_path
@@ -70,7 +71,10 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
     else:
         seed, files, card = reader, tokenizer_files(reader), None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
-    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files)
+    missing = unavailable_tokenizer(seed.metadata)
+    if missing is not None and warn is not None and fmt != "canonical":  # the canonical format keeps the fact
+        warn(f"{seed.path}: its tokenizer could not be rebuilt, so the output carries none ({missing})")
+    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files) or missing is not None
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
                         byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size)
                         and reader.config.vocab_size >= BYTE_VOCAB,  # ids 1..255 are bytes: the vocabulary holds them
@@ -141,14 +145,18 @@ def write_export(reader: Reader, out: Path, fmt: str, request: ExportRequest = E
     lines go to reporter.log, but for a merge's export (the merge prints its own summary)."""
     reporter = reporter or Reporter()
     recipe = plan.recipe.name if plan is not None else None
-    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=reporter.warning)
+    warnings: list[str] = []  # said once the output is written: a format that refuses says one line only
+    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warnings.append)
     with tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
         options = ExportOptions(
             tokenizer_files=inputs.files + _byte_tokenizer_files(fmt, inputs, Path(scratch)),
             generation=inputs.generation, model_card=inputs.model_card, metadata=_metadata(fmt, source, reader),
             recipe=recipe, max_shard_bytes=request.max_shard_bytes, replace=request.force,
             log=reporter.log if plan is None else None, own=_own(reader, fmt, request, plan))
-        return exporter(fmt).write(reader, out, options)
+        path = exporter(fmt).write(reader, out, options)
+    for line in warnings:
+        reporter.warning(line)
+    return path
 
 
 def _own(reader: Reader, fmt: str, request: ExportRequest, plan) -> Any:
@@ -179,10 +187,11 @@ def _byte_tokenizer_files(fmt: str, inputs: ExportInputs, scratch: Path) -> tupl
 
 def _metadata(fmt: str, source: str | None, reader: Reader) -> dict[str, str]:
     """The canonical file's (and the GGUF card's) extra metadata: the source, and the byte tokenizer's key where
-    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it)."""
+    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it), or that
+    its own tokenizer is unavailable (a GGUF's not rebuilt: no later command reads bytes in its place)."""
     out = {"bam_source": source} if source else {}
-    if fmt == "canonical" and reader.metadata.get(TOKENIZER_KEY) == BYTES:
-        out[TOKENIZER_KEY] = BYTES
+    if fmt == "canonical" and (reader.metadata.get(TOKENIZER_KEY) == BYTES or unavailable_tokenizer(reader.metadata)):
+        out[TOKENIZER_KEY] = reader.metadata[TOKENIZER_KEY]  # bytes, or why its own tokenizer is unavailable
     return out
 
 

@@ -92,7 +92,7 @@ import torch
 
 from bam_surgery import __version__
 from bam_surgery.runtime.atomic import atomic_path
-from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
 from bam_surgery.runtime.errors import CheckpointError, OptionError, printable
@@ -106,7 +106,7 @@ from bam_surgery.runtime.shards import read_side_file
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
-                             byte_symbols, uses_byte_tokenizer)
+                             byte_symbols, unavailable_tokenizer, uses_byte_tokenizer)
 from .hf.mixtral_config import mixtral_problems
 from .hf.moe_family import bias_problem, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
@@ -450,9 +450,12 @@ def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
         if not all(isinstance(item, dict) for item in single):
             raise CheckpointError(f"{where}: post_processor.single holds an item that is not an object")
 
-        def special(item) -> str | None:
-            return item["SpecialToken"].get("id") if isinstance(item, dict) and "SpecialToken" in item else None
-        return (special(single[0]) if single else None, special(single[-1]) if len(single) > 1 else None)
+        def special(i: int) -> str | None:
+            if "SpecialToken" not in single[i]:
+                return None
+            entry = json_field(single[i], "SpecialToken", dict, f"{where}: post_processor.single[{i}]")
+            return json_field(entry, "id", str, f"{where}: post_processor.single[{i}].SpecialToken")
+        return (special(0) if single else None, special(len(single) - 1) if len(single) > 1 else None)
     kind = post.get("type") if isinstance(post, dict) else type(post).__name__
     raise CapabilityError(f"{where}: post-processor {str(kind)[:40]!r} is not one this export maps to llama.cpp "
                           "(ByteLevel, TemplateProcessing)")
@@ -581,6 +584,10 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
         if "chat_template.jinja" in files:  # transformers' own file for the template, ahead of tokenizer_config's
             vocab.chat_template = read_side_file(files["chat_template.jinja"]).decode("utf-8", errors="replace")
         return vocab
+    missing = unavailable_tokenizer(reader.metadata)
+    if missing is not None:  # its own tokenizer could not be rebuilt: never the byte tokenizer in its place
+        raise CapabilityError(f"gguf export: {reader.path}: its tokenizer could not be rebuilt ({missing}), and "
+                              "llama.cpp needs the vocabulary in the file")
     if uses_byte_tokenizer(reader.metadata.get(TOKENIZER_KEY) == BYTES, False, cfg.vocab_size) \
             and cfg.vocab_size >= BYTE_VOCAB:
         return byte_vocabulary(cfg.vocab_size)
@@ -640,7 +647,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     bases: list[tuple[str, str]] = []
     if prov is not None:
         recipe = (prov.get("recipe") or {}).get("name") if isinstance(prov.get("recipe"), dict) else None
-        inputs = [i for i in prov.get("inputs") or [] if isinstance(i, dict)]
+        inputs = provenance_inputs(prov)
         bases = [(str(i.get("name")), f"{i.get('role')} ({i.get('path')})") for i in inputs]
         made = f" Merged with recipe {recipe} from {', '.join(n for n, _ in bases)}." if recipe else ""
     else:

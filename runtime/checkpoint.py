@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -41,6 +41,20 @@ CONFIG_KEY = "bam_config"
 PROVENANCE_KEY = "bam_provenance"  # a merge's record of how it was made (surgery.provenance writes it)
 SHARD_METADATA = {"format": FORMAT}  # each shard of a canonical directory; the index carries the rest
 SIDE_FILES_KEY = "bam_side_files"  # a single file's side files: JSON {name: text}, names from SIDE_FILES
+
+
+
+def provenance_inputs(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The inputs a provenance record (PROVENANCE_KEY, parsed) names, read by one rule for all its readers (inspect,
+    the GGUF card, expert names): a list of entries, each an object (a bare value taken as its path), or an older
+    {role: entry or path} object; "inputs" of any other kind (a number, a string) names none."""
+    inputs = (provenance or {}).get("inputs")
+    if isinstance(inputs, dict):
+        return [{**(v if isinstance(v, dict) else {"path": v}), "role": k} for k, v in inputs.items()]
+    if isinstance(inputs, list):
+        return [i if isinstance(i, dict) else {"path": i} for i in inputs]
+    return []
+
 
 __all__ = ["CONFIG_KEY", "FORMAT", "PROVENANCE_KEY", "SIDE_FILES_KEY", "CheckpointError", "CheckpointReader", "load_checkpoint", "save_checkpoint",
            "write_checkpoint", "write_dir_config"]

@@ -166,27 +166,40 @@ def _outside(directory: Path, path: Path, what: str, target: Path) -> Checkpoint
 MAX_SIDE_FILE_BYTES = MAX_JSON_BYTES
 
 
-@contextmanager
-def open_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Iterator[BinaryIO]:
-    """The side file `path` of the model folder path.parent, opened once and checked after opening, so that
-    what is read is what was checked (a file swapped for a link between a check and a copy cannot bring an
-    outside file in): its resolved path opened with O_NOFOLLOW (a link put there since fails), the opened
-    descriptor's own path (/proc/self/fd) inside the folder by folder_file's rule, a regular file
-    (runtime.jsonfile.open_regular), at most max_bytes by fstat. Errors are one CheckpointError naming it."""
-    what = what or path.name
-    folder_file(path.parent, path, what)
-    root = path.parent.resolve()
+def open_folder_file(path: Path, what: str, folder: Path | None = None) -> BinaryIO:
+    """`path`, a file of the model folder `folder` (default: path.parent), opened once and checked after opening,
+    the rule of every file read from inside a model folder (side files, a split GGUF's parts, a folder's GGUF): its
+    resolved path opened with O_NOFOLLOW (a link put there since fails), the opened descriptor's own path
+    (/proc/self/fd) inside the folder by folder_file's rule, a regular file (runtime.jsonfile.open_regular). The
+    caller closes the file; errors are one CheckpointError naming it."""
+    folder = path.parent if folder is None else folder
+    folder_file(folder, path, what)
+    root = folder.resolve()
     try:
         f = open_regular(path.resolve(), str(path), flags=os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
-    with f:
+    try:
         try:
             real = Path(os.readlink(f"/proc/self/fd/{f.fileno()}"))
         except OSError:  # no /proc: the O_NOFOLLOW open of the resolved path stands alone
             real = None
         if real is not None and not _inside(root, real):
-            raise _outside(path.parent, path, what, real)
+            raise _outside(folder, path, what, real)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+@contextmanager
+def open_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Iterator[BinaryIO]:
+    """The side file `path` of the model folder path.parent, opened once and checked after opening
+    (open_folder_file), so that what is read is what was checked (a file swapped for a link between a check and a
+    copy cannot bring an outside file in), and at most max_bytes by fstat. Errors are one CheckpointError naming
+    it."""
+    what = what or path.name
+    with open_folder_file(path, what) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise CheckpointError(f"{path}: {size:,} bytes is too large for {what} (the limit of every side file "

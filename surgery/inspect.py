@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json
@@ -92,10 +92,7 @@ class Provenance:
 
     @property
     def inputs(self) -> list[dict[str, Any]]:
-        ins = (self.fields or {}).get("inputs") or []
-        if isinstance(ins, dict):  # {role: {...}} or {role: path}
-            return [dict(role=k, **(v if isinstance(v, dict) else {"path": v})) for k, v in ins.items()]
-        return [i if isinstance(i, dict) else {"path": i} for i in ins]
+        return provenance_inputs(self.fields)
 
 
 HOW_OBTAINED = {
@@ -109,7 +106,7 @@ def input_digest(entry: dict[str, Any]) -> tuple[str, str]:
     merges recorded a bare sha256 of each file (or of a sha256sum manifest for a sharded input)."""
     files = entry.get("files") if isinstance(entry.get("files"), list) else []
     if "digest" in entry:
-        hows = sorted({f.get("how") for f in files if isinstance(f, dict)} - {None})
+        hows = sorted({str(f["how"]) for f in files if isinstance(f, dict) and f.get("how") is not None})
         how = "; ".join(HOW_OBTAINED.get(h, str(h)) for h in hows) or "-"
         if len(files) > 1:
             how = f"BLAKE3 of the manifest of {len(files)} files ({how})"
@@ -228,7 +225,7 @@ def render_inspection(ins: Inspection) -> str:
         if isinstance(per_tensor, dict):  # one line per op; the full map is in --json
             ops: dict[str, int] = {}
             for rec in per_tensor.values():
-                op = rec.get("op", "?") if isinstance(rec, dict) else "?"
+                op = str(rec.get("op", "?")) if isinstance(rec, dict) else "?"
                 ops[op] = ops.get(op, 0) + 1
             head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
         out.append(render_table(("field", "value"), head, indent="  ", left=2))
@@ -240,9 +237,7 @@ def render_inspection(ins: Inspection) -> str:
                      *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
             out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
         if prov.training:  # the chain: merge (above) -> each training run, oldest first
-            rows = [(i + 1, (r.get("init") or {}).get("spec", "-"), r.get("steps", "-"), r.get("tokens", "-"),
-                     ", ".join(f"{d.get('domain')} {d.get('weight', 0):.2g}" for d in r.get("data") or []) or "-")
-                    for i, r in enumerate(prov.training)]
+            rows = [_training_row(i, r) for i, r in enumerate(prov.training)]
             out += ["  training (oldest first)", render_table(("run", "init", "steps", "tokens", "data"), rows,
                                                               indent="    ", left=2)]
     out += ["", "layout check"]
@@ -293,3 +288,15 @@ def render_audit(a: Audit, source: str) -> str:
 def millions(n: int) -> str:
     """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
     return f"{n / 1e6:.2f}M"
+
+
+def _training_row(i: int, run: dict) -> tuple:
+    """One training run of a provenance record as a row, whatever types its fields hold (a file we did not write)."""
+    init = run.get("init")
+    data = run.get("data") if isinstance(run.get("data"), list) else []
+
+    def weight(w) -> str:
+        return f"{w:.2g}" if isinstance(w, (int, float)) and not isinstance(w, bool) else str(w)
+    domains = ", ".join(f"{d.get('domain')} {weight(d.get('weight', 0))}" for d in data if isinstance(d, dict))
+    return (i + 1, init.get("spec", "-") if isinstance(init, dict) else "-", run.get("steps", "-"),
+            run.get("tokens", "-"), domains or "-")
