@@ -35,7 +35,7 @@ from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json, read_json
 from bam_surgery.runtime.layout import tensor_shapes
-from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.reader import ShapeTableReader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
@@ -71,7 +71,7 @@ def _type_name(qtype: int) -> str:
         return str(qtype)
 
 
-class GGUFCheckpointReader(Reader):
+class GGUFCheckpointReader(ShapeTableReader):
     """The reader protocol (runtime.reader) over a GGUF file or a split GGUF."""
 
     def __init__(self, path: str | os.PathLike):
@@ -228,15 +228,6 @@ class GGUFCheckpointReader(Reader):
         self._shape = expected
 
     # -- reader protocol -------------------------------------------------------------------
-    def names(self) -> list[str]:
-        return list(self._shape)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._shape
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shape[name]
-
     def dtype(self, name: str) -> torch.dtype:
         if self._unit_offset(name):
             return torch.float32

@@ -1,6 +1,6 @@
 """A GGUF's SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma) as a tokenizer.json.
 
-    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where, shape)
 
 The result is the tokenizer transformers' own GGUF loader builds from the same metadata
 (AutoTokenizer.from_pretrained(folder, gguf_file=...): integrations/gguf/gguf_tokenizer_mapping.py), rebuilt here
@@ -34,8 +34,8 @@ from typing import Any, Mapping
 from bam_surgery.runtime.errors import CheckpointError
 
 SPACE = "\u2581"  # SentencePiece's visible space
-GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # transformers' gemma_tokenizer
-PHI3_ARCHS = ("phi3",)  # transformers' phi3_tokenizer; every other architecture: LlamaTokenizer's shape
+SHAPES = ("llama", "gemma", "phi3")  # LlamaTokenizer's, transformers' gemma_tokenizer, phi3_tokenizer (a GGUF's
+# architecture has its shape in its family record: hf/families.py Gguf.tokenizer, gguf_table.TOKENIZER_SHAPES)
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 MAX_TOKEN_CHARS = 4096  # a longer token makes cutting it into pairs quadratic in its length: not rebuilt
 # control tokens llama.cpp ends generation at besides eos (llama-vocab.cpp's end-of-turn names)
@@ -71,14 +71,14 @@ def implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[
 
 
 def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types: list[int],
-                            ids: dict[str, int | None], where: str) -> tuple[dict, dict] | str:
-    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt."""
-    arch = fields.get("general.architecture")
+                            ids: dict[str, int | None], where: str, shape: str = "llama") -> tuple[dict, dict] | str:
+    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt;
+    `shape` one of SHAPES."""
     longest = max(range(len(tokens)), key=lambda i: len(tokens[i]), default=None)
     if longest is not None and len(tokens[longest]) > MAX_TOKEN_CHARS:
         return (f"its token {longest} is {len(tokens[longest]):,} characters long (the rebuild takes tokens of up to "
                 f"{MAX_TOKEN_CHARS:,}); pass --tokenizer")
-    gemma = arch in GEMMA_ARCHS
+    gemma = shape == "gemma"
     if not gemma or "tokenizer.ggml.scores" in fields:  # Gemma's are unused, but checked as any file's
         scores = _scores(fields, len(tokens), where)
     if gemma:
@@ -109,7 +109,7 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         normalizer: dict | None = replace
         pre: dict | None = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
                             "invert": False}
-    elif arch in PHI3_ARCHS:
+    elif shape == "phi3":
         normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]}
         pre = None
     else:

@@ -25,8 +25,9 @@ decides which architecture a config becomes (gguf_export.gguf_architecture) and 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -34,6 +35,9 @@ import torch
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
+
+from .hf.families import FAMILIES
+from .hf.family import Family, Gguf
 
 
 def gguf_module():
@@ -95,15 +99,6 @@ def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True)
-class Fused:
-    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order."""
-
-    parts: tuple[str, ...]  # canonical prefixes ("layers.{}.attn.q", ...)
-    member: str  # gguf.MODEL_TENSOR member
-    suffixes: tuple[str, ...] = ("weight", "bias")
-
-
 def tensor_layout(arch: str, cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """({llama.cpp name: the canonical tensors it holds, stacked along the rows}, canonical tensors the architecture
     has no name for), for every tensor of `cfg`, in canonical order: one canonical tensor per name, except the parts
@@ -144,19 +139,14 @@ def _keys():
 def hparams() -> tuple[HParam, ...]:
     """The architecture's keys llama.cpp reads, as convert_hf_to_gguf.py writes them, in that order."""
     llm, att, rope = _keys()
+    every = (("u32", llm.VOCAB_SIZE, "vocab_size"), ("u32", llm.CONTEXT_LENGTH, "max_positions"),
+             ("u32", llm.EMBEDDING_LENGTH, "d_model"), ("u32", llm.BLOCK_COUNT, "n_layers"),
+             ("u32", llm.FEED_FORWARD_LENGTH, "ffn_hidden"), ("u32", att.HEAD_COUNT, "n_heads"),
+             ("u32", att.HEAD_COUNT_KV, "n_kv_heads"), ("u32", att.KEY_LENGTH, "head_dim"),
+             ("u32", att.VALUE_LENGTH, "head_dim"), ("u32", rope.DIMENSION_COUNT, "rotary_dim"),
+             ("f32", rope.FREQ_BASE, "rope_theta"), ("f32", att.LAYERNORM_RMS_EPS, "norm_eps"))
     return (
-        HParam(llm.VOCAB_SIZE, "u32", "vocab_size"),
-        HParam(llm.CONTEXT_LENGTH, "u32", "max_positions"),
-        HParam(llm.EMBEDDING_LENGTH, "u32", "d_model"),
-        HParam(llm.BLOCK_COUNT, "u32", "n_layers"),
-        HParam(llm.FEED_FORWARD_LENGTH, "u32", "ffn_hidden"),
-        HParam(att.HEAD_COUNT, "u32", "n_heads"),
-        HParam(att.HEAD_COUNT_KV, "u32", "n_kv_heads"),
-        HParam(att.KEY_LENGTH, "u32", "head_dim"),
-        HParam(att.VALUE_LENGTH, "u32", "head_dim"),
-        HParam(rope.DIMENSION_COUNT, "u32", "rotary_dim"),
-        HParam(rope.FREQ_BASE, "f32", "rope_theta"),
-        HParam(att.LAYERNORM_RMS_EPS, "f32", "norm_eps"),
+        *(HParam(key, kind, field) for kind, key, field in every),
         HParam(llm.EXPERT_COUNT, "u32", "ffn_experts", lambda cfg, arch: bool(cfg.ffn_experts)),
         HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg, arch: bool(cfg.ffn_experts)),
         # the experts' width: qwen2moe and qwen3moe read it (qwen3moe else takes feed_forward_length / top-k)
@@ -170,31 +160,19 @@ def hparams() -> tuple[HParam, ...]:
 
 
 @dataclass(frozen=True)
-class GGUFArch:
-    name: str
-    rope_pairs: bool  # rotates pairs of dimensions (LLAMA_ROPE_TYPE_NORM): rotate-halves Q/K rows permuted
-    gate_norm: str | None  # the mixture gates its graph computes; None: no mixture
-    hf_dense: str | None  # the HF model_type of a dense model of this architecture (converters/hf/architectures.py)
-    hf_mixture: str | None  # ... of a mixture
-    output_always: bool = False  # loads output.weight even for tied embeddings
+class GGUFArch(Gguf):
+    """One llama.cpp architecture: its spelling in a family record (hf/family.py Gguf: what its graph computes beyond
+    the family's traits) with the record's traits, and the HF model_types it converts to."""
+
+    hf_dense: str | None = None  # the HF model_type of a dense model of this architecture (hf/families.py)
+    hf_mixture: str | None = None  # ... of a mixture
     qk_norm: str = "none"  # ModelConfig.qk_norm its graph applies: head (per head, [Dh]) or full ([H*Dh])
     norm_position: str = "pre"  # post: attn_post_norm / ffn_post_norm after each sublayer, no pre-norms (OLMo 2)
-    nope_every: int = 0  # n > 0: layers i with (i + 1) % n == 0 apply no RoPE (smollm3: 4, fixed in llama.cpp)
-    biases: tuple[str, ...] = ("q/k/v",)  # the biases its graph adds (of q/k/v, o, ffn)
-    rope_scalings: tuple[str, ...] = ("linear", "yarn")  # the scaled_rope types it applies (ROPE below)
-    fused: tuple[Fused, ...] = ()
-    q_is_d_model: bool = False  # loads q and o as [d_model, d_model]: n_heads * head_dim = d_model
-    # Gemma (WINDOWS section below for the sliding windows):
     activation: str = "swiglu"  # ModelConfig.activation of its FFN (geglu_tanh: gelu(gate x) * up x)
     scale_embeddings: bool = False  # the embeddings times sqrt(d_model)
     unit_offset_norms: bool = False  # its converter stores RMSNorm weights as 1 + w: read as (1 + w) norms
-    tied_only: bool = False  # loads no output.weight: the embedding is the head
-    attn_softcap: str = "none"  # none | always (attn_logit_softcapping, SOFTCAP_DEFAULTS when absent)
-    final_softcap: str = "none"  # none | optional (final_logit_softcapping, 0 or absent: none) | always
-    windows: str = "none"  # none | optional (with attention.sliding_window) | always (SOFTCAP_DEFAULTS' window)
-    window_pattern: int = 0  # absent sliding_window_pattern: layers i with i % n < n - 1 slide
-    window_rope: str = "global"  # the sliding layers' RoPE (WINDOWS): global (scaled as the others) or plain
-    attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
+    shared_expert: bool = False  # its mixture has a shared expert
+    qkv_bias_always: bool = False  # its mixture always has q/k/v biases (zeros are written for a model without)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -202,38 +180,32 @@ class GGUFArch:
         return out or None
 
 
-ARCHS = {
-    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax", hf_dense="llama", hf_mixture="mixtral",
-                      biases=("q/k/v", "o", "ffn"), rope_scalings=("linear", "yarn", "llama3")),
-    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None, hf_dense="qwen2", hf_mixture=None,
-                      q_is_d_model=True),
-    "qwen2moe": GGUFArch("qwen2moe", rope_pairs=False, gate_norm="softmax", hf_dense=None, hf_mixture="qwen2_moe",
-                         output_always=True, q_is_d_model=True),
-    "qwen3": GGUFArch("qwen3", rope_pairs=False, gate_norm=None, hf_dense="qwen3", hf_mixture=None, qk_norm="head"),
-    "qwen3moe": GGUFArch("qwen3moe", rope_pairs=False, gate_norm="topk_softmax", hf_dense=None, hf_mixture=None,
-                         qk_norm="head"),
-    "olmo2": GGUFArch("olmo2", rope_pairs=False, gate_norm=None, hf_dense="olmo2", hf_mixture=None, output_always=True,
-                      qk_norm="full", norm_position="post", q_is_d_model=True),
-    "phi3": GGUFArch("phi3", rope_pairs=False, gate_norm=None, hf_dense="phi3", hf_mixture=None,
-                     rope_scalings=("linear", "yarn", "longrope"), q_is_d_model=True,
-                     fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v"), "ATTN_QKV"),
-                            Fused(("layers.{}.ffn.gate", "layers.{}.ffn.up"), "FFN_UP", ("weight",)))),
-    "smollm3": GGUFArch("smollm3", rope_pairs=True, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
-                        nope_every=4),
-    "gemma2": GGUFArch("gemma2", rope_pairs=False, gate_norm=None, hf_dense="gemma2", hf_mixture=None,
-                       norm_position="sandwich", biases=(), rope_scalings=("linear",), activation="geglu_tanh",
-                       scale_embeddings=True, unit_offset_norms=True, tied_only=True, attn_softcap="always",
-                       final_softcap="always", windows="always", window_pattern=2, window_rope="global",
-                       attn_scale_layers=46),
-    "gemma3": GGUFArch("gemma3", rope_pairs=False, gate_norm=None, hf_dense="gemma3_text", hf_mixture=None,
-                       qk_norm="head", norm_position="sandwich", biases=(), rope_scalings=("linear",),
-                       activation="geglu_tanh", scale_embeddings=True, unit_offset_norms=True,
-                       final_softcap="optional", windows="optional", window_pattern=6, window_rope="plain",
-                       attn_scale_layers=62),
-}
-# llama.cpp's values where a gemma2 file has no key (llama-hparams.h, gemma2's loader)
+def _rows(families: tuple[Family, ...]) -> dict[str, GGUFArch]:
+    """Each llama.cpp architecture of the records, in their order: a dense record gives the row, a mixture record of
+    the same architecture its gating (a mixture record alone gives the whole row)."""
+    rows: dict[str, GGUFArch] = {}
+    for f in families:
+        g = f.gguf
+        if g is None:
+            continue
+        spelling = {k.name: getattr(g, k.name) for k in dataclasses.fields(Gguf)}
+        traits = dict(qk_norm=f.all_traits["qk_norm"], norm_position=f.all_traits["norm_position"],
+                      activation=f.activation, scale_embeddings=f.all_traits["scale_embeddings"],
+                      unit_offset_norms=f.all_traits["norm_unit_offset"])
+        if not f.mixture:
+            rows[g.name] = GGUFArch(**spelling, hf_dense=f.model_type, **traits)
+            continue
+        mixture = dict(gate_norm=g.gate_norm, hf_mixture=f.model_type, moe_checks=g.moe_checks or f.model_type,
+                       shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always)
+        rows[g.name] = (replace(rows[g.name], **mixture) if g.name in rows
+                        else GGUFArch(**{**spelling, **mixture}, **traits))
+    return rows
+
+
+ARCHS: dict[str, GGUFArch] = _rows(FAMILIES)
+TOKENIZER_SHAPES = {name: row.tokenizer for name, row in ARCHS.items()}  # SentencePiece shapes (gguf_sentencepiece)
+# llama.cpp's values where a file of an architecture that always soft-caps has no key (llama-hparams.h)
 SOFTCAP_DEFAULTS = {"attn_softcap": 50.0, "final_softcap": 30.0}
-DEFAULT_WINDOW = {"gemma2": 4096}
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)
 
 
@@ -464,7 +436,7 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
         return {}
     g = gguf_module()
     att, rope = g.Keys.Attention, g.Keys.Rope
-    window = fields.get(att.SLIDING_WINDOW.format(arch=arch), DEFAULT_WINDOW.get(arch, 0))
+    window = fields.get(att.SLIDING_WINDOW.format(arch=arch), row.default_window)
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"{att.SLIDING_WINDOW.format(arch=arch)} is {printable_kind(str(window))}, not a window size")
     if window == 0:

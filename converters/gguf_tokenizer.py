@@ -36,6 +36,10 @@ from typing import Any, Mapping
 
 from bam_surgery.runtime.cache import cached_build
 from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.jsonfile import json_field
+
+from .base import CapabilityError
+from .gguf_table import TOKENIZER_SHAPES
 
 from . import gguf_sentencepiece
 from .gguf_sentencepiece import sentencepiece_tokenizer
@@ -67,9 +71,35 @@ PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
                "Digits (one by one) + ByteLevel (GPT-2's regex)", False),
 }
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
+SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}  # the Split pre-tokenizers' names
 UNDEFINED, NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 3, 4, 5, 6  # llama.cpp's token types
 DIRECTORY = "gguf-tokenizers"
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # tokenizer_texts' names, in order
+
+
+def pre_tokenizer_name(pre: Any, where: str) -> str:
+    """The llama.cpp pre-tokenizer equal to a tokenizer.json pre_tokenizer, or CapabilityError."""
+    steps = (json_field(pre, "pretokenizers", list, f"{where}: pre_tokenizer", default=[])
+             if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre])
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or [None]]
+
+    def byte_level(step: dict, regex: bool) -> bool:
+        return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True)
+                and bool(step.get("use_regex", True)) == regex)
+
+    if kinds == ["ByteLevel"] and byte_level(steps[0], True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and byte_level(steps[1], False):
+        split = steps[0]
+        regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
+        if regex in SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return SPLIT_REGEXES[regex]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(steps[1], True):
+        return "smollm"
+    shown = json.dumps(pre, sort_keys=True)[:120]
+    raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
+                          f"(supported: {'; '.join(f'{k}: {v[1]}' for k, v in PRE_TOKENIZERS.items())}, without a "
+                          "prefix space)")
 
 
 def _strings(fields: Mapping[str, Any], key: str, where: str) -> list[str]:
@@ -157,7 +187,8 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
             raise CheckpointError(f"{where}: tokenizer.ggml.add_{kind}_token is set but the file names no {kind} token")
     extra: dict = {"config": {}, "eog": []}
     if model == "llama":
-        built = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+        shape = TOKENIZER_SHAPES.get(fields.get("general.architecture"), "llama")
+        built = sentencepiece_tokenizer(fields, tokens, types, ids, where, shape)
         if isinstance(built, str):
             return built
         body, extra = built
@@ -220,7 +251,8 @@ def _input_key(fields: Mapping[str, Any], context_length: int | None) -> str:
     for source in (__file__, gguf_sentencepiece.__file__):
         digest.update(Path(source).read_bytes())
     used = sorted(k for k in fields if k.startswith("tokenizer.") or k == "general.architecture")
-    digest.update(repr([(k, fields[k]) for k in used] + [context_length]).encode("utf-8", "surrogatepass"))
+    shape = TOKENIZER_SHAPES.get(fields.get("general.architecture"))  # the records' SentencePiece shape of it
+    digest.update(repr([(k, fields[k]) for k in used] + [context_length, shape]).encode("utf-8", "surrogatepass"))
     return "in-" + digest.hexdigest()[:32]
 
 

@@ -31,6 +31,7 @@ from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .carry import runtime_column
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
@@ -52,6 +53,10 @@ def check_opset(opset: int) -> None:
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise CapabilityError(f"--opset {opset}: the ONNX export needs opset {MIN_OPSET} to {MAX_OPSET} "
                               f"(scaled dot-product attention needs {MIN_OPSET}); default {DEFAULT_OPSET}")
+
+
+# ONNX's column of the table of what runs where (converters/carry.py): the graph traces the runtime's own model math
+COLUMN = runtime_column("onnx")
 
 
 class OnnxExporter(Exporter):

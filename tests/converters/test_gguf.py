@@ -42,6 +42,7 @@ from conftest import WrappedReader, cli_error_line, error_line, merge_family, ra
 
 gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
+from bam_surgery.converters import gguf_tokenizer as gt  # noqa: E402
 from bam_surgery.converters.gguf_table import rope_pairs  # noqa: E402
 
 F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 1.9e-5)
@@ -264,7 +265,8 @@ def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
     (dict(qk_norm="head", ffn_experts=3, ffn_top_k=2, gate_norm="softmax"), "--gate-norm topk_softmax"),
     (dict(qk_norm="full", norm_position="post", head_dim=24), "4 heads of 24 in d_model 64"),
     (dict(scaled_rope=LONGROPE, max_positions=1024, o_bias=True), "o biases"),
-    (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"), "a full-width QK-norm"),
+    (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"),
+     "none has norms after attention and FFN"),
     (dict(qk_norm="head", rope_interleaved=True), "interleaved RoPE"),
     (dict(FAMILIES["gemma2"][0], attn_window=None, attn_window_layers=None), "no sliding-window layers"),
     (dict(FAMILIES["gemma2"][0], attn_softcap=None), "attention soft-capping (llama.cpp's gemma2)"),
@@ -274,7 +276,8 @@ def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
     (dict(FAMILIES["gemma3"][0], window_rope_theta=None), "sliding layers with the global RoPE scaling"),
     (dict(FAMILIES["gemma3"][0], scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
      "gemma3 applies (linear)"),
-    (dict(FAMILIES["gemma3"][0], ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"), "no Gemma mixture"),
+    (dict(FAMILIES["gemma3"][0], ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
+     "none has norms before and after attention and FFN"),
     (dict(scale_embeddings=True), "unscaled embeddings (llama.cpp's llama)"),
     (dict(attn_window=8), "attention over the whole prefix (llama.cpp's llama)"),
 ])
@@ -435,7 +438,7 @@ def test_pre_tokenizers_llama_cpp_implements():
         return json.loads(tok.to_str())["pre_tokenizer"]
 
     assert ge.pre_tokenizer_name(as_json(pre.ByteLevel(add_prefix_space=False)), "t") == "gpt-2"
-    for regex, name in ((ge.LLAMA3_REGEX, "llama-bpe"), (ge.QWEN2_REGEX, "qwen2")):
+    for regex, name in ((gt.LLAMA3_REGEX, "llama-bpe"), (gt.QWEN2_REGEX, "qwen2")):
         split = pre.Sequence([pre.Split(tokenizers.Regex(regex), behavior="isolated"),
                               pre.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert ge.pre_tokenizer_name(as_json(split), "t") == name
@@ -921,7 +924,7 @@ def test_llama_cpp_btx_of_a_family(llama_cpp, tmp_path, family, one_thread):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pre, regex, ignore_merges", [
-    ("llama-bpe", ge.LLAMA3_REGEX, True), ("qwen2", ge.QWEN2_REGEX, False)])
+    ("llama-bpe", gt.LLAMA3_REGEX, True), ("qwen2", gt.QWEN2_REGEX, False)])
 def test_llama_cpp_split_pre_tokenizers_encode_like_tokenizers(llama_cpp, tmp_path, pre, regex, ignore_merges):
     tokenizers = pytest.importorskip("tokenizers")
     p = tokenizers.pre_tokenizers
