@@ -113,8 +113,8 @@ from .hf.families import NATIVE_MIXTURES
 from .carry import SIZES, TRAINING, Carry, Column, anything, rule, values
 from .hf.moe_family import bias_row, raise_problems
 from .gguf_tokenizer import PRE_TOKENIZERS, pre_tokenizer_name
-from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
-                         sliding_layers, tensor_layout, tensor_names, window_keys)
+from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, nope_layers, pattern_layers, rope_heads,
+                         rope_pairs, rope_scaling, sliding_layers, tensor_layout, tensor_names, window_keys)
 from .native_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -214,7 +214,9 @@ def arch_column(arch: str) -> Column:
                   for r in judge.rows if not set(r.fields) & _ROW_DECIDES]
         rows += _when(True, [*lifted, _gates(row)], "mixture" if row.hf_dense else "")
     if row.hf_dense is not None:
-        rows += _when(False, _dense_rows(row), "dense" if row.gate_norm else "")
+        rows += _when(False, [r for r in _dense_rows(row) if not set(r.fields) & set(row.carries)],
+                      "dense" if row.gate_norm else "")
+    rows += anything(*row.carries, shown="any (its keys)")
     return Column(f"gguf:{arch}", (*rows, *_trunk_rows(row), *anything(*SIZES, "rope_theta", *TRAINING),
                                    *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)")))
 
@@ -251,7 +253,7 @@ def _dense_rows(row) -> list[Carry]:
 
 def _trunk_rows(row) -> list[Carry]:
     arch = row.name
-    nope = lambda cfg: row.nope_layers(cfg.n_layers)  # noqa: E731
+    nope = lambda cfg: nope_layers(row, cfg)  # noqa: E731
     out = [rule("rope_interleaved", lambda cfg: row.rope_pairs or not cfg.rope_interleaved,
                 f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE", "any" if row.rope_pairs else "False"),
            values("qk_norm", (row.qk_norm,), f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})",
@@ -259,9 +261,11 @@ def _trunk_rows(row) -> list[Carry]:
            values("norm_position", (row.norm_position,), f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
                   lambda cfg: _NORM_POSITIONS.get(cfg.norm_position, "")),
            rule("nope_layers", lambda cfg: (cfg.nope_layers or None) == nope(cfg),
-                lambda cfg: f"no RoPE in layers {nope(cfg)} (llama.cpp's {arch}: every {row.nope_every}th)"
+                lambda cfg: f"no RoPE in layers {nope(cfg)} (llama.cpp's {arch}: "
+                            f"{'its layers without a window' if row.rope_sliding_only else f'every {row.nope_every}th'})"
                 if nope(cfg) else f"RoPE in every layer (llama.cpp's {arch})",
                 lambda cfg: f"no RoPE in layers {cfg.nope_layers}" if cfg.nope_layers else "RoPE in every layer",
+                "the layers without a window" if row.rope_sliding_only else
                 f"every {row.nope_every}th layer" if row.nope_every else "None")]
     if row.q_is_d_model:
         out.append(rule(("n_heads", "head_dim"), lambda cfg: cfg.n_heads * cfg.head_dim == cfg.d_model,
@@ -297,9 +301,7 @@ def feature_rows(row) -> list[Carry]:
     out += [rule("attn_scale_dim", lambda cfg: (cfg.attn_scale_dim or cfg.head_dim) == dim(cfg),
                  lambda cfg: f"attention scaled by 1/sqrt({dim(cfg)})" + own,
                  "attention scaled by 1/sqrt({})", "llama.cpp's scale"),
-            rule("attn_window", lambda cfg: row.windows != "none" or cfg.attn_window is None,
-                 "attention over the whole prefix" + own, "a sliding window of {}",
-                 "None" if row.windows == "none" else "any"),
+            _window_row(row),
             # gemma2 always builds its sliding-window cache, and aborts (GGML_ASSERT is_swa_any) on a file without
             rule("attn_window_layers", lambda cfg: row.windows != "always" or any(sliding_layers(cfg)),
                  "sliding-window layers" + own, "no sliding-window layers",
@@ -311,6 +313,22 @@ def feature_rows(row) -> list[Carry]:
                  "an lm_head of its own", "True" if row.tied_only else "any"),
             *anything("norm_unit_offset", shown="any (stored as 1 + w)")]
     return out
+
+
+def _window_row(row) -> Carry:
+    """The sliding windows llama.cpp's architecture computes: none, any, or (fixed) its pattern at one block count."""
+    own = f" (llama.cpp's {row.name})"
+    if row.windows != "fixed":
+        return rule("attn_window", lambda cfg: row.windows != "none" or cfg.attn_window is None,
+                    "attention over the whole prefix" + own, "a sliding window of {}",
+                    "None" if row.windows == "none" else "any")
+    fixed = f"windows in the layers i with i % {row.window_pattern} < {row.window_pattern - 1} at {row.window_block_count} layers"
+    return rule("attn_window", lambda cfg: cfg.attn_window is None or (
+        cfg.n_layers == row.window_block_count and sliding_layers(cfg) == pattern_layers(row.window_pattern,
+                                                                                          cfg.n_layers)),
+        f"attention over the whole prefix, or {fixed}{own}",
+        lambda cfg: f"a sliding window of {cfg.attn_window} in layers {cfg.attn_window_layers} of {cfg.n_layers}",
+        f"None, or {fixed}")
 
 
 def _rope_rows(row) -> list[Carry]:
@@ -723,7 +741,8 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 def _write_hparams(w, cfg: ModelConfig) -> None:
     """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
     the RoPE scaling's (gguf_table.rope_scaling) and the sliding windows' (gguf_table.window_keys)."""
-    entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
+    entries = [(h.key, h.kind, 1.0 / getattr(cfg, h.field) if h.reciprocal else getattr(cfg, h.field))
+               for h in hparams() if h.when(cfg, w.arch)]
     entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
     entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
     for key, kind, value in entries:

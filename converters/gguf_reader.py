@@ -130,14 +130,18 @@ class GGUFCheckpointReader(ShapeTableReader):
         values: dict = {}
         for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
             key = h.key.format(arch=arch)
-            if key not in fields:
+            if key not in fields or (h.carried and h.field not in self.arch.carries):
                 continue
             value = fields[key]
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not numeric or (h.kind == "u32" and not isinstance(value, int)):
                 raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
                                       f"{'an integer' if h.kind == 'u32' else 'a number'}")
-            values[h.field] = value
+            if h.field == "attn_scale" and not value:  # llama.cpp's 0: 1/sqrt(head_dim)
+                continue
+            if h.reciprocal and not value:
+                raise CheckpointError(f"{where}: {key} is 0, which llama.cpp divides by")
+            values[h.field] = 1.0 / value if h.reciprocal else value
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)

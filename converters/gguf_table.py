@@ -129,6 +129,13 @@ class HParam:
     kind: str  # "u32" or "f32"
     field: str  # the ModelConfig field (or property: rotary_dim)
     when: Callable[[ModelConfig, str], bool] = lambda cfg, arch: True
+    reciprocal: bool = False  # the key holds 1 / the field (granite's logit_scale divides the logits)
+    carried: bool = False  # a key of the architectures whose record carries the field only (Gguf.carries)
+
+
+def _carried(field: str, also: Callable[[ModelConfig], bool] = lambda cfg: True) -> Callable[[ModelConfig, str], bool]:
+    """A key written for the architectures whose record says they carry `field` (Gguf.carries)."""
+    return lambda cfg, arch: field in ARCHS[arch].carries and also(cfg)
 
 
 def _keys():
@@ -149,13 +156,18 @@ def hparams() -> tuple[HParam, ...]:
         *(HParam(key, kind, field) for kind, key, field in every),
         HParam(llm.EXPERT_COUNT, "u32", "ffn_experts", lambda cfg, arch: bool(cfg.ffn_experts)),
         HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg, arch: bool(cfg.ffn_experts)),
-        # the experts' width: qwen2moe and qwen3moe read it (qwen3moe else takes feed_forward_length / top-k)
+        # the experts' width, where the architecture reads it (Gguf.expert_width)
         HParam(llm.EXPERT_FEED_FORWARD_LENGTH, "u32", "ffn_hidden",
-               lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe")),
+               lambda cfg, arch: bool(cfg.ffn_experts) and ARCHS[arch].expert_width),
         HParam(llm.EXPERT_SHARED_FEED_FORWARD_LENGTH, "u32", "ffn_shared_hidden",
                lambda cfg, arch: bool(cfg.ffn_shared_hidden)),
         HParam(llm.ATTN_LOGIT_SOFTCAPPING, "f32", "attn_softcap", lambda cfg, arch: cfg.attn_softcap is not None),
         HParam(llm.FINAL_LOGIT_SOFTCAPPING, "f32", "final_softcap", lambda cfg, arch: cfg.final_softcap is not None),
+        # the residual stream's multipliers and an attention scale of its own (granite)
+        HParam(llm.EMBEDDING_SCALE, "f32", "embedding_multiplier", _carried("embedding_multiplier"), carried=True),
+        HParam(llm.RESIDUAL_SCALE, "f32", "residual_multiplier", _carried("residual_multiplier"), carried=True),
+        HParam(att.SCALE, "f32", "attn_scale", _carried("attn_scale", lambda cfg: cfg.attn_scale is not None), carried=True),
+        HParam(llm.LOGIT_SCALE, "f32", "logit_scale", _carried("logit_scale"), reciprocal=True, carried=True),
     )
 
 
@@ -195,7 +207,8 @@ def _rows(families: tuple[Family, ...]) -> dict[str, GGUFArch]:
         if not f.mixture:
             rows[g.name] = GGUFArch(**spelling, hf_dense=f.model_type, **traits)
             continue
-        mixture = dict(gate_norm=g.gate_norm, hf_mixture=f.model_type, moe_checks=g.moe_checks or f.model_type,
+        mixture = dict(gate_norm=g.gate_norm, expert_width=g.expert_width, hf_mixture=f.model_type,
+                       moe_checks=g.moe_checks or f.model_type,
                        shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always)
         rows[g.name] = (replace(rows[g.name], **mixture) if g.name in rows
                         else GGUFArch(**{**spelling, **mixture}, **traits))
@@ -402,6 +415,15 @@ def pattern_layers(n: int, n_layers: int) -> list[bool]:
     return [n == 0 or i % n < n - 1 for i in range(n_layers)]
 
 
+def nope_layers(row: GGUFArch, cfg: ModelConfig) -> list[int] | None:
+    """The layers llama.cpp's architecture computes without RoPE for cfg, as ModelConfig.nope_layers: its fixed
+    period, or (rope_sliding_only) the layers without a window when it has windows."""
+    if row.rope_sliding_only:
+        sliding = sliding_layers(cfg)
+        return [i for i, s in enumerate(sliding) if not s] or None if any(sliding) else None
+    return row.nope_layers(cfg.n_layers)
+
+
 def attn_scale_dim(arch: str, d_model: int, n_heads: int, n_layers: int, head_dim: int) -> int:
     """The dimension llama.cpp's `arch` scales attention logits by 1/sqrt of."""
     row = ARCHS[arch]
@@ -432,7 +454,7 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
     computes for this file, `base` its config without windows. Raises ValueError (one line) for what the runtime does
     not compute."""
     row = ARCHS[arch]
-    if row.windows == "none":
+    if row.windows == "none" or (row.windows == "fixed" and base.n_layers != row.window_block_count):
         return {}
     g = gguf_module()
     att, rope = g.Keys.Attention, g.Keys.Rope
@@ -442,7 +464,8 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
     if window == 0:
         return {}
     n = base.n_layers
-    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch), row.window_pattern)
+    pattern = (row.window_pattern if row.windows == "fixed"  # llama.cpp sets its own pattern, whatever the key
+               else fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch), row.window_pattern))
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
         sliding = pattern_layers(pattern, n)
     elif isinstance(pattern, list) and len(pattern) == n and all(isinstance(p, bool) for p in pattern):
@@ -463,8 +486,10 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
                          "another base, which the runtime does not compute")
     else:
         theta = local
+    nope = [i for i, s in enumerate(sliding) if not s] or None
     return dict(attn_window=window, attn_window_layers=None if all(sliding) else
-                [i for i, s in enumerate(sliding) if s], window_rope_theta=theta)
+                [i for i, s in enumerate(sliding) if s], window_rope_theta=theta,
+                **({"nope_layers": nope} if row.rope_sliding_only else {}))
 
 
 def is_norm(canonical: str) -> bool:

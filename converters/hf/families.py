@@ -207,6 +207,8 @@ GRANITE = LLAMA.child(
     keys=(Same("embedding_multiplier", "embedding_multiplier", 1.0),
           Same("residual_multiplier", "residual_multiplier", 1.0),
           AttentionScale("attention_multiplier", "attn_scale"), Reciprocal("logits_scaling", "logit_scale")),
+    gguf=Gguf("granite", rope_pairs=True, biases=("q/k/v", "o", "ffn"), rope_scalings=("linear", "yarn", "llama3"),
+              carries=("embedding_multiplier", "residual_multiplier", "attn_scale", "logit_scale")),
     example=dict(SIZES, model_type="granite", tie_word_embeddings=True, embedding_multiplier=12.0,
                  residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0),
 )
@@ -235,6 +237,8 @@ EXAONE4 = OLMO2.child(
     keys=(Same("num_key_value_heads", "n_kv_heads", 32), Same("head_dim", "head_dim", None),
           SlidingWindow("sliding_window", default=4096, rule="period", period=4, period_key="sliding_window_pattern",
                         layer_types=True, rope_sliding_only=True)),
+    gguf=Gguf("exaone4", biases=(), rope_scalings=("linear", "yarn", "llama3"), windows="fixed", window_pattern=4,
+              window_block_count=64, default_window=4096, rope_sliding_only=True),
     example=dict(SIZES, model_type="exaone4", head_dim=16, sliding_window=512, sliding_window_pattern=4),
 )
 
@@ -390,7 +394,7 @@ QWEN2_MOE = QWEN2.child(
         "shared_expert_intermediate_size": 5632, "router_aux_loss_coef": 0.001, "hidden_act": "silu",
         "rope_theta": 10000.0, "norm_topk_prob": False, "decoder_sparse_step": 1, "head_dim": None,
         "sliding_window": 4096, "use_sliding_window": False}, typed_keys=_SPARSE_KEYS),
-    gguf=Gguf("qwen2moe", gate_norm="softmax", output_always=True, q_is_d_model=True),
+    gguf=Gguf("qwen2moe", gate_norm="softmax", expert_width=True, output_always=True, q_is_d_model=True),
 )
 
 _WITH_EXPERTS = Rows(drop=("layers.{}.ffn.",), add=moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj")))
@@ -406,7 +410,7 @@ QWEN3_MOE = QWEN3.child(
         "hidden_act": "silu", "rope_theta": 10000.0, "norm_topk_prob": False, "decoder_sparse_step": 1,
         "head_dim": None, "attention_bias": False, "sliding_window": 4096, "use_sliding_window": False},
         typed_keys=(*_SPARSE_KEYS, "attention_bias"), sparse=True),
-    gguf=Gguf("qwen3moe", gate_norm="topk_softmax", moe_checks="mixtral"),
+    gguf=Gguf("qwen3moe", gate_norm="topk_softmax", expert_width=True, moe_checks="mixtral"),
 )
 
 # FlexOlmo: OLMo 2's trunk (post-norms, full-width QK-norm) with experts

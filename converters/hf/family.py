@@ -49,6 +49,7 @@ class Gguf:
     name: str
     rope_pairs: bool = False  # rotates pairs of dimensions (LLAMA_ROPE_TYPE_NORM): rotate-halves Q/K rows permuted
     gate_norm: str | None = None  # a mixture's: the gates its graph computes
+    expert_width: bool = False  # a mixture's: reads expert_feed_forward_length (else takes feed_forward_length / top-k)
     output_always: bool = False  # loads output.weight even for tied embeddings
     nope_every: int = 0  # n > 0: layers i with (i + 1) % n == 0 apply no RoPE (fixed in llama.cpp)
     biases: tuple[str, ...] = ("q/k/v",)  # the biases its graph adds (of q/k/v, o, ffn)
@@ -58,12 +59,17 @@ class Gguf:
     tied_only: bool = False  # loads no output.weight: the embedding is the head
     attn_softcap: str = "none"  # none | always (attn_logit_softcapping, SOFTCAP_DEFAULTS when absent)
     final_softcap: str = "none"  # none | optional (final_logit_softcapping, 0 or absent: none) | always
-    windows: str = "none"  # none | optional (with attention.sliding_window) | always (default_window when absent)
+    # none | optional (with attention.sliding_window) | always (default_window when absent) | fixed (llama.cpp slides
+    # window_pattern's layers at a block_count of window_block_count only, the window from the key)
+    windows: str = "none"
+    window_block_count: int = 0
+    rope_sliding_only: bool = False  # with windows, RoPE in the sliding layers only
     default_window: int = 0  # the window llama.cpp takes where the file has none (windows: always)
     window_pattern: int = 0  # absent sliding_window_pattern: layers i with i % n < n - 1 slide
     window_rope: str = "global"  # the sliding layers' RoPE: global (scaled as the others) or plain
     attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
     tokenizer: str = "llama"  # the shape of its SentencePiece tokenizer (converters/gguf_sentencepiece.py)
+    carries: tuple[str, ...] = ()  # config fields its own {arch}.* keys carry (gguf_table.hparams has their keys)
     # the config features that pick this architecture for an export (converters/gguf_export.py candidates), beyond
     # the family's QK-norm and norm position: {feature: value}
     picks: Mapping[str, Any] = field(default_factory=dict)

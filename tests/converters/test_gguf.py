@@ -81,6 +81,7 @@ LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=256,  # l
                 short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.5 + 0.7 * i for i in range(8)])
 
 
+EXAONE4 = dict(qk_norm="head", norm_position="post", head_dim=16)
 GEMMA = dict(norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="geglu_tanh",
              tie_embeddings=True)
 # llama.cpp's CPU GeGLU reads GELU from an f16 table (ggml's GGML_GELU_FP16: the gate rounded to f16, the GELU
@@ -115,6 +116,15 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "gemma3": (dict(GEMMA, n_layers=3, qk_norm="head", head_dim=32, n_kv_heads=1, attn_window=5,
                     attn_window_layers=[0, 2], window_rope_theta=10000.0, rope_theta=1e6, max_positions=256,
                     scaled_rope=dict(rope_type="linear", factor=8.0)), "gemma3"),
+    # Granite's multipliers (embedding, residual, attention scale, logit divisor) with Llama 3's RoPE and attention
+    # biases; EXAONE 4 (post-norms, per-head QK-norm) without windows (RoPE everywhere), and with llama.cpp's only
+    # windowed shape: 64 layers, three of four sliding, RoPE only there (at another block count llama.cpp has none)
+    "granite": (dict(embedding_multiplier=12.0, residual_multiplier=0.22, attn_scale=0.0625, logit_scale=0.125,
+                     qkv_bias=True, o_bias=True, scaled_rope=LLAMA3, max_positions=256), "granite"),
+    "exaone4": (dict(EXAONE4, n_layers=64, d_model=32, n_heads=2, n_kv_heads=1, ffn_hidden=32, attn_window=5,
+                     attn_window_layers=[i for i in range(64) if i % 4 < 3], nope_layers=list(range(3, 64, 4)),
+                     scaled_rope=LLAMA3, max_positions=256), "exaone4"),
+    "exaone4-global": (dict(EXAONE4, tie_embeddings=True, rope_theta=1e6), "exaone4"),
 }
 
 
