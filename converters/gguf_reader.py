@@ -127,21 +127,7 @@ class GGUFCheckpointReader(ShapeTableReader):
 
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
-        values: dict = {}
-        for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
-            key = h.key.format(arch=arch)
-            if key not in fields or (h.carried and h.field not in self.arch.carries):
-                continue
-            value = fields[key]
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
-                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
-                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
-            if h.field == "attn_scale" and not value:  # llama.cpp's 0: 1/sqrt(head_dim)
-                continue
-            if h.reciprocal and not value:
-                raise CheckpointError(f"{where}: {key} is 0, which llama.cpp divides by")
-            values[h.field] = 1.0 / value if h.reciprocal else value
+        values = self._hparam_values(fields, where)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -186,6 +172,26 @@ class GGUFCheckpointReader(ShapeTableReader):
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
+
+    def _hparam_values(self, fields: dict, where: str) -> dict:
+        """{ModelConfig field: value} of the architecture's keys (gguf_table.hparams) the file has; a later key of the
+        same field wins (qwen2moe's expert width over the dense one)."""
+        values: dict = {}
+        for h in hparams():
+            key = h.key.format(arch=self.arch.name)
+            if key not in fields or (h.carried and h.field not in self.arch.carries):
+                continue
+            value = fields[key]
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
+                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
+                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
+            if h.field == "attn_scale" and not value:  # llama.cpp's 0: 1/sqrt(head_dim)
+                continue
+            if h.reciprocal and not value:
+                raise CheckpointError(f"{where}: {key} is 0, which llama.cpp divides by")
+            values[h.field] = 1.0 / value if h.reciprocal else value
+        return values
 
     def _rope_tensors(self, found: dict[str, tuple[int, TensorInfo]], where: str) -> dict[str, np.ndarray]:
         """The RoPE frequency-factor tensors of the file (gguf_table.ROPE_TENSORS), taken out of `found` (they are

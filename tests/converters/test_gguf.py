@@ -478,7 +478,6 @@ def test_canonical_folder_carries_its_tokenizer(tmp_path):
     (dict(block="parallel"), "block parallel"),
     (dict(rotary_fraction=0.5), "rotary_fraction 0.5"),
     (dict(position="learned"), "position learned"),
-    (dict(logit_scale=0.5), "logit_scale"),
     (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "--gate-norm softmax"),
@@ -493,6 +492,14 @@ def test_capability_refused_from_config_alone(overrides, needle):
     message = str(e.value)
     assert needle in message and "\n" not in message
     assert "canonical, hf or onnx formats" in message or "canonical, hf, qwen2_moe or onnx formats" in message
+
+
+def test_a_logit_scale_goes_to_granite():
+    """llama.cpp's granite divides the logits (logit_scale key): a Llama-shaped model with a logit scale is carried
+    there, its other multipliers at 1 (llama.cpp's llama has none)."""
+    cfg = llama_config(logit_scale=0.5)
+    check_export("gguf", cfg)
+    assert ge.gguf_architecture(cfg) == "granite" and ge.gguf_architecture(llama_config()) == "llama"
 
 
 class NoReads(WrappedReader):
