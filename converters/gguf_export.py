@@ -21,6 +21,11 @@ first, whose failures are the refusal.
                       layers (at least one), tied embeddings; gemma3 the same with a per-head QK-norm and no attention
                       soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
                       derives from the block count: gguf_table's WINDOWS section; no mixture of their norms.
+             granite  the residual stream's multipliers, an attention scale of its own and a logit divisor (Granite;
+                      a Llama-shaped model with a logit scale too): {arch}.embedding_scale, residual_scale,
+                      attention.scale, logit_scale
+             exaone4  a per-head QK-norm with norms after attention and FFN (EXAONE 4); sliding windows only as
+                      llama.cpp slides them: three layers of four at 64 layers, RoPE in those alone
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
   mixture  exactly what the `mixtral` format takes (its record's config map, hf/moe_family.py): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
