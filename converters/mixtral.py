@@ -30,7 +30,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader
 
-from .base import CapabilityError, ExportOptions
+from .base import CapabilityError, CastOptions, ExportOptions
 from .hf.architectures import ARCHITECTURES
 from .hf.reader import HFCheckpointReader
 from .native_moe import NativeMixtureExporter
@@ -61,7 +61,7 @@ def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: 
     exporter = NativeMixtureExporter(ARCHITECTURES[MODEL_TYPE])
     exporter.check(reader.config, recipe=recipe or reader.metadata.get("recipe"))
     options = ExportOptions(tokenizer_files=tuple(map(Path, tokenizer_files)), generation=generation_config,
-                            model_card=model_card, max_shard_bytes=max_shard_bytes, dtype=dtype, recipe=recipe)
+                            model_card=model_card, max_shard_bytes=max_shard_bytes, recipe=recipe, own=CastOptions(dtype))
     return exporter.write(reader, Path(out_dir), options)
 
 

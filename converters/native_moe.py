@@ -16,7 +16,7 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader
 
-from .base import ExportOptions, Exporter
+from .base import CastOptions, ExportOptions, Exporter
 from .hf.family import Family
 from .hf.writer import export_native_mixture
 
@@ -74,6 +74,8 @@ class WithZeroQKVBias(Reader):
 
 class NativeMixtureExporter(Exporter):
     """A mixture as the native HF MoE architecture of a family record."""
+
+    Options = CastOptions
 
     def __init__(self, family: Family):
         self.family, self.name, self.summary = family, family.model_type, family.summary

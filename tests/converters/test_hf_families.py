@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
-from test_hf_import import TOL, canonical_model, saved as hf_saved  # noqa: E402,F401  (a module fixture)
+from test_hf_import import TOL, canonical_model, save_cases  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime.model import Model  # noqa: E402
 
@@ -27,11 +27,10 @@ LENGTH = 16
 
 
 @pytest.fixture(scope="module")
-def saved(hf_saved):
-    """Each family case's transformers model (saved once, test_hf_import.py's fixture) and the runtime's model read
-    from its folder."""
-    return {case: (hf_saved[case][0], canonical_model(open_checkpoint(str(hf_saved[case][1]))))
-            for case in FAMILY_CASES}
+def saved(tmp_path_factory):
+    """{case: (the transformers model, ours read from its saved folder)}."""
+    return {case: (model, canonical_model(open_checkpoint(str(d))))
+            for case, (model, d) in save_cases(tmp_path_factory, FAMILY_CASES).items()}
 
 
 def _inputs(vocab: int, start: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
