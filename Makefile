@@ -25,7 +25,7 @@
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch ($(GPU_PYTHON)), this checkout on its path
 #                   (nothing installed or downloaded), run benchmarks/gpu.py --device cuda --dtype bf16 --size paper-small
 #                   into bench-out/gpu/: every case in one process, most important first, rows written as measured,
-#                   nothing new started after --budget-s 300 (under 6 minutes on an H200; docs/gpu.md;
+#                   nothing new started after --budget-s 280 (under 6 minutes on an H200; docs/gpu.md;
 #                   BENCH_GPU_ARGS="--device cpu --size smoke" checks it on a CPU)
 #   make test-gpu   the same, tests/runtime/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3

@@ -358,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
                         help="bf16: bf16 inference weights and cache, training under bf16 autocast (the default)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per metric after a warm-up (median)")
-    parser.add_argument("--budget-s", type=float, default=300.0,
+    parser.add_argument("--budget-s", type=float, default=280.0,
                         help="start nothing new after this many seconds (a compiled phase needs 60 s left)")
     parser.add_argument("--cases", nargs="*", help="run only these cases (in the benchmark's order)")
     parser.add_argument("--peak-tflops", type=float, help="peak dense bf16 TFLOP/s for MFU (default: by device name)")
