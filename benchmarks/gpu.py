@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from benchmarks.inference import (CASES, ENGINES, SIZES, Case, Setting, machine, peak_tflops, skip_reason)
+from benchmarks.inference import (CASES, ENGINES, SIZES, Case, Setting, _met, _percent, by_device_name, machine,
+                                  peak_tflops, skip_reason)
 
 ORDER = ["dense fused", "bam-expert-kv fused", "bam-expert-kv reference", "Mixtral (transformers)", "btx fused",
          "HF BAM export expert KV (transformers)", "JetMoE MoA top-4 (transformers)", "bam-shared-kv fused",
@@ -49,10 +50,7 @@ PHASE_COST_S = {"compile": 60.0}  # a compiled phase starts only with this much 
 
 
 def hbm_tbs(device_name: str) -> Optional[float]:
-    for key, tbs in HBM_TBS:
-        if key.lower() in device_name.lower():
-            return tbs
-    return None
+    return by_device_name(HBM_TBS, device_name)
 
 
 @dataclass
@@ -282,10 +280,6 @@ def _mfu(tps: float, flops: float, peak: Optional[float], factor: int) -> Option
     return tps * flops * factor / (peak * 1e12) if peak and tps else None
 
 
-def _pct(x: Optional[float]) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def _limit(r: Row, hbm: Optional[float]) -> Optional[float]:
     """decode b1 as a share of the bandwidth limit (hbm TB/s / bytes per token)."""
     if not (hbm and r.decode_bytes_per_token and r.decode1_tps):
@@ -307,17 +301,13 @@ def table(rows: list[Row], peak: Optional[float], hbm: Optional[float]) -> str:
         notes = "; ".join([f"{k} failed: {v}" for k, v in r.errors.items()]
                           + ([f"not run (budget): {', '.join(r.skipped_phases)}"] if r.skipped_phases else []))
         peaks = " / ".join(f"{k} {v:g}" for k, v in r.peak_gib.items())
-        out.append(f"| {r.case} | {n(r.prefill_tps)} | {_pct(_mfu(r.prefill_tps, r.flops_per_token, peak, 1))} | "
-                   f"{n(r.train_tps)} | {_pct(_mfu(r.train_tps, r.flops_per_token, peak, 3))} | "
-                   f"{n(r.train_compiled_tps)} | {_pct(_mfu(r.train_compiled_tps, r.flops_per_token, peak, 3))} | "
-                   f"{n(r.compile_s, '{:.0f}')} | {n(r.decode1_tps, '{:,.1f}')} | {_pct(_limit(r, hbm))} | "
+        out.append(f"| {r.case} | {n(r.prefill_tps)} | {_percent(_mfu(r.prefill_tps, r.flops_per_token, peak, 1))} | "
+                   f"{n(r.train_tps)} | {_percent(_mfu(r.train_tps, r.flops_per_token, peak, 3))} | "
+                   f"{n(r.train_compiled_tps)} | {_percent(_mfu(r.train_compiled_tps, r.flops_per_token, peak, 3))} | "
+                   f"{n(r.compile_s, '{:.0f}')} | {n(r.decode1_tps, '{:,.1f}')} | {_percent(_limit(r, hbm))} | "
                    f"{n(r.decode_batch_tps, '{:,.1f}')} | {n(r.generate_tps, '{:,.1f}')} | {r.decode_mode or '-'} | "
                    f"{r.kv_bytes_per_token:,} | {peaks or '-'} | {r.seconds:.0f} | {notes} |")
     return "\n".join(out)
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
 
 
 def targets(rows: list[Row], peak: Optional[float], hbm: Optional[float]) -> str:
@@ -328,7 +318,7 @@ def targets(rows: list[Row], peak: Optional[float], hbm: Optional[float]) -> str
         r = by.get(name)
         best = max(r.train_tps, r.train_compiled_tps) if r else 0.0
         m = _mfu(best, r.flops_per_token, peak, 3) if r else None
-        lines.append(f"- {name} training MFU {_pct(m)} (best of eager and compiled; target >= {goal:.0%}: "
+        lines.append(f"- {name} training MFU {_percent(m)} (best of eager and compiled; target >= {goal:.0%}: "
                      + ("not measured)" if m is None else f"{_met(m >= goal)})"))
     fused, ref = by.get("bam-expert-kv fused"), by.get("bam-expert-kv reference")
     if fused and ref and fused.prefill_tps and ref.prefill_tps:

@@ -57,6 +57,17 @@ def bf16():
     return torch.autocast(DEVICE, dtype=torch.bfloat16)
 
 
+def bf16_steps(model, opt, tokens, steps: int):
+    """`steps` optimizer steps on tokens (next-token targets) under bf16 autocast; the last loss."""
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with bf16():
+            loss = model(tokens[:, :-1], targets=tokens[:, 1:], return_logits=False).loss
+        loss.backward()
+        opt.step()
+    return loss
+
+
 def loss_and_grads(model, impl: str, tokens, targets, autocast: bool):
     model.impl = impl
     model.zero_grad(set_to_none=True)
@@ -166,12 +177,7 @@ def test_compiled_blocks_training_step():
     opt, _ = build_optimizer(model, TrainConfig(lr=1e-2, warmup_steps=0))
     assert opt.defaults["fused"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        with bf16():
-            loss = model(tokens[:, :-1], targets=tokens[:, 1:], return_logits=False).loss
-        loss.backward()
-        opt.step()
+    loss = bf16_steps(model, opt, tokens, 2)
     assert torch.isfinite(loss)
     assert all(not torch.equal(p, before[n]) and torch.isfinite(p).all() for n, p in model.named_parameters())
     torch._dynamo.reset()
@@ -298,12 +304,7 @@ def test_export_onnx_of_a_cuda_trained_model_verifies(tmp_path):
     model = on_device("bam", 13, max_positions=32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = tokens_for(model.config, 13, batch=4, length=16).to(DEVICE)
-    for _ in range(3):
-        opt.zero_grad(set_to_none=True)
-        with bf16():
-            loss = model(tokens[:, :-1], targets=tokens[:, 1:], return_logits=False).loss
-        loss.backward()
-        opt.step()
+    bf16_steps(model, opt, tokens, 3)
     save_model(model.cpu().eval(), tmp_path / "trained.safetensors")
     proc = subprocess.run([sys.executable, "-m", "bam_surgery", "export-onnx", str(tmp_path / "trained.safetensors"),
                            "--out", str(tmp_path / "onnx"), "--verify"], capture_output=True, text=True, cwd=ROOT,
