@@ -374,7 +374,7 @@ class _Run:
         check_training_memory(plan, available, cfg.replace(batch_tokens=batch_tokens), plan_for,
                               f"training this model ({params:,} parameters) with micro_batch {cfg.micro_batch} x "
                               f"seq_len {self.seq_len}")
-        self.log(plan.line(available))
+        self.memory_line = plan.line(available)  # logged with the first step's line
 
     def _precision(self) -> str:
         """bf16 (autocast over fp32 weights) or fp32: --precision, auto being bf16 on CUDA."""
@@ -522,6 +522,7 @@ class _Run:
         ticker = ProgressLines("step", cfg.steps, self.log, enabled=bar.disable and cfg.progress and d.is_main)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
+        self.log(self.memory_line)
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
                  f"{self.global_seqs} sequences x {self.seq_len} tokens per step "
                  f"({self.accum} micro-batches of {cfg.micro_batch} on each of {d.world} process(es))")
