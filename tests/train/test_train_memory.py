@@ -254,3 +254,28 @@ def test_fused_adamw_equals_the_default_implementation():
             opt.step()
     for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert max_diff(a, b) < 1e-6, n
+
+
+def test_train_refuses_in_one_line_naming_the_option_that_fits(tmp_path, monkeypatch):
+    """`bam-surgery train` with less memory available than its estimate: exit 2, one line, before anything is
+    written, naming the option that fits (here --optimizer-state bf16: AdamW's fp32 state dominates); with that
+    option the same command trains and prints its estimate before the first step."""
+    from conftest import cli_error_line, run_cli
+    from bam_surgery.train import loop
+
+    body = dict(vocab_size=256, d_model=256, n_layers=4, n_heads=4, ffn_hidden=1024, max_positions=64)
+    (tmp_path / "m.json").write_text(json.dumps(body))
+    args = ["train", "--model-config", tmp_path / "m.json", "--data", f"code={CORPUS}/code", "--out", tmp_path / "run",
+            "--steps", 1, "--seq-len", 16, "--micro-batch", 1, "--token-cache", tmp_path / "cache", "--no-plot",
+            "--no-progress", "--eval-every", -1, "--tokenizer", "bytes"]
+    cfg = ModelConfig(**body)
+    full, lean = _plan(cfg, seq_len=16), _plan(cfg, seq_len=16, optimizer_state="bf16")
+    room = (full.peak + lean.peak) // 2  # between the two
+    monkeypatch.setattr(loop, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(loop, "available_memory", lambda device: room)
+    line = cli_error_line(*args)
+    assert "is available to it: --optimizer-state bf16 brings it to" in line, line
+    assert not (tmp_path / "run").exists()
+    result = run_cli(*args, "--optimizer-state", "bf16")
+    out = result.stderr
+    assert out.index("memory: estimated peak") < out.index("training 1 steps from step 0")
