@@ -7,7 +7,8 @@
 The peak of a step is the sum of (bytes; P the parameters, Pt the trainable ones, N = micro_batch x seq_len):
     weights      4 P: fp32 master weights (whatever the checkpoint's dtype)
     gradients    4 Pt (DDP keeps a second copy in its buckets)
-    optimizer    AdamW's two moments: 8 Pt in fp32, 4 Pt with optimizer_state bf16 (train/optim.py)
+    optimizer    AdamW's two moments: 8 Pt in fp32 (the fused step adds nothing), 4 Pt with optimizer_state bf16
+                 (train/optim.py) and its fp32 temporaries over a slice of the largest parameter
     activations  what autograd keeps for the backward pass: N x per-layer bytes (activation_bytes_per_token, a
                  formula fitted to, and tested against, the tensors the fused path saves for every block kind)
                  x layers; with activation_checkpointing each layer keeps its input [N, D] only, and one block's
@@ -37,6 +38,7 @@ from bam_surgery.runtime.model import loss_chunk_rows
 
 from .config import KNOB_BOUNDS
 from .errors import TrainError
+from .optim import SLICE
 
 GIB = 2**30
 
@@ -127,6 +129,9 @@ def estimate_training_memory(mcfg: ModelConfig, *, micro_batch: int, seq_len: in
     trained = params if trainable is None else sum(math.prod(s) for n, s in shapes.items() if n in trainable)
     weights, gradients = 4 * params, 4 * trained
     optimizer = (4 if optimizer_state == "bf16" else 8) * trained
+    if optimizer_state == "bf16":  # BF16StateAdamW's fp32 temporaries: five of a slice of the largest parameter
+        largest = max((math.prod(s) for n, s in shapes.items() if trainable is None or n in trainable), default=0)
+        optimizer += 5 * 4 * min(SLICE, largest)
     if world > 1 and strategy == "fsdp":
         block = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"layers.{i}."))
                     for i in range(mcfg.n_layers))

@@ -92,7 +92,8 @@ def test_a_1_5b_model_is_refused_on_24_gb_and_fits_with_the_levers():
     full = _plan(cfg, micro_batch=2)
     assert full.weights == full.gradients == 4 * params and full.optimizer == 8 * params
     lean = _plan(cfg, micro_batch=2, optimizer_state="bf16", checkpointing=True)
-    assert lean.optimizer == 4 * params and lean.peak < 19 * 2**30 < 22 * 2**30 < full.peak
+    assert lean.optimizer == 4 * params + 5 * 4 * 2**24  # and the update's fp32 temporaries, a slice at a time
+    assert lean.peak < 19 * 2**30 < 22 * 2**30 < full.peak
     cfg_train = TrainConfig(micro_batch=2, batch_tokens=128)
     plan_for = lambda changes: _plan(cfg, micro_batch=changes.get("micro_batch", 2),  # noqa: E731
                                      optimizer_state=changes.get("optimizer_state", "fp32"),
@@ -112,7 +113,7 @@ def test_the_levers_lower_their_parts():
     cfg = ModelConfig(**{**BASE, "d_model": 256, "n_layers": 8, "vocab_size": 4096})
     full = _plan(cfg, micro_batch=8, seq_len=256)
     assert _plan(cfg, micro_batch=8, seq_len=256, checkpointing=True).activations < full.activations / 3
-    assert _plan(cfg, micro_batch=8, seq_len=256, optimizer_state="bf16").optimizer == full.optimizer // 2
+    assert _plan(cfg, micro_batch=8, seq_len=256, optimizer_state="bf16").optimizer == full.optimizer // 2 + 20 * 4096 * 256
     assert _plan(cfg, micro_batch=1, seq_len=256).activations < full.activations / 6
     half = _plan(cfg, micro_batch=8, seq_len=256, trainable={"layers.0.ffn.up.weight"})
     assert half.gradients == 4 * 256 * 128 and half.weights == full.weights
