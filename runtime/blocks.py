@@ -520,7 +520,7 @@ class ForwardPass:
     forced: Optional[ForcedRouting] = None
     impl: Impl = "fused"
     expert_kernel: Optional[FFNKernel] = None  # None: expert_kernel() decides
-    routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order
+    routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order (a block's own: by kind)
     masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
     # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
     prefill_from_zero: bool = False
@@ -630,7 +630,7 @@ class Block(nn.Module):
         E, top_k = (cfg.attn_experts, cfg.attn_top_k) if kind == "attn" else (cfg.ffn_experts, cfg.ffn_top_k)
         router = self.attn_router if kind == "attn" else self.ffn_router
         r = route(router, x, E, top_k, cfg.gate_norm, step.forced.gates(kind, E) if step.forced else None)
-        step.routing[f"layers.{self.index}.{kind}_router"] = r
+        step.routing[f"{kind}_router"] = r  # the trunk names it layers.{index}.{kind}_router
         return r
 
     def _cache(self, k: Tensor, v: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
@@ -899,6 +899,8 @@ class Transformer(nn.Module):
         self.final_norm = Norm(cfg) if getattr(cfg, "final_norm", True) else nn.Identity()
         self.impl: Impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
         self.expert_kernel: Optional[FFNKernel] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
+        # recompute each block's activations in the backward pass instead of keeping them (training; see run_block)
+        self.activation_checkpointing = False
 
     def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                       positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,
@@ -939,13 +941,46 @@ class Transformer(nn.Module):
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
                     expert_kernel=self.expert_kernel,
                     prefill_from_zero=self._prefill_from_zero(cache, attention_mask, input_pos))
-        for block in self.layers:
+        trace: dict[str, Routing] = {}
+        for i, block in enumerate(self.layers):
             if all_hidden is not None:
                 all_hidden.append(x)
-            x = block(x, step)
+            # every block records its routing by kind into an empty dict, named here: a block compiled on its
+            # own (torch.compile per block, train/) then sees the same input for every layer and compiles once
+            step.routing = {}
+            x = self.run_block(block, x, step)
+            trace.update((f"layers.{i}.{name}", r) for name, r in step.routing.items())
+        step.routing = trace
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def run_block(self, block: nn.Module, x: Tensor, step: ForwardPass) -> Tensor:
+        """block(x, step); with activation_checkpointing (and gradients wanted), through torch.utils.checkpoint:
+        only the block's input is kept, and the block runs again in the backward pass. That second run computes
+        the same values (no randomness; the same routing); its routing records go to a scratch ForwardPass, and
+        routers that collect statistics while training (key stores) do not collect them a second time."""
+        if not (self.activation_checkpointing and torch.is_grad_enabled()):
+            return block(x, step)
+        from torch.utils.checkpoint import checkpoint  # lazy: training only
+
+        runs: list[int] = []
+
+        def run(x: Tensor) -> Tensor:
+            if not runs:
+                runs.append(1)
+                return block(x, step)
+            scratch = ForwardPass(**{**step.__dict__, "routing": {}})
+            collectors = [(m, m.collector) for m in block.modules() if getattr(m, "collector", None) is not None]
+            try:
+                for m, _ in collectors:
+                    m.collector = None
+                return block(x, scratch)
+            finally:
+                for m, c in collectors:
+                    m.collector = c
+
+        return checkpoint(run, x, use_reentrant=False)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Input embeddings [B, T, D] of tokens [B, T]: times sqrt(d_model) with scale_embeddings (Gemma, which
