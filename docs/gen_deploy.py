@@ -49,11 +49,12 @@ def routes() -> dict[tuple[str, str], tuple[str, str, str]]:
 
 
 def table() -> str:
-    from gen_families import FAMILIES
+    from gen_families import families
 
+    names = families()
     lines = ["| family | model | transformers | vLLM | llama.cpp |", "|---|---|---|---|---|"]
     for (family, row), cells in routes().items():
-        label = f"{family} ({FAMILIES[family][0]})" if row == "dense" else ""
+        label = f"{family} ({names[family][0]})" if row == "dense" else ""
         lines.append(f"| {label} | {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

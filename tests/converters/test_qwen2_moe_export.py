@@ -13,9 +13,9 @@ from conftest import (cli_error_line, dense_family, load_hf_native, max_diff, me
                       seed_and_experts, tiny_config, tokens_for)
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.export import exporter
-from bam_surgery.converters.hf.qwen2_moe_config import check_qwen2_moe
+from bam_surgery.converters.hf.architectures import ARCHITECTURES
 from bam_surgery.converters.base import CapabilityError
-from bam_surgery.converters.qwen2_moe import ZERO_SHARED_HIDDEN
+from bam_surgery.converters.native_moe import ZERO_SHARED_HIDDEN
 from bam_surgery.runtime import load_model, save_checkpoint
 from bam_surgery.runtime.model import Model
 
@@ -116,7 +116,8 @@ def test_refusals_are_one_line(tmp_path):
                          "qwen2_moe, hf or onnx formats carry it"), line
     assert not (tmp_path / "o").exists()
     with pytest.raises(CapabilityError, match="interleaved RoPE"):
-        check_qwen2_moe(tiny_config(**LLAMA, ffn_experts=2, ffn_shared_hidden=8, rope_interleaved=True))
+        ARCHITECTURES["qwen2_moe"].config.check(tiny_config(**LLAMA, ffn_experts=2, ffn_shared_hidden=8,
+                                                            rope_interleaved=True))
 
 
 def test_btx_of_qwen2_models_goes_to_qwen2_moe_and_mixtral_says_so(tmp_path):

@@ -1,25 +1,15 @@
-"""The `qwen2_moe` format: FFN-expert mixtures of Llama/Mistral/Qwen2-family models (no QK-norm) as HF Qwen2-MoE,
-loaded natively (`Qwen2MoeForCausalLM`, no remote code) by transformers, vLLM and, as GGUF `qwen2moe`, llama.cpp:
-BTX and upcycled mixtures with or without q/k/v biases (every Qwen2 and Qwen2.5 model has them, which Mixtral
-cannot carry), in either gate normalization, and mixtures with a shared expert (recipe btx-shared-expert).
+"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`): a mixture as a native HF MoE
+architecture, loaded with no remote code, one exporter per record of converters/hf/families.py NATIVE_MIXTURES (its
+weight table, its config map's capability check; the folder as hf/writer.py:export_native_mixture writes it).
 
-On disk (what `Qwen2MoeForCausalLM.save_pretrained` writes):
-
-    model.layers.{i}.mlp.gate.weight                          [E, D]   router
-    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight        routed expert e
-    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight      the shared expert
-    model.layers.{i}.mlp.shared_expert_gate.weight            [1, D]   its gate: sigmoid(x . w)
-    model.layers.{i}.self_attn.{q,k,v}_proj.bias                       always (zeros for a model without)
-
-The weight table is in hf/architectures.py, the config.json map and the capability check in
-hf/qwen2_moe_config.py. Qwen2-MoE always has q/k/v biases and always computes its shared expert: every client
-builds it from `shared_expert_intermediate_size` (transformers' Qwen2MoeSparseMoeBlock adds
-sigmoid(x . w) * shared_expert(x) unconditionally, llama.cpp's qwen2moe reads a width of 0 as the FFN's width, and
-only vLLM skips a width of 0). So what a model lacks is written as zeros (`qwen2_moe_view`): zero q/k/v biases, and
-for a mixture without a shared expert a shared expert of ZERO_SHARED_HIDDEN hidden units whose weights are all zero.
-Its down projection being zero, the shared expert's output is exactly 0 for every token whatever its gate (1/2 for
-a zero gate weight; llama.cpp's gate, computed as silu(y) / y, is kept off 0 / 0 by the GGUF export's
-SHEXP_GATE_EPS), and adding 0 leaves the routed experts' output bit for bit: the mixture's own function.
+An architecture that always has q/k/v biases or always computes a shared expert (Qwen2-MoE: transformers'
+Qwen2MoeSparseMoeBlock adds sigmoid(x . w) * shared_expert(x) unconditionally, llama.cpp's qwen2moe reads a width of 0
+as the FFN's width, only vLLM skips a width of 0) writes what a model lacks as zeros (`architecture_view`, through
+`WithZeros`, a reader view): zero q/k/v biases, and for a mixture without a shared expert (a BTX of Qwen2 models, which
+Mixtral cannot carry for their biases) a shared expert of ZERO_SHARED_HIDDEN hidden units whose weights are all zero.
+Its down projection being zero, the shared expert's output is exactly 0 for every token whatever its gate (1/2 for a
+zero gate weight; llama.cpp's gate, computed as silu(y) / y, is kept off 0 / 0 by the GGUF export's SHEXP_GATE_EPS),
+and adding 0 leaves the routed experts' output bit for bit: the architecture computes the mixture's own function.
 """
 from __future__ import annotations
 
@@ -32,8 +22,9 @@ from bam_surgery.runtime.dtypes import main_dtype
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader
 
-from .hf.qwen2_moe_config import MODEL_TYPE
-from .mixtral import NativeMixtureExporter
+from .base import CastOptions, ExportOptions, Exporter
+from .hf.family import Family
+from .hf.writer import export_native_mixture
 
 # The width of the all-zero shared expert a mixture without one is written with: any width computes 0; 32 keeps its
 # down projection's rows one q8_0 block wide in GGUF and splits over vLLM's tensor-parallel ranks (up to 32).
@@ -92,16 +83,17 @@ class WithZeros(Reader):
         self.inner.check_unchanged()
 
 
-def qwen2_moe_config(cfg: ModelConfig) -> ModelConfig:
-    """The config Qwen2-MoE writes for a mixture: q/k/v biases, and a shared expert (ZERO_SHARED_HIDDEN wide when the
-    mixture has none)."""
-    return cfg.replace(qkv_bias=True, ffn_shared_hidden=cfg.ffn_shared_hidden or ZERO_SHARED_HIDDEN)
+def architecture_config(cfg: ModelConfig, qkv_bias: bool, shared_expert: bool) -> ModelConfig:
+    """The config an architecture that always has q/k/v biases (`qkv_bias`) or a shared expert (`shared_expert`)
+    writes for a mixture: those, ZERO_SHARED_HIDDEN wide where the mixture has no shared expert."""
+    return cfg.replace(qkv_bias=cfg.qkv_bias or qkv_bias,
+                       ffn_shared_hidden=cfg.ffn_shared_hidden or (ZERO_SHARED_HIDDEN if shared_expert else 0))
 
 
-def qwen2_moe_view(reader: Reader) -> Reader:
-    """`reader` as Qwen2-MoE holds it: zero q/k/v biases where it has none, an all-zero shared expert where it has
-    none (the module docstring says why both compute the mixture's own function)."""
-    wanted = qwen2_moe_config(reader.config)
+def architecture_view(reader: Reader, qkv_bias: bool, shared_expert: bool) -> Reader:
+    """`reader` as such an architecture holds it: zero q/k/v biases and an all-zero shared expert where it has none
+    (the module docstring says why it computes the mixture's own function)."""
+    wanted = architecture_config(reader.config, qkv_bias, shared_expert)
     return reader if wanted == reader.config else WithZeros(reader, wanted)
 
 
@@ -118,9 +110,21 @@ def zeros_note(reader: Reader) -> str:
     return "; ".join(parts)
 
 
-class Qwen2MoeExporter(NativeMixtureExporter):
-    name, model_type = "qwen2_moe", MODEL_TYPE
-    summary = "HF Qwen2-MoE directory, btx/upcycle/btx-shared-expert of Llama/Qwen2-family inputs (q/k/v biases too)"
+class NativeMixtureExporter(Exporter):
+    """A mixture as the native HF MoE architecture of a family record."""
+
+    Options = CastOptions
+
+    def __init__(self, family: Family):
+        self.family, self.name, self.summary = family, family.model_type, family.summary
+
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        self.family.config.check(cfg, recipe)
 
     def source(self, reader: Reader) -> Reader:
-        return qwen2_moe_view(reader)
+        """The reader as the architecture holds it: zeros where it always has q/k/v biases or a shared expert."""
+        return architecture_view(reader, self.family.config.qkv_bias_always, self.family.config.shared_expert)
+
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        self.check(reader.config, recipe=options.recipe)
+        return export_native_mixture(self.source(reader), out, self.family, options)
