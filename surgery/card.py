@@ -7,6 +7,7 @@ from typing import Callable
 
 from bam_surgery import __version__
 from bam_surgery.converters.hf.architectures import ARCHITECTURES
+from bam_surgery.converters.hf.families import NATIVE_MIXTURES
 from bam_surgery.converters.hf.files import GENERATION_CONFIG, check_token_ids, side_file
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.converters.hf_bam import schema_bam
@@ -24,8 +25,8 @@ from .plan import Plan
 # Files whose content defines the token <-> id mapping (the rest: special tokens, chat templates).
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
 
-# the native HF mixture formats (the `mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo` exporters): format -> class
-NATIVE = {m: a.hf_class for m, a in ARCHITECTURES.items() if a.mixture}
+# the native HF mixture formats (converters/hf/families.py NATIVE_MIXTURES: mixtral, qwen2_moe, ...): format -> class
+NATIVE = {f.model_type: f.hf_class for f in NATIVE_MIXTURES}
 HF_FORMATS = ("hf", *NATIVE)  # the formats whose folder carries the card as README.md
 LOAD_SNIPPETS = {
     "native": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
@@ -108,13 +109,17 @@ def _load(fmt: str, cfg: ModelConfig, out: str) -> str:
 
 
 def format_note(fmt: str, cfg: ModelConfig) -> str:
-    """What the format writes beyond the model's own tensors (converters/qwen2_moe.py: zeros that add nothing)."""
-    if fmt != "qwen2_moe":
+    """What a native format writes beyond the model's own tensors: the q/k/v biases or shared expert its architecture
+    always has, as zeros that add nothing (converters/native_moe.py)."""
+    if fmt not in NATIVE:
         return ""
-    zeros = [what for what, missing in (("q/k/v biases", not cfg.qkv_bias),
-                                         ("a shared expert", not cfg.ffn_shared_hidden)) if missing]
-    return (f" Qwen2-MoE's layout has {' and '.join(zeros)}, which this model has not: written as zeros, which add "
-            "exactly nothing, so the folder computes the model's own function." if zeros else "")
+    arch = ARCHITECTURES[fmt].config
+    zeros = [what for what, missing in (("q/k/v biases", arch.qkv_bias_always and not cfg.qkv_bias),
+                                         ("a shared expert", arch.shared_expert and not cfg.ffn_shared_hidden))
+             if missing]
+    return (f" {ARCHITECTURES[fmt].stands_for}'s layout has {' and '.join(zeros)}, which this model has "
+            "not: written as zeros, which add exactly nothing, so the folder computes the model's own function."
+            if zeros else "")
 
 
 def conversion_card(reader: Reader, fmt: str, out: str, source: str | None = None) -> str:

@@ -123,8 +123,6 @@ def test_chat_turn_and_generation_config(transformers_gguf, rebuilt):
     assert hf.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
 
 
-
-
 def test_chat_without_a_template_is_refused_and_a_template_file_gives_transformers_ids(seed, transformers_gguf,
                                                                                       rebuilt, tmp_path):
     """The GGUF carries no chat template: `generate --chat` says so in one line and what to do; with
