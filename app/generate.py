@@ -32,13 +32,11 @@ from bam_surgery.surgery.card import generation_config
 from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.plan_reader import all_finite
 from bam_surgery.train.chat import chat_messages, chat_prompt_ids, template_file
-from bam_surgery.train.errors import TrainError
-from bam_surgery.train.tokenize import HFTokenizer, checkpoint_tokenizer, resolve_tokenizer
 
 from .inputs import open_input
+from .load import DTYPES, Loaded, encode_prompt, find_tokenizer, run_device
 from .reporter import Reporter
 
-DTYPES = ("float32", "bfloat16", "float16")
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
@@ -93,8 +91,6 @@ def generate(checkpoint, prompt: str | None = None, *, tokens: str | Sequence[in
     max_new_tokens. device: cpu (default), cuda or cuda:N; dtype: the weights' for the run (default float32 on cpu,
     the checkpoint's own on cuda); a loaded model refuses others. reporter: the note on an option that has no
     effect."""
-    from .load import Loaded  # load builds on this module
-
     reporter = reporter or Reporter()
     n_new = _number("--max-new-tokens", max_new_tokens, int, lambda v: v >= 0, "an integer >= 0")
     temp = _number("--temperature", temperature, float, lambda v: v >= 0, "a number >= 0")
@@ -104,43 +100,14 @@ def generate(checkpoint, prompt: str | None = None, *, tokens: str | Sequence[in
     where = run_device(device or "cpu")
     if dtype is not None and dtype not in DTYPES:
         raise BamSurgeryError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if [prompt, tokens, chat].count(None) != 2:
-        raise BamSurgeryError("give the input as exactly one of --prompt TEXT, --tokens ID,ID,... and --chat TEXT")
-    if chat is None and (system is not None or chat_template is not None):
-        raise BamSurgeryError(f"{'--system' if system is not None else '--chat-template'} goes with --chat")
-    ids = _token_ids(tokens) if tokens is not None else None
-    for option, text in (("--prompt", prompt), ("--chat", chat), ("--system", system)):
-        _check_text(option, text)
+    given = _Prompt.of(prompt, tokens, chat, system, chat_template)
     if nucleus < 1 and temp == 0:
         reporter.note(f"--top-p {top_p} is unused under greedy decoding (--temperature 0); give --temperature above "
                       "0 to sample")
-
     if isinstance(checkpoint, Loaded):
-        model, name = checkpoint.model, checkpoint.checkpoint
-        _same_place(model, where if device is not None else None, dtype)
-        eos = checkpoint.generation.get("eos_token_id")
-        tok = checkpoint.tokenizer if tokenizer is None else find_tokenizer(tokenizer, None, model.config.vocab_size,
-                                                                            eos, needed=True)
-        if tok is None and ids is None:
-            checkpoint.encode("")  # the one-line refusal of a loaded model without a tokenizer
-        ids = _prompt_ids(ids, tok, prompt, chat, system, chat_template)
-        _check_length(ids, n_new, model.config, name)
-        _check_cache_fits(model.config, len(ids) + n_new, next(model.parameters()).dtype,
-                          next(model.parameters()).device)
+        model, tok, eos, ids = _loaded_run(checkpoint, given, tokenizer, n_new, where if device else None, dtype)
     else:
-        name = str(checkpoint)
-        with open_input(name) as reader:
-            cfg = reader.config
-            eos = generation_config(reader).get("eos_token_id")
-            tok = find_tokenizer(tokenizer, reader, cfg.vocab_size, eos, needed=ids is None)
-            ids = _prompt_ids(ids, tok, prompt, chat, system, chat_template)
-            _check_length(ids, n_new, cfg, name)
-            weight_dtype = getattr(torch, dtype) if dtype else (
-                torch.float32 if where.type == "cpu" else reader.dtype("embed.weight"))
-            _check_cache_fits(cfg, len(ids) + n_new, weight_dtype, where)
-            model = model_from_reader(reader, where, weight_dtype)
-    _check_finite(model, name)
-
+        model, tok, eos, ids = _checkpoint_run(str(checkpoint), given, tokenizer, n_new, where, dtype)
     param = next(model.parameters())
     timings: dict[str, float] = {}
     new = generate_tokens(model, torch.tensor([ids], device=param.device), n_new, temperature=temp, top_p=nucleus,
@@ -149,26 +116,75 @@ def generate(checkpoint, prompt: str | None = None, *, tokens: str | Sequence[in
                       timings.get("decode_s", 0.0), param.device.type, str(param.dtype)[6:])
 
 
-def _check_text(option: str, text: str | None) -> None:
-    try:
-        (text or "").encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate: bytes of the command line that are not UTF-8
-        raise BamSurgeryError(f"{option}: not valid text at character {e.start + 1} (a lone surrogate "
-                              f"{text[e.start]!r}: the argument holds bytes that are not UTF-8)") from None
+@dataclass(frozen=True)
+class _Prompt:
+    """What to continue: token ids, a text, or a chat turn (with its system message and template file)."""
 
+    ids: list[int] | None
+    text: str | None
+    chat: str | None
+    system: str | None
+    chat_template: str | None
 
-def _prompt_ids(ids: list[int] | None, tok, prompt: str | None, chat: str | None, system: str | None,
-                chat_template: str | None) -> list[int]:
-    """The prompt's ids: `ids` as given, the chat turn rendered through its template, or the prompt encoded."""
-    if chat is not None:
-        template = template_file(chat_template) if chat_template is not None else None
-        return chat_prompt_ids(tok, chat_messages(chat, system), template)
-    if ids is not None:
+    @classmethod
+    def of(cls, prompt, tokens, chat, system, chat_template) -> _Prompt:
+        """The options checked: exactly one input, --system and --chat-template with --chat, text that is UTF-8."""
+        if [prompt, tokens, chat].count(None) != 2:
+            raise BamSurgeryError("give the input as exactly one of --prompt TEXT, --tokens ID,ID,... and --chat TEXT")
+        if chat is None and (system is not None or chat_template is not None):
+            raise BamSurgeryError(f"{'--system' if system is not None else '--chat-template'} goes with --chat")
+        for option, text in (("--prompt", prompt), ("--chat", chat), ("--system", system)):
+            try:
+                (text or "").encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: bytes of the command line that are not UTF-8
+                raise BamSurgeryError(f"{option}: not valid text at character {e.start + 1} (a lone surrogate "
+                                      f"{text[e.start]!r}: the argument holds bytes that are not UTF-8)") from None
+        return cls(_token_ids(tokens) if tokens is not None else None, prompt, chat, system, chat_template)
+
+    def token_ids(self, tok) -> list[int]:
+        """The ids: as given, the chat turn rendered through its template, or the text encoded."""
+        if self.chat is not None:
+            template = template_file(self.chat_template) if self.chat_template is not None else None
+            return chat_prompt_ids(tok, chat_messages(self.chat, self.system), template)
+        if self.ids is not None:
+            return self.ids
+        ids = encode_prompt(tok, self.text)
+        if not ids:
+            raise BamSurgeryError("--prompt: the text encodes to no tokens")
         return ids
-    ids = encode_prompt(tok, prompt)
-    if not ids:
-        raise BamSurgeryError("--prompt: the text encodes to no tokens")
-    return ids
+
+
+def _checkpoint_run(name: str, given: _Prompt, tokenizer: str | None, n_new: int, where, dtype: str | None):
+    """(model, tokenizer, eos, prompt ids) of a checkpoint opened by name, its model built on `where`."""
+    with open_input(name) as reader:
+        cfg = reader.config
+        eos = generation_config(reader).get("eos_token_id")
+        tok = find_tokenizer(tokenizer, reader, cfg.vocab_size, eos, needed=given.ids is None)
+        ids = given.token_ids(tok)
+        _check_length(ids, n_new, cfg, name)
+        weight_dtype = getattr(torch, dtype) if dtype else (
+            torch.float32 if where.type == "cpu" else reader.dtype("embed.weight"))
+        _check_cache_fits(cfg, len(ids) + n_new, weight_dtype, where)
+        model = model_from_reader(reader, where, weight_dtype)
+    _check_finite(model, name)
+    return model, tok, eos, ids
+
+
+def _loaded_run(loaded: Loaded, given: _Prompt, tokenizer: str | None, n_new: int, device, dtype: str | None):
+    """(model, tokenizer, eos, prompt ids) of a model load() returned: its own tokenizer unless one is given."""
+    model, name = loaded.model, loaded.checkpoint
+    _same_place(model, device, dtype)
+    eos = loaded.generation.get("eos_token_id")
+    tok = loaded.tokenizer if tokenizer is None else find_tokenizer(tokenizer, None, model.config.vocab_size, eos,
+                                                                    needed=True)
+    if tok is None and given.ids is None:
+        loaded.encode("")  # the one-line refusal of a loaded model without a tokenizer
+    ids = given.token_ids(tok)
+    _check_length(ids, n_new, model.config, name)
+    param = next(model.parameters())
+    _check_cache_fits(model.config, len(ids) + n_new, param.dtype, param.device)
+    _check_finite(model, name)
+    return model, tok, eos, ids
 
 
 def _check_length(ids: list[int], n_new: int, cfg, name: str) -> None:
@@ -236,47 +252,4 @@ def _token_ids(given: str | Sequence[int]) -> list[int]:
     return ids
 
 
-def run_device(text: str):
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BamSurgeryError(f"--device {text}: CUDA is not available on this machine")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise BamSurgeryError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def find_tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
-    """The tokenizer by train.tokenize.resolve_tokenizer's rules (--tokenizer PATH|bytes, the checkpoint's own,
-    bytes for vocabularies of at most 512); None when only token ids are given (--tokens) and no tokenizer
-    was asked for or carried and the byte fallback does not apply: the output is then printed as ids."""
-    # generate stops at the generation config's eos; the tokenizer's own end-of-text id (its document separator
-    # in training) is not used here, so a tokenizer that has none is not refused for it
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    try:
-        return resolve_tokenizer(option, reader, vocab_size, eos_id=eos if isinstance(eos, int) else 0)
-    except TrainError:
-        if needed or option is not None or checkpoint_tokenizer(reader) is not None:
-            raise
-        return None
-
-
-def encode_prompt(tok, prompt: str) -> list[int]:
-    """The prompt's ids. An HF tokenizer adds its special tokens (a BOS), as transformers' generate expects;
-    training encodes documents without them (train.tokenize.HFTokenizer.encode_batch)."""
-    if isinstance(tok, HFTokenizer):
-        try:
-            return tok.tok.encode(prompt).ids
-        except Exception as e:  # the tokenizers library raises a bare Exception, e.g. a Unigram model without
-            # unk_id meeting a character outside its vocabulary ("Encountered an unknown token but `unk_id` is missing")
-            reason = " ".join(str(e).split())[:200]
-            raise BamSurgeryError(f"{tok.name}: cannot encode --prompt with this tokenizer ({reason})") from None
-    return [int(i) for i in tok.encode_batch([prompt])[0]]
-
-
-__all__ = ["DTYPES", "Generation", "encode_prompt", "find_tokenizer", "generate", "run_device"]
+__all__ = ["Generation", "generate"]

@@ -22,7 +22,8 @@ import sys
 
 import click
 
-from bam_surgery.app.generate import DTYPES, generate
+from bam_surgery.app.generate import generate
+from bam_surgery.app.load import DTYPES
 
 from .options import CommandReporter
 

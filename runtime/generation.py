@@ -75,10 +75,8 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     fill = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     uniform = _uniforms(B, device, temperature, seed)
-    if torch.is_autocast_enabled(device.type):
-        cache = model.new_cache(B, max_len, dtype=torch.get_autocast_dtype(device.type))
-    else:
-        cache = model.new_cache(B, max_len)
+    autocast = torch.is_autocast_enabled(device.type)  # the cache takes the autocast dtype, else the weights'
+    cache = model.new_cache(B, max_len, dtype=torch.get_autocast_dtype(device.type) if autocast else None)
     step: Callable[..., Tensor] = decode_step
     if compile:  # whole-graph whenever the expert kernel needs no host sync (see blocks.expert_kernel)
         step = torch.compile(decode_step, mode="reduce-overhead" if device.type == "cuda" else None)
