@@ -26,10 +26,12 @@ KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_head
               "activation", "norm", "norm_eps", "norm_position", "qk_norm", "position", "max_positions", "block",
               "qkv_bias", "o_bias", "ffn_bias", "lm_head_bias", "tie_embeddings")
 ROPE_FIELDS = ("rope_theta", "rotary_fraction", "rope_interleaved", "scaled_rope", "nope_layers")
-# shown where they differ from the default (the features of Gemma, Cohere and the windowed families)
+# shown where they differ from the default (the features of Gemma, Cohere, Granite, Ministral 3 and the windowed
+# families)
 OPTIONAL_FIELDS = ("norm_bias", "norm_unit_offset", "scale_embeddings", "attn_window", "attn_window_layers",
                    "window_rope_theta", "attn_scale_dim", "attn_softcap", "final_softcap", "logit_scale",
-                   "final_norm")
+                   "embedding_multiplier", "residual_multiplier", "attn_scale", "attn_temperature",
+                   "attn_temperature_length", "final_norm")
 MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k",
                   "kv_mode", "router", "attn_router", "lb_coef", "z_coef")
 
