@@ -107,7 +107,7 @@ from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols, uses_byte_tokenizer)
 from .hf.mixtral_config import mixtral_problems
-from .hf.moe_family import bias_problem, raise_problems
+from .hf.moe_family import bias_problem, hybrid_problems, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
 from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
@@ -195,7 +195,7 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
         need(cfg.final_norm, "a final norm", "no final norm")
         out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})"
                             if row.biases else f"no biases (llama.cpp's {arch})")
-        out += gemma_problems(cfg, arch)
+        out += gemma_problems(cfg, arch) + hybrid_problems(cfg)
     need(row.rope_pairs or not cfg.rope_interleaved, f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE")
     need(cfg.qk_norm == row.qk_norm, f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})", _QK_NORMS.get(cfg.qk_norm, ""))
     need(cfg.norm_position == row.norm_position, f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",

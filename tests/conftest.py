@@ -633,6 +633,23 @@ FAMILY_CASES = {
     "olmo3": ("Olmo3Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
                                   eos_token_id=2)),
+    # the families of 2026, their real configs' shapes scaled down: Qwen3.5 (Qwen3.5-9B: three Gated DeltaNet layers
+    # to one gated attention layer, 2 value heads per key head, head_dim 256 with a quarter rotated, base 10^7);
+    # Gemma 4 (E2B / 31B: global layers of twice the head size with one kv head and K = V, proportional RoPE over a
+    # quarter, the last layers reading earlier ones' K/V with double-wide MLPs, per-layer inputs, windows of 5 here)
+    "qwen3.5": ("Qwen3_5TextConfig", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                          linear_value_head_dim=8, max_position_embeddings=262144,
+                                          rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                               partial_rotary_factor=0.25))),
+    "gemma4": ("Gemma4TextConfig", dict(HF_SMALL, num_hidden_layers=6, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                                        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                                        use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                                        vocab_size_per_layer_input=100, sliding_window=5,
+                                        final_logit_softcapping=30.0,
+                                        layer_types=["sliding_attention", "full_attention"] * 3)),
 }
 
 

@@ -24,8 +24,8 @@ from . import config_map as cm
 from .mixtral_config import MIXTRAL
 from .qk_norm_moe_config import FLEX_OLMO, QWEN3_MOE
 from .qwen2_moe_config import QWEN2_MOE
-from .ops import (CONV1D_SPLIT_QKV, DROP, IDENTITY, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD, STACK, TRANSPOSE,
-                  ReshapeOp)
+from .ops import (CONV1D_SPLIT_QKV, DEPTHWISE_CONV, DROP, IDENTITY, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD,
+                  SPLIT_QUERY_GATE, STACK, TRANSPOSE, ReshapeOp)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class WeightRule:
     canonical: tuple[str, ...]  # canonical name templates; () = dropped on purpose
     op: ReshapeOp = IDENTITY
     tied_alias: bool = False  # the HF lm_head that duplicates tied embeddings: accepted, dropped, not written
+    # where the config has no use for it, an HF tensor some checkpoints still carry (Gemma 4's K/V projections in
+    # the layers that read another layer's): accepted there, dropped, not written
+    optional: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -227,6 +230,47 @@ _GEMMA_WEIGHTS = (
 )
 
 
+# Qwen3.5 (text): Qwen3's names, q_proj holding each head's query and output gate, (1 + w) norms; Gated DeltaNet
+# layers (linear_attn) in place of self_attn where layer_types says linear_attention (rows of the layers a config
+# lacks are inactive)
+_QWEN3_5_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.layers.{}.input_layernorm.weight", "layers.{}.attn_norm.weight"),
+    w("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    *[w(f"model.layers.{{}}.self_attn.q_proj.{p}", (f"layers.{{}}.attn.q.{p}", f"layers.{{}}.attn.gate.{p}"),
+        SPLIT_QUERY_GATE) for p in ("weight", "bias")],
+    *qkv("model.layers.{}.self_attn")[2:],
+    *linear("model.layers.{}.self_attn.o_proj", "layers.{}.attn.o"),
+    *_QK_NORM_ROWS,
+    *[w(f"model.layers.{{}}.linear_attn.{hf}", f"layers.{{}}.linear.{ours}") for hf, ours in (
+        ("in_proj_qkv.weight", "qkv.weight"), ("in_proj_z.weight", "z.weight"), ("in_proj_b.weight", "b.weight"),
+        ("in_proj_a.weight", "a.weight"), ("dt_bias", "dt.bias"), ("A_log", "a_log.weight"),
+        ("norm.weight", "norm.weight"), ("out_proj.weight", "out.weight"))],
+    w("model.layers.{}.linear_attn.conv1d.weight", "layers.{}.linear.conv.weight", DEPTHWISE_CONV),
+    *_LLAMA_WEIGHTS[11:17],  # mlp gate, up, down (weights and biases)
+    w("model.norm.weight", "final_norm.weight"),
+    lm_head(),
+)
+
+# Gemma 4 (text): Gemma 3's names, the per-layer inputs (embed_tokens_per_layer, per_layer_model_projection and its
+# norm; per layer the gate, projection and norm), each layer's layer_scalar; no k/v (or v) where the layer reads
+# another's K/V (or K = V): such K/V tensors in a checkpoint are dropped
+_GEMMA4_WEIGHTS = (
+    w("model.embed_tokens.weight", "embed.weight"),
+    w("model.embed_tokens_per_layer.weight", "ple_embed.weight"),
+    w("model.per_layer_model_projection.weight", "ple_proj.weight"),
+    w("model.per_layer_projection_norm.weight", "ple_proj_norm.weight"),
+    *(r for r in _GEMMA_WEIGHTS[1:-2] if not any(".attn.k" in c or ".attn.v" in c for c in r.canonical)),
+    *(WeightRule(r.hf, r.canonical, r.op, optional=True) for r in _GEMMA_WEIGHTS
+      if any(".attn.k" in c or ".attn.v" in c for c in r.canonical)),
+    w("model.layers.{}.per_layer_input_gate.weight", "layers.{}.ple.gate.weight"),
+    w("model.layers.{}.per_layer_projection.weight", "layers.{}.ple.out.weight"),
+    w("model.layers.{}.post_per_layer_input_norm.weight", "layers.{}.ple_norm.weight"),
+    w("model.layers.{}.layer_scalar", "layers.{}.layer_scale.weight"),
+    *_GEMMA_WEIGHTS[-2:],
+)
+
+
 def _moe_weights(attention: list[WeightRule], moe: str, router: str, expert: tuple[str, str, str],
                  shared: tuple[WeightRule, ...] = ()) -> tuple[WeightRule, ...]:
     """A Llama-family mixture's table: the Llama trunk with `attention`'s rows, the router and experts (_moe_rows),
@@ -285,6 +329,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("smollm3", "SmolLM3ForCausalLM", "model.", _LLAMA_WEIGHTS, cm.SMOLLM3),
     Architecture("gemma2", "Gemma2ForCausalLM", "model.", _GEMMA_WEIGHTS, cm.GEMMA2),
     Architecture("gemma3_text", "Gemma3ForCausalLM", "model.", _GEMMA_WEIGHTS, cm.GEMMA3_TEXT),
+    Architecture("qwen3_5_text", "Qwen3_5ForCausalLM", "model.", _QWEN3_5_WEIGHTS, cm.QWEN3_5_TEXT),
+    Architecture("gemma4_text", "Gemma4ForCausalLM", "model.", _GEMMA4_WEIGHTS, cm.GEMMA4_TEXT),
     Architecture("mixtral", "MixtralForCausalLM", "model.", _MIXTRAL_WEIGHTS, MIXTRAL),
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", "model.", _QWEN2_MOE_WEIGHTS, QWEN2_MOE),
     Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "model.", _QWEN3_MOE_WEIGHTS, QWEN3_MOE),
@@ -294,9 +340,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
 
 # Families users branch from that are read nowhere yet, with what stands in the way (one line, naming it)
 REFUSED: dict[str, str] = {
-    "qwen3_5": "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not modelled",
-    "qwen3_5_text": "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not modelled",
-    "qwen3_next": "hybrid linear attention (Gated DeltaNet layers) and its gated attention are not modelled",
+    "qwen3_5": "the multimodal Qwen3.5 (its vision tower) is not modelled; its text model (qwen3_5_text, "
+               "Qwen3_5ForCausalLM) is",
+    "qwen3_next": "Qwen3-Next's fused in_proj_qkvz / in_proj_ba layout and its MoE layers are not read (Qwen3.5's "
+                  "Gated DeltaNet, qwen3_5_text, is)",
+    "gemma4": "the multimodal Gemma 4 (its vision and audio towers) is not modelled; its text model (gemma4_text, "
+              "Gemma4ForCausalLM) is",
     "gemma3": "the multimodal Gemma 3 (its vision tower) is not modelled; its text model (gemma3_text) is",
     "llama4": "Llama 4's chunked attention, interleaved NoPE/MoE layers and QK L2-norm are not modelled",
     "phimoe": "PhiMoE's LayerNorms and its sparsemixer router (top-2 picks, each gated by a softmax over the experts "
@@ -365,7 +414,7 @@ def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
         elif any(present):
             raise CapabilityError(f"{arch.model_type} table row {br.hf} -> {br.canonical} only partly "
                                      "applies to this config")
-        elif br.rule.tied_alias and cfg.tie_embeddings:
+        elif (br.rule.tied_alias and cfg.tie_embeddings) or br.rule.optional:
             b.optional_drops.update(br.hf)  # a stored copy of the tied embeddings; the model reuses embed
         else:
             for n in br.hf:

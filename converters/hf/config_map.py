@@ -265,6 +265,8 @@ class Rope(Field):
         out["rope_theta"] = float(first("rope_theta", hf.get(self.legacy_theta_key), self.default_theta))
         out["scaled_rope"] = self._scaled(hf, named)
         frac = first("partial_rotary_factor", hf.get(self.legacy_fraction_key), self.default_fraction, 1.0)
+        if (out["scaled_rope"] or {}).get("rope_type") == "proportional":
+            frac = 1.0  # proportional RoPE keeps its partial_rotary_factor (rope_frequencies): every dim takes part
         if self.default_fraction is None:
             if float(frac) != 1.0:
                 raise CapabilityError(f"partial_rotary_factor={frac} is not supported by this architecture")
@@ -373,6 +375,7 @@ class SlidingWindow(Field):
     period: int = 0  # rule "period": the class default period (period_key overrides it)
     period_key: str | None = None
     layer_types: bool = False  # the family writes layer_types (and reads them)
+    last_global: bool = False  # the config class makes the last layer global whatever it is told (Gemma 4)
 
     def __post_init__(self):
         self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ()) + (
@@ -389,7 +392,7 @@ class SlidingWindow(Field):
             return
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ConfigError(f"{self.hf_key}: expected a positive integer, got {str(window)[:40]}")
-        sliding = self._sliding_layers(hf, n_layers, out)
+        sliding = [i for i in self._sliding_layers(hf, n_layers, out) if not (self.last_global and i == n_layers - 1)]
         out["attn_window"] = window if sliding else None
         out["attn_window_layers"] = None if not sliding or len(sliding) == n_layers else sliding
 
@@ -418,6 +421,9 @@ class SlidingWindow(Field):
         body: dict[str, Any] = {self.hf_key: cfg.attn_window}
         if self.enabled_key:
             body[self.enabled_key] = cfg.attn_window is not None
+        if self.last_global and cfg.n_layers - 1 in sliding:
+            raise CapabilityError(f"cannot export to {model_type}: its last layer is global (full attention), the "
+                                  "model's slides")
         if self.layer_types:
             body["layer_types"] = [SLIDING if i in sliding else FULL for i in range(cfg.n_layers)]
             if self.rule == "from":  # transformers derives nothing from it once layer_types is written
@@ -478,6 +484,146 @@ class Require(Field):
 
     def write(self, cfg, model_type):
         return {self.hf_key: self.value}
+
+
+LINEAR = "linear_attention"  # Qwen3.5's layer_types entry of a Gated DeltaNet layer
+
+
+@dataclass
+class LinearLayers(Field):
+    """Qwen3.5's Gated DeltaNet layers: config.json's layer_types (linear_attention or full_attention; default every
+    layer but each full_attention_interval-th, 4) and the linear_* sizes <-> linear_layers and linear_* (zeros
+    without such layers)."""
+
+    SIZES = {"linear_num_key_heads": ("linear_key_heads", 16), "linear_num_value_heads": ("linear_value_heads", 32),
+             "linear_key_head_dim": ("linear_key_dim", 128), "linear_value_head_dim": ("linear_value_dim", 128),
+             "linear_conv_kernel_dim": ("linear_conv", 4)}
+
+    def __post_init__(self):
+        self.hf_keys = ("layer_types", "full_attention_interval", *self.SIZES)
+        self.canonical = ("linear_layers", *(ours for ours, _ in self.SIZES.values()))
+
+    def read(self, hf, out, notes):
+        n_layers = out.get("n_layers")
+        if not isinstance(n_layers, int) or n_layers <= 0:
+            return  # ModelConfig names the bad layer count
+        types = hf.get("layer_types")
+        if types is None:
+            interval = int(_value(hf, "full_attention_interval", 4))
+            if interval <= 0:
+                raise ConfigError(f"full_attention_interval: must be a positive integer, got {interval}")
+            types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in (LINEAR, FULL) for t in types):
+            raise ConfigError(f"layer_types: expected {n_layers} entries of {LINEAR} or {FULL}, got {str(types)[:60]}")
+        linear = [i for i, t in enumerate(types) if t == LINEAR]
+        out["linear_layers"] = linear or None
+        for key, (ours, default) in self.SIZES.items():
+            out[ours] = int(_value(hf, key, default)) if linear else 0
+
+    def write(self, cfg, model_type):
+        linear = set(cfg.linear_layers or ())
+        body = {"layer_types": [LINEAR if i in linear else FULL for i in range(cfg.n_layers)]}
+        body.update((key, getattr(cfg, ours) if linear else default) for key, (ours, default) in self.SIZES.items())
+        return body
+
+
+@dataclass
+class GlobalLayers(Field):
+    """Gemma 4's global (full_attention) layers: their head size and kv heads, as transformers 5 saves them
+    (per_layer_config: {layer: {head_dim, num_key_value_heads}}) or as hub configs give them (global_head_dim,
+    default 512; num_global_key_value_heads, which transformers applies only with attention_k_eq_v), and
+    attention_k_eq_v <-> global_head_dim and global_kv_heads (None where they equal head_dim and n_kv_heads),
+    global_k_eq_v."""
+
+    def __post_init__(self):
+        self.hf_keys = ("per_layer_config", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v")
+        self.canonical = ("global_head_dim", "global_kv_heads", "global_k_eq_v")
+
+    def read(self, hf, out, notes):
+        k_eq_v = bool(_value(hf, "attention_k_eq_v", False))
+        entries = hf.get("per_layer_config") or {}
+        if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+            raise ConfigError(f"per_layer_config: expected an object of per-layer objects, got {str(entries)[:60]}")
+        distinct = {json.dumps(e, sort_keys=True) for e in entries.values()}
+        if len(distinct) > 1 or any(set(e) - {"head_dim", "num_key_value_heads"} for e in entries.values()):
+            raise CapabilityError(f"per_layer_config: {str(entries)[:80]}: one head_dim and num_key_value_heads for "
+                                  "every global layer is supported")
+        entry = next(iter(entries.values()), {})
+        head_dim = entry.get("head_dim", _value(hf, "global_head_dim", 512))
+        kv = entry.get("num_key_value_heads", hf.get("num_global_key_value_heads") if k_eq_v else None)
+        out["global_head_dim"] = None if head_dim == out.get("head_dim") else head_dim
+        out["global_kv_heads"] = None if kv is None or kv == out.get("n_kv_heads") else kv
+        out["global_k_eq_v"] = k_eq_v
+
+    def write(self, cfg, model_type):
+        if cfg.global_kv_heads is not None and not cfg.global_k_eq_v:
+            raise CapabilityError(f"cannot export to {model_type}: it gives the global layers kv heads of their own "
+                                  "only with attention_k_eq_v; the model has global_kv_heads without K = V")
+        return {"global_head_dim": cfg.global_head_dim or cfg.head_dim, "attention_k_eq_v": cfg.global_k_eq_v,
+                "num_global_key_value_heads": cfg.global_kv_heads}
+
+
+@dataclass
+class KVSharing(Field):
+    """Gemma 4's num_kv_shared_layers (the last layers read the K/V of the last earlier layer of their type) and
+    use_double_wide_mlp (their MLP twice intermediate_size) <-> kv_shared_layers and kv_shared_ffn_hidden."""
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = ("num_kv_shared_layers", "use_double_wide_mlp"), ("kv_shared_layers",
+                                                                                          "kv_shared_ffn_hidden")
+
+    def read(self, hf, out, notes):
+        n = int(_value(hf, "num_kv_shared_layers", 0))
+        out["kv_shared_layers"] = n
+        double = bool(_value(hf, "use_double_wide_mlp", False)) and n > 0
+        out["kv_shared_ffn_hidden"] = 2 * out["ffn_hidden"] if double and isinstance(out.get("ffn_hidden"), int) \
+            else None
+
+    def write(self, cfg, model_type):
+        if cfg.kv_shared_ffn_hidden not in (None, 2 * cfg.ffn_hidden):
+            raise CapabilityError(f"cannot export to {model_type}: its K/V-sharing layers' MLP is intermediate_size or "
+                                  f"twice it wide, the model's is {cfg.kv_shared_ffn_hidden}")
+        return {"num_kv_shared_layers": cfg.kv_shared_layers,
+                "use_double_wide_mlp": cfg.kv_shared_ffn_hidden is not None}
+
+
+@dataclass
+class PerLayerInputs(Field):
+    """Gemma 4's per-layer inputs: hidden_size_per_layer_input (default 256; 0: none) and vocab_size_per_layer_input
+    (default 262144) <-> per_layer_dim and per_layer_vocab (None where it equals vocab_size)."""
+
+    def __post_init__(self):
+        self.hf_keys = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
+        self.canonical = ("per_layer_dim", "per_layer_vocab")
+
+    def read(self, hf, out, notes):
+        dim = int(_value(hf, "hidden_size_per_layer_input", 256))
+        vocab = _value(hf, "vocab_size_per_layer_input", 262144)
+        out["per_layer_dim"] = dim
+        out["per_layer_vocab"] = vocab if dim and vocab != out.get("vocab_size") else None
+
+    def write(self, cfg, model_type):
+        return {"hidden_size_per_layer_input": cfg.per_layer_dim,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size}
+
+
+@dataclass
+class Gemma4Rope(LayerTypeRope):
+    """Gemma 4's RoPE per layer type: LayerTypeRope, with the class default where config.json has none (sliding:
+    plain, base 10000; full: proportional over a quarter of the pairs, base 1000000)."""
+
+    def read(self, hf, out, notes):
+        if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+            hf = {**hf, "rope_parameters": {
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}}
+        super().read(hf, out, notes)
+
+    def write(self, cfg, model_type):
+        """rope_parameters alone: transformers 4, which read rope_scaling, has no Gemma 4 (and 5 takes a
+        rope_scaling over rope_parameters)."""
+        body = super().write(cfg, model_type)
+        return {"rope_parameters": body["rope_parameters"]}
 
 
 class ConfigMap(Protocol):
@@ -569,13 +715,14 @@ def model_config_to_hf(cfg: ModelConfig, spec: ConfigSpec, model_type: str) -> d
 
 # ---- the specs ------------------------------------------------------------------------------
 def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool = False,
-           head_dim_default: int | None = None) -> tuple[Field, ...]:
+           head_dim_default: int | None = None, kv_default: int | None = None) -> tuple[Field, ...]:
     """The Llama-style size keys shared by llama, mistral, qwen2, gpt_neox, cohere, phi."""
     out: list[Field] = [Same("vocab_size", "vocab_size"), Same("hidden_size", "d_model"),
                         Same("num_hidden_layers", "n_layers"), Same("num_attention_heads", "n_heads"),
                         Same("intermediate_size", "ffn_hidden"),
                         Same("max_position_embeddings", "max_positions", max_positions_default)]
-    out.append(Same("num_key_value_heads", "n_kv_heads", None) if kv_heads else DerivedEqual("n_kv_heads", "n_heads"))
+    out.append(Same("num_key_value_heads", "n_kv_heads", kv_default) if kv_heads
+               else DerivedEqual("n_kv_heads", "n_heads"))
     out.append(Same("head_dim", "head_dim", head_dim_default) if head_dim_key
                else DerivedEqual("head_dim", "d_model/n_heads"))
     return tuple(out)
@@ -583,9 +730,14 @@ def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool
 
 # every dense architecture here ends with a norm before its head (final_norm: fixed True)
 # the trunk features of the newer families, off (each family's spec fixes or reads its own)
+# the hybrid layers of Qwen3.5 and Gemma 4, off
+_NO_HYBRID = dict(linear_layers=None, linear_key_heads=0, linear_value_heads=0, linear_key_dim=0, linear_value_dim=0,
+                  linear_conv=0, attn_output_gate=False, global_head_dim=None, global_kv_heads=None,
+                  global_k_eq_v=False, v_norm=False, kv_shared_layers=0, kv_shared_ffn_hidden=None, per_layer_dim=0,
+                  per_layer_vocab=None, layer_scale=False)
 _PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None, norm_unit_offset=False,
                     scale_embeddings=False, window_rope_theta=None, attn_scale_dim=None, attn_softcap=None,
-                    final_softcap=None)
+                    final_softcap=None, **_NO_HYBRID)
 _NO_WINDOW = dict(attn_window=None, attn_window_layers=None)  # the families without sliding-window attention
 _ROPE_ONLY = dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0,
                   final_norm=True)
@@ -757,4 +909,42 @@ GEMMA3_TEXT = ConfigSpec(
         Nullable("final_logit_softcapping", "final_softcap", None),
         Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
     fixed=dict(_GEMMA_FIXED, qk_norm="head"),
+)
+
+
+# ---- the families of 2026 --------------------------------------------------------------------------------------
+_NO_HYBRID_BUT = lambda *keys: {k: v for k, v in _LLAMA_FIXED.items() if k not in keys}  # noqa: E731
+
+# Qwen3.5 (text): Qwen3 with Gated DeltaNet layers (layer_types), a gated attention output (q_proj holds each head's
+# query and gate), (1 + w) norms, partial rotary (a quarter of each head by default).
+QWEN3_5_TEXT = ConfigSpec(
+    fields=_sizes(32768, head_dim_key=True, head_dim_default=256, kv_default=4) + (
+        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
+        Rope(default_theta=10000.0, default_fraction=0.25), Same("tie_word_embeddings", "tie_embeddings", False),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), LinearLayers()),
+    fixed=dict(_NO_HYBRID_BUT("rotary_fraction", "linear_layers", *(o for o, _ in LinearLayers.SIZES.values())),
+               **_NO_WINDOW, qk_norm="head", norm_unit_offset=True, attn_output_gate=True, ffn_bias=False),
+)
+
+# Gemma 4 (text): Gemma 3's sandwich norms, GeGLU, scaled embeddings and sliding layers, with norms scaling by w,
+# unscaled attention logits (scaling 1: attn_scale_dim 1), RMS-normed values, a scalar per layer, the global layers'
+# own head size, kv heads and K = V, proportional RoPE there, K/V shared by the last layers (double-wide MLPs there),
+# per-layer inputs. Its MoE block (enable_moe_block) is refused: its dense MLP and routed experts run side by side
+# with norms of their own, which no mixture here computes.
+GEMMA4_TEXT = ConfigSpec(
+    fields=_sizes(131072, head_dim_key=True, head_dim_default=256, kv_default=4) + (
+        Activation("hidden_activation", gated=True, default="gelu_pytorch_tanh", gated_kinds=("geglu_tanh",)),
+        Same("rms_norm_eps", "norm_eps", 1e-6), Same("tie_word_embeddings", "tie_embeddings", True),
+        FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
+        SlidingWindow("sliding_window", default=512, rule="period", period=6, layer_types=True, last_global=True),
+        Gemma4Rope(default_theta=1000000.0, local_key=None),
+        Nullable("final_logit_softcapping", "final_softcap", None), GlobalLayers(), KVSharing(), PerLayerInputs(),
+        Require("use_bidirectional_attention", None, "bidirectional attention is not modelled"),
+        Require("enable_moe_block", False, "Gemma 4's MoE block (a dense MLP beside routed experts, each with norms of "
+                                           "its own, and a router with its own norm and per-expert scales) is not "
+                                           "read")),
+    fixed=dict({k: v for k, v in _GEMMA_FIXED.items() if k not in (
+        "global_head_dim", "global_kv_heads", "global_k_eq_v", "kv_shared_layers", "kv_shared_ffn_hidden",
+        "per_layer_dim", "per_layer_vocab")},
+        qk_norm="head", norm_unit_offset=False, attn_scale_dim=1, attn_softcap=None, v_norm=True, layer_scale=True),
 )

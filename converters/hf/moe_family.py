@@ -65,7 +65,25 @@ def trunk_problems(cfg: ModelConfig, qk_norm: str = "none", norm_position: str =
         (cfg.ffn_router_kind == "linear", "linear routers", f"router {cfg.ffn_router_kind}"),
         (cfg.final_norm, "a final norm", "no final norm"),
     ]
-    return [(needs, has) for ok, needs, has in checks if not ok] + gemma_problems(cfg)
+    return [(needs, has) for ok, needs, has in checks if not ok] + gemma_problems(cfg) + hybrid_problems(cfg)
+
+
+def hybrid_problems(cfg: ModelConfig) -> Problems:
+    """Qwen3.5's and Gemma 4's features, which only their own formats carry: Gated DeltaNet layers, a gated
+    attention output, global layers of their own geometry, the value norm, K/V read from other layers, per-layer
+    inputs and the block scale."""
+    global_geometry = cfg.global_head_dim is None and cfg.global_kv_heads is None and not cfg.global_k_eq_v
+    checks = [
+        (not cfg.linear_layers, "softmax attention in every layer", "Gated DeltaNet layers"),
+        (not cfg.attn_output_gate, "an ungated attention output", "a gated attention output"),
+        (global_geometry, "one attention geometry in every layer", "global layers with their own head size, kv "
+                                                                     "heads or K = V"),
+        (not cfg.v_norm, "unnormed values", "RMS-normed values"),
+        (not cfg.kv_shared_layers, "K/V of its own in every layer", "layers reading earlier layers' K/V"),
+        (not cfg.per_layer_dim, "no per-layer inputs", "per-layer input embeddings"),
+        (not cfg.layer_scale, "unscaled blocks", "a learned scale on each block's output"),
+    ]
+    return [(needs, has) for ok, needs, has in checks if not ok]
 
 
 def gemma_problems(cfg: ModelConfig) -> Problems:

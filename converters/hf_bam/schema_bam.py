@@ -30,9 +30,14 @@ FIELDS = {
     "scaled_rope": None, "nope_layers": None, "qk_norm": "none", "norm_position": "pre",
     "norm_unit_offset": False, "scale_embeddings": False, "attn_window": None, "attn_window_layers": None,
     "window_rope_theta": None, "attn_scale_dim": None, "attn_softcap": None, "final_softcap": None,
+    # ---- hybrid layers (Qwen3.5's Gated DeltaNet, Gemma 4) ----
+    "linear_layers": None, "linear_key_heads": 0, "linear_value_heads": 0, "linear_key_dim": 0,
+    "linear_value_dim": 0, "linear_conv": 0, "attn_output_gate": False, "global_head_dim": None,
+    "global_kv_heads": None, "global_k_eq_v": False, "v_norm": False, "kv_shared_layers": 0,
+    "kv_shared_ffn_hidden": None, "per_layer_dim": 0, "per_layer_vocab": None, "layer_scale": False,
     # ---- mixture ----
     "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax", "ffn_shared_hidden": 0,
-    "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",
+    "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert", "linear_experts": 0,
     "router": "linear", "attn_router": None, "router_hidden": None, "router_temperature": 0.1,
     # key_store: the update rules' knobs matter only to training; kept so a config.json read back gives the
     # same model config

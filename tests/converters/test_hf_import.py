@@ -278,10 +278,11 @@ def test_export_capability_errors_before_any_io(tmp_path):
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                 "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
                 "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
-                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config"}
+                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config",
+                "qwen3_5_text": "Qwen3_5TextConfig", "gemma4_text": "Gemma4TextConfig"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
-    "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
+    "attn_router", "router_hidden", "router_temperature", "linear_experts", "key_store_alpha", "key_store_beta", "key_store_delta",
     "key_store_theta_percentile", "key_store_ema_decay",
     "lb_coef", "z_coef"}
 
