@@ -599,8 +599,9 @@ class LinearMixer(nn.Module):
         if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads of its expert
             q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
         beta = torch.sigmoid(F.linear(x, w["b"].reshape(E * Hv, D)))  # [B, T, E*Hv]
-        g = -w["a_log"].reshape(E * Hv).float().exp() * F.softplus(
-            F.linear(x, w["a"].reshape(E * Hv, D)).float() + w["dt"].reshape(E * Hv))
+        f32 = torch.promote_types(x.dtype, torch.float32)  # float32 (float64 for a float64 model)
+        g = -w["a_log"].reshape(E * Hv).to(f32).exp() * F.softplus(
+            F.linear(x, w["a"].reshape(E * Hv, D)).to(f32) + w["dt"].reshape(E * Hv))
         rule = gated_delta_recurrent if recurrent or T == 1 else gated_delta_chunked
         o, rec = rule(q, k, v.reshape(B, T, E * Hv, Dv), g, beta, rec)  # [B, T, E*Hv, Dv]
         z = F.linear(x, w["z"].reshape(E * Hv * Dv, D)).view(B, T, E * Hv, Dv)
@@ -689,7 +690,7 @@ class Block(nn.Module):
         else:
             self.ffn = Projections(ffn)
         if cfg.ffn_shared_hidden:
-            Fs = cfg.ffn_shared_hidden
+            Fs = cfg.layer_shared_hidden(index)
             shared = {"gate": (D, Fs, cfg.ffn_bias)} if self.gated else {}
             self.ffn_shared = Projections({**shared, "up": (D, Fs, cfg.ffn_bias), "down": (Fs, D, cfg.ffn_bias)})
             self.ffn_shared_gate = nn.Linear(D, 1, bias=False)

@@ -67,6 +67,13 @@ class ConfigRules:
             return self.kv_shared_ffn_hidden
         return self.ffn_hidden
 
+    def layer_shared_hidden(self, i: int) -> int:
+        """The shared FFN expert's width in layer i: ffn_shared_hidden, except that one as wide as the FFN (a copy of
+        the seed's) is as wide as each layer's FFN (Gemma 4's double-wide K/V-sharing layers)."""
+        if self.ffn_shared_hidden and self.ffn_shared_hidden == self.ffn_hidden:
+            return self.layer_ffn_hidden(i)
+        return self.ffn_shared_hidden
+
     def layer_attn_experts(self, i: int) -> int:
         """The token mixer's experts in layer i: linear_experts in a Gated DeltaNet layer, attn_experts elsewhere."""
         return self.linear_experts if self.is_linear_layer(i) else self.attn_experts

@@ -45,9 +45,11 @@ def l2_normalized(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def _prepared(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
-    """[B, T, H, *] inputs -> float32 [B, H, T, *], q and k L2-normalized, q scaled by 1/sqrt(Dk)."""
-    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
-    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    """[B, T, H, *] inputs -> float32 (float64 for float64 inputs) [B, H, T, *], q and k L2-normalized, q scaled
+    by 1/sqrt(Dk)."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
+    g, beta = g.transpose(1, 2).to(dtype), beta.transpose(1, 2).to(dtype)
     q, k = l2_normalized(q), l2_normalized(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
@@ -59,7 +61,7 @@ def gated_delta_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     dtype = v.dtype
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
     B, H, T, Dk = k.shape
-    S = v.new_zeros(B, H, Dk, v.shape[-1]) if state is None else state.float()
+    S = v.new_zeros(B, H, Dk, v.shape[-1]) if state is None else state.to(v.dtype)
     out = []
     for t in range(T):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -112,7 +114,7 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     q_decayed = q * c.exp()[..., None]
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]
     chunk_decay = c[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
-    S = q.new_zeros(B, H, Dk, Dv) if state is None else state.float()
+    S = q.new_zeros(B, H, Dk, Dv) if state is None else state.to(q.dtype)
     out = []
     for i in range(n):
         u = u0[:, :, i] - w[:, :, i] @ S

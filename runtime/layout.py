@@ -192,7 +192,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     _linear(out, f"{fp}.up", F, D, cfg.ffn_bias, E)
     _linear(out, f"{fp}.down", D, F, cfg.ffn_bias, E)
     if cfg.ffn_shared_hidden:
-        Fs = cfg.ffn_shared_hidden
+        Fs = cfg.layer_shared_hidden(i)
         if cfg.gated_ffn:
             _linear(out, f"{p}.ffn_shared.gate", Fs, D, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared.up", Fs, D, cfg.ffn_bias)

@@ -211,7 +211,7 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
 def _calibrated_routers(cfg) -> list[str]:
     """The expert_embedding routers of a mixture, in execution order."""
     return [f"layers.{i}.{group}_router" for i in range(cfg.n_layers)
-            for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+            for group, kind, E in (("attn", cfg.attn_router_kind, cfg.layer_attn_experts(i)),
                                    ("ffn", cfg.ffn_router_kind, cfg.ffn_experts))
             if E and kind == ExpertEmbeddingRouter.kind]
 
