@@ -15,6 +15,8 @@ Formats:
     qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures with a shared expert: recipe btx-shared-expert)
     qwen3_moe   HF Qwen3-MoE directory (FFN-expert mixtures of Qwen3 models: per-head QK-norm)
     flex_olmo   HF FlexOlmo directory (FFN-expert mixtures of OLMo 2 models: post-norms, full-width QK-norm)
+    qwen3_5_moe HF Qwen3.5-MoE directory (FFN-expert mixtures of Qwen3.5 models: Gated DeltaNet layers, a shared
+                expert, zero when the mixture has none)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
@@ -44,6 +46,7 @@ from .mixtral import MixtralExporter
 from .onnx_export import OnnxExporter
 from .qk_norm_moe import FlexOlmoExporter, Qwen3MoeExporter
 from .qwen2_moe import Qwen2MoeExporter
+from .qwen3_5_moe import Qwen35MoeExporter
 
 # native formats asked for that cannot carry our mixtures -> why (docs/deploy.md)
 REFUSED_FORMATS: dict[str, str] = {
@@ -51,6 +54,11 @@ REFUSED_FORMATS: dict[str, str] = {
               "two picks by a softmax over the experts within a relative threshold of the best one, which no gate_norm "
               "computes, so a Phi-3 mixture would compute another function there; --format hf writes it (the HF BAM "
               "model)",
+    "gemma4_moe": "Gemma 4's MoE block runs a dense MLP beside its routed experts, RMS-normalizes the experts' summed "
+                  "output and the MLP's each with a norm of its own before adding them, and routes from its own "
+                  "scaled RMS norm of the residual with a scale per expert; a BTX of Gemma 4 models sums its experts' "
+                  "outputs as they are, with no MLP beside them, so it would compute another function there; "
+                  "--format hf writes it (the HF BAM model)",
 }
 
 
@@ -82,7 +90,7 @@ def side_files(options: ExportOptions) -> dict[str, bytes]:
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
     return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), Qwen3MoeExporter(),
-                                FlexOlmoExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
+                                FlexOlmoExporter(), Qwen35MoeExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:

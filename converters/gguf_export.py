@@ -112,7 +112,7 @@ from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
 from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
                          sliding_layers, tensor_layout, tensor_names, window_keys)
-from .qwen2_moe import WithZeroQKVBias
+from .qwen2_moe import WithZeros, with_zero_qkv_bias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
@@ -618,7 +618,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
                 f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
                 f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout"
-                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
+                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeros) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
@@ -767,7 +767,7 @@ class GGUFExporter(Exporter):
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
         if arch == "qwen2moe" and not cfg.qkv_bias:  # Qwen2-MoE files carry q/k/v biases: zeros add nothing
-            reader = WithZeroQKVBias(reader)
+            reader = with_zero_qkv_bias(reader)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
         for note in vocab.notes:

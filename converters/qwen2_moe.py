@@ -11,7 +11,7 @@ On disk (what `Qwen2MoeForCausalLM.save_pretrained` writes):
 
 The weight table is in hf/architectures.py, the config.json map and the capability check in
 hf/qwen2_moe_config.py. Qwen2-MoE always has q/k/v biases: a model without them is written through
-`WithZeroQKVBias`, a reader view that adds zero biases, so Qwen2-MoE computes exactly the same function.
+`with_zero_qkv_bias`, a reader view that adds zero biases, so Qwen2-MoE computes exactly the same function.
 """
 from __future__ import annotations
 
@@ -29,36 +29,31 @@ from .mixtral import NativeMixtureExporter
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
 
-class WithZeroQKVBias(Reader):
-    """A reader seen with q/k/v biases: the config says qkv_bias, and each missing bias is zeros in its
-    weight's dtype ([out] of the weight's [out, in]). Everything else passes through."""
+class WithZeros(Reader):
+    """A reader seen with more tensors, all zeros: `config` is the view's config, `added` the new tensors' names
+    with their shapes and dtypes, each placed right after the inner tensor it follows (`after`, in names()). A
+    native format that always has a tensor the model lacks holds it as zeros, computing exactly the same function.
+    Everything else passes through."""
 
-    def __init__(self, inner: Reader):
-        self.inner = inner
-        self.config: ModelConfig = inner.config.replace(qkv_bias=True)
+    def __init__(self, inner: Reader, config: ModelConfig, added: dict[str, tuple[tuple[int, ...], torch.dtype, str]]):
+        self.inner, self.config, self._added = inner, config, added
         self.metadata = getattr(inner, "metadata", {})
         self.path, self.source_dir, self.hf_config = inner.path, inner.source_dir, inner.hf_config
-        self._bias = {f"{m.group(1)}.bias": n for n in inner.names() if (m := _QKV_WEIGHT.match(n))}
 
     def names(self) -> list[str]:
-        out = []
-        for n in self.inner.names():
-            out.append(n)
-            m = _QKV_WEIGHT.match(n)
-            if m and f"{m.group(1)}.bias" not in self.inner:
-                out.append(f"{m.group(1)}.bias")
-        return out
+        follows: dict[str, list[str]] = {}
+        for name, (_, _, after) in self._added.items():
+            follows.setdefault(after, []).append(name)
+        return [m for n in self.inner.names() for m in (n, *follows.get(n, ()))]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.inner or name in self._bias
+        return name in self.inner or name in self._added
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.inner:
-            return self.inner.shape(name)
-        return (self.inner.shape(self._bias[name])[0],)
+        return self.inner.shape(name) if name in self.inner else self._added[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.inner.dtype(name if name in self.inner else self._bias[name])
+        return self.inner.dtype(name) if name in self.inner else self._added[name][1]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.inner:
@@ -78,10 +73,18 @@ class WithZeroQKVBias(Reader):
         self.inner.check_unchanged()
 
 
+def with_zero_qkv_bias(inner: Reader) -> WithZeros:
+    """A reader seen with q/k/v biases: the config says qkv_bias, and each missing bias is zeros in its weight's
+    dtype ([out] of the weight's [out, in])."""
+    added = {f"{m.group(1)}.bias": ((inner.shape(n)[0],), inner.dtype(n), n) for n in inner.names()
+             if (m := _QKV_WEIGHT.match(n)) and f"{m.group(1)}.bias" not in inner}
+    return WithZeros(inner, inner.config.replace(qkv_bias=True), added)
+
+
 class Qwen2MoeExporter(NativeMixtureExporter):
     name, model_type = "qwen2_moe", MODEL_TYPE
     summary = "HF Qwen2-MoE directory, btx-shared-expert of Llama-family inputs"
 
     def source(self, reader: Reader) -> Reader:
-        """Qwen2-MoE always has q/k/v biases: a model without them is seen through WithZeroQKVBias."""
-        return reader if reader.config.qkv_bias else WithZeroQKVBias(reader)
+        """Qwen2-MoE always has q/k/v biases: a model without them is seen through with_zero_qkv_bias."""
+        return reader if reader.config.qkv_bias else with_zero_qkv_bias(reader)

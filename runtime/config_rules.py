@@ -32,6 +32,12 @@ class ConfigRules:
         """rotary_dim of the global layers' heads."""
         return int(round((self.global_head_dim or self.head_dim) * self.rotary_fraction))
 
+    @property
+    def first_cached_layer(self) -> int:
+        """The first layer that caches keys and values (a cache's length is its length: a Gated DeltaNet layer
+        keeps a fixed-size state instead)."""
+        return next((i for i in range(self.n_layers) if not self.is_linear_layer(i)), 0)
+
     # -- per layer -------------------------------------------------------------------------------
     def is_linear_layer(self, i: int) -> bool:
         """A Gated DeltaNet layer (no softmax attention)."""

@@ -24,6 +24,7 @@ from . import config_map as cm
 from .mixtral_config import MIXTRAL
 from .qk_norm_moe_config import FLEX_OLMO, QWEN3_MOE
 from .qwen2_moe_config import QWEN2_MOE
+from .qwen3_5_moe_config import QWEN3_5_MOE
 from .ops import (CONV1D_SPLIT_QKV, DEPTHWISE_CONV, DROP, IDENTITY, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD,
                   SPLIT_QUERY_GATE, STACK, TRANSPOSE, ReshapeOp)
 
@@ -294,6 +295,11 @@ def _with_experts(dense: tuple[WeightRule, ...]) -> tuple[WeightRule, ...]:
     return trunk + _moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 
 
+# the always-on shared expert and its sigmoid gate (Qwen2-MoE, Qwen3.5-MoE)
+_SHARED_EXPERT_ROWS = (*[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{}}.ffn_shared.{p}.weight")
+                         for p in ("gate", "up", "down")],
+                       w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"))
+
 # Mixtral: the Llama names, with a routed FFN of E experts (w1 = gate, w3 = up, w2 = down), no biases.
 _MIXTRAL_WEIGHTS = _moe_weights(
     [w(f"model.layers.{{}}.self_attn.{p}_proj.weight", f"layers.{{}}.attn.{p}.weight") for p in "qkvo"],
@@ -304,14 +310,13 @@ _MIXTRAL_WEIGHTS = _moe_weights(
 _QWEN2_MOE_WEIGHTS = _moe_weights(
     [*qkv("model.layers.{}.self_attn"), w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight")],
     "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
-    shared=(*[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{}}.ffn_shared.{p}.weight")
-              for p in ("gate", "up", "down")],
-            w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight")))
+    shared=_SHARED_EXPERT_ROWS)
 
 # Qwen3-MoE: Qwen3's trunk (per-head QK-norm, q/k/v/o biases when attention_bias) with experts; FlexOlmo: OLMo 2's
 # (post-norms, full-width QK-norm) with experts.
 _QWEN3_MOE_WEIGHTS = _with_experts(_QWEN3_WEIGHTS)
 _FLEX_OLMO_WEIGHTS = _with_experts(_OLMO2_WEIGHTS)
+_QWEN3_5_MOE_WEIGHTS = _with_experts(_QWEN3_5_WEIGHTS) + _SHARED_EXPERT_ROWS  # Qwen3.5's trunk, Qwen2-MoE's experts
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "LlamaForCausalLM", "model.", _LLAMA_WEIGHTS, cm.LLAMA),
@@ -335,6 +340,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("qwen2_moe", "Qwen2MoeForCausalLM", "model.", _QWEN2_MOE_WEIGHTS, QWEN2_MOE),
     Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "model.", _QWEN3_MOE_WEIGHTS, QWEN3_MOE),
     Architecture("flex_olmo", "FlexOlmoForCausalLM", "model.", _FLEX_OLMO_WEIGHTS, FLEX_OLMO),
+    Architecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "model.", _QWEN3_5_MOE_WEIGHTS, QWEN3_5_MOE),
 )}
 
 

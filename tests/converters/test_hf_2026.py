@@ -149,3 +149,62 @@ def test_gemma4_reads_the_hub_configs_global_keys(saved, tmp_path):
     with open_checkpoint(str(folder)) as a, open_checkpoint(str(changed)) as b:
         assert a.config == b.config
         assert (a.config.global_head_dim, a.config.global_kv_heads, a.config.global_k_eq_v) == (32, 1, True)
+
+
+# ---- the native MoE formats -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_specialists(tmp_path_factory):
+    from conftest import hf_specialists
+
+    return hf_specialists(tmp_path_factory.mktemp("qwen3.5-native"), "qwen3.5",
+                          keep=lambda n: ".attn." in n or ".linear." in n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["btx", "btx-shared-expert"])
+def test_qwen3_5_moe_computes_the_mixture(qwen_specialists, tmp_path, recipe):
+    """A BTX of Qwen3.5 (and with the seed as the shared expert) as Qwen3_5MoeForCausalLM: transformers' logits
+    equal the runtime's on the canonical merge, in one pass and through its cache; read back, the same mixture (a
+    BTX without a shared expert gains a zero one of width 1)."""
+    from conftest import load_hf_native, merge_family
+    from bam_surgery.runtime import load_model
+
+    args = ("--recipe", recipe, "--ffn-top-k", "2", "--gate-norm", "topk_softmax")
+    merge_family(qwen_specialists, tmp_path / "mix.safetensors", *args)
+    merge_family(qwen_specialists, tmp_path / "native", *args, "--format", "qwen3_5_moe")
+    body = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert body["model_type"] == "qwen3_5_moe_text" and body["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    hf, ours = load_hf_native("Qwen3_5MoeForCausalLM", tmp_path / "native"), load_model(tmp_path / "mix.safetensors")
+    x = _tokens(length=80)
+    cache, hf_cache = ours.new_cache(2, 80), transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x).logits).abs().max().item() <= TOL
+        for a, b in [(0, 70)] + [(t, t + 1) for t in range(70, 80)]:
+            ref = hf(x[:, a:b], past_key_values=hf_cache, use_cache=True).logits
+            got = ours(x[:, a:b], input_pos=torch.arange(a, b), cache=cache).logits
+            assert (got - ref).abs().max().item() <= TOL, (a, b)
+    with open_checkpoint(str(tmp_path / "native")) as back, open_checkpoint(str(tmp_path / "mix.safetensors")) as mix:
+        shared = mix.config.ffn_shared_hidden or 1
+        assert back.config.replace(name="") == mix.config.replace(ffn_shared_hidden=shared, name="", z_coef=0.0)
+        for n in mix.names():
+            assert torch.equal(back.get(n), mix.get(n)), n
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--recipe", "bam"), ["qwen3_5_moe export needs", "dense attention", "one Gated DeltaNet per linear layer"]),
+    (("--recipe", "btx-shared-expert"), ["top-k gates renormalized", "gate_norm softmax"]),
+])
+def test_qwen3_5_moe_refuses_what_it_cannot_carry(qwen_specialists, tmp_path, args, words):
+    from conftest import error_line, merge_family
+
+    result = merge_family(qwen_specialists, tmp_path / "native", *args, "--format", "qwen3_5_moe", code=None)
+    error_line(result, *words)
+    assert not (tmp_path / "native").exists()
+
+
+def test_gemma4_moe_format_is_refused_in_one_line():
+    from bam_surgery.converters.export import exporter
+
+    with pytest.raises(CapabilityError, match="Gemma 4's MoE block runs a dense MLP beside") as e:
+        exporter("gemma4_moe")
+    assert "\n" not in str(e.value)
