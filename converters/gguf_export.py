@@ -271,7 +271,7 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
     """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
     problems = gguf_problems(cfg)
     if problems:
-        carried = CARRIED_BY
+        carried = CARRIED_BY if not hybrid_problems(cfg) else "canonical or hf"  # the ONNX export refuses those
         if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
             carried = "canonical, hf, qwen2_moe or onnx"
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")

@@ -59,7 +59,23 @@ class OnnxExporter(Exporter):
     summary = "ONNX graph with KV-cache inputs and outputs for onnxruntime (bam-surgery export-onnx has its options)"
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-        pass  # every model the runtime builds traces: dense, FFN experts, attention experts (both KV modes, top-k)
+        """Every model of one cache geometry traces: dense, FFN experts, attention experts (both KV modes, top-k).
+        Refused, in one line: Qwen3.5's Gated DeltaNet layers and Gemma 4's per-layer cache geometry."""
+        if cfg.linear_layers:
+            raise CapabilityError(
+                "onnx export of Gated DeltaNet layers (Qwen3.5) is not built: each carries a convolution state and a "
+                "recurrent state [heads, Dk, Dv] across calls, and its gated delta rule loops over the sequence, "
+                "which the traced exporter unrolls at the traced length; a graph with conv/recurrent past and "
+                "present inputs and an ONNX Loop over the tokens (or one over chunks of 64 with a triangular solve "
+                "written out) would carry it, at the cost of one small matmul chain per token (or chunk) and "
+                "layer in the prefill, and GenAI has no such state; --format hf (HF BAM) or qwen3_5_moe carry it")
+        heterogeneous = cfg.global_head_dim is not None or cfg.global_kv_heads is not None or cfg.kv_shared_layers
+        if heterogeneous or cfg.per_layer_dim:
+            raise CapabilityError(
+                "onnx export of Gemma 4's layers is not built: its past/present caches would differ from layer to "
+                "layer (the global layers' own head size and kv heads, no cache in the layers that read another's "
+                "K/V) where the graph and GenAI's config declare one geometry, and its per-layer inputs are a second "
+                "embedding lookup; --format hf (HF BAM) carries it")
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)
