@@ -106,13 +106,17 @@ from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols, uses_byte_tokenizer)
+from .hf.config_map import QWEN3_5_TEXT
 from .hf.mixtral_config import mixtral_problems
+from .hf.qwen3_5_moe_config import QWEN3_5_MOE
 from .hf.moe_family import bias_problem, hybrid_problems, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
-                         sliding_layers, tensor_layout, tensor_names, window_keys)
+from .gguf_table import (ARCHS, attn_scale_dim, fused_of, gguf_module, hparams, is_norm, join_heads, linear_interval,
+                         linear_keys, linear_tensor, rope_heads, rope_pairs, rope_scaling, sliding_layers, tensor_layout,
+                         tensor_names, window_keys)
 from .qwen2_moe import WithZeros, with_zero_qkv_bias
+from .qwen3_5_moe import with_zero_shared_expert
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
@@ -129,6 +133,8 @@ _SOFTCAPS = {"none": "no {} soft-capping", "always": "{} soft-capping", "optiona
 
 def candidates(cfg: ModelConfig) -> list[str]:
     """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
+    if cfg.linear_layers:  # Gated DeltaNet layers: Qwen3.5
+        return ["qwen35moe" if cfg.ffn_experts else "qwen35"]
     if cfg.ffn_experts:
         return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
     if cfg.norm_position == "sandwich":
@@ -169,6 +175,8 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
         if not ok:
             out.append((needs, has))
 
+    if row.linear_attention:
+        return qwen35_problems(cfg, arch)
     if cfg.ffn_experts:  # the experts, with the attention side and the gate normalization left to the row
         if cfg.norm_position == "sandwich":
             return [("a dense model, or a mixture of llama.cpp's llama, qwen2moe or qwen3moe (it has no Gemma mixture)",
@@ -212,6 +220,23 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
 
 
 _ACTIVATIONS = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU (tanh GELU)"}
+
+
+def qwen35_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
+    """What llama.cpp's qwen35 / qwen35moe lacks for this model: what the HF Qwen3.5 (Qwen3.5-MoE) format lacks (the
+    same trunk and experts), and Gated DeltaNet layers in llama.cpp's one pattern (full_attention_interval)."""
+    out: list[tuple[str, str]] = []
+    try:
+        if arch == "qwen35moe":
+            QWEN3_5_MOE.check(cfg)
+        else:
+            QWEN3_5_TEXT.write(cfg, "qwen3_5_text")
+    except CapabilityError as e:
+        out.append((f"what Qwen3.5{'-MoE' if arch == 'qwen35moe' else ''} computes (llama.cpp's {arch})", str(e)))
+    if linear_interval(cfg) is None:
+        out.append((f"Gated DeltaNet layers in all but every n-th layer (llama.cpp's {arch}: full_attention_interval)",
+                    f"Gated DeltaNet layers {cfg.linear_layers}"))
+    return out + rope_problems(cfg, arch)
 
 
 def gemma_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
@@ -346,10 +371,14 @@ SHEXP_GATE_EPS = 1e-20
 _SHARED_GATE = re.compile(r"layers\.\d+\.ffn_shared_gate\.weight")
 
 
-def _encoded(t: TensorPlan, reader: Reader) -> np.ndarray:
+def _encoded(t: TensorPlan, reader: Reader, arch: str) -> np.ndarray:
     if t.fixed is not None:
         return t.fixed
-    w = torch.cat([reader.get(c) for c in t.parts]) if len(t.parts) > 1 else reader.get(t.parts[0])
+    cfg = reader.config
+    parts = [linear_tensor(c, reader.get(c), cfg, to_gguf=True) for c in t.parts]
+    fused = fused_of(arch, t.parts[0]) if len(parts) > 1 else None
+    w = join_heads(parts, cfg.n_heads) if fused is not None and fused.per_head else torch.cat(parts) \
+        if len(parts) > 1 else parts[0]
     if t.heads is not None:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
@@ -615,10 +644,12 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     cfg = reader.config
     prov = _provenance(reader)
     if cfg.ffn_shared_hidden:
+        qwen35 = arch == "qwen35moe"
+        zeros = "; a zero shared expert (the mixture has none)" if qwen35 else "; q/k/v biases written as zeros"
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
-                f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
-                f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout"
-                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeros) else ''})")
+                f"gates {'renormalized over the top-k' if qwen35 else 'from the softmax over all experts'}; a shared "
+                f"expert of {cfg.ffn_shared_hidden} hidden units on every token, scaled by sigmoid(x . w); "
+                f"{'Qwen3.5-MoE' if qwen35 else 'Qwen2-MoE'}'s layout{zeros if isinstance(reader, WithZeros) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
@@ -680,8 +711,11 @@ def _write_hparams(w, cfg: ModelConfig) -> None:
     entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
     entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
     entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
+    if ARCHS[w.arch].linear_attention:
+        entries += [(key, kind, value) for key, (kind, value) in linear_keys(cfg).items()]
     for key, kind, value in entries:
-        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array}[kind]
+        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array,
+               "u32s": w.add_array}[kind]
         add(key.format(arch=w.arch), float(value) if kind == "f32" else value)
 
 
@@ -731,7 +765,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t in tensors:
-            w.write_tensor_data(_encoded(t, reader))
+            w.write_tensor_data(_encoded(t, reader, arch))
         fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
@@ -768,6 +802,8 @@ class GGUFExporter(Exporter):
         check_layout(reader)
         if arch == "qwen2moe" and not cfg.qkv_bias:  # Qwen2-MoE files carry q/k/v biases: zeros add nothing
             reader = with_zero_qkv_bias(reader)
+        if arch == "qwen35moe" and not cfg.ffn_shared_hidden:  # Qwen3.5-MoE has a shared expert: zeros add nothing
+            reader = with_zero_shared_expert(reader)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
         for note in vocab.notes:

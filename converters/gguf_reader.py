@@ -39,9 +39,9 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
-from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, gguf_module, hparams,
-                         is_norm, rope_halves, rope_heads, rope_tensor_name, scaled_rope_of, tensor_layout,
-                         tensor_names, windows_of)
+from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, fused_of, gguf_module,
+                         hparams, is_norm, linear_fields, linear_tensor, rope_halves, rope_heads, rope_tensor_name,
+                         scaled_rope_of, split_heads, tensor_layout, tensor_names, windows_of)
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -168,6 +168,11 @@ class GGUFCheckpointReader(Reader):
             scale = attn_scale_dim(arch, values["d_model"], values["n_heads"], values["n_layers"], head_dim)
             kept = recorded.get("attn_scale_dim")  # our record's spelling (an HF config's query_pre_attn_scalar)
             values["attn_scale_dim"] = kept if (kept or head_dim) == scale else scale if scale != head_dim else None
+        if self.arch.linear_attention:
+            try:
+                values.update(linear_fields(arch, fields, values["n_layers"]))
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
         if values.get("ffn_experts"):
             if self.arch.gate_norm is None:
                 raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
@@ -268,9 +273,12 @@ class GGUFCheckpointReader(Reader):
             self._maps[i] = np.memmap(self.parts[i], dtype=np.uint8, mode="r")
         tensor = read_tensor(self._maps[i], t)
         shape = self._shape[name]
-        if tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
+        fused = fused_of(self.arch.name, name)
+        if fused is not None and fused.per_head:  # qwen35's attn_q: each head's query, then its gate
+            tensor = split_heads(tensor.reshape(-1, *shape[1:]), self.config.n_heads, len(fused.parts), row // shape[0])
+        elif tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
             tensor = tensor.reshape(-1, *shape[1:])[row:row + shape[0]].clone()
-        tensor = tensor.reshape(shape)
+        tensor = linear_tensor(name, tensor.reshape(shape), self.config, to_gguf=False)
         heads = rope_heads(name, self.config, self.arch.name)
         if self._unit_offset(name):
             tensor = tensor.to(torch.float32) - 1.0

@@ -49,6 +49,8 @@ class TensorRow:
     canonical: str  # "layers.{}.attn.q": "{}" the layer
     member: str  # gguf.MODEL_TENSOR member
     suffixes: tuple[str, ...] = ("weight",)
+    archs: tuple[str, ...] = ()  # only these architectures take the row (): every one that lists the member
+    bare: bool = False  # llama.cpp's name has no suffix (qwen35's ssm_a)
 
 
 _WB = ("weight", "bias")
@@ -73,6 +75,14 @@ TENSORS = (
     *(TensorRow(f"layers.{{}}.ffn_shared.{c}", m) for c, m in (("gate", "FFN_GATE_SHEXP"), ("up", "FFN_UP_SHEXP"),
                                                                ("down", "FFN_DOWN_SHEXP"))),
     TensorRow("layers.{}.ffn_shared_gate", "FFN_GATE_INP_SHEXP"),
+    # Qwen3.5 (LINEAR section below): its norm before the FFN is llama.cpp's post_attention_norm; a Gated DeltaNet
+    # layer's tensors
+    TensorRow("layers.{}.ffn_norm", "ATTN_POST_NORM", archs=("qwen35", "qwen35moe")),
+    *(TensorRow(f"layers.{{}}.linear.{c}", m, archs=("qwen35", "qwen35moe")) for c, m in (
+        ("qkv", "ATTN_QKV"), ("z", "ATTN_GATE"), ("b", "SSM_BETA"), ("a", "SSM_ALPHA"), ("conv", "SSM_CONV1D"),
+        ("norm", "SSM_NORM"), ("out", "SSM_OUT"))),
+    TensorRow("layers.{}.linear.dt", "SSM_DT", ("bias",), archs=("qwen35", "qwen35moe")),
+    TensorRow("layers.{}.linear.a_log", "SSM_A", archs=("qwen35", "qwen35moe"), bare=True),
 )
 
 
@@ -85,23 +95,45 @@ def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
     out = {}
     for row in TENSORS:
         tensor = getattr(g.MODEL_TENSOR, row.member)
-        if tensor not in known:
+        if tensor not in known or (row.archs and arch not in row.archs):
             continue
         layers = range(n_layers) if "{}" in row.canonical else [None]
         for i in layers:
             base, canonical = g.TENSOR_NAMES[tensor].format(bid=i), row.canonical.format(i)
             for suffix in row.suffixes:
-                out[f"{canonical}.{suffix}"] = f"{base}.{suffix}"
+                out[f"{canonical}.{suffix}"] = base if row.bare else f"{base}.{suffix}"
     return out
 
 
 @dataclass(frozen=True)
 class Fused:
-    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order."""
+    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order (per_head: head
+    by head, each head's rows of every part in turn: qwen35's attn_q, each head's query then its output gate)."""
 
     parts: tuple[str, ...]  # canonical prefixes ("layers.{}.attn.q", ...)
     member: str  # gguf.MODEL_TENSOR member
     suffixes: tuple[str, ...] = ("weight", "bias")
+    per_head: bool = False
+
+
+def fused_of(arch: str, canonical: str) -> Fused | None:
+    """The fused tensor of `arch` a canonical tensor ("layers.3.attn.q.weight") is a part of, or None."""
+    prefix, parts = canonical.rsplit(".", 1)[0], canonical.split(".")
+    if parts[0] != "layers":
+        return None
+    return next((f for f in ARCHS[arch].fused if prefix in [p.format(parts[1]) for p in f.parts]), None)
+
+
+def join_heads(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """Per-head fusion: rows [heads, parts, rows per head] from parts each [heads * rows, ...]."""
+    rest = tuple(parts[0].shape[1:])
+    return torch.stack([p.reshape(heads, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
+
+
+def split_heads(fused: torch.Tensor, heads: int, n_parts: int, index: int) -> torch.Tensor:
+    """Part `index` of a per-head fusion (join_heads' inverse)."""
+    rest = tuple(fused.shape[1:])
+    return fused.reshape(heads, n_parts, -1, *rest)[:, index].reshape(-1, *rest)
 
 
 def tensor_layout(arch: str, cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], list[str]]:
@@ -161,7 +193,7 @@ def hparams() -> tuple[HParam, ...]:
         HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg, arch: bool(cfg.ffn_experts)),
         # the experts' width: qwen2moe and qwen3moe read it (qwen3moe else takes feed_forward_length / top-k)
         HParam(llm.EXPERT_FEED_FORWARD_LENGTH, "u32", "ffn_hidden",
-               lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe")),
+               lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe", "qwen35moe")),
         HParam(llm.EXPERT_SHARED_FEED_FORWARD_LENGTH, "u32", "ffn_shared_hidden",
                lambda cfg, arch: bool(cfg.ffn_shared_hidden)),
         HParam(llm.ATTN_LOGIT_SOFTCAPPING, "f32", "attn_softcap", lambda cfg, arch: cfg.attn_softcap is not None),
@@ -195,6 +227,8 @@ class GGUFArch:
     window_pattern: int = 0  # absent sliding_window_pattern: layers i with i % n < n - 1 slide
     window_rope: str = "global"  # the sliding layers' RoPE (WINDOWS): global (scaled as the others) or plain
     attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
+    partial_rotary: bool = False  # rotates the first rope.dimension_count dims of each head (else all of them)
+    linear_attention: bool = False  # Gated DeltaNet layers and gated attention (Qwen3.5: the LINEAR section)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -231,6 +265,15 @@ ARCHS = {
                        final_softcap="optional", windows="optional", window_pattern=6, window_rope="plain",
                        attn_scale_layers=62),
 }
+# Qwen3.5 (LINEAR section below): Gated DeltaNet layers every full_attention_interval - 1 of full_attention_interval,
+# gated attention (attn_q holds each head's query and gate), (1 + w) norms stored as 1 + w, partial rotary, interleaved
+# multi-section RoPE (text: every section the same position, so plain RoPE); qwen35moe adds Qwen3.5-MoE's experts
+_QWEN35 = dict(rope_pairs=False, qk_norm="head", biases=(), rope_scalings=(), unit_offset_norms=True,
+               partial_rotary=True, linear_attention=True,
+               fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.gate"), "ATTN_Q", per_head=True),))
+ARCHS["qwen35"] = GGUFArch("qwen35", gate_norm=None, hf_dense="qwen3_5_text", hf_mixture=None, **_QWEN35)
+ARCHS["qwen35moe"] = GGUFArch("qwen35moe", gate_norm="topk_softmax", hf_dense=None, hf_mixture="qwen3_5_moe_text",
+                              **_QWEN35)
 # llama.cpp's values where a gemma2 file has no key (llama-hparams.h, gemma2's loader)
 SOFTCAP_DEFAULTS = {"attn_softcap": 50.0, "final_softcap": 30.0}
 DEFAULT_WINDOW = {"gemma2": 4096}
@@ -496,5 +539,93 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
 
 
 def is_norm(canonical: str) -> bool:
-    """An RMSNorm weight (of the final norm, a block's norms, a QK-norm)."""
-    return canonical.endswith("norm.weight")
+    """An RMSNorm weight (of the final norm, a block's norms, a QK-norm); not a Gated DeltaNet's gated norm, which
+    scales by w in every Qwen3.5."""
+    return canonical.endswith("norm.weight") and ".linear." not in canonical
+
+
+# ---- LINEAR: Qwen3.5's Gated DeltaNet layers (qwen35, qwen35moe) -----------------------------------------------
+# Keys, as llama.cpp's converter writes them: ssm.conv_kernel (the convolution's width), ssm.state_size (the key head
+# size), ssm.group_count (key heads), ssm.time_step_rank (value heads), ssm.inner_size (value heads x value head
+# size), full_attention_interval n (layers i with (i + 1) % n != 0 are Gated DeltaNet layers: the only pattern
+# llama.cpp builds), rope.dimension_sections [11, 11, 10, 0] (every section rotates by the token's position in text).
+# Tensors, each a transform of the canonical one, exactly invertible but for ssm_a:
+#   ssm_a = -exp(a_log) (the reader takes log(-ssm_a), to float32 rounding);
+#   value heads reordered from grouped by key head (head k * r + m, r value heads per key head: the canonical
+#   order, transformers') to tiled (m * Hk + k), in the rows of attn_qkv's values, attn_gate, ssm_beta,
+#   ssm_alpha, ssm_dt, ssm_a and ssm_conv1d's value channels, and the columns of ssm_out.
+MROPE_SECTIONS = [11, 11, 10, 0]
+
+
+def linear_interval(cfg: ModelConfig) -> int | None:
+    """The full_attention_interval n whose layers (i + 1) % n != 0 are cfg's Gated DeltaNet layers, or None."""
+    linear = cfg.linear_layers or []
+    for n in range(2, cfg.n_layers + 1):
+        if linear == [i for i in range(cfg.n_layers) if (i + 1) % n]:
+            return n
+    return None
+
+
+def linear_keys(cfg: ModelConfig) -> dict[str, tuple[str, Any]]:
+    g = gguf_module()
+    ssm, llm, rope = g.Keys.SSM, g.Keys.LLM, g.Keys.Rope
+    return {ssm.CONV_KERNEL: ("u32", cfg.linear_conv), ssm.STATE_SIZE: ("u32", cfg.linear_key_dim),
+            ssm.GROUP_COUNT: ("u32", cfg.linear_key_heads), ssm.TIME_STEP_RANK: ("u32", cfg.linear_value_heads),
+            ssm.INNER_SIZE: ("u32", cfg.linear_value_heads * cfg.linear_value_dim),
+            llm.FULL_ATTENTION_INTERVAL: ("u32", linear_interval(cfg) or 0),
+            rope.DIMENSION_SECTIONS: ("u32s", MROPE_SECTIONS)}
+
+
+def linear_fields(arch: str, fields: dict, n_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a qwen35 / qwen35moe file's Gated DeltaNet layers (ValueError, one line, for keys
+    that give none)."""
+    g = gguf_module()
+    ssm, llm = g.Keys.SSM, g.Keys.LLM
+    keys = {k: fields.get(k.format(arch=arch)) for k in (ssm.CONV_KERNEL, ssm.STATE_SIZE, ssm.GROUP_COUNT,
+                                                          ssm.TIME_STEP_RANK, ssm.INNER_SIZE)}
+    interval = fields.get(llm.FULL_ATTENTION_INTERVAL.format(arch=arch), 4)  # llama.cpp's default
+    for key, value in [*keys.items(), (llm.FULL_ATTENTION_INTERVAL, interval)]:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{key.format(arch=arch)} is {printable_kind(str(value))}, not a positive integer")
+    heads = keys[ssm.TIME_STEP_RANK]
+    if keys[ssm.INNER_SIZE] % heads:
+        raise ValueError(f"{ssm.INNER_SIZE.format(arch=arch)} {keys[ssm.INNER_SIZE]} is not a multiple of the "
+                         f"{heads} value heads")
+    return dict(linear_layers=[i for i in range(n_layers) if (i + 1) % interval] or None,
+                linear_conv=keys[ssm.CONV_KERNEL], linear_key_dim=keys[ssm.STATE_SIZE],
+                linear_key_heads=keys[ssm.GROUP_COUNT], linear_value_heads=heads,
+                linear_value_dim=keys[ssm.INNER_SIZE] // heads, attn_output_gate=True)
+
+
+def _v_heads(t: torch.Tensor, dim: int, cfg: ModelConfig, size: int, tiled: bool) -> torch.Tensor:
+    """Value heads along `dim` (each `size` wide) from grouped to tiled order, or back."""
+    Hk, r = cfg.linear_key_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    if r == 1:
+        return t
+    shape = list(t.shape)
+    groups = [Hk, r] if tiled else [r, Hk]
+    t = t.reshape(*shape[:dim], *groups, size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+_LINEAR_PART = {"qkv.weight": (0, "v"), "conv.weight": (0, "v"), "z.weight": (0, "dv"), "b.weight": (0, 1),
+                "a.weight": (0, 1), "dt.bias": (0, 1), "a_log.weight": (0, 1), "out.weight": (1, "dv")}
+
+
+def linear_tensor(canonical: str, t: torch.Tensor, cfg: ModelConfig, to_gguf: bool) -> torch.Tensor:
+    """A Gated DeltaNet tensor as llama.cpp holds it (to_gguf) or back (the LINEAR section); others unchanged."""
+    if ".linear." not in canonical:
+        return t
+    kind = canonical.split(".linear.", 1)[1]
+    if kind == "a_log.weight" and not to_gguf:
+        t = torch.log(-t.to(torch.float32))
+    if kind in _LINEAR_PART:
+        dim, size = _LINEAR_PART[kind]
+        if size == "v":  # the value channels after q and k
+            qk = 2 * cfg.linear_key_heads * cfg.linear_key_dim
+            t = torch.cat((t[:qk], _v_heads(t[qk:], 0, cfg, cfg.linear_value_dim, to_gguf)))
+        else:
+            t = _v_heads(t, dim, cfg, cfg.linear_value_dim if size == "dv" else size, to_gguf)
+    if kind == "a_log.weight" and to_gguf:
+        t = -torch.exp(t.to(torch.float32))
+    return t

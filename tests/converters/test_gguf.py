@@ -88,6 +88,14 @@ GEMMA = dict(norm_position="sandwich", norm_unit_offset=True, scale_embeddings=T
 GEGLU_TOL = 5e-2
 
 
+# Qwen3.5 (conftest FAMILY_CASES "qwen3.5" as the HF reader maps it): Gated DeltaNet layers 0-2 (full_attention_interval
+# 4), two value heads per key head (llama.cpp's tiled order: gguf_table's LINEAR section), gated attention with a
+# quarter of each head rotated, (1 + w) norms; qwen35moe: a BTX of it with the seed's FFN as the shared expert
+QWEN35 = dict(n_layers=4, head_dim=32, rotary_fraction=0.25, rope_theta=1e7, qk_norm="head", norm_unit_offset=True,
+              attn_output_gate=True, linear_layers=[0, 1, 2], linear_key_heads=2, linear_value_heads=4,
+              linear_key_dim=16, linear_value_dim=16, linear_conv=4, max_positions=256)
+
+
 def family_config(family: str) -> ModelConfig:
     """A tiny model of each family llama.cpp has (FAMILIES), its features as the converters read them from the
     real configs (tests/conftest.py FAMILY_CASES), RoPE's original length short enough to pass it in a test."""
@@ -107,6 +115,8 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "smollm3": (dict(n_layers=4, nope_layers=[3], rope_theta=5e6), "smollm3"),
     "qwen3moe": (dict(qk_norm="head", head_dim=32, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
                  "qwen3moe"),
+    "qwen35": (QWEN35, "qwen35"),
+    "qwen35moe": (dict(QWEN35, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax", ffn_shared_hidden=96), "qwen35moe"),
     # Gemma (conftest FAMILY_CASES "gemma2" / "gemma3" as the HF reader maps them), windows of 5 tokens: gemma2's
     # layers 0 and 2 slide (llama.cpp's default pattern, no key), gemma3's too (not its default: the pattern array)
     "gemma2": (dict(GEMMA, n_layers=3, attn_softcap=5.0, final_softcap=3.0, attn_window=5, attn_window_layers=[0, 2]),
@@ -193,9 +203,19 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
     def norm(name: str) -> np.ndarray:  # a (1 + w) norm is stored as 1 + w, which llama.cpp multiplies by
         return (state[name] + 1.0 if cfg.norm_unit_offset else state[name]).numpy()
 
-    if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2)
-        assert list(t["blk.1.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
-        assert np.array_equal(data("blk.1.attn_k_norm.weight"), norm("layers.1.attn.k_norm.weight"))
+    if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2); qwen35's attention: layer 3
+        a = 3 if cfg.linear_layers else 1
+        assert list(t[f"blk.{a}.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
+        assert np.array_equal(data(f"blk.{a}.attn_k_norm.weight"), norm(f"layers.{a}.attn.k_norm.weight"))
+    if cfg.linear_layers:  # gguf_table's LINEAR section: ssm_a = -exp(a_log), value heads tiled, the gate per head
+        assert f[f"{arch}.full_attention_interval"] == 4 and f[f"{arch}.ssm.time_step_rank"] == 4
+        assert f[f"{arch}.rope.dimension_count"] == 8 and f[f"{arch}.rope.dimension_sections"] == [11, 11, 10, 0]
+        a_log = state["layers.0.linear.a_log.weight"]
+        assert np.allclose(data("blk.0.ssm_a"), -torch.exp(a_log[[0, 2, 1, 3]]).numpy())
+        assert np.array_equal(data("blk.0.ssm_norm.weight"), state["layers.0.linear.norm.weight"].numpy())  # as w
+        q, gate = state["layers.3.attn.q.weight"], state["layers.3.attn.gate.weight"]
+        assert np.array_equal(data("blk.3.attn_q.weight")[32:64], gate[:32].numpy())  # head 0's gate after its query
+        assert np.array_equal(data("blk.3.attn_q.weight")[64:96], q[32:64].numpy())
     if cfg.norm_position == "sandwich":
         for ours, theirs in (("attn_norm", "attn_norm"), ("attn_post_norm", "post_attention_norm"),
                              ("ffn_norm", "ffn_norm"), ("ffn_post_norm", "post_ffw_norm")):
@@ -849,13 +869,17 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
     transformers) when the sequence does: equal within a context of 256, and past it on a prompt longer than 256;
     a short prompt in the long context differs, and equals the runtime with the long factors in place of the short."""
     cfg = family_config(family)
-    ckpt = save_checkpoint(random_state(cfg, 7), cfg, tmp_path / "m.safetensors")
+    state = random_state(cfg, 7)
+    if cfg.linear_layers:  # a trained Qwen3.5's (1 + w) scales sit near 1, not near 2 as random_state's 1 + N(1, 0.1)
+        state = {n: v - 1.0 if n.endswith("norm.weight") and ".linear." not in n else v for n, v in state.items()}
+    ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model = load_model(ckpt)
     if family != "phi3":
         tol = GEGLU_TOL if cfg.activation == "geglu_tanh" else F32_TOL  # llama.cpp's f16 GELU table (GEGLU_TOL)
-        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, 60), tol)
-        print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over 60 positions")
+        n = 80 if cfg.linear_layers else 60  # Qwen3.5: past the delta rule's chunk of 64 tokens
+        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, n), tol)
+        print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over {n} positions")
         return
     short_ctx = llama(llama_cpp, tmp_path / "m.gguf", n_ctx=256)
     diff_short = check_against_runtime(short_ctx, model, random_prompt(cfg, 40), F32_TOL)
