@@ -106,13 +106,14 @@ from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols, uses_byte_tokenizer)
-from .hf.config_map import QWEN3_5_TEXT
+from .hf.config_map import GEMMA4_TEXT, QWEN3_5_TEXT
 from .hf.mixtral_config import mixtral_problems
 from .hf.qwen3_5_moe_config import QWEN3_5_MOE
 from .hf.moe_family import bias_problem, hybrid_problems, raise_problems
 from .hf.qwen2_moe_config import qwen2_moe_problems
 from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import (ARCHS, attn_scale_dim, fused_of, gguf_module, hparams, is_norm, join_heads, linear_interval,
+from .gguf_table import (ARCHS, attn_scale_dim, fused_of, gemma4_keys, gguf_module, hparams, is_norm, join_heads,
+                         linear_interval,
                          linear_keys, linear_tensor, rope_heads, rope_pairs, rope_scaling, sliding_layers, tensor_layout,
                          tensor_names, window_keys)
 from .qwen2_moe import WithZeros, with_zero_qkv_bias
@@ -135,6 +136,8 @@ def candidates(cfg: ModelConfig) -> list[str]:
     """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
     if cfg.linear_layers:  # Gated DeltaNet layers: Qwen3.5
         return ["qwen35moe" if cfg.ffn_experts else "qwen35"]
+    if cfg.v_norm:  # Gemma 4
+        return ["gemma4"]
     if cfg.ffn_experts:
         return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
     if cfg.norm_position == "sandwich":
@@ -177,6 +180,8 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
 
     if row.linear_attention:
         return qwen35_problems(cfg, arch)
+    if row.gemma4:
+        return gemma4_problems(cfg)
     if cfg.ffn_experts:  # the experts, with the attention side and the gate normalization left to the row
         if cfg.norm_position == "sandwich":
             return [("a dense model, or a mixture of llama.cpp's llama, qwen2moe or qwen3moe (it has no Gemma mixture)",
@@ -220,6 +225,23 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
 
 
 _ACTIVATIONS = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU (tanh GELU)"}
+
+
+def gemma4_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """What llama.cpp's gemma4 lacks for this model: what the HF Gemma 4 format lacks (the same model: no mixture),
+    a scale-free proportional RoPE, tied embeddings."""
+    out: list[tuple[str, str]] = []
+    try:
+        GEMMA4_TEXT.write(cfg, "gemma4_text")
+    except CapabilityError as e:
+        out.append(("what Gemma 4 computes (llama.cpp's gemma4)", str(e)))
+    s = cfg.scaled_rope or {}
+    if s.get("rope_type") != "proportional" or s.get("factor", 1.0) != 1.0:
+        out.append(("proportional RoPE without a factor in the global layers (llama.cpp's gemma4)",
+                    f"scaled_rope {cfg.scaled_rope}"))
+    if not cfg.tie_embeddings:
+        out.append(("tied embeddings (llama.cpp's gemma4)", "an lm_head of its own"))
+    return out
 
 
 def qwen35_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
@@ -708,12 +730,14 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 def _write_hparams(w, cfg: ModelConfig) -> None:
     """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
     the RoPE scaling's (gguf_table.rope_scaling) and the sliding windows' (gguf_table.window_keys)."""
-    entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
-    entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
-    entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
+    entries = {h.key: (h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)}
+    entries.update(rope_scaling(cfg)[0])
+    entries.update(window_keys(cfg, w.arch))
     if ARCHS[w.arch].linear_attention:
-        entries += [(key, kind, value) for key, (kind, value) in linear_keys(cfg).items()]
-    for key, kind, value in entries:
+        entries.update(linear_keys(cfg))
+    if ARCHS[w.arch].gemma4:  # its own values of some keys (per-layer arrays, the global head size)
+        entries.update(gemma4_keys(cfg))
+    for key, (kind, value) in entries.items():
         add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array,
                "u32s": w.add_array}[kind]
         add(key.format(arch=w.arch), float(value) if kind == "f32" else value)

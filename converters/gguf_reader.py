@@ -39,7 +39,8 @@ from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
-from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, fused_of, gguf_module,
+from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, fused_of, gemma4_fields,
+                         gguf_module,
                          hparams, is_norm, linear_fields, linear_tensor, rope_halves, rope_heads, rope_tensor_name,
                          scaled_rope_of, split_heads, tensor_layout, tensor_names, windows_of)
 from .gguf_tokenizer import rebuild_tokenizer
@@ -128,9 +129,15 @@ class GGUFCheckpointReader(Reader):
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
         values: dict = {}
+        own, consumed = {}, set()
+        if self.arch.gemma4:  # its per-layer arrays and the global layers' head size (gguf_table's GEMMA4 section)
+            try:
+                own, consumed = gemma4_fields(arch, fields, set(found))
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
         for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
             key = h.key.format(arch=arch)
-            if key not in fields:
+            if key not in fields or key in consumed:
                 continue
             value = fields[key]
             numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -138,6 +145,7 @@ class GGUFCheckpointReader(Reader):
                 raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
                                       f"{'an integer' if h.kind == 'u32' else 'a number'}")
             values[h.field] = value
+        values.update(own)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -160,7 +168,8 @@ class GGUFCheckpointReader(Reader):
             tied = recorded.get("tie_embeddings") is True
         values.update(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
                       o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied,
-                      name=arch, rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0,
+                      name=arch, rotary_fraction=own.get("rotary_fraction",
+                                                         (rotary / head_dim) if rotary is not None and head_dim else 1.0),
                       qk_norm=self.arch.qk_norm, norm_position=self.arch.norm_position,
                       nope_layers=self.arch.nope_layers(values["n_layers"]), activation=self.arch.activation,
                       scale_embeddings=self.arch.scale_embeddings, norm_unit_offset=self.arch.unit_offset_norms)

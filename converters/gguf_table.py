@@ -83,6 +83,14 @@ TENSORS = (
         ("norm", "SSM_NORM"), ("out", "SSM_OUT"))),
     TensorRow("layers.{}.linear.dt", "SSM_DT", ("bias",), archs=("qwen35", "qwen35moe")),
     TensorRow("layers.{}.linear.a_log", "SSM_A", archs=("qwen35", "qwen35moe"), bare=True),
+    # Gemma 4 (GEMMA4 section below): each block's output scale, the per-layer inputs
+    TensorRow("layers.{}.layer_scale", "LAYER_OUT_SCALE"),
+    TensorRow("ple_embed", "PER_LAYER_TOKEN_EMBD"),
+    TensorRow("ple_proj", "PER_LAYER_MODEL_PROJ"),
+    TensorRow("ple_proj_norm", "PER_LAYER_PROJ_NORM"),
+    TensorRow("layers.{}.ple.gate", "PER_LAYER_INP_GATE"),
+    TensorRow("layers.{}.ple.out", "PER_LAYER_PROJ"),
+    TensorRow("layers.{}.ple_norm", "PER_LAYER_POST_NORM"),
 )
 
 
@@ -229,6 +237,7 @@ class GGUFArch:
     attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
     partial_rotary: bool = False  # rotates the first rope.dimension_count dims of each head (else all of them)
     linear_attention: bool = False  # Gated DeltaNet layers and gated attention (Qwen3.5: the LINEAR section)
+    gemma4: bool = False  # Gemma 4's layers (the GEMMA4 section)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -274,6 +283,12 @@ _QWEN35 = dict(rope_pairs=False, qk_norm="head", biases=(), rope_scalings=(), un
 ARCHS["qwen35"] = GGUFArch("qwen35", gate_norm=None, hf_dense="qwen3_5_text", hf_mixture=None, **_QWEN35)
 ARCHS["qwen35moe"] = GGUFArch("qwen35moe", gate_norm="topk_softmax", hf_dense=None, hf_mixture="qwen3_5_moe_text",
                               **_QWEN35)
+# Gemma 4 (GEMMA4 section below): Gemma 3's sandwich norms, GeGLU, scaled embeddings and plain-RoPE sliding layers,
+# with norms scaling by w, and its own layers
+ARCHS["gemma4"] = GGUFArch("gemma4", rope_pairs=False, gate_norm=None, hf_dense="gemma4_text", hf_mixture=None,
+                           qk_norm="head", norm_position="sandwich", biases=(), rope_scalings=("proportional",),
+                           activation="geglu_tanh", scale_embeddings=True, tied_only=True, final_softcap="optional",
+                           windows="optional", window_pattern=0, window_rope="plain", gemma4=True)
 # llama.cpp's values where a gemma2 file has no key (llama-hparams.h, gemma2's loader)
 SOFTCAP_DEFAULTS = {"attn_softcap": 50.0, "final_softcap": 30.0}
 DEFAULT_WINDOW = {"gemma2": 4096}
@@ -312,7 +327,9 @@ def rope_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 #   longrope  type longrope, original_context_length, attn_factor = attention_factor, rope_factors_long / _short
 #             (llama.cpp picks the long factors by context size, the runtime and transformers by sequence length)
 #   dynamic   none: llama.cpp has no dynamic NTK scaling
-ROPE_TENSORS = {"llama3": ("ROPE_FREQS",), "longrope": ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT")}
+ROPE_TENSORS = {"llama3": ("ROPE_FREQS",), "longrope": ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT"),
+                "proportional": ("ROPE_FREQS",)}
+UNROTATED = 1e30  # gemma4's frequency factor of a pair proportional RoPE does not rotate (llama.cpp's converter's)
 LLAMA3_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # Llama 3.x
 
 
@@ -359,6 +376,11 @@ def rope_scaling(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Any]], dict[str
         return {rope.SCALING_TYPE: ("str", "linear"), rope.SCALING_FACTOR: ("f32", float(s["factor"]))}, {}
     if kind == "llama3":
         return {}, {rope_tensor_name("ROPE_FREQS"): llama3_factors(cfg.rope_theta, cfg.rotary_dim, s)}
+    if kind == "proportional":  # Gemma 4's global layers: the unrotated pairs' frequencies divided by 1e30
+        half = cfg.global_rotary_dim // 2
+        rotated = int(s.get("partial_rotary_factor", 1.0) * cfg.global_rotary_dim // 2)
+        return {}, {rope_tensor_name("ROPE_FREQS"): np.array([1.0] * rotated + [UNROTATED] * (half - rotated),
+                                                             dtype=np.float32)}
     original = s["original_max_position_embeddings"]
     _, scale = rope_frequencies(cfg, torch.device("cpu"), torch.tensor(0))
     if kind == "yarn":
@@ -381,6 +403,8 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
     ROPE_TENSORS present), `base` the config without scaling. `recorded` (our export's bam_surgery.config) is taken
     when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map."""
     rope = gguf_module().Keys.Rope
+    if ARCHS[arch].gemma4:
+        return proportional_of(tensors.get(rope_tensor_name("ROPE_FREQS"))), None
     keys = {k: fields[k.format(arch=arch)] for k in (rope.SCALING_TYPE, rope.SCALING_FACTOR, rope.SCALING_ATTN_FACTOR,
                                                     rope.SCALING_ORIG_CTX_LEN) if k.format(arch=arch) in fields}
     if recorded is not None:
@@ -629,3 +653,76 @@ def linear_tensor(canonical: str, t: torch.Tensor, cfg: ModelConfig, to_gguf: bo
     if kind == "a_log.weight" and to_gguf:
         t = -torch.exp(t.to(torch.float32))
     return t
+
+
+
+# ---- GEMMA4: Gemma 4's layers (gemma4) -------------------------------------------------------------------------
+# Keys, as llama.cpp's converter writes them: attention.key_length / value_length the global layers' head size,
+# key_length_swa / value_length_swa the window layers'; rope.dimension_count the global head size (proportional RoPE:
+# the rope_freqs tensor, 1 for the rotated pairs, UNROTATED for the others) and dimension_count_swa the window
+# layers' rotated dims; attention.head_count_kv one per layer where the global layers' kv heads differ;
+# feed_forward_length one per layer where the K/V-sharing layers' MLP is double-wide; attention.shared_kv_layers;
+# embedding_length_per_layer_input. The attention scale (1), the value norm, the block scale and K = V (a global
+# layer without attn_v) are llama.cpp's gemma4 graph's own.
+def gemma4_keys(cfg: ModelConfig) -> dict[str, tuple[str, Any]]:
+    g = gguf_module()
+    llm, att, rope = g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
+    full = cfg.global_head_dim or cfg.head_dim
+    kv = [cfg.layer_kv_heads(i) for i in range(cfg.n_layers)]
+    ffn = [cfg.layer_ffn_hidden(i) for i in range(cfg.n_layers)]
+    return {att.KEY_LENGTH: ("u32", full), att.VALUE_LENGTH: ("u32", full),
+            att.KEY_LENGTH_SWA: ("u32", cfg.head_dim), att.VALUE_LENGTH_SWA: ("u32", cfg.head_dim),
+            rope.DIMENSION_COUNT: ("u32", cfg.global_rotary_dim), rope.DIMENSION_COUNT_SWA: ("u32", cfg.rotary_dim),
+            att.HEAD_COUNT_KV: ("u32s", kv) if len(set(kv)) > 1 else ("u32", kv[0]),
+            llm.FEED_FORWARD_LENGTH: ("u32s", ffn) if len(set(ffn)) > 1 else ("u32", ffn[0]),
+            att.SHARED_KV_LAYERS: ("u32", cfg.kv_shared_layers),
+            llm.EMBD_LENGTH_PER_LAYER_INP: ("u32", cfg.per_layer_dim)}
+
+
+def gemma4_fields(arch: str, fields: dict, has: set[str]) -> tuple[dict[str, Any], set[str]]:
+    """(ModelConfig fields of a gemma4 file's layers, the keys they come from: the generic reading skips them), from
+    its keys and tensor names `has`. ValueError (one line) for keys that give none."""
+    g = gguf_module()
+    llm, att, rope = g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
+
+    def key(template: str, default: Any = None, array: bool = False) -> Any:
+        value = fields.get(template.format(arch=arch), default)
+        ok = (isinstance(value, list) and value and all(isinstance(v, int) and v > 0 for v in value)) if array and \
+            isinstance(value, list) else isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if not ok:
+            raise ValueError(f"{template.format(arch=arch)} is {printable_kind(str(value))}, not a size")
+        return value
+
+    n_layers = key(llm.BLOCK_COUNT)
+    full, swa = key(att.KEY_LENGTH), key(att.KEY_LENGTH_SWA)
+    kv, ffn = key(att.HEAD_COUNT_KV, array=True), key(llm.FEED_FORWARD_LENGTH, array=True)
+    kv, ffn = (v if isinstance(v, list) else [v] * n_layers for v in (kv, ffn))
+    if len(kv) != n_layers or len(ffn) != n_layers:
+        raise ValueError(f"{att.HEAD_COUNT_KV.format(arch=arch)} / {llm.FEED_FORWARD_LENGTH.format(arch=arch)} have "
+                         f"{len(kv)} / {len(ffn)} entries for {n_layers} layers")
+    shared = key(att.SHARED_KV_LAYERS, 0)
+    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch))
+    window = [bool(p) for p in pattern] if isinstance(pattern, list) and len(pattern) == n_layers else \
+        [False] * n_layers
+    swa_kv = next((k for k, w in zip(kv, window) if w), kv[0])
+    full_kv = next((k for k, w in zip(kv, window) if not w), kv[0])
+    owners = [i for i in range(n_layers - shared) if not window[i]]
+    k_eq_v = bool(owners) and all(f"blk.{i}.attn_v.weight" not in has for i in owners)
+    out = dict(head_dim=swa, global_head_dim=full if full != swa else None, n_kv_heads=swa_kv,
+               global_kv_heads=full_kv if full_kv != swa_kv else None, global_k_eq_v=k_eq_v, ffn_hidden=ffn[0],
+               kv_shared_layers=shared, kv_shared_ffn_hidden=ffn[-1] if ffn[-1] != ffn[0] else None,
+               per_layer_dim=key(llm.EMBD_LENGTH_PER_LAYER_INP, 0), attn_scale_dim=1, v_norm=True, layer_scale=True,
+               rotary_fraction=key(rope.DIMENSION_COUNT_SWA, swa) / swa if swa else 1.0)
+    consumed = {k.format(arch=arch) for k in (att.KEY_LENGTH, att.VALUE_LENGTH, att.HEAD_COUNT_KV,
+                                               llm.FEED_FORWARD_LENGTH, rope.DIMENSION_COUNT)}
+    return out, consumed
+
+
+def proportional_of(freqs: np.ndarray | None) -> dict | None:
+    """Gemma 4's proportional RoPE from its rope_freqs (1: rotated, UNROTATED: not), or None without the tensor."""
+    if freqs is None:
+        return None
+    rotated = int((freqs == 1.0).sum())
+    if not np.all(freqs[:rotated] == 1.0) or not np.all(freqs[rotated:] >= UNROTATED / 10):
+        raise ValueError("rope_freqs is not Gemma 4's proportional RoPE (ones, then factors of 1e30)")
+    return {"rope_type": "proportional", "partial_rotary_factor": rotated / len(freqs)}

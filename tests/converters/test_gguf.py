@@ -116,6 +116,14 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "qwen3moe": (dict(qk_norm="head", head_dim=32, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
                  "qwen3moe"),
     "qwen35": (QWEN35, "qwen35"),
+    # Gemma 4 (conftest FAMILY_CASES "gemma4"): windows of 5 in layers 0, 2, 4; global layers of head size 64, one kv
+    # head and K = V, proportional RoPE over a quarter; layers 4 and 5 read layers 2 and 3's K/V, their MLPs
+    # double-wide; per-layer inputs of 16; a final soft-cap
+    "gemma4": (dict(GEMMA, norm_unit_offset=False, n_layers=6, qk_norm="head", head_dim=32, attn_scale_dim=1,
+                    attn_window=5, attn_window_layers=[0, 2, 4], window_rope_theta=10000.0, rope_theta=1e6,
+                    max_positions=256, scaled_rope=dict(rope_type="proportional", partial_rotary_factor=0.25),
+                    global_head_dim=64, global_kv_heads=1, global_k_eq_v=True, v_norm=True, kv_shared_layers=2,
+                    kv_shared_ffn_hidden=256, per_layer_dim=16, layer_scale=True, final_softcap=30.0), "gemma4"),
     "qwen35moe": (dict(QWEN35, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax", ffn_shared_hidden=96), "qwen35moe"),
     # Gemma (conftest FAMILY_CASES "gemma2" / "gemma3" as the HF reader maps them), windows of 5 tokens: gemma2's
     # layers 0 and 2 slide (llama.cpp's default pattern, no key), gemma3's too (not its default: the pattern array)
@@ -125,6 +133,18 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
                     attn_window_layers=[0, 2], window_rope_theta=10000.0, rope_theta=1e6, max_positions=256,
                     scaled_rope=dict(rope_type="linear", factor=8.0)), "gemma3"),
 }
+
+
+def family_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """random_state, as a trained model of the family holds it: Qwen3.5's (1 + w) scales near 1 (random_state's
+    1 + N(1, 0.1) would double every norm), Gemma 4's QK-norm weights near 1/2 (its attention logits are not scaled
+    by 1/sqrt(head_dim): with weights near 1 every softmax is one-hot and float32 rounding decides it)."""
+    state = random_state(cfg, seed)
+    if cfg.linear_layers:
+        state = {n: v - 1.0 if n.endswith("norm.weight") and ".linear." not in n else v for n, v in state.items()}
+    if cfg.v_norm:
+        state = {n: v * 0.5 if n.endswith(("q_norm.weight", "k_norm.weight")) else v for n, v in state.items()}
+    return state
 
 
 def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
@@ -205,7 +225,8 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
 
     if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2); qwen35's attention: layer 3
         a = 3 if cfg.linear_layers else 1
-        assert list(t[f"blk.{a}.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
+        assert list(t[f"blk.{a}.attn_q_norm.weight"].shape) == [cfg.layer_head_dim(a) if cfg.qk_norm == "head"
+                                                                else cfg.q_dim]
         assert np.array_equal(data(f"blk.{a}.attn_k_norm.weight"), norm(f"layers.{a}.attn.k_norm.weight"))
     if cfg.linear_layers:  # gguf_table's LINEAR section: ssm_a = -exp(a_log), value heads tiled, the gate per head
         assert f[f"{arch}.full_attention_interval"] == 4 and f[f"{arch}.ssm.time_step_rank"] == 4
@@ -223,9 +244,19 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
         assert np.array_equal(data("output_norm.weight"), norm("final_norm.weight"))
         assert f[f"{arch}.attention.sliding_window"] == 5 and f[f"{arch}.rope.freq_base_swa"] == 10000.0
         # layers 0 and 2 slide: gemma2's default (every other layer, no key), not gemma3's (five of six)
-        assert f.get(f"{arch}.attention.sliding_window_pattern") == (None if arch == "gemma2" else [True, False, True])
+        assert f.get(f"{arch}.attention.sliding_window_pattern") == (
+            None if arch == "gemma2" else [True, False] * 3 if arch == "gemma4" else [True, False, True])
         assert (f.get(f"{arch}.attn_logit_softcapping"), f.get(f"{arch}.final_logit_softcapping")) == (
-            (5.0, 3.0) if arch == "gemma2" else (None, None))
+            (5.0, 3.0) if arch == "gemma2" else (None, 30.0) if arch == "gemma4" else (None, None))
+    if arch == "gemma4":  # gguf_table's GEMMA4 section: the global layers' geometry, per-layer arrays, rope_freqs
+        assert (f["gemma4.attention.key_length"], f["gemma4.attention.key_length_swa"]) == (64, 32)
+        assert f["gemma4.attention.head_count_kv"] == [2, 1] * 3 and f["gemma4.attention.shared_kv_layers"] == 2
+        assert f["gemma4.feed_forward_length"] == [128] * 4 + [256] * 2
+        assert (f["gemma4.rope.dimension_count"], f["gemma4.rope.dimension_count_swa"]) == (64, 32)
+        assert np.array_equal(data("rope_freqs.weight"), np.float32([1.0] * 8 + [1e30] * 24))
+        assert "blk.1.attn_v.weight" not in t and "blk.4.attn_k.weight" not in t  # K = V; K/V of layer 2
+        assert np.array_equal(data("blk.3.layer_output_scale.weight"), state["layers.3.layer_scale.weight"].numpy())
+        assert np.array_equal(data("per_layer_token_embd.weight"), state["ple_embed.weight"].numpy())
     if cfg.norm_position == "post":
         assert np.array_equal(data("blk.1.post_attention_norm.weight"), state["layers.1.attn_post_norm.weight"].numpy())
         assert np.array_equal(data("blk.1.post_ffw_norm.weight"), state["layers.1.ffn_post_norm.weight"].numpy())
@@ -252,7 +283,7 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
         assert f[f"{arch}.rope.scaling.factor"] == 4.0 and f[f"{arch}.rope.scaling.original_context_length"] == 32
         scale = cfg.scaled_rope.get("attention_factor", 0.1 * math.log(4) + 1)
         assert math.isclose(f[f"{arch}.rope.scaling.attn_factor"], scale / (0.1 * math.log(4) + 1), rel_tol=1e-6)
-    assert ("rope_freqs.weight" in t) == (kind == "llama3")
+    assert ("rope_freqs.weight" in t) == (kind in ("llama3", "proportional"))  # Gemma 4's: its GEMMA4 section
     assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg
 
 
@@ -869,10 +900,7 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
     transformers) when the sequence does: equal within a context of 256, and past it on a prompt longer than 256;
     a short prompt in the long context differs, and equals the runtime with the long factors in place of the short."""
     cfg = family_config(family)
-    state = random_state(cfg, 7)
-    if cfg.linear_layers:  # a trained Qwen3.5's (1 + w) scales sit near 1, not near 2 as random_state's 1 + N(1, 0.1)
-        state = {n: v - 1.0 if n.endswith("norm.weight") and ".linear." not in n else v for n, v in state.items()}
-    ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
+    ckpt = save_checkpoint(family_state(cfg, 7), cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model = load_model(ckpt)
     if family != "phi3":
@@ -898,15 +926,18 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4"])
 def test_llama_cpp_gemma_exact_but_the_gelu_table(llama_cpp, tmp_path, family, one_thread):
-    """Gemma without its FFNs' output (ffn.down zeroed, so llama.cpp's f16 GELU table adds nothing): everything else
-    (sliding windows and their pattern, the sliding layers' RoPE base beside gemma3's scaled global RoPE, soft-caps,
-    (1 + w) sandwich norms, scaled embeddings, the attention scale, QK-norm) within F32_TOL of the runtime on 60 tokens,
-    12 times the window, prefilled at once and decoded a token at a time from the cache; the windows matter there
-    (the runtime without them is far off)."""
+    """Gemma without its FFNs' output (ffn.down zeroed, and Gemma 4's per-layer inputs' output projection, so
+    llama.cpp's f16 GELU table adds nothing): everything else (sliding windows and their pattern, the sliding layers'
+    RoPE base beside gemma3's scaled global RoPE, soft-caps, (1 + w) sandwich norms, scaled embeddings, the attention
+    scale, QK-norm; Gemma 4's global layers of their own geometry with K = V and proportional RoPE, the layers reading
+    earlier layers' K/V, the value norm, the block scale) within F32_TOL of the runtime on 60 tokens, 12 times the
+    window, prefilled at once and decoded a token at a time from the cache; the windows matter there (the runtime
+    without them is far off)."""
     cfg = family_config(family)
-    state = {k: torch.zeros_like(v) if ".ffn.down." in k else v for k, v in random_state(cfg, 7).items()}
+    state = {k: torch.zeros_like(v) if ".ffn.down." in k or ".ple.out." in k else v
+             for k, v in family_state(cfg, 7).items()}
     ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model, prompt = load_model(ckpt), random_prompt(cfg, 60)
@@ -919,7 +950,8 @@ def test_llama_cpp_gemma_exact_but_the_gelu_table(llama_cpp, tmp_path, family, o
         llm.eval([token])
     decoded = float(np.abs(np.array(llm.scores[:60], dtype=np.float64) - want).max())
     assert decoded <= F32_TOL, decoded
-    unwindowed = Model(cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None))
+    unwindowed = Model(cfg.replace(attn_window=10**6) if cfg.global_head_dim else  # Gemma 4: its window layers stay
+                       cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None))
     unwindowed.load_state_dict(model.state_dict())
     off = float(np.abs(llama_logits(llm, prompt) - runtime_logits(unwindowed.eval(), prompt)).max())
     assert off > 100 * F32_TOL, off

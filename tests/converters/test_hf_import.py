@@ -243,8 +243,8 @@ def test_unknown_model_type_is_a_capability_error(saved, tmp_path):
 @pytest.mark.parametrize("case,change,message", [
     ("cohere", dict(use_qk_norm=True), r"use_qk_norm=True is not supported"),
     ("phi", dict(qk_layernorm=True), r"qk_layernorm=True is not supported"),
-    ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 8.0}),
-     r"rope_parameters: rope_type='proportional' is not supported \(supported: default, linear, dynamic, yarn"),
+    ("llama", dict(rope_parameters={"rope_type": "axial", "rope_theta": 1e4, "factor": 8.0}),
+     r"rope_parameters: rope_type='axial' is not supported \(supported: default, linear, dynamic, yarn"),
     ("llama", dict(rope_scaling={"type": "xpos", "factor": 2.0}), r"rope_scaling: rope_type='xpos' is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=True"),
     ("llama", dict(hidden_act="gelu"), r"gated FFN is supported only with SiLU"),
