@@ -128,24 +128,7 @@ class GGUFCheckpointReader(Reader):
 
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
-        values: dict = {}
-        own, consumed = {}, set()
-        if self.arch.gemma4:  # its per-layer arrays and the global layers' head size (gguf_table's GEMMA4 section)
-            try:
-                own, consumed = gemma4_fields(arch, fields, set(found))
-            except ValueError as e:
-                raise CheckpointError(f"{where}: {e}") from None
-        for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
-            key = h.key.format(arch=arch)
-            if key not in fields or key in consumed:
-                continue
-            value = fields[key]
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
-                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
-                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
-            values[h.field] = value
-        values.update(own)
+        values, own = self._key_fields(fields, found, where)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -166,13 +149,9 @@ class GGUFCheckpointReader(Reader):
         tied = "output.weight" not in has
         if not tied and self.arch.output_always:  # our export writes a tied embedding once more (qwen2moe, olmo2)
             tied = recorded.get("tie_embeddings") is True
-        values.update(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
-                      o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied,
-                      name=arch, rotary_fraction=own.get("rotary_fraction",
-                                                         (rotary / head_dim) if rotary is not None and head_dim else 1.0),
-                      qk_norm=self.arch.qk_norm, norm_position=self.arch.norm_position,
-                      nope_layers=self.arch.nope_layers(values["n_layers"]), activation=self.arch.activation,
-                      scale_embeddings=self.arch.scale_embeddings, norm_unit_offset=self.arch.unit_offset_norms)
+        values.update(self._architecture_fields(has, values["n_layers"]), tie_embeddings=tied, name=arch,
+                      rotary_fraction=own.get("rotary_fraction",
+                                              (rotary / head_dim) if rotary is not None and head_dim else 1.0))
         if self.arch.attn_scale_layers and values["n_heads"] > 0:
             scale = attn_scale_dim(arch, values["d_model"], values["n_heads"], values["n_layers"], head_dim)
             kept = recorded.get("attn_scale_dim")  # our record's spelling (an HF config's query_pre_attn_scalar)
@@ -196,6 +175,38 @@ class GGUFCheckpointReader(Reader):
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
+
+    def _key_fields(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> tuple[dict, dict]:
+        """(config fields from the {arch}.* keys gguf_table.hparams lists, and the architecture's own: Gemma 4's
+        per-layer arrays and global head size, its GEMMA4 section, which override those)."""
+        arch = self.arch.name
+        values: dict = {}
+        own, consumed = {}, set()
+        if self.arch.gemma4:
+            try:
+                own, consumed = gemma4_fields(arch, fields, set(found))
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+        for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
+            key = h.key.format(arch=arch)
+            if key not in fields or key in consumed:
+                continue
+            value = fields[key]
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
+                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
+                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
+            values[h.field] = value
+        values.update(own)
+        return values, own
+
+    def _architecture_fields(self, has: set[str], n_layers: int) -> dict:
+        """The config fields the architecture fixes, and the biases its tensors show."""
+        row = self.arch
+        return dict(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
+                    o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, qk_norm=row.qk_norm,
+                    norm_position=row.norm_position, nope_layers=row.nope_layers(n_layers), activation=row.activation,
+                    scale_embeddings=row.scale_embeddings, norm_unit_offset=row.unit_offset_norms)
 
     def _rope_tensors(self, found: dict[str, tuple[int, TensorInfo]], where: str) -> dict[str, np.ndarray]:
         """The RoPE frequency-factor tensors of the file (gguf_table.ROPE_TENSORS), taken out of `found` (they are

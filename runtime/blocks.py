@@ -648,7 +648,34 @@ class Block(nn.Module):
         self.is_linear = cfg.is_linear_layer(index)
         self.kv_source = cfg.kv_source(index)
         self.owns_kv, self.k_eq_v = self.kv_source == index, cfg.layer_k_eq_v(index)
-        Ea = cfg.layer_attn_experts(index)
+        self._build_mixer(cfg, D, H, Dh, G)
+        self.gated = cfg.activation in GATED
+        F_ = cfg.layer_ffn_hidden(index)
+        ffn = {"gate": (D, F_, cfg.ffn_bias)} if self.gated else {}
+        ffn.update(up=(D, F_, cfg.ffn_bias), down=(F_, D, cfg.ffn_bias))
+        if cfg.ffn_experts:
+            self.ffn_router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
+            self.ffn_experts = Projections(ffn, cfg.ffn_experts)
+        else:
+            self.ffn = Projections(ffn)
+        if cfg.ffn_shared_hidden:
+            Fs = cfg.layer_shared_hidden(index)
+            shared = {"gate": (D, Fs, cfg.ffn_bias)} if self.gated else {}
+            self.ffn_shared = Projections({**shared, "up": (D, Fs, cfg.ffn_bias), "down": (Fs, D, cfg.ffn_bias)})
+            self.ffn_shared_gate = nn.Linear(D, 1, bias=False)
+        if cfg.per_layer_dim:
+            Dp = cfg.per_layer_dim
+            self.ple = Projections({"gate": (D, Dp, False), "out": (Dp, D, False)})
+            self.ple_norm = Norm(cfg)
+        if cfg.layer_scale:
+            self.layer_scale = Param("weight", (1,), 1.0)
+        self.act = ACTIVATIONS[cfg.activation]
+
+
+    def _build_mixer(self, cfg, D: int, H: int, Dh: int, G: int) -> None:
+        """The token mixer's modules: a Gated DeltaNet (or its experts and their router), or the attention's
+        projections (dense, expert K/V or shared K/V) with their QK-norms, owned like the projection."""
+        Ea = cfg.layer_attn_experts(self.index)
         self.expert_kv = bool(Ea) and cfg.kv_mode == "expert" and not self.is_linear
         self.kv_heads = (Ea if self.expert_kv else 1) * G  # heads this block caches (or reads from kv_source)
         if self.is_linear:
@@ -680,27 +707,6 @@ class Block(nn.Module):
             for name in ("q", "k") if self.owns_kv else ("q",):
                 owner, experts = (self.attn_experts, Ea) if self._expert_owned(name) else (self.attn, 0)
                 owner.add_module(f"{name}_norm", Norm(cfg, width[name], experts))
-        self.gated = cfg.activation in GATED
-        F_ = cfg.layer_ffn_hidden(index)
-        ffn = {"gate": (D, F_, cfg.ffn_bias)} if self.gated else {}
-        ffn.update(up=(D, F_, cfg.ffn_bias), down=(F_, D, cfg.ffn_bias))
-        if cfg.ffn_experts:
-            self.ffn_router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
-            self.ffn_experts = Projections(ffn, cfg.ffn_experts)
-        else:
-            self.ffn = Projections(ffn)
-        if cfg.ffn_shared_hidden:
-            Fs = cfg.layer_shared_hidden(index)
-            shared = {"gate": (D, Fs, cfg.ffn_bias)} if self.gated else {}
-            self.ffn_shared = Projections({**shared, "up": (D, Fs, cfg.ffn_bias), "down": (Fs, D, cfg.ffn_bias)})
-            self.ffn_shared_gate = nn.Linear(D, 1, bias=False)
-        if cfg.per_layer_dim:
-            Dp = cfg.per_layer_dim
-            self.ple = Projections({"gate": (D, Dp, False), "out": (Dp, D, False)})
-            self.ple_norm = Norm(cfg)
-        if cfg.layer_scale:
-            self.layer_scale = Param("weight", (1,), 1.0)
-        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
         style, where = self.cfg.block, self.cfg.norm_position
