@@ -20,6 +20,11 @@ the first, whose problems are the refusal.
                       layers (at least one), tied embeddings; gemma3 the same with a per-head QK-norm and no attention
                       soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
                       derives from the block count: gguf_table's WINDOWS section; no Gemma mixture.
+             qwen35   Qwen3.5: Gated DeltaNet layers in all but every n-th layer (full_attention_interval), gated
+                      attention, partial rotary, (1 + w) norms: what the HF qwen3_5_text format carries
+                      (gguf_table's LINEAR section); qwen35moe a BTX of it, as the qwen3_5_moe format takes it
+             gemma4   Gemma 4: what the HF gemma4_text format carries, with proportional RoPE and tied embeddings
+                      (gguf_table's GEMMA4 section)
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
   mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
@@ -808,8 +813,8 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 class GGUFExporter(Exporter):
     name = "gguf"
     summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, "
-               "OLMo 2, SmolLM3, Gemma 2 and Gemma 3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
-               "qwen2moe (bam-surgery export-gguf has its options)")
+               "OLMo 2, SmolLM3, Gemma 2, Gemma 3, Qwen3.5 and Gemma 4 models, BTX mixtures as Mixtral-shaped llama, "
+               "qwen3moe or qwen35moe, shared-expert mixtures as qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:

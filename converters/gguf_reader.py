@@ -10,7 +10,8 @@ is checked against the file) and maps every tensor through the table the export 
 keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
 shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
 llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3, gemma2,
-gemma3); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
+gemma3, qwen35 and qwen35moe (gguf_table's LINEAR section: the Gated DeltaNet tensors back in transformers' order,
+a_log = log(-ssm_a)), gemma4 (its GEMMA4 section)); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
 1 + w, read as (1 + w) norms: w = v - 1 in float32; its sliding windows, their RoPE and attention scale from
 gguf_table.windows_of and attn_scale_dim), and gguf_table.scaled_rope_of the scaled RoPE from the
 rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
