@@ -55,8 +55,8 @@ fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
 as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` and `smollm3` architectures rotate
 pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
 convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are.
-Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16
-for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
+Types: the matrices in f32, f16 or q8_0 (GGUFOptions.dtype, the format's own option, else f32 for float32 weights
+and f16 for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
 and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
 converted and appended.
@@ -97,12 +97,13 @@ import torch
 
 from bam_surgery import __version__
 from bam_surgery.runtime.atomic import atomic_path
-from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
-from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.errors import CheckpointError, OptionError, printable
 from bam_surgery.runtime.jsonfile import json_field, parse_json
 from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.options import declared
 from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import read_side_file
@@ -110,7 +111,7 @@ from bam_surgery.runtime.shards import read_side_file
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
-                             byte_symbols, uses_byte_tokenizer)
+                             byte_symbols, unavailable_tokenizer, uses_byte_tokenizer)
 from .hf.config_map import GEMMA4_TEXT, QWEN3_5_TEXT
 from .hf.mixtral_config import mixtral_problems
 from .hf.qwen3_5_moe_config import QWEN3_5_MOE
@@ -329,18 +330,29 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
 
 
-def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
-    """The matrices' type: options.gguf_dtype, else options.dtype (float32 / float16), else f32 for float32
-    weights and f16 for 16-bit ones."""
-    if options.gguf_dtype is not None:
-        if options.gguf_dtype not in GGUF_DTYPES:
-            raise CapabilityError(f"gguf dtype {options.gguf_dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-        return options.gguf_dtype
-    if options.dtype is not None:
-        named = {torch.float32: "f32", torch.float16: "f16"}
-        if options.dtype not in named:
-            raise CapabilityError(f"gguf export writes f32, f16 or q8_0 matrices, not {str(options.dtype)[6:]}")
-        return named[options.dtype]
+def parse_gguf_dtype(text: str) -> str:
+    """--dtype f32|f16|q8_0."""
+    if text not in GGUF_DTYPES:
+        raise OptionError(f"--dtype: unknown dtype {text!r}; choose one of {', '.join(GGUF_DTYPES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """The gguf format's own options (`bam-surgery export-gguf` declares its flags from them)."""
+
+    dtype: str | None = declared(
+        None, "--dtype", metavar="|".join(GGUF_DTYPES), parse=parse_gguf_dtype,
+        help="Type of the weight matrices: f32, f16 or q8_0 (8-bit blocks of 32); norms, biases and routers stay f32. "
+             "Default: f32 for float32 checkpoints, f16 for 16-bit ones.")
+
+
+def resolve_dtype(reader: Reader, own: GGUFOptions) -> str:
+    """The matrices' type: the one asked for, else f32 for float32 weights and f16 for 16-bit ones."""
+    if own.dtype is not None:
+        if own.dtype not in GGUF_DTYPES:
+            raise CapabilityError(f"gguf dtype {own.dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+        return own.dtype
     entries = [(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
     return "f32" if main_dtype(entries) == torch.float32 else "f16"
 
@@ -494,9 +506,12 @@ def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
         if not all(isinstance(item, dict) for item in single):
             raise CheckpointError(f"{where}: post_processor.single holds an item that is not an object")
 
-        def special(item) -> str | None:
-            return item["SpecialToken"].get("id") if isinstance(item, dict) and "SpecialToken" in item else None
-        return (special(single[0]) if single else None, special(single[-1]) if len(single) > 1 else None)
+        def special(i: int) -> str | None:
+            if "SpecialToken" not in single[i]:
+                return None
+            entry = json_field(single[i], "SpecialToken", dict, f"{where}: post_processor.single[{i}]")
+            return json_field(entry, "id", str, f"{where}: post_processor.single[{i}].SpecialToken")
+        return (special(0) if single else None, special(len(single) - 1) if len(single) > 1 else None)
     kind = post.get("type") if isinstance(post, dict) else type(post).__name__
     raise CapabilityError(f"{where}: post-processor {str(kind)[:40]!r} is not one this export maps to llama.cpp "
                           "(ByteLevel, TemplateProcessing)")
@@ -625,6 +640,10 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
         if "chat_template.jinja" in files:  # transformers' own file for the template, ahead of tokenizer_config's
             vocab.chat_template = read_side_file(files["chat_template.jinja"]).decode("utf-8", errors="replace")
         return vocab
+    missing = unavailable_tokenizer(reader.metadata)
+    if missing is not None:  # its own tokenizer could not be rebuilt: never the byte tokenizer in its place
+        raise CapabilityError(f"gguf export: {reader.path}: its tokenizer could not be rebuilt ({missing}), and "
+                              "llama.cpp needs the vocabulary in the file")
     if uses_byte_tokenizer(reader.metadata.get(TOKENIZER_KEY) == BYTES, False, cfg.vocab_size) \
             and cfg.vocab_size >= BYTE_VOCAB:
         return byte_vocabulary(cfg.vocab_size)
@@ -686,7 +705,7 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     bases: list[tuple[str, str]] = []
     if prov is not None:
         recipe = (prov.get("recipe") or {}).get("name") if isinstance(prov.get("recipe"), dict) else None
-        inputs = [i for i in prov.get("inputs") or [] if isinstance(i, dict)]
+        inputs = provenance_inputs(prov)
         bases = [(str(i.get("name")), f"{i.get('role')} ({i.get('path')})") for i in inputs]
         made = f" Merged with recipe {recipe} from {', '.join(n for n, _ in bases)}." if recipe else ""
     else:
@@ -816,6 +835,7 @@ class GGUFExporter(Exporter):
                "OLMo 2, SmolLM3, Gemma 2, Gemma 3, Qwen3.5 and Gemma 4 models, BTX mixtures as Mixtral-shaped llama, "
                "qwen3moe or qwen35moe, shared-expert mixtures as qwen2moe (bam-surgery export-gguf has its options)")
     writes_directory = False
+    Options = GGUFOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         check_gguf(cfg, recipe)
@@ -825,7 +845,7 @@ class GGUFExporter(Exporter):
         check_gguf(cfg, options.recipe)
         if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
             raise CapabilityError(f"--format gguf writes one file named *{SUFFIX}; {printable(str(out))} is not")
-        dtype = resolve_dtype(reader, options)
+        dtype = resolve_dtype(reader, self.own(options))
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
@@ -844,4 +864,4 @@ class GGUFExporter(Exporter):
         return out
 
 
-__all__ = ["CapabilityError", "GGUFExporter", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]
+__all__ = ["CapabilityError", "GGUFExporter", "GGUFOptions", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]

@@ -35,6 +35,8 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
+from .gguf_metadata import BOOLEANS, INTEGER, NUMBER, STRING, metadata_value
+
 
 def gguf_module():
     """The gguf package, imported on first use: the CLI loads the converters for --help and every format, and only
@@ -401,12 +403,15 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
     """(ModelConfig.scaled_rope computing what llama.cpp computes for this file, or None for plain RoPE; a note when
     the factors are carried as they are) from its rope.scaling.* keys and factor tensors (`tensors`: those of
     ROPE_TENSORS present), `base` the config without scaling. `recorded` (our export's bam_surgery.config) is taken
-    when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map."""
+    when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map,
+    gguf_metadata.MetadataError (naming the key) for a value of the wrong kind."""
     rope = gguf_module().Keys.Rope
     if ARCHS[arch].gemma4:
         return proportional_of(tensors.get(rope_tensor_name("ROPE_FREQS"))), None
-    keys = {k: fields[k.format(arch=arch)] for k in (rope.SCALING_TYPE, rope.SCALING_FACTOR, rope.SCALING_ATTN_FACTOR,
-                                                    rope.SCALING_ORIG_CTX_LEN) if k.format(arch=arch) in fields}
+    kinds = {rope.SCALING_TYPE: (STRING, None), rope.SCALING_FACTOR: (NUMBER, None),
+             rope.SCALING_ATTN_FACTOR: (NUMBER, None), rope.SCALING_ORIG_CTX_LEN: (INTEGER, 1)}
+    keys = {k: metadata_value(fields, k.format(arch=arch), kind, low=low) for k, (kind, low) in kinds.items()
+            if k.format(arch=arch) in fields}
     if recorded is not None:
         try:
             written = rope_scaling(base.replace(scaled_rope=recorded))
@@ -414,12 +419,9 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
             written = None
         if written is not None and _same_encoding(written, keys, tensors):
             return recorded, None
-    legacy = fields.get(f"{arch}.rope.scale_linear")
+    legacy = metadata_value(fields, f"{arch}.rope.scale_linear", NUMBER, None)
     factor = keys.get(rope.SCALING_FACTOR, legacy if legacy is not None else 0.0)
     kind = keys.get(rope.SCALING_TYPE, "linear")  # llama.cpp's default: a factor alone is linear
-    if not isinstance(kind, str) or not isinstance(factor, (int, float)) or isinstance(factor, bool):
-        raise ValueError(f"rope.scaling.type {str(kind)[:20]!r} / factor {str(factor)[:20]!r} are not a type name "
-                         "and a number")
     factor = float(factor) or 1.0  # llama.cpp: 0 or absent is no scaling
     original = keys.get(rope.SCALING_ORIG_CTX_LEN, base.max_positions)
     attn = float(keys.get(rope.SCALING_ATTN_FACTOR, 1.0))
@@ -531,26 +533,19 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
         return {}
     g = gguf_module()
     att, rope = g.Keys.Attention, g.Keys.Rope
-    window = fields.get(att.SLIDING_WINDOW.format(arch=arch), DEFAULT_WINDOW.get(arch, 0))
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ValueError(f"{att.SLIDING_WINDOW.format(arch=arch)} is {printable_kind(str(window))}, not a window size")
+    window = metadata_value(fields, att.SLIDING_WINDOW.format(arch=arch), INTEGER, DEFAULT_WINDOW.get(arch, 0), low=0)
     if window == 0:
         return {}
     n = base.n_layers
-    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch), row.window_pattern)
-    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-        sliding = pattern_layers(pattern, n)
-    elif isinstance(pattern, list) and len(pattern) == n and all(isinstance(p, bool) for p in pattern):
-        sliding = pattern
+    key = att.SLIDING_WINDOW_PATTERN.format(arch=arch)
+    if isinstance(fields.get(key, row.window_pattern), int):  # a layer period (set_swa_pattern), else one bool a layer
+        sliding = pattern_layers(metadata_value(fields, key, INTEGER, row.window_pattern, low=0), n)
     else:
-        raise ValueError(f"{att.SLIDING_WINDOW_PATTERN.format(arch=arch)} is neither a layer period nor {n} booleans")
+        sliding = metadata_value(fields, key, BOOLEANS, length=n, per="one per layer").tolist()
     if not any(sliding):
         return {}
     key = rope.FREQ_BASE_SWA.format(arch=arch)
-    local = fields.get(key, base.rope_theta if row.window_rope == "global" else 10000.0)
-    if not isinstance(local, (int, float)) or isinstance(local, bool):
-        raise ValueError(f"{key} is {printable_kind(str(local))}, not a number")
-    local = float(local)
+    local = float(metadata_value(fields, key, NUMBER, base.rope_theta if row.window_rope == "global" else 10000.0))
     if local == base.rope_theta and (row.window_rope == "global" or base.scaled_rope is None):
         theta = None  # the sliding layers rotate as the others
     elif row.window_rope == "global" and base.scaled_rope is not None:

@@ -30,7 +30,7 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader
 
-from .base import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, CastOptions, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES
 from .hf.mixtral_config import MODEL_TYPE, check_mixtral
 from .hf.reader import HFCheckpointReader
@@ -45,6 +45,7 @@ class NativeMixtureExporter(Exporter):
     check); the folder as hf/writer.py:export_native_mixture writes it. `source` may present the reader otherwise."""
 
     model_type: str
+    Options = CastOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         ARCHITECTURES[self.model_type].config.check(cfg, recipe)
@@ -78,7 +79,7 @@ def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: 
     exporter = MixtralExporter()
     exporter.check(reader.config, recipe=recipe or reader.metadata.get("recipe"))
     options = ExportOptions(tokenizer_files=tuple(map(Path, tokenizer_files)), generation=generation_config,
-                            model_card=model_card, max_shard_bytes=max_shard_bytes, dtype=dtype, recipe=recipe)
+                            model_card=model_card, max_shard_bytes=max_shard_bytes, recipe=recipe, own=CastOptions(dtype))
     return exporter.write(reader, Path(out_dir), options)
 
 

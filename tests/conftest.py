@@ -688,6 +688,36 @@ def branch_state(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, t
     return out
 
 
+def hf_llama_family(root: Path, config: dict, names=("seed", "code", "law", "math")) -> None:
+    """Tiny HF Llama folders root/NAME (safetensors + config.json `config`, written directly); the specialists are
+    the seed plus a 2% perturbation, as branches are."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    seed = {n: 1 + 0.1 * torch.randn(s, generator=gen) if len(s) == 1 else torch.randn(s, generator=gen) / s[-1] ** 0.5
+            for n, s in sorted(llama_hf_shapes(config).items())}
+    for i, name in enumerate(names):
+        g = torch.Generator().manual_seed(100 + i)
+        state = seed if i == 0 else {n: t + 0.02 * t.abs().mean() * torch.randn(t.shape, generator=g)
+                                     for n, t in seed.items()}
+        (root / name).mkdir()
+        save_file(state, str(root / name / "model.safetensors"), metadata={"format": "pt"})
+        (root / name / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def export_carries(source) -> dict:
+    """save_hf's tokenizer_files and generation as every export carries them from `source` (a reader or a
+    checkpoint path): app/exports.py:export_inputs, the one owner."""
+    from bam_surgery.app.exports import export_inputs
+    from bam_surgery.converters import open_checkpoint
+
+    if isinstance(source, (str, Path)):
+        with open_checkpoint(str(source)) as reader:
+            return export_carries(reader)
+    inputs = export_inputs(source, "hf")
+    return dict(tokenizer_files=inputs.files, generation=inputs.generation)
+
+
 def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False) -> list[Path]:
     """HF folders root/NAME of FAMILY_CASES[case]: a random seed (random_hf_model) and specialists branched from it
     (branch_state), each written back in the family's own format by the exporter, so every one loads in
@@ -700,7 +730,7 @@ def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lam
         state = {n: seed.get(n) for n in seed.names()}
         for j, name in enumerate(names[1:], 1):
             save_hf(branch_state(state, keep, 10 * j), root / name, seed.architecture, config=seed.config,
-                    tokenizer_from=root / names[0])
+                    **export_carries(seed))
     return [root / n for n in names]
 
 

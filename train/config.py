@@ -51,9 +51,8 @@ def knob_list(default: list[str], help: str) -> Any:
 @dataclass
 class TrainConfig:
     # ---- where the model comes from ------------------------------------------------------
-    init: str | None = knob(None, "Checkpoint to start from: anything `open_checkpoint` accepts (canonical file or "
-                                  "directory, Hugging Face directory or hub id, our exports, a run folder: its latest "
-                                  "checkpoint).")
+    init: str | None = knob(None, "Checkpoint to start from: any the tool reads (canonical, Hugging Face folder or hub "
+                                  "id, GGUF, our exports) or a run folder (its latest checkpoint).")
     preset: str | None = knob(None, "Start from random weights with this preset's architecture (tiny, paper-small, "
                                     "paper-large) instead of --init.")
     model_config: str | None = knob(None, "Start from random weights with the ModelConfig in this JSON or YAML file "

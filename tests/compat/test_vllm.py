@@ -186,7 +186,7 @@ def test_vllm_serves_the_runtimes_tokens(kind, tmp_path, tokenizer_files):
     with CheckpointReader(tmp_path / "canonical.safetensors") as reader:
         if kind.startswith("dense"):  # as its HF architecture (Llama, Gemma 4), the tokenizer carried from its folder
             arch = "gemma4_text" if model.config.v_norm else "llama"
-            out = save_hf(reader, tmp_path / "export", arch, tokenizer_from=tokenizer_files[0].parent)
+            out = save_hf(reader, tmp_path / "export", arch, tokenizer_files=tokenizer_files)
         else:
             out = exporter(fmt).write(reader, tmp_path / "export", ExportOptions(
                 tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))

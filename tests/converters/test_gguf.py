@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from bam_surgery.converters.base import CapabilityError, ExportOptions
+from bam_surgery.converters.gguf_export import GGUFOptions
 from bam_surgery.converters.export import check_export, exporter
 from bam_surgery.runtime import Model, generate, load_model, save_model
 from bam_surgery.runtime.checkpoint import save_checkpoint
@@ -147,8 +148,8 @@ def family_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
-    return exporter("gguf").write(StateReader(state, cfg), out, ExportOptions(**options))
+def write(cfg: ModelConfig, state, out: Path, gguf_dtype: str | None = None, **options) -> Path:
+    return exporter("gguf").write(StateReader(state, cfg), out, ExportOptions(own=GGUFOptions(gguf_dtype), **options))
 
 
 def fields(path: Path) -> dict:

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
-from test_hf_import import TOL, canonical_model, hf_model  # noqa: E402
+from test_hf_import import TOL, canonical_model, save_cases  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime.model import Model  # noqa: E402
 
@@ -28,13 +28,9 @@ LENGTH = 16
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for case in FAMILY_CASES:
-        d = tmp_path_factory.mktemp(case)
-        model = hf_model(case)
-        model.save_pretrained(d)
-        out[case] = (model, canonical_model(open_checkpoint(str(d))))
-    return out
+    """{case: (the transformers model, ours read from its saved folder)}."""
+    return {case: (model, canonical_model(open_checkpoint(str(d))))
+            for case, (model, d) in save_cases(tmp_path_factory, FAMILY_CASES).items()}
 
 
 def _inputs(vocab: int, start: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
+from conftest import FAMILY_CASES, export_carries, random_hf_model  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.converters.hf import ARCHITECTURES, CapabilityError, HFCheckpointReader, save_hf  # noqa: E402
 from bam_surgery.converters.hf import config_map as cm  # noqa: E402
@@ -82,16 +82,21 @@ def safetensors_state(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Each case saved once with save_pretrained (module-scoped to keep the file fast)."""
+def save_cases(tmp_path_factory, cases) -> dict:
+    """{case: (the transformers model, its folder)}: each case saved once with save_pretrained."""
     out = {}
-    for case in CASES:
+    for case in cases:
         d = tmp_path_factory.mktemp(case)
         model = hf_model(case)
         model.save_pretrained(d)
         out[case] = (model, d)
     return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each case saved once (module-scoped to keep the file fast)."""
+    return save_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -112,7 +117,7 @@ def test_logits_match_transformers(saved, case):
 def test_export_reproduces_hf_state_dict_and_loads_in_transformers(saved, tmp_path, case):
     hf, d = saved[case]
     reader = open_checkpoint(str(d))
-    out = save_hf(reader, tmp_path / "out", hf.config.model_type, tokenizer_from=reader)
+    out = save_hf(reader, tmp_path / "out", hf.config.model_type, **export_carries(reader))
     original, exported = safetensors_state(d / "model.safetensors"), safetensors_state(out / "model.safetensors")
     assert sorted(exported) == sorted(original)
     for k in original:

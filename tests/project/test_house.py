@@ -123,3 +123,51 @@ def test_where_to_add_names_files_and_names_that_exist():
     missing = [f"{path}" + (f":{name}" if name else "") for path, name in refs
                if not (ROOT / path).is_file() or (name is not None and name not in _defined_names(ROOT / path))]
     assert not missing, "ARCHITECTURE.md's 'Where to add things' names what is not there: " + ", ".join(missing)
+
+
+# ---- every path ARCHITECTURE.md names exists (its narrative too, not only the table) -------------------------
+PATH = re.compile(r"(?<![\w./$-])((?:[a-z_][\w-]*/)+[\w.-]+\.(?:py|md|yaml|json|txt|ini))(?::([A-Za-z_][\w.]*))?")
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """`name` defined at the top of `path`, or `Class.attribute` (a method or field of that class)."""
+    first, *rest = dotted.split(".")
+    if first not in _defined_names(path):
+        return False
+    if not rest:
+        return True
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == first), None)
+    members = {n.name for n in (cls.body if cls else []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    members |= {n.target.id for n in (cls.body if cls else []) if isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name)}
+    return rest[0] in members
+
+
+def architecture_problems(text: str, root: Path = ROOT) -> list[str]:
+    """Every repository path in the text (`layer/file.py`, `layer/file.py:name`, `docs/x.md`) that does not exist
+    or does not define the name; placeholders (DIR/, RUN/: upper case) are not paths."""
+    problems = []
+    for m in PATH.finditer(text):
+        path, name = m.group(1), m.group(2)
+        name = name.rstrip(".") if name else None
+        if not (root / path).exists():
+            problems.append(path)
+        elif name and path.endswith(".py") and not _defines(root / path, name):
+            problems.append(f"{path}:{name}")
+    return sorted(set(problems))
+
+
+def test_architecture_names_only_what_exists():
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert len(PATH.findall(text)) >= 150, "the narrative's paths are no longer found"
+    problems = architecture_problems(text)
+    assert not problems, "ARCHITECTURE.md names what is not there: " + ", ".join(problems)
+
+
+def test_architecture_check_finds_stale_paths():
+    text = ("the input opened (`surgery/open_input.py:open_input`), OUT checked (`runtime/output_path.py:check_output_path`,"
+            " `runtime/output_path.py:nothing_here`), `runtime/checkpoint.py:CheckpointReader.tokenizer_files`, "
+            "`runtime/checkpoint.py:CheckpointReader.no_method`, written as DIR/stages/STAGE.json and cli/gone.py.")
+    assert architecture_problems(text) == ["cli/gone.py", "runtime/checkpoint.py:CheckpointReader.no_method",
+                                           "runtime/output_path.py:nothing_here", "surgery/open_input.py"]
