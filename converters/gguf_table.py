@@ -35,7 +35,7 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
-from .gguf_metadata import BOOLEANS, INTEGER, NUMBER, STRING, metadata_value
+from .gguf_metadata import BOOLEANS, INTEGER, INTEGERS, NUMBER, STRING, metadata_value
 
 
 def gguf_module():
@@ -600,12 +600,9 @@ def linear_fields(arch: str, fields: dict, n_layers: int) -> dict[str, Any]:
     that give none)."""
     g = gguf_module()
     ssm, llm = g.Keys.SSM, g.Keys.LLM
-    keys = {k: fields.get(k.format(arch=arch)) for k in (ssm.CONV_KERNEL, ssm.STATE_SIZE, ssm.GROUP_COUNT,
-                                                          ssm.TIME_STEP_RANK, ssm.INNER_SIZE)}
-    interval = fields.get(llm.FULL_ATTENTION_INTERVAL.format(arch=arch), 4)  # llama.cpp's default
-    for key, value in [*keys.items(), (llm.FULL_ATTENTION_INTERVAL, interval)]:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{key.format(arch=arch)} is {printable_kind(str(value))}, not a positive integer")
+    keys = {k: metadata_value(fields, k.format(arch=arch), INTEGER, low=1)
+            for k in (ssm.CONV_KERNEL, ssm.STATE_SIZE, ssm.GROUP_COUNT, ssm.TIME_STEP_RANK, ssm.INNER_SIZE)}
+    interval = metadata_value(fields, llm.FULL_ATTENTION_INTERVAL.format(arch=arch), INTEGER, 4, low=1)  # llama.cpp's
     heads = keys[ssm.TIME_STEP_RANK]
     if keys[ssm.INNER_SIZE] % heads:
         raise ValueError(f"{ssm.INNER_SIZE.format(arch=arch)} {keys[ssm.INNER_SIZE]} is not a multiple of the "
@@ -680,25 +677,21 @@ def gemma4_fields(arch: str, fields: dict, has: set[str]) -> tuple[dict[str, Any
     g = gguf_module()
     llm, att, rope = g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
 
-    def key(template: str, default: Any = None, array: bool = False) -> Any:
-        value = fields.get(template.format(arch=arch), default)
-        ok = (isinstance(value, list) and value and all(isinstance(v, int) and v > 0 for v in value)) if array and \
-            isinstance(value, list) else isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        if not ok:
-            raise ValueError(f"{template.format(arch=arch)} is {printable_kind(str(value))}, not a size")
-        return value
+    def key(template: str, *default: int) -> int:  # no default: required
+        return metadata_value(fields, template.format(arch=arch), INTEGER, *default, low=0)
+
+    def per_layer(template: str) -> list[int]:  # one value, or one per layer
+        name = template.format(arch=arch)
+        if isinstance(fields.get(name), (list, np.ndarray)):
+            return [int(v) for v in metadata_value(fields, name, INTEGERS, length=n_layers, per="one per layer")]
+        return [key(template)] * n_layers
 
     n_layers = key(llm.BLOCK_COUNT)
     full, swa = key(att.KEY_LENGTH), key(att.KEY_LENGTH_SWA)
-    kv, ffn = key(att.HEAD_COUNT_KV, array=True), key(llm.FEED_FORWARD_LENGTH, array=True)
-    kv, ffn = (v if isinstance(v, list) else [v] * n_layers for v in (kv, ffn))
-    if len(kv) != n_layers or len(ffn) != n_layers:
-        raise ValueError(f"{att.HEAD_COUNT_KV.format(arch=arch)} / {llm.FEED_FORWARD_LENGTH.format(arch=arch)} have "
-                         f"{len(kv)} / {len(ffn)} entries for {n_layers} layers")
+    kv, ffn = per_layer(att.HEAD_COUNT_KV), per_layer(llm.FEED_FORWARD_LENGTH)
     shared = key(att.SHARED_KV_LAYERS, 0)
-    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch))
-    window = [bool(p) for p in pattern] if isinstance(pattern, list) and len(pattern) == n_layers else \
-        [False] * n_layers
+    pattern = metadata_value(fields, att.SLIDING_WINDOW_PATTERN.format(arch=arch), BOOLEANS, None)
+    window = [bool(p) for p in pattern] if pattern is not None and len(pattern) == n_layers else [False] * n_layers
     swa_kv = next((k for k, w in zip(kv, window) if w), kv[0])
     full_kv = next((k for k, w in zip(kv, window) if not w), kv[0])
     owners = [i for i in range(n_layers - shared) if not window[i]]
