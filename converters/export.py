@@ -41,13 +41,11 @@ from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
+from .hf.families import NATIVE_MIXTURES, REFUSED_NATIVE
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .hf_export import HFExporter
-from .mixtral import MixtralExporter
+from .native_moe import NativeMixtureExporter
 from .onnx_export import OnnxExporter
-from .qk_norm_moe import FlexOlmoExporter, Qwen3MoeExporter
-from .qwen2_moe import Qwen2MoeExporter
-from .qwen3_5_moe import Qwen35MoeExporter
 
 # native formats asked for that cannot carry our mixtures -> why (docs/deploy.md)
 REFUSED_FORMATS: dict[str, str] = {
@@ -55,11 +53,7 @@ REFUSED_FORMATS: dict[str, str] = {
               "two picks by a softmax over the experts within a relative threshold of the best one, which no gate_norm "
               "computes, so a Phi-3 mixture would compute another function there; --format hf writes it (the HF BAM "
               "model)",
-    "gemma4_moe": "Gemma 4's MoE block runs a dense MLP beside its routed experts, RMS-normalizes the experts' summed "
-                  "output and the MLP's each with a norm of its own before adding them, and routes from its own "
-                  "scaled RMS norm of the residual with a scale per expert; a BTX of Gemma 4 models sums its experts' "
-                  "outputs as they are, with no MLP beside them, so it would compute another function there; "
-                  "--format hf writes it (the HF BAM model)",
+    **{r.model_type: r.why for r in REFUSED_NATIVE},  # a family record's (hf/families.py)
 }
 
 
@@ -89,8 +83,8 @@ def side_files(options: ExportOptions) -> dict[str, bytes]:
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), Qwen3MoeExporter(),
-                                FlexOlmoExporter(), Qwen35MoeExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
+    natives = [NativeMixtureExporter(f) for f in NATIVE_MIXTURES]  # one per native mixture record (hf/families.py)
+    return {e.name: e for e in (CanonicalExporter(), *natives, HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:
