@@ -421,8 +421,8 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _private_digest_cache(tmp_path_factory, monkeypatch):
-    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery, and rebuilt files go under
-    $BAM_SURGERY_CACHE (runtime/cache.py): keep the tests' own there."""
+    """Every cache of the tool (input digests, tokens, rebuilt files) is under $BAM_SURGERY_CACHE
+    (runtime/cache.py), and libraries keep theirs under $XDG_CACHE_HOME: keep the tests' own there."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
     monkeypatch.setenv("BAM_SURGERY_CACHE", str(tmp_path_factory.getbasetemp() / "bam-surgery-cache"))
 

@@ -60,7 +60,7 @@ from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
 from .progress import ProgressLines
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
-from .tokenize import BYTES, MODEL_SIDE_FILES, default_cache_dir, resolve_tokenizer, tokenize_source
+from .tokenize import BYTES, MODEL_SIDE_FILES, resolve_tokenizer, token_cache_folder, token_cache_note, tokenize_source
 
 Log = Callable[[str], None]
 RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
@@ -351,10 +351,13 @@ class _Run:
 
     def _tokenized(self, domains: list[Domain], split: str) -> list:
         """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
-        cache = Path(self.cfg.token_cache) if self.cfg.token_cache else default_cache_dir()
+        cache = token_cache_folder(self.cfg.token_cache)
         sources = [open_source(dom, split, self.cfg.text_field) for dom in domains]
 
         def prepare() -> None:
+            note = token_cache_note(cache)
+            if note:
+                self.log(f"note: {note}")
             for s in sources:
                 tf = tokenize_source(s, self.tok, cache)
                 self.log(f"data: {s.describe()}: {len(tf):,} tokens, {tf.documents:,} documents")
