@@ -104,28 +104,23 @@ def cached_files(directory: str | Path, key: str, names: Sequence[str], write: W
     folder = cache_folder(directory)
     try:
         real, problem = _checked_folder(folder)
-        if problem is None and (found := _trusted(real, key, names, usable)) is not None:
-            return found
-        tmp = _private_folder(real if problem is None else None)
-    except OSError as e:
-        raise _cannot(where, folder, e, hint) from None
-    keep = False
-    try:
+        if problem is None:
+            if (found := _trusted(real, key, names, usable)) is not None:
+                return found
+            why = _new_entry(real, key, names, write, lambda: _trusted(real, key, names, usable) is not None)
+            return why if why is not None else [real / key / n for n in names]
+        tmp = _private_folder(None)
         try:
             why = write(tmp)
-            if why is not None:
-                return why
-            if problem is not None:
-                keep = True
-                return [tmp / n for n in names]
-            _seal(tmp, names)
-            _install(real, key, tmp, names)
-        except OSError as e:
-            raise _cannot(where, folder, e, hint) from None
-    finally:
-        if not keep:
+        except BaseException:
             _remove(tmp)
-    return [real / key / n for n in names]
+            raise
+        if why is not None:
+            _remove(tmp)
+            return why
+        return [tmp / n for n in names]
+    except OSError as e:
+        raise _cannot(where, folder, e, hint) from None
 
 
 def find_entry(directory: str | Path, key: str, names: Sequence[str], usable: Usable | None = None
@@ -133,9 +128,9 @@ def find_entry(directory: str | Path, key: str, names: Sequence[str], usable: Us
     """The files `names` of the trusted entry cache_folder(directory) / KEY (the module docstring), or None: none
     there, one that fails its check, a folder not trusted, or one that cannot be read or made."""
     try:
-        real, problem = _checked_folder(cache_folder(directory))
+        real, problem = _checked_folder(cache_folder(directory), create=False)
         return _trusted(real, key, names, usable) if problem is None else None
-    except OSError:
+    except OSError:  # no such folder among them
         return None
 
 
@@ -145,36 +140,25 @@ def replace_entry(directory: str | Path, key: str, names: Sequence[str], write: 
     is not trusted or the entry cannot be written (a cache that only misses: the caller goes on)."""
     try:
         real, problem = _checked_folder(cache_folder(directory))
-        if problem is not None:
-            return False
-        tmp = _private_folder(real)
+        return problem is None and _new_entry(real, key, names, write, lambda: False) is None
     except OSError:
         return False
-    try:
-        if write(tmp) is not None:
-            return False
-        _seal(tmp, names)
-        _install(real, key, tmp, names, replace=True)
-        return True
-    except OSError:
-        return False
-    finally:
-        _remove(tmp)
 
 
 def untrusted_cache(directory: str | Path) -> str | None:
-    """Why the folder cache_folder(directory) is not trusted (the module docstring), or None: it is then the
-    user's own and private (created so, made so). A folder that cannot be made is not trusted either."""
-    folder = cache_folder(directory)
+    """Why the folder cache_folder(directory) is not trusted (the module docstring), for the caller's note, or
+    None: it is the user's own and private (created so, made so), or it cannot be made at all (`cached_files`
+    then refuses in one line, which is what the user needs to hear, not a note)."""
     try:
-        return _checked_folder(folder)[1]
-    except OSError as e:
-        return f"{printable(folder)} cannot be made ({e.strerror or e})"
+        return _checked_folder(cache_folder(directory))[1]
+    except OSError:
+        return None
 
 
-def _checked_folder(folder: Path) -> tuple[Path, str | None]:
-    """(the folder, resolved; why it is not trusted, or None), created if missing."""
-    _make_private_folders(folder)
+def _checked_folder(folder: Path, create: bool = True) -> tuple[Path, str | None]:
+    """(the folder, resolved; why it is not trusted, or None), created if missing (else FileNotFoundError)."""
+    if create:
+        _make_private_folders(folder)
     real = Path(os.path.realpath(folder))
     uid = os.geteuid()
     fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -248,9 +232,12 @@ def _open_own(entry: int, name: str, uid: int) -> int | None:
         fd = os.open(name, _FLAGS | os.O_NONBLOCK, dir_fd=entry)
     except OSError:
         return None
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-        return fd
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            return fd
+    except OSError:
+        pass
     os.close(fd)
     return None
 
@@ -321,6 +308,20 @@ def _private_folder(folder: Path | None) -> Path:
     return tmp
 
 
+def _new_entry(folder: Path, key: str, names: Sequence[str], write: Write, keep: Callable[[], bool]) -> str | None:
+    """`write` into a private folder of the trusted cache folder, sealed and installed as the entry folder / key
+    (_install, `keep` deciding over an entry already there); what `write` says instead, with nothing kept."""
+    tmp = _private_folder(folder)
+    try:
+        why = write(tmp)
+        if why is None:
+            _seal(tmp, names)
+            _install(folder, key, tmp, keep)
+        return why
+    finally:
+        _remove(tmp)
+
+
 def _seal(tmp: Path, names: Sequence[str]) -> None:
     """The DIGEST of the files `names` the private folder `tmp` holds, written beside them."""
     fd = os.open(tmp, _FLAGS | os.O_DIRECTORY)
@@ -333,17 +334,17 @@ def _seal(tmp: Path, names: Sequence[str]) -> None:
     (tmp / DIGEST).write_text(digest + "\n", encoding="ascii")
 
 
-def _install(folder: Path, key: str, tmp: Path, names: Sequence[str], replace: bool = False) -> None:
-    """The sealed private folder `tmp` renamed into place as the entry folder / key. An entry already there that
-    fails its check (a partial or a planted one), or any entry when `replace`, is swapped out for it in one
-    rename and removed; one that passes (another process wrote the same files first) is kept. `tmp` is left for
-    the caller to remove: empty, or holding what was swapped out."""
+def _install(folder: Path, key: str, tmp: Path, keep: Callable[[], bool]) -> None:
+    """The sealed private folder `tmp` renamed into place as the entry folder / key. An entry already there is
+    kept if `keep()` (it passes its check: another process wrote the same files first), else (a partial or a
+    planted one; a mutable entry's older version) swapped out for it in one rename. `tmp` is left for the caller
+    to remove: gone, or holding what was swapped out."""
     entry = folder / key
     try:
         os.rename(tmp, entry)
         return
     except OSError:  # something is there: a good entry another process wrote, or a bad one
-        if not replace and _verified(folder, key, names):
+        if keep():
             return
     if not rename_exchange(tmp, entry):
         stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=folder))

@@ -350,20 +350,22 @@ class _Run:
         self.trainable = apply_trainable(self.model, cfg.trainable)
 
     def _tokenized(self, domains: list[Domain], split: str) -> list:
-        """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
+        """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then the others open them
+        (each verifies the entry; a cache not trusted: each tokenizes its own private copy)."""
         cache = token_cache_folder(self.cfg.token_cache)
         sources = [open_source(dom, split, self.cfg.text_field) for dom in domains]
+        mine: list = []  # rank 0's, kept rather than verified again
 
         def prepare() -> None:
             note = token_cache_note(cache)
             if note:
                 self.log(f"note: {note}")
             for s in sources:
-                tf = tokenize_source(s, self.tok, cache)
+                mine.append(tf := tokenize_source(s, self.tok, cache))
                 self.log(f"data: {s.describe()}: {len(tf):,} tokens, {tf.documents:,} documents")
 
         dist_.on_main(self.d, prepare)
-        return sources, [tokenize_source(s, self.tok, cache) for s in sources]
+        return sources, mine or [tokenize_source(s, self.tok, cache) for s in sources]
 
     def _setup_data(self) -> None:
         cfg = self.cfg

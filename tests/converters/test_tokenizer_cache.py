@@ -1,4 +1,4 @@
-"""Issue 42, cause 8: the tokenizer cache (runtime/cache.py; docs/safety.md, "The tokenizer cache") cannot be poisoned
+"""Issue 42, cause 8: the tokenizer cache (runtime/cache.py; docs/safety.md, "The caches") cannot be poisoned
 or wedged. The campaign's attack: with a cache two users share, one planted the entry of a GGUF's tokenizer (its
 key is a predictable digest) with a chat template of their own, and the other's `convert --format hf` wrote it into
 the export. Here:

@@ -17,13 +17,14 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import as_other_user, needs_root, other_uid, plant_entry, run_cli, shared_folder
+from conftest import as_other_user, error_line, needs_root, other_uid, plant_entry, run_cli, shared_folder
 
 from bam_surgery.runtime import cache, preset, save_model
 from bam_surgery.runtime.model import Model
@@ -216,6 +217,57 @@ def test_partial_corrupt_and_linked_entries_are_rebuilt(tmp_path):
     assert tokens(src, folder) == TRUTH
     assert not tf.path.is_symlink() and elsewhere.read_bytes() == planted_files(PLANTED)["tokens.bin"]
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_a_sealed_entry_that_does_not_describe_its_tokens_is_rebuilt(tmp_path):
+    """An entry of ours whose DIGEST matches but whose tokens.json is not this version's or gives another size
+    (an older tool's, a bug's): tokenized again and swapped in, never read."""
+    src = source(text_file(tmp_path))
+    folder = tmp_path / "tokens"
+    key = cache_key(src, TOK)
+    for meta in ({"version": CACHE_VERSION - 1}, {"tokens": len(PLANTED) + 1}, {"dtype": "<u4"}, {"documents": -1}):
+        files = planted_files(PLANTED)
+        files["tokens.json"] = json.dumps({**json.loads(files["tokens.json"]), **meta}).encode()
+        shutil.rmtree(folder / key, ignore_errors=True)
+        plant_entry(folder / key, files)
+        os.chmod(folder / key, 0o700)
+        assert tokens(src, folder) == TRUTH, meta
+
+
+def test_a_failed_tokenization_leaves_nothing(tmp_path):
+    (tmp_path / "empty.txt").write_text(DOC_SEPARATOR.join(["", " "]))
+    private = set(Path(tempfile.gettempdir()).glob("bam-surgery-rebuilt-*"))
+    for folder in (tmp_path / "tokens", tmp_path / "open" / "tokens"):
+        if folder.parent.name == "open":
+            folder.parent.mkdir()
+            os.chmod(folder.parent, 0o777)
+        with pytest.raises(Exception, match="no text"):
+            tokenize_source(source(tmp_path / "empty.txt"), TOK, folder)
+        assert list(folder.iterdir()) == []
+    assert set(Path(tempfile.gettempdir()).glob("bam-surgery-rebuilt-*")) == private  # the private one removed
+
+
+def test_nothing_is_kept_of_a_build_that_gives_no_files(tmp_path, monkeypatch):
+    """A build that says why there are no files (a GGUF tokenizer that cannot be rebuilt), in a trusted folder and
+    in one that is not: no entry, and the private temporary folder removed now, not at exit."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    os.chmod(open_folder, 0o777)
+    private = set(Path(tempfile.gettempdir()).glob("bam-surgery-rebuilt-*"))
+    for root in (tmp_path / "cache", open_folder / "cache"):
+        monkeypatch.setenv("BAM_SURGERY_CACHE", str(root))
+        assert cache.cached_build("things", "k", ["a"], lambda: "not rebuilt: why", "m.gguf") == "not rebuilt: why"
+        assert list((root / "things").iterdir()) == []
+    assert set(Path(tempfile.gettempdir()).glob("bam-surgery-rebuilt-*")) == private
+
+
+def test_a_token_cache_that_cannot_be_made_is_one_line(tmp_path):
+    """--token-cache naming a file: refused in one line naming it (no note promising a private folder first)."""
+    ckpt, data = _tiny_model(tmp_path), text_file(tmp_path)
+    (tmp_path / "file").write_text("")
+    result = run_cli("eval", ckpt, "--data", f"d={data}", "--split", "train", "--tokenizer", "bytes", "--seq-len", 8,
+                     "--token-cache", tmp_path / "file", code=2)
+    error_line(result, f"cannot write the cache under {tmp_path / 'file'}", "pass --token-cache")
 
 
 def test_an_entry_that_is_a_link_is_not_followed(tmp_path):
