@@ -50,6 +50,8 @@ def train_config(config: TrainConfig | None = None, *, config_file: str | Path |
     if isinstance(overrides.get("trainable"), str):
         overrides["trainable"] = split_patterns(overrides["trainable"])
     if resume:
+        if config is not None and not overrides.get("out") and config.out:
+            overrides = {**config.to_dict(), **overrides}
         if not overrides.get("out"):
             raise TrainError("--resume needs --out RUN (the run folder to continue)")
         if config_file:

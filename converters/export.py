@@ -39,12 +39,11 @@ from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
+from .hf.families import NATIVE_MIXTURES
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .hf_export import HFExporter
-from .mixtral import MixtralExporter
+from .native_moe import NativeMixtureExporter
 from .onnx_export import OnnxExporter
-from .qk_norm_moe import FlexOlmoExporter, Qwen3MoeExporter
-from .qwen2_moe import Qwen2MoeExporter
 
 # native formats asked for that cannot carry our mixtures -> why (docs/deploy.md)
 REFUSED_FORMATS: dict[str, str] = {
@@ -81,8 +80,8 @@ def side_files(options: ExportOptions) -> dict[str, bytes]:
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), Qwen3MoeExporter(),
-                                FlexOlmoExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
+    natives = [NativeMixtureExporter(f) for f in NATIVE_MIXTURES]  # one per native mixture record (hf/families.py)
+    return {e.name: e for e in (CanonicalExporter(), *natives, HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:

@@ -36,7 +36,7 @@ from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json, read_json
 from bam_surgery.runtime.layout import tensor_shapes
-from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.reader import ShapeTableReader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
 from .byte_tokenizer import TOKENIZER_KEY, UNAVAILABLE
@@ -75,7 +75,7 @@ def _type_name(qtype: int) -> str:
         return str(qtype)
 
 
-class GGUFCheckpointReader(Reader):
+class GGUFCheckpointReader(ShapeTableReader):
     """The reader protocol (runtime.reader) over a GGUF file or a split GGUF."""
 
     def __init__(self, path: str | os.PathLike, folder: str | os.PathLike | None = None):
@@ -143,7 +143,7 @@ class GGUFCheckpointReader(Reader):
 
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
-        values = _hparam_values(fields, arch, where)
+        values = _hparam_values(fields, self.arch, where)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -239,15 +239,6 @@ class GGUFCheckpointReader(Reader):
         self._shape = expected
 
     # -- reader protocol -------------------------------------------------------------------
-    def names(self) -> list[str]:
-        return list(self._shape)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._shape
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shape[name]
-
     def dtype(self, name: str) -> torch.dtype:
         if self._unit_offset(name):
             return torch.float32
@@ -308,19 +299,26 @@ def _recorded_config(fields: dict) -> dict:
         return {}
 
 
-def _hparam_values(fields: dict, arch: str, where: str) -> dict:
-    """The ModelConfig fields of the file's {arch}.* keys (gguf_table.hparams), each checked by the one rule of
-    GGUF values: u32 keys non-negative integers, f32 keys finite numbers. Two keys of one field must agree
-    (key_length and value_length: the runtime has one head size for keys and values), but for the experts' width,
-    which replaces the dense one (qwen2moe's expert_feed_forward_length)."""
+def _hparam_values(fields: dict, row: GGUFArch, where: str) -> dict:
+    """The ModelConfig fields of the file's {arch}.* keys (gguf_table.hparams; the keys of fields the architecture's
+    record carries only there), each checked by the one rule of GGUF values: u32 keys non-negative integers, f32 keys
+    finite numbers. Two keys of one field must agree (key_length and value_length: the runtime has one head size for
+    keys and values), but for the experts' width, which replaces the dense one (qwen2moe's
+    expert_feed_forward_length). A key that holds a field's reciprocal (granite's logit_scale) is read as 1 / it."""
     values: dict = {}
     given: dict[str, str] = {}
     for h in hparams():
-        key = h.key.format(arch=arch)
-        if key not in fields:
+        key = h.key.format(arch=row.name)
+        if key not in fields or (h.carried and h.field not in row.carries):
             continue
         value = metadata_value(fields, key, INTEGER if h.kind == "u32" else NUMBER, low=0 if h.kind == "u32" else None,
                                where=where)
+        if h.field == "attn_scale" and not value:  # llama.cpp's 0: 1/sqrt(head_dim)
+            continue
+        if h.reciprocal:
+            if not value:
+                raise CheckpointError(f"{where}: {key} is 0, which llama.cpp divides by")
+            value = 1.0 / value
         if h.field in values and values[h.field] != value and h.field != "ffn_hidden":
             raise CheckpointError(f"{where}: {key} is {value} but {given[h.field]} is {values[h.field]}; the runtime "
                                   f"computes one {h.field} for both (a model whose keys and values differ in size is "

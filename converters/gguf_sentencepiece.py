@@ -1,6 +1,6 @@
 """A GGUF's SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma) as a tokenizer.json.
 
-    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where, shape)
 
 The result is the tokenizer transformers' own GGUF loader builds from the same metadata
 (AutoTokenizer.from_pretrained(folder, gguf_file=...): integrations/gguf/gguf_tokenizer_mapping.py), rebuilt here
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .gguf_metadata import NUMBERS, STRING, metadata_value
+from .gguf_metadata import NUMBERS, metadata_value
 
 SPACE = "\u2581"  # SentencePiece's visible space
-GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # transformers' gemma_tokenizer
-PHI3_ARCHS = ("phi3",)  # transformers' phi3_tokenizer; every other architecture: LlamaTokenizer's shape
+SHAPES = ("llama", "gemma", "phi3")  # LlamaTokenizer's, transformers' gemma_tokenizer, phi3_tokenizer (a GGUF's
+# architecture has its shape in its family record: hf/families.py Gguf.tokenizer, gguf_table.TOKENIZER_SHAPES)
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 MAX_MERGE_WORK = 1 << 25  # characters sliced cutting every token into pairs (sum of L * (L - 1)): Gemma 3's 10.8 M
 MAX_IMPLIED_MERGES = 1 << 20  # merges a vocabulary may imply: Gemma 3's 514,906
@@ -88,13 +88,13 @@ def _derivation_cost(tokens: list[str]) -> str | None:
 
 
 def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types: list[int],
-                            ids: dict[str, int | None], where: str) -> tuple[dict, dict] | str:
-    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt."""
-    arch = metadata_value(fields, "general.architecture", STRING, None, where=where)
+                            ids: dict[str, int | None], where: str, shape: str = "llama") -> tuple[dict, dict] | str:
+    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt;
+    `shape` one of SHAPES."""
     too_costly = _derivation_cost(tokens)
     if too_costly:
         return too_costly
-    gemma = arch in GEMMA_ARCHS
+    gemma = shape == "gemma"
     if not gemma or "tokenizer.ggml.scores" in fields:  # Gemma's are unused, but checked as any file's
         scores = _scores(fields, len(tokens), where)
     if gemma:
@@ -128,7 +128,7 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         normalizer: dict | None = replace
         pre: dict | None = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
                             "invert": False}
-    elif arch in PHI3_ARCHS:
+    elif shape == "phi3":
         normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]}
         pre = None
     else:

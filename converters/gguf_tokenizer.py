@@ -43,11 +43,14 @@ import numpy as np
 
 from bam_surgery.runtime.cache import cached_build
 from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.jsonfile import json_field
 from bam_surgery.runtime.shards import MAX_SIDE_FILE_BYTES
 
 from . import gguf_metadata, gguf_sentencepiece
+from .base import CapabilityError
 from .gguf_metadata import BOOLEAN, INTEGER, INTEGERS, STRING, STRINGS, metadata_value
 from .gguf_sentencepiece import sentencepiece_tokenizer
+from .gguf_table import TOKENIZER_SHAPES
 
 # tokenizer.json pre-tokenizer regexes that llama.cpp implements (src/llama-vocab.cpp quotes each beside its own)
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -76,9 +79,37 @@ PRE_TOKENIZERS: dict[str, tuple[dict, str, bool]] = {
                "Digits (one by one) + ByteLevel (GPT-2's regex)", False),
 }
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2"}  # llama.cpp's other names
+SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}  # the Split pre-tokenizers' names
 UNDEFINED, NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 3, 4, 5, 6  # llama.cpp's token types
 DIRECTORY = "gguf-tokenizers"
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # tokenizer_texts' names, in order
+
+
+def pre_tokenizer_name(pre: Any, where: str) -> str:
+    """The llama.cpp pre-tokenizer equal to a tokenizer.json pre_tokenizer, or CapabilityError."""
+    steps = (json_field(pre, "pretokenizers", list, f"{where}: pre_tokenizer", default=[])
+             if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre])
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or [None]]
+
+    def byte_level(step: dict, regex: bool) -> bool:
+        return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True)
+                and bool(step.get("use_regex", True)) == regex)
+
+    if kinds == ["ByteLevel"] and byte_level(steps[0], True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and byte_level(steps[1], False):
+        split = steps[0]
+        regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
+        if regex in SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return SPLIT_REGEXES[regex]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(steps[1], True):
+        return "smollm"
+    shown = json.dumps(pre, sort_keys=True)[:120]
+    raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
+                          f"(supported: {'; '.join(f'{k}: {v[1]}' for k, v in PRE_TOKENIZERS.items())}, without a "
+                          "prefix space)")
+
+
 # the most tokens, and merges, a rebuilt tokenizer holds: twice the largest vocabulary in use (Gemma's 262,144), so
 # that a rebuild costs at most about twice Gemma's (a few seconds, under 1 GB); a larger one is not rebuilt
 MAX_TOKENIZER_ITEMS = 1 << 19
@@ -154,7 +185,9 @@ def tokenizer_texts(fields: Mapping[str, Any], where: str, context_length: int |
                                   f"{kind_} token")
     extra: dict = {"config": {}, "eog": []}
     if model == "llama":
-        built = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+        arch = metadata_value(fields, "general.architecture", STRING, None, where=where)
+        shape = TOKENIZER_SHAPES.get(arch, "llama")  # its family record's SentencePiece shape
+        built = sentencepiece_tokenizer(fields, tokens, types, ids, where, shape)
         if isinstance(built, str):
             return built
         body, extra = built
@@ -270,6 +303,8 @@ def _input_key(fields: Mapping[str, Any], context_length: int | None) -> str:
         _digest_value(digest, key)
         _digest_value(digest, fields[key])
     _digest_value(digest, context_length)
+    arch = fields.get("general.architecture")
+    _digest_value(digest, TOKENIZER_SHAPES.get(arch) if isinstance(arch, str) else None)  # the record's shape of it
     return "in-" + digest.hexdigest()[:32]
 
 

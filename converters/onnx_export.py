@@ -33,6 +33,7 @@ from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .carry import runtime_column
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
@@ -95,6 +96,10 @@ class OnnxOptions:
     def dtype_name(self) -> str:
         """fp32 or fp16, as --dtype spells it."""
         return next((name for name, dtype in DTYPES.items() if dtype == self.dtype), str(self.dtype))
+
+
+# ONNX's column of the table of what runs where (converters/carry.py): the graph traces the runtime's own model math
+COLUMN = runtime_column("onnx")
 
 
 class OnnxExporter(Exporter):

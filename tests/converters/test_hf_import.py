@@ -283,7 +283,8 @@ def test_export_capability_errors_before_any_io(tmp_path):
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                 "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
                 "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
-                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config"}
+                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config",
+                "granite": "GraniteConfig", "ministral3": "Ministral3Config", "exaone4": "Exaone4Config"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
     "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
@@ -330,7 +331,7 @@ def test_rope_spellings_across_transformers_versions():
     theta = {"rope_type": "default", "rope_theta": 5e5}
     spellings = [dict(rope_theta=5e5), dict(rope_theta=5e5, rope_scaling=None), dict(rope_parameters=theta),
                  dict(rope_parameters={"full_attention": theta, "sliding_attention": theta})]
-    configs = [cm.hf_to_model_config({**sizes, **s}, cm.QWEN2)[0] for s in spellings]
+    configs = [cm.hf_to_model_config({**sizes, **s}, ARCHITECTURES["qwen2"].config)[0] for s in spellings]
     assert all(c == configs[0] for c in configs) and configs[0].rope_theta == 5e5
 
 
