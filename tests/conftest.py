@@ -427,10 +427,74 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _private_digest_cache(tmp_path_factory, monkeypatch):
-    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery, and rebuilt files go under
-    $BAM_SURGERY_CACHE (runtime/cache.py): keep the tests' own there."""
+    """Every cache of the tool (input digests, tokens, rebuilt files) is under $BAM_SURGERY_CACHE
+    (runtime/cache.py), and libraries keep theirs under $XDG_CACHE_HOME: keep the tests' own there."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
     monkeypatch.setenv("BAM_SURGERY_CACHE", str(tmp_path_factory.getbasetemp() / "bam-surgery-cache"))
+
+
+# ---- a second user, for real (the caches' trust rule: runtime/cache.py, docs/safety.md) ----------------------------
+def other_uid() -> int:
+    import pwd
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
+
+
+def as_other_user(action) -> None:
+    """Run `action()` in a child process that has become another user (root only), and wait for it."""
+    import os
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the other user, act, leave without running any of the parent's cleanup
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(other_uid())
+            os.setuid(other_uid())
+            action()
+            code = 0
+        except BaseException as e:  # shown in the parent's captured output
+            print(f"the second user failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the second user's planting failed"
+
+
+@pytest.fixture
+def public_tmp():
+    """A folder both users can reach (pytest's own are private to root)."""
+    import os
+    import shutil
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="bam-surgery-two-users-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def shared_folder(public: Path) -> Path:
+    """A folder both users may write, sticky as /tmp is, inside `public`."""
+    import os
+    shared = public / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    return shared
+
+
+def plant_entry(entry: Path, files: dict[str, bytes]) -> None:
+    """A cache entry written as runtime/cache.py writes one, DIGEST included (the format is public), so only who
+    owns it and where it lies can tell it apart from ours."""
+    from bam_surgery.runtime import cache
+    entry.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (entry / name).write_bytes(data)
+    (entry / cache.DIGEST).write_text(cache._digest(files) + "\n")
+
+
+needs_root = pytest.mark.skipif(__import__("os").geteuid() != 0, reason="acting as a second user needs root "
+                                "(os.setuid in a forked child); the same rule runs against \"another\" uid without it")
 
 
 @pytest.fixture

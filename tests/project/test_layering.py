@@ -173,7 +173,8 @@ def test_every_layer_imports_downward_only():
     assert not problems, "\n".join(problems)
 
 def test_runtime_imports_torch_and_co_only():
-    third_party_ok = {"torch", "numpy", "safetensors", "tqdm"}
+    # blake3: the caches' DIGEST (runtime/cache.py), verified on every use at memory speed; an install requirement
+    third_party_ok = {"torch", "numpy", "safetensors", "tqdm", "blake3"}
     problems = []
     for path in _modules("runtime"):
         for line, module, _ in _imports(path):
