@@ -1,25 +1,24 @@
-"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`): a mixture as a native HF MoE
+"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`, `qwen3_5_moe`): a mixture as a native HF MoE
 architecture, loaded with no remote code, one exporter per record of converters/hf/families.py NATIVE_MIXTURES (its
 weight table, its config map's capability check; the folder as hf/writer.py:export_native_mixture writes it).
 
-An architecture that always has q/k/v biases or always computes a shared expert (Qwen2-MoE: transformers'
-Qwen2MoeSparseMoeBlock adds sigmoid(x . w) * shared_expert(x) unconditionally, llama.cpp's qwen2moe reads a width of 0
-as the FFN's width, only vLLM skips a width of 0) writes what a model lacks as zeros (`architecture_view`, through
-`WithZeros`, a reader view): zero q/k/v biases, and for a mixture without a shared expert (a BTX of Qwen2 models, which
-Mixtral cannot carry for their biases) a shared expert of ZERO_SHARED_HIDDEN hidden units whose weights are all zero.
-Its down projection being zero, the shared expert's output is exactly 0 for every token whatever its gate (1/2 for a
-zero gate weight; llama.cpp's gate, computed as silu(y) / y, is kept off 0 / 0 by the GGUF export's SHEXP_GATE_EPS),
-and adding 0 leaves the routed experts' output bit for bit: the architecture computes the mixture's own function.
+A format whose architecture always has a tensor the model lacks holds it as zeros (`WithZeros`, a reader view), so
+the architecture computes exactly the same function: q/k/v biases (`qwen2_moe`: `with_zero_qkv_bias`), a shared
+expert (`qwen2_moe` and `qwen3_5_moe` always compute one: `with_zero_shared_expert`, ZERO_SHARED_HIDDEN wide).
+transformers' Qwen2MoeSparseMoeBlock adds sigmoid(x . w) * shared_expert(x) unconditionally and llama.cpp's qwen2moe
+reads a width of 0 as the FFN's width, so a mixture without a shared expert (a BTX of Qwen2 models, which Mixtral
+cannot carry for their q/k/v biases) gets one whose weights are all zero: its down projection being zero, its output
+is exactly 0 for every token whatever its gate (1/2 for a zero gate weight; llama.cpp's gate, computed as silu(y) / y,
+is kept off 0 / 0 by the GGUF export's SHEXP_GATE_EPS), and adding 0 leaves the routed experts' output bit for bit.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.runtime.dtypes import main_dtype
-from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader
 
 from .base import CastOptions, ExportOptions, Exporter
@@ -30,40 +29,38 @@ from .hf.writer import export_native_mixture
 # down projection's rows one q8_0 block wide in GGUF and splits over vLLM's tensor-parallel ranks (up to 32).
 ZERO_SHARED_HIDDEN = 32
 
+_QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
+
 
 class WithZeros(Reader):
-    """`inner` seen as the model `config`, whose tensors `inner` lacks are zeros (a bias in its weight's dtype, any
-    other tensor in the model's main dtype). The rest passes through."""
+    """A reader seen with more tensors, all zeros: `config` is the view's config, `added` the new tensors' names
+    with their shapes and dtypes, each placed right after the inner tensor it follows (`after`, in names()). A
+    native format that always has a tensor the model lacks holds it as zeros, computing exactly the same function.
+    Everything else passes through."""
 
-    def __init__(self, inner: Reader, config: ModelConfig):
-        self.inner, self.config = inner, config
+    def __init__(self, inner: Reader, config: ModelConfig, added: dict[str, tuple[tuple[int, ...], torch.dtype, str]]):
+        self.inner, self.config, self._added = inner, config, added
         self.metadata = getattr(inner, "metadata", {})
         self.path, self.source_dir, self.hf_config = inner.path, inner.source_dir, inner.hf_config
-        shapes = tensor_shapes(config)
-        self._added = {n: s for n, s in shapes.items() if n not in inner}
-        self._names = [n for n in shapes if n in inner or n in self._added]
-        self._names += [n for n in inner.names() if n not in shapes]
-        self._main = main_dtype((n, inner.shape(n), inner.dtype(n)) for n in inner.names())
-
-    @property
-    def added(self) -> list[str]:
-        """The tensors written as zeros."""
-        return list(self._added)
 
     def names(self) -> list[str]:
-        return list(self._names)
+        follows: dict[str, list[str]] = {}
+        for name, (_, _, after) in self._added.items():
+            follows.setdefault(after, []).append(name)
+        return [m for n in self.inner.names() for m in (n, *follows.get(n, ()))]
+
+    def names_added(self) -> list[str]:
+        """The tensors this view adds as zeros."""
+        return list(self._added)
 
     def __contains__(self, name: str) -> bool:
         return name in self.inner or name in self._added
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.inner.shape(name) if name in self.inner else tuple(self._added[name])
+        return self.inner.shape(name) if name in self.inner else self._added[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        if name in self.inner:
-            return self.inner.dtype(name)
-        weight = name.removesuffix(".bias") + ".weight"
-        return self.inner.dtype(weight) if name.endswith(".bias") and weight in self.inner else self._main
+        return self.inner.dtype(name) if name in self.inner else self._added[name][1]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.inner:
@@ -83,28 +80,48 @@ class WithZeros(Reader):
         self.inner.check_unchanged()
 
 
-def architecture_config(cfg: ModelConfig, qkv_bias: bool, shared_expert: bool) -> ModelConfig:
-    """The config an architecture that always has q/k/v biases (`qkv_bias`) or a shared expert (`shared_expert`)
-    writes for a mixture: those, ZERO_SHARED_HIDDEN wide where the mixture has no shared expert."""
-    return cfg.replace(qkv_bias=cfg.qkv_bias or qkv_bias,
-                       ffn_shared_hidden=cfg.ffn_shared_hidden or (ZERO_SHARED_HIDDEN if shared_expert else 0))
+def with_zero_qkv_bias(inner: Reader) -> WithZeros:
+    """A reader seen with q/k/v biases: the config says qkv_bias, and each missing bias is zeros in its weight's
+    dtype ([out] of the weight's [out, in])."""
+    added = {f"{m.group(1)}.bias": ((inner.shape(n)[0],), inner.dtype(n), n) for n in inner.names()
+             if (m := _QKV_WEIGHT.match(n)) and f"{m.group(1)}.bias" not in inner}
+    return WithZeros(inner, inner.config.replace(qkv_bias=True), added)
 
 
-def architecture_view(reader: Reader, qkv_bias: bool, shared_expert: bool) -> Reader:
-    """`reader` as such an architecture holds it: zero q/k/v biases and an all-zero shared expert where it has none
-    (the module docstring says why it computes the mixture's own function)."""
-    wanted = architecture_config(reader.config, qkv_bias, shared_expert)
-    return reader if wanted == reader.config else WithZeros(reader, wanted)
+def with_zero_shared_expert(inner: Reader) -> WithZeros:
+    """A mixture seen with a shared expert of ZERO_SHARED_HIDDEN hidden units, every weight zero (its output is
+    exactly 0)."""
+    cfg, dtype, width = inner.config, inner.dtype("embed.weight"), ZERO_SHARED_HIDDEN
+    added = {}
+    for i in range(cfg.n_layers):
+        after = f"layers.{i}.ffn_experts.down.weight"
+        for name, shape in (("gate", (width, cfg.d_model)), ("up", (width, cfg.d_model)),
+                            ("down", (cfg.d_model, width))):
+            added[f"layers.{i}.ffn_shared.{name}.weight"] = (shape, dtype, after)
+        added[f"layers.{i}.ffn_shared_gate.weight"] = ((1, cfg.d_model), dtype, after)
+    return WithZeros(inner, cfg.replace(ffn_shared_hidden=width), added)
+
+
+def as_held(reader: Reader, qkv_bias_always: bool, zero_shared_expert: bool) -> Reader:
+    """The reader as an architecture holds it: with zero q/k/v biases where it always has them, a zero shared expert
+    where it always has one."""
+    if qkv_bias_always and not reader.config.qkv_bias:
+        reader = with_zero_qkv_bias(reader)
+    if zero_shared_expert and not reader.config.ffn_shared_hidden:
+        reader = with_zero_shared_expert(reader)
+    return reader
 
 
 def zeros_note(reader: Reader) -> str:
-    """For model cards: what a view added as zeros ('' for none)."""
-    if not isinstance(reader, WithZeros):
-        return ""
+    """For model cards: what as_held's views added as zeros ('' for none)."""
+    added: list[str] = []
+    while isinstance(reader, WithZeros):
+        added += reader.names_added()
+        reader = reader.inner
     parts = []
-    if any(n.endswith(".bias") for n in reader.added):
+    if any(n.endswith(".bias") for n in added):
         parts.append("q/k/v biases written as zeros")
-    if any(".ffn_shared" in n for n in reader.added):
+    if any(".ffn_shared" in n for n in added):
         parts.append(f"a shared expert of {ZERO_SHARED_HIDDEN} hidden units written as zeros (it adds exactly 0: "
                      "the mixture has none)")
     return "; ".join(parts)
@@ -116,14 +133,15 @@ class NativeMixtureExporter(Exporter):
     Options = CastOptions
 
     def __init__(self, family: Family):
-        self.family, self.name, self.summary = family, family.model_type, family.summary
+        self.family, self.name, self.summary = family, family.format_name, family.summary
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         self.family.config.check(cfg, recipe)
 
     def source(self, reader: Reader) -> Reader:
-        """The reader as the architecture holds it: zeros where it always has q/k/v biases or a shared expert."""
-        return architecture_view(reader, self.family.config.qkv_bias_always, self.family.config.shared_expert)
+        """The reader as the architecture holds it (as_held)."""
+        config = self.family.config
+        return as_held(reader, config.qkv_bias_always, config.zero_shared_expert)
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         self.check(reader.config, recipe=options.recipe)

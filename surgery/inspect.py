@@ -34,6 +34,9 @@ OPTIONAL_FIELDS = ("norm_bias", "norm_unit_offset", "scale_embeddings", "attn_wi
                    "attn_temperature_length", "final_norm")
 MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k",
                   "kv_mode", "router", "attn_router", "lb_coef", "z_coef")
+# the hybrid layers' fields (Qwen3.5, Gemma 4), shown where a model has them
+HYBRID_FIELDS = ("linear_layers", "global_head_dim", "global_kv_heads", "kv_shared_layers", "per_layer_dim",
+                 "linear_experts")
 
 
 def describe_kind(cfg: ModelConfig) -> str:
@@ -52,6 +55,8 @@ def describe_kind(cfg: ModelConfig) -> str:
         parts.append(f"{cfg.attn_experts} attention experts, {routing}, {kv}")
     else:
         parts.append("dense attention")
+    if cfg.linear_experts:
+        parts.append(f"{cfg.linear_experts} Gated DeltaNet experts in each linear-attention layer")
     return "mixture: " + "; ".join(parts)
 
 
@@ -60,7 +65,7 @@ def key_config(cfg: ModelConfig) -> dict[str, Any]:
     that differ from their default, the mixture's."""
     default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     fields = [*KEY_FIELDS, *(ROPE_FIELDS if cfg.position == "rope" else ()),
-              *(f for f in OPTIONAL_FIELDS if getattr(cfg, f) != default[f]),
+              *(f for f in OPTIONAL_FIELDS + HYBRID_FIELDS if getattr(cfg, f) != default[f]),
               *(MIXTURE_FIELDS if cfg.is_mixture else ())]
     out = {f: getattr(cfg, f) for f in fields}
     out["n_kv_heads"], out["head_dim"] = cfg.n_kv_heads or cfg.n_heads, cfg.head_dim or cfg.d_model // cfg.n_heads
