@@ -1,10 +1,14 @@
-"""What the vLLM model (model.py) implements of an HF BAM export's config, in plain Python (no vLLM, no
-transformers): one entry per config field of the export (converters/hf_bam/schema_bam.py FIELDS; a test holds the
-two lists equal, so a field added to the export must be decided here), and the one-line refusal at load time of
-any value outside it.
+"""What the vLLM model (model.py) implements of an HF BAM export's config, declared as data in plain Python (no vLLM,
+no transformers), and the one-line refusal at load time of anything outside it.
 
-A field maps to the values the vLLM model runs (a tuple), or to ANY: every value is served as the runtime
-computes it, or the field matters only to training (losses, the key store's update rules) or to labels.
+The declaration is three tables:
+  SUPPORTED     one entry per config field of the export (converters/hf_bam/schema_bam.py FIELDS; a test holds the two
+                lists equal, so a field added to the export must be decided here): the values the vLLM model runs (a
+                tuple), or ANY: every value is served as the runtime computes it, or the field matters only to
+                training (losses, the key store's update rules) or to labels;
+  COMBINATIONS  values served alone but not together: (the fields, the test on the config, what is refused and why);
+  LENGTHS       scaled RoPE types whose result vLLM matches only up to a length: rope_type -> (the config's limit as
+                a function of it, the limit's name, why). The engine's max_model_len must not pass it.
 """
 from __future__ import annotations
 
@@ -20,17 +24,19 @@ SUPPORTED: dict[str, tuple | None] = {
     # ---- dense architecture ----
     "vocab_size": ANY, "d_model": ANY, "n_layers": ANY, "n_heads": ANY, "ffn_hidden": ANY,
     "n_kv_heads": ANY, "head_dim": ANY,
-    "activation": ("swiglu", "gelu", "gelu_tanh", "relu", "silu"),
+    "activation": ("swiglu", "gelu", "gelu_tanh", "relu", "silu", "geglu_tanh"),
     "norm": ("layernorm", "rmsnorm"), "norm_bias": ANY, "norm_eps": ANY,
     "qkv_bias": ANY, "o_bias": ANY, "ffn_bias": ANY, "lm_head_bias": ANY,
     "position": ("rope", "learned", "none"), "rope_theta": ANY, "rotary_fraction": ANY, "rope_interleaved": ANY,
     "max_positions": ANY, "block": ("sequential", "parallel", "parallel_two_norms"), "tie_embeddings": ANY,
     "logit_scale": ANY, "final_norm": ANY,
-    # the newer families' trunk features (scaled RoPE, QK-norm, post and sandwich norms, layers without RoPE, Gemma's
-    # norms, embeddings, attention scale and soft-caps, sliding windows): not in the vLLM model yet, refused at load
-    "scaled_rope": (None,), "nope_layers": (None,), "qk_norm": ("none",), "norm_position": ("pre",),
-    "norm_unit_offset": (False,), "scale_embeddings": (False,), "attn_window": (None,), "attn_window_layers": (None,),
-    "window_rope_theta": (None,), "attn_scale_dim": (None,), "attn_softcap": (None,), "final_softcap": (None,),
+    # the newer families' trunks: every scaled RoPE type (vLLM's get_rope; LENGTHS bounds three of them), layers
+    # without RoPE, QK-norm per head and over the full width, post and sandwich norms, (1 + w) norms, scaled
+    # embeddings, the attention scale, attention and final soft-caps, sliding windows with their own RoPE base
+    "scaled_rope": ANY, "nope_layers": ANY, "qk_norm": ("none", "head", "full"),
+    "norm_position": ("pre", "post", "sandwich"), "norm_unit_offset": ANY, "scale_embeddings": ANY,
+    "attn_window": ANY, "attn_window_layers": ANY, "window_rope_theta": ANY, "attn_scale_dim": ANY,
+    "attn_softcap": ANY, "final_softcap": ANY,
     # ---- mixture ----
     "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
     "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),
@@ -43,24 +49,65 @@ SUPPORTED: dict[str, tuple | None] = {
 }
 
 
-def vllm_problems(cfg) -> list[str]:
+def _rope_type(cfg) -> str | None:
+    return None if cfg.scaled_rope is None or cfg.position != "rope" else cfg.scaled_rope["rope_type"]
+
+
+COMBINATIONS = (
+    # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts through it
+    # with a constant gate), and has no gated ReLU
+    (("ffn_experts", "activation"), lambda cfg: bool(cfg.ffn_experts) and cfg.activation == "relu",
+     "FFN experts with activation relu (its fused-MoE layer has no ReLU experts)"),
+    (("scaled_rope", "rope_interleaved"), lambda cfg: _rope_type(cfg) == "longrope" and cfg.rope_interleaved,
+     "longrope with rope_interleaved (vLLM's longrope rotates half-split pairs only)"),
+)
+
+
+def _yarn_cover(cfg) -> int:
+    s = cfg.scaled_rope
+    original = s["original_max_position_embeddings"]
+    return int(original * (s.get("factor") or cfg.max_positions / original))
+
+
+LENGTHS = {
+    # transformers (and the runtime) switch to the long factors once a sequence passes the original length, and keep
+    # the keys cached before the switch as they were; vLLM cannot rotate one sequence two ways in its paged cache, so
+    # it picks the long factors for every position whenever max_model_len passes the original length
+    "longrope": (lambda cfg: cfg.scaled_rope["original_max_position_embeddings"], "original_max_position_embeddings",
+                 "vLLM then rotates every position with the long factors, where transformers and the runtime use "
+                 "the short ones until a sequence passes that length"),
+    # transformers' dynamic NTK base grows with the longest sequence of each forward past max_positions; vLLM's table
+    # is fixed when the engine starts (within max_positions both are plain RoPE)
+    "dynamic": (lambda cfg: cfg.max_positions, "max_positions",
+                "past it transformers' dynamic NTK base grows with each forward's longest sequence, which vLLM's "
+                "fixed RoPE table cannot follow"),
+    "yarn": (_yarn_cover, "original_max_position_embeddings x factor",
+             "vLLM's YaRN table covers that many positions"),
+}
+
+
+def vllm_problems(cfg, max_model_len: int | None = None) -> list[str]:
     """What of `cfg` (anything with the export's config fields: BamConfig, ModelConfig) the vLLM model does not
-    implement, one phrase each; empty when it serves the model as the runtime computes it."""
+    implement, one phrase each; empty when it serves the model as the runtime computes it. max_model_len: the
+    engine's longest sequence (None: not known yet, LENGTHS unchecked)."""
     problems = []
     for name in schema_bam.FIELDS:
         if name not in SUPPORTED:
             problems.append(f"config field {name!r} (unknown to it)")
         elif SUPPORTED[name] is not ANY and getattr(cfg, name) not in SUPPORTED[name]:
             problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, SUPPORTED[name]))})")
-    if cfg.ffn_experts and cfg.activation == "relu":
-        # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts
-        # through it with a constant gate), and has no gated ReLU
-        problems.append("FFN experts with activation relu (its fused-MoE layer has no ReLU experts)")
+    problems += [reason for _, refused, reason in COMBINATIONS if refused(cfg)]
+    kind = _rope_type(cfg)
+    if max_model_len is not None and kind in LENGTHS:
+        limit, name, why = LENGTHS[kind]
+        if max_model_len > limit(cfg):
+            problems.append(f"scaled_rope {kind} at max_model_len {max_model_len}, past {name}={limit(cfg)} ({why}; "
+                            f"serve with --max-model-len {limit(cfg)} or less)")
     return problems
 
 
-def check_vllm(cfg) -> None:
+def check_vllm(cfg, max_model_len: int | None = None) -> None:
     """CapabilityError (one line) naming everything of `cfg` the vLLM model does not implement."""
-    problems = vllm_problems(cfg)
+    problems = vllm_problems(cfg, max_model_len)
     if problems:
         raise CapabilityError(f"bam-surgery's vLLM model does not implement {'; '.join(problems)}")
