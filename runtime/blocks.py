@@ -527,6 +527,23 @@ class ForwardPass:
         return self.masks[n_keys, window]
 
 
+def block_norms(cfg) -> tuple[str, ...]:
+    """A block's norms by canonical name: before the sublayers (attn_norm, and ffn_norm unless the block is parallel)
+    with norm_position pre or sandwich; after them, each output normed before the residual add (attn_post_norm,
+    ffn_post_norm), with post (OLMo 2, which has none before) or sandwich (Gemma)."""
+    before = ("attn_norm",) + (("ffn_norm",) if cfg.block != "parallel" else ())
+    after = ("attn_post_norm", "ffn_post_norm")
+    return (before if cfg.norm_position != "post" else ()) + (after if cfg.norm_position != "pre" else ())
+
+
+def layer_window(cfg, index: int) -> Optional[int]:
+    """The sliding window of layer `index`: attn_window where attn_window_layers lists the layer (None: every layer),
+    else None (the whole causal prefix)."""
+    if cfg.attn_window is None or (cfg.attn_window_layers is not None and index not in cfg.attn_window_layers):
+        return None
+    return cfg.attn_window
+
+
 class Block(nn.Module):
     """One transformer block; dense or mixture attention, dense or mixture FFN.
 
@@ -543,14 +560,9 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.index = cfg, index
         D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        if cfg.norm_position != "post":  # OLMo 2 has no norm before its sublayers
-            self.attn_norm = Norm(cfg)
-            if cfg.block != "parallel":
-                self.ffn_norm = Norm(cfg)
-        if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
-            self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
-        sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or index in cfg.attn_window_layers)
-        self.window = cfg.attn_window if sliding else None  # attends to the last `window` slots
+        for name in block_norms(cfg):
+            self.add_module(name, Norm(cfg))
+        self.window = layer_window(cfg, index)  # attends to the last `window` slots
         self.scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # None: 1/sqrt(head_dim)
         self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
         q = {"q": (D, H * Dh, cfg.qkv_bias)}

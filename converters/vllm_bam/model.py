@@ -55,7 +55,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from bam_surgery.runtime.blocks import ACTIVATIONS, GATED, route
+from bam_surgery.runtime.blocks import ACTIVATIONS, GATED, block_norms, layer_window, route
 from bam_surgery.runtime.routers import make_router
 
 from ..hf_bam.export import canonical_weight_name
@@ -226,8 +226,8 @@ class BamAttention(nn.Module):
         # a mixture's output biases are summed under the gates (sum_e g_e b_e), not added once
         self.o = RowParallelLinear(n_q * Dh, D, bias=cfg.o_bias and not E, quant_config=quant_config,
                                    prefix=f"{prefix}.o")
-        sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or layer in cfg.attn_window_layers)
-        self.rotary = layer_rope(cfg, layer, sliding)
+        window = layer_window(cfg, layer)
+        self.rotary = layer_rope(cfg, layer, window is not None)
         # the owner (expert) of each query and kv head, and its index among the owner's heads (module docstring)
         q, kv = torch.arange(n_q), torch.arange(n_kv)
         if not E:
@@ -246,7 +246,7 @@ class BamAttention(nn.Module):
         scale = (cfg.attn_scale_dim or Dh) ** -0.5
         self.attn = Attention(local_q, Dh, scale, num_kv_heads=local_kv, cache_config=cache_config,
                               quant_config=quant_config, logits_soft_cap=cfg.attn_softcap,
-                              per_layer_sliding_window=cfg.attn_window if sliding else None, prefix=f"{prefix}.attn")
+                              per_layer_sliding_window=window, prefix=f"{prefix}.attn")
         if E:
             self.router = make_router(cfg.attn_router_kind, cfg, E)
             self.o_bias = nn.Parameter(torch.empty(E, D)) if cfg.o_bias else None
@@ -308,7 +308,8 @@ class BamAttention(nn.Module):
                 if name.endswith((".q.weight", ".k.weight", ".v.weight")):
                     out[name.replace(".weight", ".bias")] = (self.qkv.bias, shard, reorder)
         if cfg.qk_norm != "none":
-            for p, owner in (("q", "attn_experts" if E else "attn"), ("k", "attn_experts" if self.expert_kv else "attn")):
+            owners = {"q": "attn_experts" if E else "attn", "k": "attn_experts" if self.expert_kv else "attn"}
+            for p, owner in owners.items():
                 norm = getattr(self, f"{p}_norm")
                 out |= {f"{owner}.{p}_norm.{n}": (t, None, norm.local) for n, t in norm.named_parameters()}
         return out
@@ -328,7 +329,8 @@ class BamFFN(nn.Module):
         self.experts = FusedMoEFactory(num_experts=cfg.ffn_experts, top_k=cfg.ffn_top_k, hidden_size=cfg.d_model,
                                        intermediate_size=cfg.ffn_hidden, renormalize=cfg.gate_norm == "topk_softmax",
                                        quant_config=quant_config, prefix=f"{prefix}.experts",
-                                       activation=MOE_ACTIVATION[cfg.activation], has_bias=cfg.ffn_bias or not self.gated)
+                                       activation=MOE_ACTIVATION[cfg.activation],
+                                       has_bias=cfg.ffn_bias or not self.gated)
         if cfg.ffn_shared_hidden:
             self.shared = BamMLP(cfg, cfg.ffn_shared_hidden, f"{prefix}.ffn_shared")
             self.shared_gate = ReplicatedLinear(cfg.d_model, 1, bias=False, prefix=f"{prefix}.ffn_shared_gate")
@@ -378,13 +380,9 @@ class BamFFN(nn.Module):
 class BamBlock(nn.Module):
     def __init__(self, cfg, layer: int, cache_config, quant_config, prefix: str):
         super().__init__()
-        self.style, self.where = cfg.block, cfg.norm_position
-        if cfg.norm_position != "post":  # OLMo 2 has no norm before its sublayers
-            self.attn_norm = norm_layer(cfg)
-            if cfg.block != "parallel":
-                self.ffn_norm = norm_layer(cfg)
-        if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
-            self.attn_post_norm, self.ffn_post_norm = norm_layer(cfg), norm_layer(cfg)
+        self.style, self.where, self.norms = cfg.block, cfg.norm_position, block_norms(cfg)
+        for name in self.norms:
+            self.add_module(name, norm_layer(cfg))
         self.attention = BamAttention(cfg, layer, cache_config, quant_config, prefix)
         self.ffn = BamFFN(cfg, quant_config, prefix)
 
@@ -404,10 +402,8 @@ class BamBlock(nn.Module):
         return x + self.attention(positions, self.attn_norm(x)) + self.ffn(self.ffn_norm(x))
 
     def weight_targets(self) -> dict[str, tuple]:
-        out = {}
-        for name in ("attn_norm", "ffn_norm", "attn_post_norm", "ffn_post_norm"):
-            if hasattr(self, name):
-                out |= {f"{name}.{n}": (p, None, None) for n, p in getattr(self, name).named_parameters()}
+        out = {f"{name}.{n}": (p, None, None) for name in self.norms
+               for n, p in getattr(self, name).named_parameters()}
         return out | self.attention.weight_targets() | self.ffn.weight_targets()
 
 

@@ -2,7 +2,8 @@
 
 vLLM's start-up on a CPU is mostly the import of vllm and the first engine's set-up; the engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so each further model costs only its own loading and KV cache. JOBS.json
-is a list of {"name", "dir", "max_model_len", "new", "prompts": [token ids, ...], "text": a text prompt or null};
+is a list of {"name", "dir", "max_model_len", "new", "prompts": [token ids, ...], "text": a text prompt or null,
+optionally "tensor_parallel_size" (its ranks in worker processes, each bound to its share of the cores)};
 OUT.json gets, per name, the greedy tokens and each chosen token's logprob of every prompt (all prompts batched in
 one generate call), the text prompt's tokens, the engine's start-up and generation seconds, or the error's first
 line when the engine refused the model. Used by tests/compat/test_vllm.py; the __main__ guard is vLLM's CPU rule.
@@ -20,8 +21,15 @@ def serve(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
+    tp = job.get("tensor_parallel_size", 1)
+    parallel = {}
+    if tp > 1:  # one worker process per rank, each bound to its share of this process's cores
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[r * len(cores) // tp:(r + 1) * len(cores) // tp])) for r in range(tp))
+        parallel = dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(job["dir"], dtype="float32", enforce_eager=True, max_model_len=job["max_model_len"], seed=0,
-              skip_tokenizer_init=job.get("text") is None, max_num_seqs=8, disable_log_stats=True)
+              skip_tokenizer_init=job.get("text") is None, max_num_seqs=8, disable_log_stats=True, **parallel)
     ready = time.monotonic()
     params = SamplingParams(temperature=0, max_tokens=job["new"], logprobs=0, ignore_eos=True,
                             detokenize=job.get("text") is not None, skip_special_tokens=False)
@@ -36,6 +44,7 @@ def serve(job: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     return out
 
 
