@@ -611,7 +611,8 @@ def twins(runs: list[dict]) -> str:
         for route in ROUTES:
             if ("btx", route) in speed:
                 for model in (m for m in MERGES if m not in ("btx", "dense") and (m, route) in speed):
-                    lines.append(f"| {route} | {label} | {model} / btx | {speed[model, route] / speed['btx', route]:.2f} |")
+                    ratio = speed[model, route] / speed["btx", route]
+                    lines.append(f"| {route} | {label} | {model} / btx | {ratio:.2f} |")
     if not lines:
         return ""
     return ("\n\nEach mixture against its BTX twin (same run, same route; bam / btx: what attention experts cost at "

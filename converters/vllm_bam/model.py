@@ -11,9 +11,10 @@ runtime.generate's, for every model kind and every family the tool reads):
                   shared K/V       E*H query heads over the G shared kv heads, ordered (g, e, r) with h = g*rep + r,
                                    so that GQA's j // (E*rep) picks kv head g (blocks.py `_attention_fused`).
                 The attention takes the layer's sliding window (`per_layer_sliding_window`), the attention scale
-                (1/sqrt(attn_scale_dim)) and the logits' soft-cap. Queries and keys go through their QK-norm (QKNorm:
-                per head or over each owner's full width, one weight per expert), then the layer's RoPE (vLLM's
-                get_rope with the scaled-RoPE dictionary; the sliding layers' own base; none in NoPE layers).
+                (attn_scale, or 1/sqrt(attn_scale_dim)) and the logits' soft-cap. Queries and keys go through their
+                QK-norm (QKNorm: per head or over each owner's full width, one weight per expert), then the layer's
+                RoPE (vLLM's get_rope with the scaled-RoPE dictionary; the sliding layers' own base; none in NoPE
+                layers), then the queries through Ministral 3's scale by position (blocks.py `query_scale`).
                 Each query head's output is scaled by its expert's gate (the router's: soft, or top-k with zero for
                 unselected experts; every expert still attends and caches its keys), and ONE RowParallelLinear over
                 the E output projections side by side sums them: sum_e g_e O_e y_e (+ sum_e g_e b_e).
@@ -26,8 +27,10 @@ runtime.generate's, for every model kind and every family the tool reads):
                 gates from runtime/blocks.py `route`.
   norms         vLLM's RMSNorm, GemmaRMSNorm ((1 + w), norm_unit_offset) or LayerNorm, before each sublayer (pre),
                 after it (post: OLMo 2) or both (sandwich: Gemma), and the final norm.
-  rest          VocabParallelEmbedding (tokens, times sqrt(d_model) with scale_embeddings; a learned position
-                table), ParallelLMHead (bias, tying) and vLLM's LogitsProcessor (logit_scale, the final soft-cap).
+  rest          VocabParallelEmbedding (tokens, times sqrt(d_model) with scale_embeddings and Granite's
+                embedding_multiplier; a learned position table), each sublayer's output times Granite's
+                residual_multiplier, ParallelLMHead (bias, tying) and vLLM's LogitsProcessor (logit_scale, the final
+                soft-cap).
 Backends: on vLLM's CPU backend the fused-MoE layer runs its CPU kernel (gated silu/gelu/gelu_tanh), attention
 runs CPU attention (head sizes support.CPU_HEAD_SIZES); on GPUs both are vLLM's own (not measured here).
 Weights are read by name from the export's safetensors; every tensor is consumed and every parameter loaded, or
@@ -55,7 +58,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from bam_surgery.runtime.blocks import ACTIVATIONS, GATED, block_norms, layer_window, route
+from bam_surgery.runtime.blocks import ACTIVATIONS, GATED, block_norms, layer_window, query_scale, route
 from bam_surgery.runtime.routers import make_router
 
 from ..hf_bam.export import canonical_weight_name
@@ -243,7 +246,7 @@ class BamAttention(nn.Module):
         if cfg.qk_norm != "none":
             self.q_norm = QKNorm(cfg, q_owner[q_local], q_pos[q_local], max(E, 1), H, 1)
             self.k_norm = QKNorm(cfg, kv_owner[kv_local], kv_pos[kv_local], E if self.expert_kv else 1, G, replicas)
-        scale = (cfg.attn_scale_dim or Dh) ** -0.5
+        scale = cfg.attn_scale if cfg.attn_scale is not None else (cfg.attn_scale_dim or Dh) ** -0.5
         self.attn = Attention(local_q, Dh, scale, num_kv_heads=local_kv, cache_config=cache_config,
                               quant_config=quant_config, logits_soft_cap=cfg.attn_softcap,
                               per_layer_sliding_window=window, prefix=f"{prefix}.attn")
@@ -259,6 +262,8 @@ class BamAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if self.cfg.attn_temperature is not None:  # Ministral 3: the queries scaled by position, after RoPE
+            q = q * query_scale(self.cfg, positions[None])[0, :, :, 0].to(q.dtype)  # [N, 1]
         y = self.attn(q, k, v)  # [N, local heads * Dh]
         if not self.E:
             return self.o(y)[0]
@@ -381,25 +386,31 @@ class BamBlock(nn.Module):
     def __init__(self, cfg, layer: int, cache_config, quant_config, prefix: str):
         super().__init__()
         self.style, self.where, self.norms = cfg.block, cfg.norm_position, block_norms(cfg)
+        self.residual = cfg.residual_multiplier
         for name in self.norms:
             self.add_module(name, norm_layer(cfg))
         self.attention = BamAttention(cfg, layer, cache_config, quant_config, prefix)
         self.ffn = BamFFN(cfg, quant_config, prefix)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        r = self._residual
         if self.where == "post":
-            h = x + self.attn_post_norm(self.attention(positions, x))
-            return h + self.ffn_post_norm(self.ffn(h))
+            h = x + r(self.attn_post_norm(self.attention(positions, x)))
+            return h + r(self.ffn_post_norm(self.ffn(h)))
         if self.where == "sandwich":
-            h = x + self.attn_post_norm(self.attention(positions, self.attn_norm(x)))
-            return h + self.ffn_post_norm(self.ffn(self.ffn_norm(h)))
+            h = x + r(self.attn_post_norm(self.attention(positions, self.attn_norm(x))))
+            return h + r(self.ffn_post_norm(self.ffn(self.ffn_norm(h))))
         if self.style == "sequential":
-            h = x + self.attention(positions, self.attn_norm(x))
-            return h + self.ffn(self.ffn_norm(h))
+            h = x + r(self.attention(positions, self.attn_norm(x)))
+            return h + r(self.ffn(self.ffn_norm(h)))
         if self.style == "parallel":
             n = self.attn_norm(x)
-            return x + self.attention(positions, n) + self.ffn(n)
-        return x + self.attention(positions, self.attn_norm(x)) + self.ffn(self.ffn_norm(x))
+            return x + r(self.attention(positions, n)) + r(self.ffn(n))
+        return x + r(self.attention(positions, self.attn_norm(x))) + r(self.ffn(self.ffn_norm(x)))
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: times residual_multiplier (Granite's), if not 1."""
+        return y if self.residual == 1.0 else y * self.residual
 
     def weight_targets(self) -> dict[str, tuple]:
         out = {f"{name}.{n}": (p, None, None) for name in self.norms
@@ -432,11 +443,14 @@ class BamForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(cfg.vocab_size, scale=cfg.logit_scale, soft_cap=softcap)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """As runtime/blocks.py embed_tokens: times sqrt(d_model) rounded to the embeddings' dtype first (Gemma's
+        scale_embeddings), then times embedding_multiplier (Granite's)."""
         x = self.embed(input_ids)
-        if not self.config.scale_embeddings:
-            return x
-        # Gemma: times sqrt(d_model), rounded to the embeddings' dtype first (runtime/blocks.py embed_tokens)
-        return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        return x
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,

@@ -1,18 +1,21 @@
 """What the vLLM model (model.py) implements of an HF BAM export's config, declared as data in plain Python (no vLLM,
-no transformers), and the one-line refusal at load time of anything outside it.
+no transformers): vLLM's column of the table of what runs where (converters/carry.py, converters/targets.py), and the
+one-line refusal at load time of anything outside it.
 
-The declaration is three tables:
-  SUPPORTED     one entry per config field of the export (converters/hf_bam/schema_bam.py FIELDS; a test holds the two
-                lists equal, so a field added to the export must be decided here): the values the vLLM model runs (a
-                tuple), or ANY: every value is served as the runtime computes it, or the field matters only to
-                training (losses, the key store's update rules) or to labels;
-  COMBINATIONS  values served alone but not together: (the fields, the test on the config, what is refused and why);
+The declaration:
+  SUPPORTED     per config field of the export (converters/hf_bam/schema_bam.py FIELDS): the values the vLLM model
+                runs (a tuple), or ANY: every value is served as the runtime computes it, or the field matters only to
+                training (losses, the key store's update rules) or to labels. A field of the export not listed here
+                is served at its default only: a field added to the export is refused by vLLM until it is decided here;
+  COMBINATIONS  values served alone but not together: rules of the column (converters/carry.py `rule`);
   LENGTHS       scaled RoPE types whose result vLLM matches only up to a length: rope_type -> (the config's limit as
-                a function of it, the limit's name, why). The engine's max_model_len must not pass it.
+                a function of it, the limit's name, why). The engine's max_model_len must not pass it (checked when
+                vLLM builds the model, where the length is known).
 """
 from __future__ import annotations
 
 from ..base import CapabilityError
+from ..carry import Column, anything, rule, values
 from ..hf_bam import schema_bam
 
 ANY = None
@@ -37,6 +40,9 @@ SUPPORTED: dict[str, tuple | None] = {
     "norm_position": ("pre", "post", "sandwich"), "norm_unit_offset": ANY, "scale_embeddings": ANY,
     "attn_window": ANY, "attn_window_layers": ANY, "window_rope_theta": ANY, "attn_scale_dim": ANY,
     "attn_softcap": ANY, "final_softcap": ANY,
+    # Granite's multipliers and attention scale of its own; queries scaled by position (Ministral 3)
+    "embedding_multiplier": ANY, "residual_multiplier": ANY, "attn_scale": ANY, "attn_temperature": ANY,
+    "attn_temperature_length": ANY,
     # ---- mixture ----
     "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
     "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),
@@ -56,10 +62,11 @@ def _rope_type(cfg) -> str | None:
 COMBINATIONS = (
     # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts through it
     # with a constant gate), and has no gated ReLU
-    (("ffn_experts", "activation"), lambda cfg: bool(cfg.ffn_experts) and cfg.activation == "relu",
-     "FFN experts with activation relu (its fused-MoE layer has no ReLU experts)"),
-    (("scaled_rope", "rope_interleaved"), lambda cfg: _rope_type(cfg) == "longrope" and cfg.rope_interleaved,
-     "longrope with rope_interleaved (vLLM's longrope rotates half-split pairs only)"),
+    rule(("ffn_experts", "activation"), lambda cfg: not (cfg.ffn_experts and cfg.activation == "relu"),
+         "FFN experts with activation relu (its fused-MoE layer has no ReLU experts)", "", "no ReLU experts"),
+    rule(("scaled_rope", "rope_interleaved"), lambda cfg: not (_rope_type(cfg) == "longrope" and cfg.rope_interleaved),
+         "longrope with rope_interleaved (vLLM's longrope rotates half-split pairs only)", "",
+         {"scaled_rope": "longrope not with rope_interleaved", "rope_interleaved": "true or false; not with longrope"}),
 )
 
 
@@ -84,6 +91,12 @@ LENGTHS = {
     "yarn": (_yarn_cover, "original_max_position_embeddings x factor",
              "vLLM's YaRN table covers that many positions"),
 }
+# the table's words for scaled_rope: every type, three of them up to a length
+_SCALED_ROPE = ("every type (longrope up to original_max_position_embeddings, dynamic up to max_positions, yarn up "
+                "to original x factor: the engine's --max-model-len)")
+COLUMN = Column("vllm", (*[(anything(f, shown=_SCALED_ROPE) if f == "scaled_rope" else anything(f))[0]
+                           if allowed is ANY else values(f, allowed) for f, allowed in SUPPORTED.items()],
+                         *COMBINATIONS))
 
 
 def vllm_problems(cfg, max_model_len: int | None = None) -> list[str]:
@@ -91,12 +104,12 @@ def vllm_problems(cfg, max_model_len: int | None = None) -> list[str]:
     implement, one phrase each; empty when it serves the model as the runtime computes it. max_model_len: the
     engine's longest sequence (None: not known yet, LENGTHS unchecked)."""
     problems = []
-    for name in schema_bam.FIELDS:
-        if name not in SUPPORTED:
-            problems.append(f"config field {name!r} (unknown to it)")
-        elif SUPPORTED[name] is not ANY and getattr(cfg, name) not in SUPPORTED[name]:
-            problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, SUPPORTED[name]))})")
-    problems += [reason for _, refused, reason in COMBINATIONS if refused(cfg)]
+    for row in COLUMN.failures(cfg, schema_bam.FIELDS):
+        if row.allowed is None:
+            problems.append(row.needs_text(cfg))
+        else:
+            name = row.fields[0]
+            problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, row.allowed))})")
     kind = _rope_type(cfg)
     if max_model_len is not None and kind in LENGTHS:
         limit, name, why = LENGTHS[kind]

@@ -129,6 +129,14 @@ FAMILIES = {
                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, **LONG_FACTORS)),
     "qwen3": {}, "gemma2": {}, "gemma3": {}, "mistral-window": {}, "qwen2-window": {}, "olmo2": {}, "olmo3": {},
     "smollm3": {},
+    "granite": dict(max_position_embeddings=128,
+                    rope_parameters=dict(LLAMA32_ROPE, original_max_position_embeddings=32)),
+    # the queries' scale by position steps at every 32 tokens (the YaRN original length), so the prompts pass it
+    "ministral3": dict(max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=32, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)),
+    "exaone4": dict(max_position_embeddings=128,
+                    rope_parameters=dict(LLAMA32_ROPE, original_max_position_embeddings=32)),
 }
 RECIPES = ("bam", "bam-shared-kv")
 KEEP = {"bam": lambda name: False,  # what the specialists share with the seed (tests/surgery/test_merge_families.py)
@@ -199,7 +207,7 @@ def export(model: Model, fmt: str, folder: Path, tokenizer_files) -> Path:
     save_model(model, folder / "canonical.safetensors")
     with CheckpointReader(folder / "canonical.safetensors") as reader:
         if fmt == "llama":  # a dense model as Llama, the tokenizer carried from its folder
-            return save_hf(reader, folder / "export", "llama", tokenizer_from=tokenizer_files[0].parent)
+            return save_hf(reader, folder / "export", "llama", tokenizer_files=tokenizer_files)
         return exporter(fmt).write(reader, folder / "export", ExportOptions(
             tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))
 
