@@ -449,7 +449,7 @@ def run_all(args) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-deploy-") as tmp:
         folder = Path(tmp)
-        os.environ["XDG_CACHE_HOME"] = str(folder / "xdg-cache")  # the merges' digest cache, removed with tmp
+        os.environ["BAM_SURGERY_CACHE"] = str(folder / "cache")  # the merges' digest cache, removed with tmp
         if args.models_from:
             models = built_models(args.models_from, args.models)
         else:
@@ -491,7 +491,7 @@ def run_pythons(args, argv: list[str]) -> list[dict]:
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-deploy-models-") as tmp:
         folder = Path(tmp)
-        os.environ["XDG_CACHE_HOME"] = str(folder / "xdg-cache")
+        os.environ["BAM_SURGERY_CACHE"] = str(folder / "cache")
         print(f"building the models ({args.size}) in {folder} ...", file=sys.stderr, flush=True)
         build_models(folder, SIZES[args.size], args.new_tokens, args.top_k, args.seed, args.shared_gate_norm,
                      args.models)

@@ -43,9 +43,16 @@ SUPPORTED: dict[str, tuple | None] = {
     # Granite's multipliers and attention scale of its own; queries scaled by position (Ministral 3)
     "embedding_multiplier": ANY, "residual_multiplier": ANY, "attn_scale": ANY, "attn_temperature": ANY,
     "attn_temperature_length": ANY,
+    # Qwen3.5's Gated DeltaNet layers and gated attention, Gemma 4's per-layer geometry, shared K/V layers and
+    # per-layer inputs: not in the vLLM model, refused at load (its native qwen3_5 / gemma4 models serve the
+    # native exports)
+    "linear_layers": (None,), "linear_key_heads": ANY, "linear_value_heads": ANY, "linear_key_dim": ANY,
+    "linear_value_dim": ANY, "linear_conv": ANY, "attn_output_gate": (False,), "global_head_dim": (None,),
+    "global_kv_heads": (None,), "global_k_eq_v": (False,), "v_norm": (False,), "kv_shared_layers": (0,),
+    "kv_shared_ffn_hidden": ANY, "per_layer_dim": (0,), "per_layer_vocab": ANY, "layer_scale": (False,),
     # ---- mixture ----
     "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
-    "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),
+    "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"), "linear_experts": (0,),
     "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
     "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
     "router_hidden": ANY, "router_temperature": ANY,
@@ -59,7 +66,12 @@ def _rope_type(cfg) -> str | None:
     return None if cfg.scaled_rope is None or cfg.position != "rope" else cfg.scaled_rope["rope_type"]
 
 
+SERVED_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")  # model.py rope_parameters: vLLM's get_rope types
+
 COMBINATIONS = (
+    # Gemma 4's proportional RoPE is not in the plugin's get_rope dictionaries (model.py rope_parameters)
+    rule("scaled_rope", lambda cfg: _rope_type(cfg) in (None, *SERVED_ROPE),
+         lambda cfg: f"scaled_rope of type {_rope_type(cfg)} (it runs {', '.join(SERVED_ROPE)})", "", "no proportional"),
     # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts through it
     # with a constant gate), and has no gated ReLU
     rule(("ffn_experts", "activation"), lambda cfg: not (cfg.ffn_experts and cfg.activation == "relu"),
@@ -92,8 +104,8 @@ LENGTHS = {
              "vLLM's YaRN table covers that many positions"),
 }
 # the table's words for scaled_rope: every type, three of them up to a length
-_SCALED_ROPE = ("every type (longrope up to original_max_position_embeddings, dynamic up to max_positions, yarn up "
-                "to original x factor: the engine's --max-model-len)")
+_SCALED_ROPE = (f"{', '.join(SERVED_ROPE)} (longrope up to original_max_position_embeddings, dynamic up to "
+                "max_positions, yarn up to original x factor: the engine's --max-model-len)")
 COLUMN = Column("vllm", (*[(anything(f, shown=_SCALED_ROPE) if f == "scaled_rope" else anything(f))[0]
                            if allowed is ANY else values(f, allowed) for f, allowed in SUPPORTED.items()],
                          *COMBINATIONS))

@@ -86,6 +86,17 @@ KINDS = {
                                         scaled_rope=dict(rope_type="yarn", factor=4.0,
                                                          original_max_position_embeddings=32))),
     "btx-flex-olmo": ("flex_olmo", dict(BTX, qk_norm="full", norm_position="post")),
+    # Gemma 4 in vLLM's own model: dense (a Gemma 4 mixture has no native form; its HF BAM export is refused by the
+    # plugin in one line), its global layers of twice the head size with one kv head and K = V, proportional RoPE, the
+    # last two layers reading the first two's K/V with double-wide MLPs, per-layer inputs. (Qwen3.5 is not here: vLLM
+    # 0.32's qwen3_5.py imports its Qwen3-VL vision code, which needs a torchvision this CPU stage has none of.)
+    "dense-gemma4": ("hf", dict(n_layers=4, block="sequential", norm="rmsnorm", activation="geglu_tanh", n_kv_heads=2,
+                                qk_norm="head", norm_position="sandwich", scale_embeddings=True, attn_scale_dim=1,
+                                attn_window=8, attn_window_layers=[0, 2], window_rope_theta=10000.0,
+                                rope_theta=1e6, scaled_rope=dict(rope_type="proportional", partial_rotary_factor=0.25),
+                                global_head_dim=128, global_kv_heads=1, global_k_eq_v=True, v_norm=True,
+                                kv_shared_layers=2, kv_shared_ffn_hidden=512, per_layer_dim=64, layer_scale=True,
+                                final_softcap=30.0, tie_embeddings=True)),
     "bam-expert-kv": ("hf", dict(block="parallel", norm="layernorm", activation="swiglu", rotary_fraction=0.5,
                                  n_kv_heads=2, attn_experts=3, ffn_experts=3, ffn_top_k=2, gate_norm="softmax",
                                  tie_embeddings=True, lm_head_bias=True, logit_scale=0.5,
@@ -142,6 +153,7 @@ RECIPES = ("bam", "bam-shared-kv")
 KEEP = {"bam": lambda name: False,  # what the specialists share with the seed (tests/surgery/test_merge_families.py)
         "bam-shared-kv": lambda name: any(f".attn.{p}." in name for p in ("k", "v", "k_norm"))}
 SERVER_MODEL = "gemma3/bam"
+DENSE_ARCH = {"dense": "llama", "dense-gemma4": "gemma4_text"}  # the dense kinds, through vLLM's own models
 # name -> (the engine's max_model_len, the one line it refuses the model with)
 REFUSALS = {"llama-longrope/bam past its original length": (
     MAX_LEN, "scaled_rope longrope at max_model_len 128, past original_max_position_embeddings=48")}
@@ -158,8 +170,8 @@ def family_models() -> dict[str, tuple[str, str]]:
 
 def random_model(kind: str, seed: int) -> Model:
     """Random weights with spread-out logits; routers scaled up so routing is far from uniform."""
-    cfg = ModelConfig(vocab_size=V, d_model=256, n_layers=2, n_heads=4, head_dim=64, ffn_hidden=256,
-                      max_positions=MAX_LEN, name=kind, **KINDS[kind][1])
+    cfg = ModelConfig(**{**dict(vocab_size=V, d_model=256, n_layers=2, n_heads=4, head_dim=64, ffn_hidden=256,
+                            max_positions=MAX_LEN, name=kind), **KINDS[kind][1]})
     model = Model(cfg)
     model.reset_parameters(std=0.2, seed=seed)
     return decisive_routers(model, seed)
@@ -206,8 +218,8 @@ def runtime_reference(model: Model, prompt: list[int]) -> tuple[list[int], list[
 def export(model: Model, fmt: str, folder: Path, tokenizer_files) -> Path:
     save_model(model, folder / "canonical.safetensors")
     with CheckpointReader(folder / "canonical.safetensors") as reader:
-        if fmt == "llama":  # a dense model as Llama, the tokenizer carried from its folder
-            return save_hf(reader, folder / "export", "llama", tokenizer_files=tokenizer_files)
+        if fmt in ("llama", "gemma4_text"):  # a dense model as its HF architecture, the tokenizer from its folder
+            return save_hf(reader, folder / "export", fmt, tokenizer_files=tokenizer_files)
         return exporter(fmt).write(reader, folder / "export", ExportOptions(
             tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))
 
@@ -236,7 +248,7 @@ def models(tokenizer_files, tmp_path_factory) -> dict[str, dict]:
     for name, fmt, build in built:
         model = build()
         folder = tmp_path_factory.mktemp(name.replace("/", "-") + "-export")
-        out[name] = {"dir": str(export(model, "llama" if name == "dense" else fmt, folder, tokenizer_files)),
+        out[name] = {"dir": str(export(model, DENSE_ARCH.get(name, fmt), folder, tokenizer_files)),
                      "max_len": min(MAX_LEN, model.config.max_positions),
                      "expected": [runtime_reference(model, p) for p in PROMPTS],
                      "text": runtime_reference(model, TEXT_PROMPT)[0]}
