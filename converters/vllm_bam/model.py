@@ -25,7 +25,7 @@ runtime.generate's, for every model kind and every family the tool reads):
                 tanh-GELU, SiLU) run in the same layer with a constant gate (MOE_ACTIVATION); ReLU experts are refused.
   routers       the runtime's own router modules (runtime/routers.py: every kind, replicated on every rank),
                 gates from runtime/blocks.py `route`.
-  norms         vLLM's RMSNorm, GemmaRMSNorm ((1 + w), norm_unit_offset) or LayerNorm, before each sublayer (pre),
+  norms         vLLM's RMSNorm or LayerNorm, or UnitOffsetRMSNorm ((1 + w), norm_unit_offset), before each sublayer (pre),
                 after it (post: OLMo 2) or both (sandwich: Gemma), and the final norm.
   rest          VocabParallelEmbedding (tokens, times sqrt(d_model) with scale_embeddings and Granite's
                 embedding_multiplier; a learned position table), each sublayer's output times Granite's
@@ -49,7 +49,7 @@ from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_p
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-from vllm.model_executor.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
+from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -77,13 +77,28 @@ def _load(param: nn.Parameter, tensor: torch.Tensor, *shard) -> None:
     getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by 1 + weight (norm_unit_offset), in float32 and cast back, as runtime/blocks.py Norm (and
+    vLLM's own layer for that norm, op for op)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def norm_layer(cfg, width: int | None = None) -> nn.Module:
-    """A block's or the final norm as vLLM's layer: LayerNorm (bias with norm_bias), RMSNorm, or GemmaRMSNorm (scaling
+    """A block's or the final norm: vLLM's LayerNorm (bias with norm_bias) or RMSNorm, or UnitOffsetRMSNorm (scaling
     by 1 + weight: norm_unit_offset)."""
     width = width or cfg.d_model
     if cfg.norm == "layernorm":
         return LayerNorm(width, eps=cfg.norm_eps, bias=cfg.norm_bias)
-    return (GemmaRMSNorm if cfg.norm_unit_offset else RMSNorm)(width, eps=cfg.norm_eps)
+    return (UnitOffsetRMSNorm if cfg.norm_unit_offset else RMSNorm)(width, eps=cfg.norm_eps)
 
 
 def rope_parameters(cfg, local: bool) -> dict:
