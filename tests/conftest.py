@@ -810,14 +810,15 @@ def export_carries(source) -> dict:
     return dict(tokenizer_files=inputs.files, generation=inputs.generation)
 
 
-def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False) -> list[Path]:
-    """HF folders root/NAME of FAMILY_CASES[case]: a random seed (random_hf_model) and specialists branched from it
-    (branch_state), each written back in the family's own format by the exporter, so every one loads in
-    transformers."""
+def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False,
+                   **overrides) -> list[Path]:
+    """HF folders root/NAME of FAMILY_CASES[case] (its config's entries replaced by `overrides`): a random seed
+    (random_hf_model) and specialists branched from it (branch_state), each written back in the family's own format
+    by the exporter, so every one loads in transformers."""
     from bam_surgery.converters import open_checkpoint
     from bam_surgery.converters.hf import save_hf
 
-    random_hf_model(*FAMILY_CASES[case]).save_pretrained(root / names[0])
+    random_hf_model(*FAMILY_CASES[case], **overrides).save_pretrained(root / names[0])
     with open_checkpoint(str(root / names[0])) as seed:
         state = {n: seed.get(n) for n in seed.names()}
         for j, name in enumerate(names[1:], 1):

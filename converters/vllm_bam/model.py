@@ -3,26 +3,34 @@ vLLM's own layers, so vLLM's paged KV cache, continuous batching and tensor para
 vLLM only (the plugin, __init__.py, names this module as a string).
 
 The math is runtime/blocks.py's fused path (tests/compat/test_vllm.py holds the tokens and logprobs to
-runtime.generate's):
+runtime.generate's, for every model kind and every family the tool reads):
   attention     one QKVParallelLinear and one vLLM Attention per block, over
                   dense            H query heads, G kv heads;
                   expert K/V       E*H query heads and E*G kv heads, expert-major (head e*H + h reads kv head
                                    e*G + h // rep: vLLM's GQA rule, so every expert attends to its own K/V);
                   shared K/V       E*H query heads over the G shared kv heads, ordered (g, e, r) with h = g*rep + r,
                                    so that GQA's j // (E*rep) picks kv head g (blocks.py `_attention_fused`).
+                The attention takes the layer's sliding window (`per_layer_sliding_window`), the attention scale
+                (attn_scale, or 1/sqrt(attn_scale_dim)) and the logits' soft-cap. Queries and keys go through their
+                QK-norm (QKNorm: per head or over each owner's full width, one weight per expert), then the layer's
+                RoPE (vLLM's get_rope with the scaled-RoPE dictionary; the sliding layers' own base; none in NoPE
+                layers), then the queries through Ministral 3's scale by position (blocks.py `query_scale`).
                 Each query head's output is scaled by its expert's gate (the router's: soft, or top-k with zero for
                 unselected experts; every expert still attends and caches its keys), and ONE RowParallelLinear over
                 the E output projections side by side sums them: sum_e g_e O_e y_e (+ sum_e g_e b_e).
-  FFN           dense: MergedColumnParallelLinear (gate, up) + SiluAndMul, or ColumnParallelLinear + activation,
-                then RowParallelLinear. Experts: vLLM's fused-MoE layer (FusedMoEFactory) over the router's logits,
-                softmax then top-k, renormalized for gate_norm topk_softmax. The
-                shared expert is a dense FFN beside it, times sigmoid(w . x). Ungated experts (GELU, tanh-GELU,
-                SiLU) run in the same layer with a constant gate (MOE_ACTIVATION); ReLU experts are refused.
+  FFN           dense: MergedColumnParallelLinear (gate, up) + SiluAndMul or GeluAndMul (Gemma's tanh GeGLU), or
+                ColumnParallelLinear + activation, then RowParallelLinear. Experts: vLLM's fused-MoE layer
+                (FusedMoEFactory) over the router's logits, softmax then top-k, renormalized for gate_norm
+                topk_softmax. The shared expert is a dense FFN beside it, times sigmoid(w . x). Ungated experts (GELU,
+                tanh-GELU, SiLU) run in the same layer with a constant gate (MOE_ACTIVATION); ReLU experts are refused.
   routers       the runtime's own router modules (runtime/routers.py: every kind, replicated on every rank),
                 gates from runtime/blocks.py `route`.
-  rest          VocabParallelEmbedding (tokens; a learned position table), vLLM's RoPE (get_rope: neox or
-                interleaved, partial rotary), runtime/blocks.py's Norm, ParallelLMHead (bias, tying) and vLLM's
-                LogitsProcessor (logit_scale).
+  norms         vLLM's RMSNorm or LayerNorm, or UnitOffsetRMSNorm ((1 + w), norm_unit_offset), before each sublayer (pre),
+                after it (post: OLMo 2) or both (sandwich: Gemma), and the final norm.
+  rest          VocabParallelEmbedding (tokens, times sqrt(d_model) with scale_embeddings and Granite's
+                embedding_multiplier; a learned position table), each sublayer's output times Granite's
+                residual_multiplier, ParallelLMHead (bias, tying) and vLLM's LogitsProcessor (logit_scale, the final
+                soft-cap).
 Backends: on vLLM's CPU backend the fused-MoE layer runs its CPU kernel (gated silu/gelu/gelu_tanh), attention
 runs CPU attention (head sizes support.CPU_HEAD_SIZES); on GPUs both are vLLM's own (not measured here).
 Weights are read by name from the export's safetensors; every tensor is consumed and every parameter loaded, or
@@ -30,15 +38,18 @@ loading stops with one line naming the tensor.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_reduce)
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -47,22 +58,83 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from bam_surgery.runtime.blocks import ACTIVATIONS, Norm, route
+from bam_surgery.runtime.blocks import ACTIVATIONS, GATED, block_norms, layer_window, query_scale, route
 from bam_surgery.runtime.routers import make_router
 
 from ..hf_bam.export import canonical_weight_name
 from .support import check_vllm
 
 
-# the fused-MoE layer computes act(w1 x + b1) * (w3 x + b3): SwiGLU experts as they are; an ungated expert act(up x + b)
-# runs as w1 = up, b1 = b, w3 = 0, b3 = 1 (exact, at twice the up projection's work). ReLU has no gated form there
-# (support.py refuses it).
-MOE_ACTIVATION = {"swiglu": "silu", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+# the fused-MoE layer computes act(w1 x + b1) * (w3 x + b3): gated experts (SwiGLU, Gemma's tanh GeGLU) as they are; an
+# ungated expert act(up x + b) runs as w1 = up, b1 = b, w3 = 0, b3 = 1 (exact, at twice the up projection's work).
+# ReLU has no gated form there (support.py refuses it).
+MOE_ACTIVATION = {"swiglu": "silu", "geglu_tanh": "gelu_tanh", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+GATED_ACT = {"swiglu": SiluAndMul, "geglu_tanh": lambda: GeluAndMul(approximate="tanh")}  # act(gate x) * up x
 EXPERT_SHARDS = {"gate": ("w13", "w1"), "up": ("w13", "w3"), "down": ("w2", "w2")}  # gated; ungated: up -> w1
 
 
 def _load(param: nn.Parameter, tensor: torch.Tensor, *shard) -> None:
     getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
+
+
+class UnitOffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by 1 + weight (norm_unit_offset), in float32 and cast back, as runtime/blocks.py Norm (and
+    vLLM's own layer for that norm, op for op)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def norm_layer(cfg, width: int | None = None) -> nn.Module:
+    """A block's or the final norm: vLLM's LayerNorm (bias with norm_bias) or RMSNorm, or UnitOffsetRMSNorm (scaling
+    by 1 + weight: norm_unit_offset)."""
+    width = width or cfg.d_model
+    if cfg.norm == "layernorm":
+        return LayerNorm(width, eps=cfg.norm_eps, bias=cfg.norm_bias)
+    return (UnitOffsetRMSNorm if cfg.norm_unit_offset else RMSNorm)(width, eps=cfg.norm_eps)
+
+
+def rope_parameters(cfg, local: bool) -> dict:
+    """vLLM's get_rope dictionary for the config's RoPE, as the runtime computes it (blocks.py rope_frequencies): plain,
+    or scaled_rope's type with the values the runtime derives when they are left out; local: the sliding layers'
+    plain RoPE of base window_rope_theta."""
+    if local:
+        return {"rope_type": "default", "rope_theta": cfg.window_rope_theta}
+    s = cfg.scaled_rope
+    kind = "default" if s is None else s["rope_type"]
+    out = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+    if kind in ("linear", "llama3"):
+        out |= {k: v for k, v in s.items() if k != "rope_type"}
+    elif kind == "dynamic":  # plain RoPE within max_positions (support.LENGTHS keeps the engine there)
+        out |= {"factor": s["factor"], "max_trained_positions": cfg.max_positions}
+    elif kind in ("yarn", "longrope"):
+        original = s["original_max_position_embeddings"]
+        factor = s.get("factor") or cfg.max_positions / original
+        out |= {k: v for k, v in s.items() if k not in ("rope_type", "factor", "attention_factor")}
+        if kind == "yarn":
+            out |= {"factor": factor} | ({"attention_factor": s["attention_factor"]} if "attention_factor" in s else {})
+        else:  # both tables scaled by attention_factor, else sqrt(1 + ln(factor) / ln(original))
+            scale = s.get("attention_factor")
+            if scale is None:
+                scale = 1.0 if factor <= 1.0 else (1 + math.log(factor) / math.log(original)) ** 0.5
+            out |= {"short_mscale": scale, "long_mscale": scale}
+    return out
+
+
+def layer_rope(cfg, layer: int, sliding: bool) -> nn.Module | None:
+    """The RoPE of one layer (vLLM's get_rope), or None: no RoPE (learned or no positions; a NoPE layer)."""
+    if cfg.position != "rope" or layer in (cfg.nope_layers or ()):
+        return None
+    params = rope_parameters(cfg, local=sliding and cfg.window_rope_theta is not None)
+    return get_rope(cfg.head_dim, max_position=cfg.max_positions, is_neox_style=not cfg.rope_interleaved,
+                    rope_parameters=params | {"rope_dim": cfg.rotary_dim})
 
 
 class BamMLP(nn.Module):
@@ -71,10 +143,10 @@ class BamMLP(nn.Module):
     def __init__(self, cfg, hidden: int, prefix: str):
         super().__init__()
         D, bias = cfg.d_model, cfg.ffn_bias
-        self.gated = cfg.activation == "swiglu"
+        self.gated = cfg.activation in GATED
         if self.gated:
             self.gate_up = MergedColumnParallelLinear(D, [hidden, hidden], bias=bias, prefix=f"{prefix}.gate_up")
-            self.act = SiluAndMul()
+            self.act = GATED_ACT[cfg.activation]()
         else:
             self.up = ColumnParallelLinear(D, hidden, bias=bias, prefix=f"{prefix}.up")
             self.act = ACTIVATIONS[cfg.activation]
@@ -101,10 +173,61 @@ class BamMLP(nn.Module):
         return out
 
 
+class QKNorm(nn.Module):
+    """The QK-norm of one projection (q or k) over this rank's heads [N, heads*Dh], before RoPE: each head normed
+    over its Dh (qk_norm head: Qwen3, Gemma 3) or over the full width of its owner (qk_norm full: OLMo 2), where the
+    owner is the attention expert the head belongs to (each expert has its own norm: weight [E, width]) or the one
+    dense or shared projection (weight [width]). vLLM's RMSNorm holds one weight vector over contiguous features; here
+    the heads of several experts interleave (shared K/V's (g, e, r) order) and split across ranks, so the weight is
+    kept per local head ([heads, Dh], gathered from the stored tensor at load) and a full-width norm sums each
+    owner's statistics over its heads, across ranks (an all-reduce) when tensor parallel. Math as runtime/blocks.py
+    Norm: RMSNorm in float32 (times 1 + weight with norm_unit_offset), or LayerNorm (bias with norm_bias)."""
+
+    def __init__(self, cfg, owner: torch.Tensor, position: torch.Tensor, owners: int, per_owner: int, replicas: int):
+        """owner, position: per head on this rank, its owner (expert, or 0) and its index among the owner's heads;
+        owners: how many (E, or 1); per_owner: heads per owner; replicas: ranks holding each head (kv heads
+        replicated when the tensor-parallel size passes their count)."""
+        super().__init__()
+        Dh = cfg.head_dim
+        self.full, self.layernorm = cfg.qk_norm == "full", cfg.norm == "layernorm"
+        self.eps, self.unit_offset, self.head_dim = cfg.norm_eps, cfg.norm_unit_offset, Dh
+        self.owners, self.per_owner_width, self.replicas = owners, per_owner * Dh, replicas
+        self.tp = get_tensor_model_parallel_world_size()
+        self.register_buffer("owner", owner, persistent=False)
+        self.register_buffer("position", position if self.full else torch.zeros_like(position), persistent=False)
+        self.weight = nn.Parameter(torch.ones(owner.numel(), Dh))
+        self.bias = nn.Parameter(torch.zeros(owner.numel(), Dh)) if cfg.norm_bias else None
+
+    def local(self, stored: torch.Tensor) -> torch.Tensor:
+        """The stored weight or bias ([width] or [E, width]) -> this rank's [heads, Dh], in head order."""
+        return stored.reshape(self.owners, -1, self.head_dim)[self.owner, self.position]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().reshape(x.shape[0], -1, self.head_dim)  # [N, heads, Dh] (x: a column slice of qkv)
+        if self.layernorm:
+            xf = xf - self._mean(xf)
+        xf = xf * torch.rsqrt(self._mean(xf.pow(2)) + self.eps)
+        weight = self.weight.float()
+        xf = xf * (1.0 + weight if self.unit_offset else weight)
+        if self.bias is not None:
+            xf = xf + self.bias.float()
+        return xf.to(x.dtype).view(x.shape)
+
+    def _mean(self, v: torch.Tensor) -> torch.Tensor:
+        """The mean of v [N, heads, Dh] over each head (per-head norm) or over each owner's heads on every rank
+        (full width): [N, heads, 1]."""
+        if not self.full:
+            return v.mean(-1, keepdim=True)
+        sums = v.new_zeros(v.shape[0], self.owners).index_add_(1, self.owner, v.sum(-1))
+        if self.tp > 1:
+            sums = tensor_model_parallel_all_reduce(sums)
+        return (sums / (self.per_owner_width * self.replicas))[:, self.owner, None]
+
+
 class BamAttention(nn.Module):
     """Dense attention, or soft/top-k Mixture-of-Attention with expert or shared K/V, as one vLLM attention."""
 
-    def __init__(self, cfg, cache_config, quant_config, prefix: str):
+    def __init__(self, cfg, layer: int, cache_config, quant_config, prefix: str):
         super().__init__()
         self.cfg = cfg
         D, H, G, Dh, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attn_experts
@@ -114,33 +237,48 @@ class BamAttention(nn.Module):
         if n_q % tp or (n_kv % tp and tp % n_kv):
             raise ValueError(f"tensor parallel size {tp} does not divide the {n_q} query heads and {n_kv} kv heads "
                              "of this model's attention")
-        self.q_size, self.kv_size = n_q // tp * Dh, max(1, n_kv // tp) * Dh
+        local_q, local_kv, replicas = n_q // tp, max(1, n_kv // tp), max(1, tp // n_kv)
+        self.q_size, self.kv_size = local_q * Dh, local_kv * Dh
         self.qkv = QKVParallelLinear(D, Dh, n_q, n_kv, bias=cfg.qkv_bias, quant_config=quant_config,
                                      prefix=f"{prefix}.qkv")
         # a mixture's output biases are summed under the gates (sum_e g_e b_e), not added once
         self.o = RowParallelLinear(n_q * Dh, D, bias=cfg.o_bias and not E, quant_config=quant_config,
                                    prefix=f"{prefix}.o")
-        self.rotary = None
-        if cfg.position == "rope":
-            self.rotary = get_rope(Dh, max_position=cfg.max_positions, is_neox_style=not cfg.rope_interleaved,
-                                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                                    "rope_dim": cfg.rotary_dim})
-        self.attn = Attention(n_q // tp, Dh, Dh ** -0.5, num_kv_heads=max(1, n_kv // tp), cache_config=cache_config,
-                              quant_config=quant_config, prefix=f"{prefix}.attn")
+        window = layer_window(cfg, layer)
+        self.rotary = layer_rope(cfg, layer, window is not None)
+        # the owner (expert) of each query and kv head, and its index among the owner's heads (module docstring)
+        q, kv = torch.arange(n_q), torch.arange(n_kv)
+        if not E:
+            q_owner, q_pos = torch.zeros_like(q), q
+        elif self.expert_kv:
+            q_owner, q_pos = q // H, q % H
+        else:
+            rep = H // G
+            q_owner, q_pos = (q // rep) % E, (q // (E * rep)) * rep + q % rep
+        kv_owner, kv_pos = (kv // G, kv % G) if self.expert_kv else (torch.zeros_like(kv), kv)
+        q_local = slice(rank * local_q, (rank + 1) * local_q)
+        kv_local = slice(rank // replicas * local_kv, (rank // replicas + 1) * local_kv)
+        if cfg.qk_norm != "none":
+            self.q_norm = QKNorm(cfg, q_owner[q_local], q_pos[q_local], max(E, 1), H, 1)
+            self.k_norm = QKNorm(cfg, kv_owner[kv_local], kv_pos[kv_local], E if self.expert_kv else 1, G, replicas)
+        scale = cfg.attn_scale if cfg.attn_scale is not None else (cfg.attn_scale_dim or Dh) ** -0.5
+        self.attn = Attention(local_q, Dh, scale, num_kv_heads=local_kv, cache_config=cache_config,
+                              quant_config=quant_config, logits_soft_cap=cfg.attn_softcap,
+                              per_layer_sliding_window=window, prefix=f"{prefix}.attn")
         if E:
             self.router = make_router(cfg.attn_router_kind, cfg, E)
             self.o_bias = nn.Parameter(torch.empty(E, D)) if cfg.o_bias else None
-            # the expert of each query head on this rank (heads ordered as the module docstring says)
-            heads = torch.arange(n_q)
-            expert = heads // H if self.expert_kv else (heads // (H // G)) % E
-            local = n_q // tp
-            self.register_buffer("head_expert", expert[rank * local:(rank + 1) * local], persistent=False)
+            self.register_buffer("head_expert", q_owner[q_local], persistent=False)  # each local query head's expert
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.cfg.qk_norm != "none":
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if self.cfg.attn_temperature is not None:  # Ministral 3: the queries scaled by position, after RoPE
+            q = q * query_scale(self.cfg, positions[None])[0, :, :, 0].to(q.dtype)  # [N, 1]
         y = self.attn(q, k, v)  # [N, local heads * Dh]
         if not self.E:
             return self.o(y)[0]
@@ -189,6 +327,11 @@ class BamAttention(nn.Module):
             for name, (param, shard, reorder) in list(out.items()):
                 if name.endswith((".q.weight", ".k.weight", ".v.weight")):
                     out[name.replace(".weight", ".bias")] = (self.qkv.bias, shard, reorder)
+        if cfg.qk_norm != "none":
+            owners = {"q": "attn_experts" if E else "attn", "k": "attn_experts" if self.expert_kv else "attn"}
+            for p, owner in owners.items():
+                norm = getattr(self, f"{p}_norm")
+                out |= {f"{owner}.{p}_norm.{n}": (t, None, norm.local) for n, t in norm.named_parameters()}
         return out
 
 
@@ -202,11 +345,12 @@ class BamFFN(nn.Module):
             self.dense = BamMLP(cfg, cfg.ffn_hidden, f"{prefix}.ffn")
             return
         self.router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
-        self.gated = cfg.activation == "swiglu"
+        self.gated = cfg.activation in GATED
         self.experts = FusedMoEFactory(num_experts=cfg.ffn_experts, top_k=cfg.ffn_top_k, hidden_size=cfg.d_model,
                                        intermediate_size=cfg.ffn_hidden, renormalize=cfg.gate_norm == "topk_softmax",
                                        quant_config=quant_config, prefix=f"{prefix}.experts",
-                                       activation=MOE_ACTIVATION[cfg.activation], has_bias=cfg.ffn_bias or not self.gated)
+                                       activation=MOE_ACTIVATION[cfg.activation],
+                                       has_bias=cfg.ffn_bias or not self.gated)
         if cfg.ffn_shared_hidden:
             self.shared = BamMLP(cfg, cfg.ffn_shared_hidden, f"{prefix}.ffn_shared")
             self.shared_gate = ReplicatedLinear(cfg.d_model, 1, bias=False, prefix=f"{prefix}.ffn_shared_gate")
@@ -254,28 +398,38 @@ class BamFFN(nn.Module):
 
 
 class BamBlock(nn.Module):
-    def __init__(self, cfg, cache_config, quant_config, prefix: str):
+    def __init__(self, cfg, layer: int, cache_config, quant_config, prefix: str):
         super().__init__()
-        self.style = cfg.block
-        self.attn_norm = Norm(cfg)
-        if cfg.block != "parallel":
-            self.ffn_norm = Norm(cfg)
-        self.attention = BamAttention(cfg, cache_config, quant_config, prefix)
+        self.style, self.where, self.norms = cfg.block, cfg.norm_position, block_norms(cfg)
+        self.residual = cfg.residual_multiplier
+        for name in self.norms:
+            self.add_module(name, norm_layer(cfg))
+        self.attention = BamAttention(cfg, layer, cache_config, quant_config, prefix)
         self.ffn = BamFFN(cfg, quant_config, prefix)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        r = self._residual
+        if self.where == "post":
+            h = x + r(self.attn_post_norm(self.attention(positions, x)))
+            return h + r(self.ffn_post_norm(self.ffn(h)))
+        if self.where == "sandwich":
+            h = x + r(self.attn_post_norm(self.attention(positions, self.attn_norm(x))))
+            return h + r(self.ffn_post_norm(self.ffn(self.ffn_norm(h))))
         if self.style == "sequential":
-            h = x + self.attention(positions, self.attn_norm(x))
-            return h + self.ffn(self.ffn_norm(h))
+            h = x + r(self.attention(positions, self.attn_norm(x)))
+            return h + r(self.ffn(self.ffn_norm(h)))
         if self.style == "parallel":
             n = self.attn_norm(x)
-            return x + self.attention(positions, n) + self.ffn(n)
-        return x + self.attention(positions, self.attn_norm(x)) + self.ffn(self.ffn_norm(x))
+            return x + r(self.attention(positions, n)) + r(self.ffn(n))
+        return x + r(self.attention(positions, self.attn_norm(x))) + r(self.ffn(self.ffn_norm(x)))
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: times residual_multiplier (Granite's), if not 1."""
+        return y if self.residual == 1.0 else y * self.residual
 
     def weight_targets(self) -> dict[str, tuple]:
-        out = {f"attn_norm.{n}": (p, None, None) for n, p in self.attn_norm.named_parameters()}
-        if self.style != "parallel":
-            out |= {f"ffn_norm.{n}": (p, None, None) for n, p in self.ffn_norm.named_parameters()}
+        out = {f"{name}.{n}": (p, None, None) for name in self.norms
+               for n, p in getattr(self, name).named_parameters()}
         return out | self.attention.weight_targets() | self.ffn.weight_targets()
 
 
@@ -285,28 +439,38 @@ class BamForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         cfg = vllm_config.model_config.hf_config
-        check_vllm(cfg)
+        check_vllm(cfg, vllm_config.model_config.max_model_len)
         self.config = cfg
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, prefix=f"{prefix}embed")
         self.pos_embed = (VocabParallelEmbedding(cfg.max_positions, cfg.d_model, prefix=f"{prefix}pos_embed")
                           if cfg.position == "learned" else None)
-        self.layers = nn.ModuleList(BamBlock(cfg, cache_config, quant_config, f"{prefix}layers.{i}")
+        self.layers = nn.ModuleList(BamBlock(cfg, i, cache_config, quant_config, f"{prefix}layers.{i}")
                                     for i in range(cfg.n_layers))
-        self.final_norm = Norm(cfg) if cfg.final_norm else nn.Identity()
+        self.final_norm = norm_layer(cfg) if cfg.final_norm else nn.Identity()
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.d_model, bias=cfg.lm_head_bias, quant_config=quant_config,
                                       prefix=f"{prefix}lm_head")
         if cfg.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
-        self.logits_processor = LogitsProcessor(cfg.vocab_size, scale=cfg.logit_scale)
+        # the runtime scales the logits by s, then soft-caps them by c: c tanh(s l / c); vLLM's LogitsProcessor
+        # soft-caps first, then scales, and s (c/s) tanh(l / (c/s)) is the same
+        softcap = None if cfg.final_softcap is None else cfg.final_softcap / cfg.logit_scale
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, scale=cfg.logit_scale, soft_cap=softcap)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)
+        """As runtime/blocks.py embed_tokens: times sqrt(d_model) rounded to the embeddings' dtype first (Gemma's
+        scale_embeddings), then times embedding_multiplier (Granite's)."""
+        x = self.embed(input_ids)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        return x
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         for block in self.layers:

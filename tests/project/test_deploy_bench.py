@@ -116,3 +116,17 @@ def test_merge_json_makes_one_table_of_both_runs(tmp_path, capsys):
     assert merged == {"runs": [a, b]}
     deploy.main(["--merge-json", str(tmp_path / "m" / "results.json")])  # a merged file reads as its runs
     assert capsys.readouterr().out == text
+
+
+def test_each_mixture_against_its_btx_twin():
+    """The report's bam / btx rows: each mixture's tokens/s over its BTX twin's, same run and route only."""
+    a = run(".venv", [("btx", "runtime", 100.0, ""), ("bam", "runtime", 40.0, ""), ("btx", "onnxruntime", 300.0, ""),
+                      ("bam", "onnxruntime", 0.0, "onnx not installed")])
+    b = run(".venv-compat/vllm", [("btx", "vllm", 200.0, ""), ("bam", "vllm", 50.0, ""),
+                                  ("btx-shared-expert", "vllm", 180.0, "")])
+    text = deploy.report([a, b])
+    assert "| runtime | .venv | bam / btx | 0.40 |" in text
+    assert "| vllm | .venv-compat/vllm | bam / btx | 0.25 |" in text
+    assert "| vllm | .venv-compat/vllm | btx-shared-expert / btx | 0.90 |" in text
+    assert "onnxruntime | .venv | bam" not in text  # no bam row measured there
+    assert deploy.twins([run(".venv", [("bam", "runtime", 40.0, "")])]) == ""
