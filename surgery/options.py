@@ -81,6 +81,23 @@ class MergeOptions:
         recipe="defaults.extra_ffn_experts",
         help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
              "for upcycle, the number of copies besides the seed's own slot).")
+    drop_ratio: float | None = merge_option(
+        None, "--drop-ratio", metavar="R", bounds=(0, 1), recipe="defaults.drop_ratio", yaml=(float, int),
+        help="Drop-Upcycling (Nakamura et al., ICLR 2025): in every FFN expert, re-initialize a random share R of "
+             "its intermediate dimensions (the same rows of gate and up, the same columns of down; a different "
+             "subset per expert) from a normal with the mean and std of the source values they replace; 0 keeps "
+             "exact copies (default: the recipe's, 0; the paper's best over long training is 0.5).")
+    drop_seed: int = merge_option(
+        0, "--drop-seed", metavar="N", show_default=True, yaml=(int,),
+        help="Seed of --drop-ratio's subsets and values: each expert's generator is seeded from N, its layer and "
+             "its slot, so results do not depend on order.")
+    ffn_granularity: int | None = merge_option(
+        None, "--ffn-granularity", metavar="G", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_granularity",
+        yaml=(int,),
+        help="Fine-grained upcycling (He et al. 2024): each FFN expert split along its intermediate dimension into "
+             "G experts of 1/G its width; G times the FFN experts, each token routed to G x top-k of them, router "
+             "rows in virtual groups and down projections scaled so that the fresh mixture computes what the "
+             "coarse one does (default: the recipe's, 1).")
     seed_expert: bool | None = merge_option(
         None, "--seed-expert/--no-seed-expert", recipe="defaults.seed_expert", yaml=(bool,),
         help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "

@@ -138,7 +138,7 @@ def batches(windows: list[Window]) -> Iterator[list[Window]]:
 
 def expert_inputs(plan: Plan, router: str) -> tuple[int, ...]:
     """Input index of each expert slot of a router (layers.{i}.ffn_router or layers.{i}.attn_router)."""
-    return plan.ffn_slots if router.endswith("ffn_router") else plan.members
+    return plan.ffn_expert_inputs if router.endswith("ffn_router") else plan.members
 
 
 @torch.no_grad()
