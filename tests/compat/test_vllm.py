@@ -79,7 +79,25 @@ KINDS = {
     "top2-attention": ("hf", dict(block="parallel_two_norms", norm="layernorm", norm_bias=True, activation="gelu",
                                   position="learned", attn_experts=3, attn_top_k=2, router="mlp",
                                   final_norm=False)),
+    # a merge, not random weights: a fine-grained upcycle of a dense Llama (16 experts of a quarter of the FFN width,
+    # 8 per token) through the plugin's fused-MoE layer, which must compute the dense seed (MERGED)
+    "fine-grained-upcycle": ("hf", LLAMA),
 }
+MERGED = {"fine-grained-upcycle": ("upcycle", dict(ffn_granularity=4, router_std=0.5))}  # recipe, merge options
+
+
+def merged_model(kind: str, seed: int, folder: Path) -> tuple[Model, Model]:
+    """(the merge of MERGED[kind] from a random dense seed, that seed)."""
+    from bam_surgery.app.merge import merge
+    from bam_surgery.runtime import load_model
+    from bam_surgery.surgery.options import MergeOptions
+
+    dense = random_model(kind, seed)
+    save_model(dense, folder / "dense.safetensors")
+    recipe, options = MERGED[kind]
+    merge([(None, str(folder / "dense.safetensors"))], folder / "mix.safetensors", recipe=recipe,
+          options=MergeOptions(**options))
+    return load_model(folder / "mix.safetensors").eval(), dense
 
 
 def random_model(kind: str, seed: int) -> Model:
@@ -170,7 +188,11 @@ def tokenizer_files(tmp_path_factory):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_vllm_serves_the_runtimes_tokens(kind, tmp_path, tokenizer_files):
     fmt = KINDS[kind][0]
-    model = random_model(kind, seed=list(KINDS).index(kind))
+    if kind in MERGED:  # the fresh mixture computes its dense seed: vLLM must give the seed's tokens
+        model, dense = merged_model(kind, list(KINDS).index(kind), tmp_path)
+        assert [runtime_reference(model, p)[0] for p in PROMPTS] == [runtime_reference(dense, p)[0] for p in PROMPTS]
+    else:
+        model = random_model(kind, seed=list(KINDS).index(kind))
     save_model(model, tmp_path / "canonical.safetensors")
     with CheckpointReader(tmp_path / "canonical.safetensors") as reader:
         if kind == "dense":  # as Llama, the tokenizer carried from its folder
