@@ -29,6 +29,7 @@ from bam_surgery.surgery.names import input_names
 from bam_surgery.surgery.options import MergeOptions
 from bam_surgery.surgery.plan import Plan, compile_plan
 from bam_surgery.surgery.plan_reader import PlanReader
+from bam_surgery.surgery.prompts import check_prompts, prompt_start, read_prompt_file
 from bam_surgery.surgery.recipe import Recipe, load_recipe
 
 from .exports import ExportRequest, carried_files, export_inputs, write_export
@@ -59,13 +60,18 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
     warn = warn or print_warning
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # before any checkpoint is opened
     shard_bytes = check_request(out, options, fmt, max_shard_size, dry_run)
+    prompts = read_prompt_file(options.router_prompts) if options.router_prompts else None
     names = input_names([spec for _, spec in inputs], [name for name, _ in inputs])
     with ExitStack() as opened:
         readers = [opened.enter_context(open_input(spec, allow_pickle)) for _, spec in inputs]
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any read
+        if prompts is not None:
+            check_prompts(plan, prompts)
         if options.warm_start and not dry_run:  # a stage before the streamed merge: reads inputs and data
             plan = _warm_start(plan, options, log)
+        if prompts is not None and not dry_run:  # likewise: runs the prompts through the merged model
+            plan = prompt_start(plan, prompts, options.tokenizer, log)
         if dry_run:
             return MergeResult(plan, None)
         out = Path(out)

@@ -142,6 +142,13 @@ class MergeOptions:
         help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
              "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
              "(profile); the warm starts need --calibration.")
+    router_prompts: str | None = merge_option(
+        None, "--router-prompts", metavar="FILE", yaml=(str,),
+        help="Linear routers (FFN and attention) initialized from prompts: a YAML file in mergekit-moe's shape "
+             "(gate_mode: hidden | hidden_avg | cheap_embed, experts: [{source_model, positive_prompts, "
+             "negative_prompts}], one per FFN expert in order); each expert's row is the mean router-input state "
+             "(hidden) or token embedding (cheap_embed) of its positive prompts minus that of its negative ones, "
+             "unit length (docs/routers.md). Tokenized by --tokenizer.")
     calibration: str | None = merge_option(
         None, "--calibration", metavar="SPEC",
         help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
@@ -152,8 +159,8 @@ class MergeOptions:
         help="Calibration tokens per domain (the first N of its train split).")
     tokenizer: str | None = merge_option(
         None, "--tokenizer", metavar="PATH|bytes",
-        help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
-             "vocabularies of at most 512).")
+        help="Tokenizer of the calibration text and the router prompts (default: the seed's tokenizer.json, or "
+             "bytes for vocabularies of at most 512).")
     token_cache: str | None = merge_option(
         None, "--token-cache", metavar="DIR",
         help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")

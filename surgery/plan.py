@@ -174,6 +174,7 @@ class Plan:
     tensors: list[TensorOp] = field(default_factory=list)
     calibrated: dict[str, torch.Tensor] = field(default_factory=dict)  # op calibrated: name -> tensor
     warm_start: dict[str, Any] | None = None  # how `calibrated` was made (surgery/warm_start.py), for provenance
+    router_prompts: dict[str, Any] | None = None  # the linear routers from prompts (surgery/prompts.py)
 
     def __post_init__(self) -> None:
         self._by_name = {t.name: t for t in self.tensors}
@@ -206,6 +207,7 @@ class Plan:
                     router_std=self.router_std, router_init=self.recipe.router_init,
                     shared_kv_rule=self.shared_kv_rule,
                     **({"router_warm_start": self.warm_start} if self.warm_start else {}),
+                    **({"router_prompts": self.router_prompts} if self.router_prompts else {}),
                     **self.upcycling_options())
 
     def upcycling_options(self) -> dict[str, Any]:
@@ -557,6 +559,9 @@ def format_plan(plan: Plan) -> str:
         warm = (f"; expert embeddings warm-started ({plan.warm_start['init']}, {plan.warm_start['tokens']:,} "
                 "calibration tokens)" if plan.warm_start else f"; expert embeddings from --router-init "
                 f"{plan.options.warm_start} (computed when the merge runs)" if plan.options.warm_start else "")
+        if plan.options.router_prompts:
+            warm += f"; linear routers from --router-prompts {plan.options.router_prompts}" + (
+                "" if plan.router_prompts else " (computed when the merge runs)")
         lines.append(f"routers  {kind}{plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
                      == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}"
                      + warm)

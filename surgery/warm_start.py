@@ -191,7 +191,7 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
     modules = model.routers()
     for name in routers:
         router = modules[name]
-        sums, counts = _group_means(model, router, windows, labels_of[name], n_groups, plan.config.d_model)
+        sums, counts = group_means(model, router, windows, labels_of[name], n_groups, plan.config.d_model)
         slots = expert_inputs(plan, name)
         empty = [plan.inputs[i].name for i in slots if counts[group_of_input[i]] == 0]
         if empty:
@@ -247,7 +247,7 @@ def _profile_labels(plan: Plan, windows, routers: list[str], log: Log
     return labels_of, {i: i for i in inputs}
 
 
-def _group_means(model, router, windows, labels: torch.Tensor, n_groups: int, D: int
+def group_means(model, router, windows, labels: torch.Tensor, n_groups: int, D: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum [G, D] float64, count [G]) of the router's input states per group (labels: one per position, in
     window order); each forward stops at the router (_Captured)."""
