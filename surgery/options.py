@@ -190,6 +190,49 @@ FIELDS = {f.name: f for f in dataclasses.fields(MergeOptions)}
 PIPELINE_OPTIONS: dict[str, tuple[type, ...]] = {n: f.metadata["yaml"] for n, f in FIELDS.items() if f.metadata["yaml"]}
 
 
+ExtendInit = Literal["random", "prompts", "domain"]  # extend --router-init: how the new experts' router rows start
+EXTEND_INITS = get_args(ExtendInit)
+
+
+def _as_in_merge(name: str, help: str | None = None) -> Any:
+    """A field of ExtendOptions declared as MergeOptions declares it (its flag, default, bounds), with its own help
+    sentence where the meaning differs."""
+    f = FIELDS[name]
+    return field(default=f.default, metadata={**f.metadata, "recipe": None, "yaml": None,
+                                              **({"help": help} if help else {})})
+
+
+@dataclass(frozen=True)
+class ExtendOptions:
+    """Every option of `bam-surgery extend` (surgery/extend.py) that is not an input or the output: how the new
+    experts' router rows start. Declared like MergeOptions, so the command's flags come from the fields."""
+
+    router_init: ExtendInit = merge_option(
+        "random", "--router-init", choices=EXTEND_INITS, show_default=True,
+        help="The new experts' router rows: random (normal(0, --router-std)), prompts (linear routers: "
+             "--router-prompts, one entry per new expert) or domain (linear routers: --calibration, a domain named "
+             "like each new expert and at least one other); prompts and domain rows are scaled to the mean norm of "
+             "the router's trained rows.")
+    router_prompts: str | None = _as_in_merge(
+        "router_prompts", "For --router-init prompts: a YAML file in mergekit-moe's shape (gate_mode hidden | "
+                          "hidden_avg | hidden_last | cheap_embed), experts: one entry per new expert, in --experts "
+                          "order, source_model naming it.")
+    calibration: str | None = _as_in_merge(
+        "calibration", "For --router-init domain: a data SPEC as train takes it (NAME=SOURCE,...), a domain named "
+                       "like each new expert and at least one other (e.g. general).")
+    calibration_tokens: int = _as_in_merge("calibration_tokens")
+    tokenizer: str | None = _as_in_merge(
+        "tokenizer", "Tokenizer of the prompts and the calibration text (default: the mixture's tokenizer.json, or "
+                     "bytes for vocabularies of at most 512).")
+    token_cache: str | None = _as_in_merge("token_cache")
+    router_std: float = merge_option(
+        0.02, "--router-std", metavar="X", bounds=(0, None), show_default=True,
+        help="--router-init random: the new rows are normal(0, X) (expert embeddings normal(0, 1)).")
+    router_seed: int = _as_in_merge(
+        "router_seed", "Seed of the new random rows; each router's generator is seeded from N and its tensor name.")
+    allow_nonfinite: bool = _as_in_merge("allow_nonfinite", "Extend even if an input holds NaN or Inf values.")
+
+
 def recipe_value(recipe: Recipe, key: str) -> Any:
     """A recipe's value for a key as the recipe file writes it: defaults.X, routers.X or tensors.X."""
     section, _, name = key.partition(".")

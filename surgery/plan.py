@@ -152,7 +152,7 @@ class TensorOp:
 @dataclass
 class PlanInput:
     index: int
-    role: Literal["seed", "expert"]
+    role: Literal["seed", "expert", "mixture"]  # mixture: the trained mixture extend adds to (surgery/extend.py)
     label: str  # where it was read from (path)
     reader: Reader
     name: str = ""  # unique identifier: "seed", "code", ... (surgery.names)
@@ -464,7 +464,7 @@ def intermediate_axis(dense_name: str) -> int | None:
     return 1 if dense_name.endswith("down.weight") else 0
 
 
-def ffn_part(plan: Plan, i: int, src: str, g: int, granularity: int, scale: float, row: int | None = None) -> Source:
+def ffn_part(i: int, src: str, g: int, granularity: int, scale: float, row: int | None = None) -> Source:
     """Source of one FFN expert: expert `row` of input i's tensor (or its dense tensor), its g-th of `granularity`
     parts along the intermediate axis; the down projection times `scale` (down's bias times scale / granularity:
     each of a group's experts adds it at 1/G of the group's gate)."""
@@ -480,7 +480,7 @@ def _ffn_stack(plan: Plan, name: str, src: str, shape: tuple[int, ...]) -> Tenso
     """A stacked FFN tensor: one slot per FFN expert (fine-grained: G parts of each coarse slot's FFN, scaled),
     with Drop-Upcycling's re-initialized dimensions."""
     G, scale = plan.granularity, ffn_scale(plan.config, plan.granularity)
-    sources = tuple(ffn_part(plan, i, src, g, G, scale) for i in plan.ffn_slots for g in range(G))
+    sources = tuple(ffn_part(i, src, g, G, scale) for i in plan.ffn_slots for g in range(G))
     return TensorOp(name, "stack", shape, plan.dtype, sources, drop=drop_spec(plan, name, src, len(sources)))
 
 

@@ -188,21 +188,24 @@ def check_prompts(plan: Plan, prompts: PromptFile) -> None:
 
 
 # ---- the rows ---------------------------------------------------------------------------------------------
-def _unit(v: torch.Tensor, what: str) -> torch.Tensor:
+PromptIds = list[list[list[int]]]  # per entry, per sign (positive, negative): each prompt's ids, the start token first
+
+
+def unit(v: torch.Tensor, what: str) -> torch.Tensor:
+    """v / |v|; a zero difference (the positive and negative means equal) is an error naming `what`."""
     n = float(v.norm())
     if not math.isfinite(n) or n <= 1e-12 * max(1.0, float(v.abs().max())):
-        raise BamSurgeryError(f"--router-prompts: {what}: the positive and negative prompts give the same mean; "
-                              "their row would be zero")
+        raise BamSurgeryError(f"{what}: the positive and negative texts give the same mean; their row would be zero")
     return v / n
 
 
-def _prompt_ids(plan: Plan, prompts: PromptFile, tokenizer: str | None) -> list[list[list[int]]]:
-    """Per expert entry, per sign (positive, negative): each prompt's token ids, the start token first."""
+def prompt_ids(prompts: PromptFile, seed, cfg, tokenizer: str | None) -> PromptIds:
+    """Every entry's prompts tokenized by the seed's tokenizer (or `tokenizer`), checked against max_positions."""
     from bam_surgery.train.tokenize import resolve_tokenizer  # lazy: the tokenizers package, for prompts only
 
-    tok = resolve_tokenizer(tokenizer, plan.inputs[0].reader, plan.config.vocab_size)
+    tok = resolve_tokenizer(tokenizer, seed, cfg.vocab_size)
     start = tok.bos_id if tok.bos_id is not None else tok.eos_id
-    limit = plan.config.max_positions
+    limit = cfg.max_positions
     out = []
     for e, entry in enumerate(prompts.experts):
         signs = []
@@ -220,24 +223,21 @@ def _prompt_ids(plan: Plan, prompts: PromptFile, tokenizer: str | None) -> list[
     return out
 
 
-def _cheap_rows(plan: Plan, ids: list[list[list[int]]]) -> torch.Tensor:
-    """cheap_embed: per expert entry, the unit sum of its positive prompts' embeddings minus that of its negative
-    ones, as a unit vector [entries, D]."""
-    embed = PlanReader(plan, hash_inputs=False).get("embed.weight").float()
-    rows = []
-    for e, (pos, neg) in enumerate(ids):
-        v = _unit(embed[[t for s in pos for t in s[1:]]].sum(0), f"experts[{e}]")
-        if neg:
-            v = v - _unit(embed[[t for s in neg for t in s[1:]]].sum(0), f"experts[{e}]")
-        rows.append(_unit(v, f"experts[{e}]"))
-    return torch.stack(rows)
+def cheap_rows(embed: torch.Tensor, ids: PromptIds) -> torch.Tensor:
+    """cheap_embed: per entry, the unit sum of its positive prompts' embeddings minus that of its negative ones, as
+    a unit vector [entries, D]."""
+    def unit_sum(seqs, e):
+        return unit(embed[[t for s in seqs for t in s[1:]]].float().sum(0), f"--router-prompts experts[{e}]")
+
+    return torch.stack([unit(unit_sum(pos, e) - (unit_sum(neg, e) if neg else 0), f"--router-prompts experts[{e}]")
+                        for e, (pos, neg) in enumerate(ids)])
 
 
-def _windows(ids: list[list[list[int]]], last_only: bool) -> tuple[list, torch.Tensor, int]:
-    """The prompts as windows (one each), the group of every input position (2 e: expert e's positive prompts,
+def prompt_windows(ids: PromptIds, last_only: bool) -> tuple[list, torch.Tensor, int]:
+    """The prompts as windows (one each), the group of every input position (2 e: entry e's positive prompts,
     2 e + 1 its negative ones; the start token, and all but the last token in last_only, to the ignored group),
     and that group's index."""
-    from .warm_start import Window  # lazy, as _prompt_ids
+    from .warm_start import Window  # lazy, as prompt_ids
 
     ignore = 2 * len(ids)
     windows, labels = [], []
@@ -252,25 +252,32 @@ def _windows(ids: list[list[list[int]]], last_only: bool) -> tuple[list, torch.T
     return windows, torch.cat(labels), ignore
 
 
-def _hidden_rows(plan: Plan, ids, last_only: bool, log: Log) -> dict[str, torch.Tensor]:
-    """hidden modes: every router's rows [entries, D], set router by router in execution order."""
-    from .warm_start import group_means  # lazy, as _prompt_ids
-
-    windows, labels, ignore = _windows(ids, last_only)
-    model = model_from_reader(PlanReader(plan, hash_inputs=False), dtype=torch.float32)
-    modules = model.routers()
-    rows: dict[str, torch.Tensor] = {}
-    for name, _, _ in routed(plan):
-        sums, counts = group_means(model, modules[name], windows, labels, ignore + 1, plan.config.d_model)
-        means = sums[:ignore] / counts[:ignore, None].clamp(min=1)
-        vecs = []
-        for e, (_, neg) in enumerate(ids):
-            v = means[2 * e] - (means[2 * e + 1] if neg else 0)
-            vecs.append(_unit(v, f"experts[{e}], {name}"))
-        rows[name] = torch.stack(vecs).float()
-        modules[name].weight.copy_(_router_rows(plan, name, rows[name]))
-    log(f"router prompts: {len(rows)} routers from {int((labels != ignore).sum()):,} prompt tokens")
+def prompt_contrasts(ids: PromptIds, router: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """From a router's group means (prompt_windows' groups), each entry's unit contrast [entries, D]."""
+    def rows(means: torch.Tensor) -> torch.Tensor:
+        return torch.stack([unit(means[2 * e] - (means[2 * e + 1] if neg else 0),
+                                 f"--router-prompts experts[{e}], {router}") for e, (_, neg) in enumerate(ids)])
     return rows
+
+
+RowsOf = Callable[[str, torch.Tensor], torch.Tensor]  # (router, its group means [groups, D]) -> its weight
+
+
+@torch.no_grad()
+def layer_by_layer(model, routers: list[str], windows, labels: torch.Tensor, n_groups: int, rows_of: RowsOf
+                   ) -> dict[str, torch.Tensor]:
+    """Each router's weight from the mean input states of the windows' groups, router by router in execution
+    order, each set in the model before the next is computed (so a router sees the states the routers before it
+    produce); a group without tokens has a zero mean."""
+    from .warm_start import group_means  # lazy, as prompt_ids
+
+    modules = model.routers()
+    out: dict[str, torch.Tensor] = {}
+    for name in routers:
+        sums, counts = group_means(model, modules[name], windows, labels, n_groups, model.config.d_model)
+        out[name] = rows_of(name, (sums / counts[:, None].clamp(min=1)).float())
+        modules[name].weight.copy_(out[name])
+    return out
 
 
 def _router_rows(plan: Plan, router: str, entries: torch.Tensor) -> torch.Tensor:
@@ -289,13 +296,18 @@ def prompt_start(plan: Plan, prompts: PromptFile, tokenizer: str | None = None, 
     record = prompts.record()
     if prompts.gate_mode == "random":
         return dataclasses.replace(plan, router_prompts=record)
-    ids = _prompt_ids(plan, prompts, tokenizer)
+    ids = prompt_ids(prompts, plan.inputs[0].reader, plan.config, tokenizer)
+    routers = [name for name, _, _ in routed(plan)]
     if prompts.gate_mode == "cheap_embed":
-        same = _cheap_rows(plan, ids)
-        rows = {name: same for name, _, _ in routed(plan)}
+        same = cheap_rows(PlanReader(plan, hash_inputs=False).get("embed.weight"), ids)
+        weights = {name: _router_rows(plan, name, same) for name in routers}
     else:
-        rows = _hidden_rows(plan, ids, prompts.gate_mode != "hidden_avg", log)
-    calibrated = {**plan.calibrated, **{f"{name}.weight": _router_rows(plan, name, r) for name, r in rows.items()}}
+        windows, labels, ignore = prompt_windows(ids, prompts.gate_mode != "hidden_avg")
+        model = model_from_reader(PlanReader(plan, hash_inputs=False), dtype=torch.float32)
+        weights = layer_by_layer(model, routers, windows, labels, ignore + 1,
+                                 lambda name, means: _router_rows(plan, name, prompt_contrasts(ids, name)(means)))
+        log(f"router prompts: {len(routers)} routers from {int((labels != ignore).sum()):,} prompt tokens")
+    calibrated = {**plan.calibrated, **{f"{name}.weight": w for name, w in weights.items()}}
     tensors = [dataclasses.replace(t, op="calibrated", sources=(), std=0.0, rng_seed=0, repeat=1)
                if t.name in calibrated else t for t in plan.tensors]
     record["tokens"] = int(sum(len(s) - 1 for signs in ids for seqs in signs for s in seqs))
