@@ -47,6 +47,7 @@ from bam_surgery.runtime.dtypes import COMPUTE_DTYPES
 from bam_surgery.runtime.layout import router_tensors, tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.routers import KeyStoreRouter, LinearRouter, init_tensor
+from bam_surgery.train.provenance import expert_names, read_provenance
 
 from .errors import BamSurgeryError, InputError
 from .options import ExtendOptions
@@ -263,9 +264,8 @@ def extension_rows(ext: Extension, log=None) -> Extension:
 
 
 def _domain_rows(ext: Extension, routers: list[str], log) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from bam_surgery.train.data import parse_data_spec  # lazy: the data readers, for --router-init domain only
-
-    from .warm_start import Calibration, calibration_windows
+    from bam_surgery.train.data import parse_data_spec  # lazy: the data readers and the tokenizers package, for
+    from .warm_start import Calibration, calibration_windows  # --router-init domain only
 
     opts = ext.options
     if not opts.calibration:
@@ -314,16 +314,12 @@ def extension_record(ext: Extension, inputs: list[dict[str, Any]], tool: dict[st
 
 
 def mixture_provenance(ext: Extension) -> dict[str, Any] | None:
-    from bam_surgery.train.provenance import read_provenance  # the one parser of the record
-
     return read_provenance(ext.inputs[0].reader.metadata)
 
 
 def extended_provenance(ext: Extension, record: dict[str, Any]) -> dict[str, Any]:
     """The extended mixture's provenance: the mixture's own record kept whole (its merge, its training runs), this
     extension appended to "extensions", the experts' names extended."""
-    from bam_surgery.train.provenance import expert_names
-
     prov = dict(mixture_provenance(ext) or {})
     names = expert_names(prov, ext.before)
     G = ext.granularity

@@ -529,8 +529,8 @@ def _output_dtype(dtype: str | torch.dtype | None, seed: Reader) -> torch.dtype:
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan, one line per tensor pattern; layers with identical patterns are folded into {i}."""
+def _plan_header(plan: Plan) -> list[str]:
+    """format_plan's first lines: the recipe, the inputs, the output's experts and routing, the routers, the mean."""
     cfg, lines = plan.config, []
     lines.append(f"recipe   {plan.recipe.name} ({plan.recipe.path}): {plan.recipe.summary()}")
     for inp in plan.inputs:
@@ -568,6 +568,12 @@ def format_plan(plan: Plan) -> str:
     if len(plan.members) > 1:
         lines.append("mean     weights " + ", ".join(f"{w:.4g}" for w in plan.weights)
                      + " over inputs " + ",".join(map(str, plan.members)))
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan, one line per tensor pattern; layers with identical patterns are folded into {i}."""
+    lines = _plan_header(plan)
     lines.append("")
     groups: dict[tuple, list[int]] = defaultdict(list)
     order: list[tuple] = []
