@@ -11,7 +11,7 @@ equivalent command line:
     seed     train the dense seed on general text (or link the given checkpoint)      runs/seed, models/seed
     branch   one continued-pretraining run per domain from the seed                  runs/branch-D, models/D
     mix      every mixture of stages.mix, from the seed and the specialists          mixes/M.safetensors
-    train    mixture training, data-matched and compute-matched                      runs/dm-M, runs/cm-M
+    train    mixture training, data-, compute- and time-matched                      runs/dm-M, cm-M, tm-M
              (and the dense baselines: the seed trained on the same data)            runs/dense-dm, dense-cm
     eval     every model on each domain's held-out text (and the general text)       eval/MODEL.json
     report   report.md, report.json, plots/*.png                                     (report.py)
@@ -229,9 +229,15 @@ class PipelineRun:
         return Unit("eval", f"eval-{model}", [cmd], out.is_file, lambda: self._eval(ckpt, out))
 
     # ---- the command lines -------------------------------------------------------------------------
+    def merge_inputs(self, mix: Mixture) -> list[str]:
+        """The seed and the specialists (a recipe that takes no experts, upcycle: the seed alone)."""
+        experts = [str(self.models / d) for d in self.spec.domains] if mix.recipe.max_experts != 0 else []
+        return [self.seed_checkpoint(), *experts]
+
     def merge_args(self, mix: Mixture) -> list[str]:
-        args = ["bam-surgery", "merge", "--seed", self.seed_checkpoint(), "--experts",
-                ",".join(str(self.models / d) for d in self.spec.domains), "--recipe", mix.recipe_spec]
+        seed, *experts = self.merge_inputs(mix)
+        args = ["bam-surgery", "merge", "--seed", seed, *(["--experts", ",".join(experts)] if experts else []),
+                "--recipe", mix.recipe_spec]
         return args + command_args(mix.given) + ["--out", str(self.mix_file(mix))]
 
     def eval_args(self, ckpt: str) -> list[str]:
@@ -289,8 +295,7 @@ class PipelineRun:
         return {"tokens": 0, "file": str(path), "sha256": file_sha256(path)}
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
-        specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
-        path = merge([(None, s) for s in specs], self.mix_file(mix), recipe=mix.recipe, options=mix.options,
+        path = merge([(None, s) for s in self.merge_inputs(mix)], self.mix_file(mix), recipe=mix.recipe, options=mix.options,
                      warn=lambda m: self.log(f"  warning: {m}")).path
         return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
 
