@@ -84,7 +84,7 @@ def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
         })
 
     add("seed", "seed (dense)", "seed", None, None, "seed" if spec.seed_init is None else None)
-    for d in spec.domains:
+    for d in run.branched():
         add(f"branch-{d}", f"{d} specialist", "specialist", None, None, f"branch-{d}")
     for mix in spec.mixtures:
         add(f"mix-{mix.name}", f"{mix.name} (untrained)", "untrained", mix, "untrained", None)

@@ -144,7 +144,7 @@ class PipelineRun:
         spec, out = self.spec, {}
         if spec.seed_init is None:
             out["seed"] = seed_config(spec, str(self.runs / "seed"), str(self.configs / "seed-model.json"))
-        for d in spec.domains:
+        for d in self.branched():
             out[f"branch-{d}"] = branch_config(spec, d, self.seed_checkpoint(), str(self.runs / f"branch-{d}"))
         for setting, name in spec.dense_runs():
             out[name] = train_config(spec, None, setting, self.seed_checkpoint(), str(self.runs / name))
@@ -153,11 +153,15 @@ class PipelineRun:
             out[name] = train_config(spec, mix, setting, str(self.mix_file(mix)), str(self.runs / name))
         return out
 
+    def branched(self) -> list[str]:
+        """The domains with a specialist (none without a branch stage)."""
+        return list(self.spec.domains) if self.spec.branches else []
+
     def eval_models(self) -> dict[str, str]:
         """model id -> checkpoint evaluated: the seed, the specialists, every mixture untrained and trained."""
         spec, cfgs = self.spec, self.train_configs()
         out = {"seed": self.seed_checkpoint()}
-        out.update({f"branch-{d}": str(self.models / d) for d in spec.domains})
+        out.update({f"branch-{d}": str(self.models / d) for d in self.branched()})
         out.update({f"mix-{m.name}": str(self.mix_file(m)) for m in spec.mixtures})
         for _, name in spec.dense_runs():
             out[name] = str(self.final_checkpoint(name, cfgs[name].steps))
@@ -181,7 +185,7 @@ class PipelineRun:
             target = spec.seed_init
         units.append(self._link_unit("seed", self._seed_link_name(), target))
         # branch
-        for d in spec.domains:
+        for d in self.branched():
             name = f"branch-{d}"
             units.append(self._train_unit("branch", name, cfgs[name]))
             units.append(self._link_unit("branch", d, os.path.relpath(self.final_checkpoint(name, cfgs[name].steps),

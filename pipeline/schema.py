@@ -150,15 +150,17 @@ class _Validator:
             self.typed(threads, "threads", (int,), lambda v: 1 <= v <= MAX_THREADS, f"in [1, {MAX_THREADS}]")
         data = self.data(doc["data"])
         knobs = self.knobs(doc.get("knobs"), "knobs")
-        stages = self.mapping(doc["stages"], "stages", STAGE_FIELDS, required=("seed", "branch", "mix", "train"))
+        stages = self.mapping(doc["stages"], "stages", STAGE_FIELDS, required=("seed", "mix", "train"))
         seed_init, seed_model, seed_knobs, dense = self.seed_stage(stages["seed"], data, knobs)
         seq_len = data["seq_len"] if data["seq_len"] is not None else dense.max_positions
         if seq_len > dense.max_positions:
             self.fail("data.seq_len", f"{seq_len} exceeds the seed's max_positions ({dense.max_positions})")
         bpe = self.bpe(data["tokenizer"], dense, seed_init)
         tokenizer = TRAINED_TOKENIZER if bpe else self.tokenizer(data["tokenizer"], dense, seed_init)
-        b_share, lr_scale, b_knobs = self.branch_stage(stages["branch"], seed_init, {**knobs, **seed_knobs})
-        mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len)
+        branches = "branch" in stages  # without one: no specialists, every mixture from the seed alone (upcycle)
+        b_share, lr_scale, b_knobs = self.branch_stage(stages["branch"], seed_init, {**knobs, **seed_knobs}) \
+            if branches else (0.0, None, {})
+        mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len, branches)
         t_share, settings, ref, tolerance, dense_baseline, t_knobs = self.train_stage(stages["train"],
                                                                                       [m.name for m in mixtures])
         throughput = self.throughput(stages["train"], settings, [m.name for m in mixtures], dense_baseline)
@@ -175,7 +177,8 @@ class _Validator:
             branch_lr_scale=lr_scale, branch_knobs=b_knobs, mixtures=mixtures, train_general_share=t_share,
             settings=settings, compute_reference=ref, compute_tolerance=tolerance, train_knobs=t_knobs,
             eval_max_tokens=max_tokens, eval_batch_size=batch, report_attention_routing=routing,
-            report_baseline=baseline, bpe=bpe, dense_baseline=dense_baseline, throughput=throughput)
+            report_baseline=baseline, bpe=bpe, dense_baseline=dense_baseline, throughput=throughput,
+            branches=branches)
         self.check_runs(spec)
         spec.doc = resolved_doc(spec, doc)
         return spec
@@ -400,7 +403,8 @@ class _Validator:
             self.fail("data.tokenizer", f"{tok}: no tokenizer.json there")
         return str(path)
 
-    def mix_stage(self, value: Any, dense: ModelConfig, n_domains: int, seed: int, seq_len: int) -> list[Mixture]:
+    def mix_stage(self, value: Any, dense: ModelConfig, n_domains: int, seed: int, seq_len: int,
+                  branches: bool = True) -> list[Mixture]:
         m = self.mapping(value, "stages.mix", ("mixtures",), required=("mixtures",))
         entries = m["mixtures"]
         if not isinstance(entries, list) or not entries:
@@ -418,6 +422,9 @@ class _Validator:
                 recipe = load_recipe(recipe_spec)
             except BamSurgeryError as err:
                 self.fail(f"{where}.recipe", " ".join(str(err).split()))
+            if not branches and recipe.max_experts != 0:
+                self.fail(f"{where}.recipe", f"recipe {recipe.name} mixes specialists: give stages.branch (or a "
+                          "recipe that takes none, e.g. upcycle)")
             if "/" in recipe_spec or recipe_spec.endswith((".yaml", ".yml")):
                 recipe_spec = str(Path(recipe_spec).resolve())
             given = {k: self.merge_option(k, e[k], f"{where}.{k}") for k in MERGE_OPTIONS if k in e}
@@ -468,7 +475,8 @@ class _Validator:
     def check_runs(self, spec: PipelineSpec) -> None:
         """Every training run's TrainConfig, as train() will check it; the batch divides evenly."""
         for field_, cfg in (("stages.seed.knobs", seed_config(spec, "x") if spec.seed_init is None else None),
-                            ("stages.branch.knobs", branch_config(spec, next(iter(spec.domains)), "x", "x")),
+                            ("stages.branch.knobs", branch_config(spec, next(iter(spec.domains)), "x", "x")
+                             if spec.branches else None),
                             ("stages.train.knobs", train_config(spec, spec.mixtures[0], "data-matched", "x", "x"))):
             if cfg is None:
                 continue

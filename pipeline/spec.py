@@ -91,13 +91,14 @@ class PipelineSpec:
     report_baseline: str | None
     bpe: dict[str, int] | None = None  # a tokenizer trained by the pipeline: {vocab_size, min_frequency}
     throughput: dict[str, Any] | None = None  # time-matched: {source, tokens_per_s: {mixture or dense: T}}
+    branches: bool = True  # a branch stage (no stages.branch: no specialists, mixtures from the seed alone)
     dense_baseline: bool = False  # train the seed on the mixture data too (dense-dm, dense-cm)
     doc: dict[str, Any] = field(default_factory=dict)  # the resolved YAML document
 
     # -- derived --------------------------------------------------------------------------------
     def stage_names(self) -> list[str]:
         """The stages this pipeline runs, in order: the tokenizer stage only when it trains one."""
-        return [s for s in STAGES if s != "tokenizer" or self.bpe]
+        return [s for s in STAGES if (s != "tokenizer" or self.bpe) and (s != "branch" or self.branches)]
 
     @property
     def dense_flops_per_token(self) -> float:
@@ -240,7 +241,8 @@ def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
         "knobs": dict(spec.knobs),
         "stages": {
             "seed": seed_stage,
-            "branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)},
+            **({"branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)}}
+               if spec.branches else {}),
             "mix": {"mixtures": [{"name": m.name, "recipe": m.recipe_spec, **m.given} for m in spec.mixtures]},
             "train": {"general_share": spec.train_general_share, "settings": list(spec.settings),
                       "compute_reference": spec.compute_reference, "compute_tolerance": spec.compute_tolerance,

@@ -369,7 +369,7 @@ def test_shipped_pipelines_validate(tmp_path, monkeypatch):
     assert shipped_pipelines() == ["paper-shape", "paper-shape-time", "paper-small", "tiny", "tiny-upcycling"]
     timed = load_pipeline("paper-shape-time", check_data=False)  # BAM gets BTX's time at the H200's throughputs
     assert {s: timed.train_steps(timed.mixture("bam"), s) for s in timed.settings} == {
-        "data-matched": 800, "compute-matched": 562, "time-matched": 675}
+        "data-matched": 200, "compute-matched": 140, "time-matched": 169}
     upcycling = load_pipeline("tiny-upcycling", check_data=False)
     assert [m.config.ffn_experts for m in upcycling.mixtures] == [4, 4, 16]
     tiny = load_pipeline("tiny")  # the repository's corpus is there
