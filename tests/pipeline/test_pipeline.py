@@ -411,6 +411,12 @@ def test_time_matched_runs_and_upcycle_mixtures(corpus, tmp_path):
     doc["stages"]["train"]["throughput"] = str(tmp_path / "tps.json")
     again = load_pipeline(str(write_doc(doc, tmp_path / "file.yaml")))
     assert again.throughput == spec.throughput and again.doc["stages"]["train"]["throughput"] == spec.throughput
+    sys.path.insert(0, str(ROOT))  # the benchmark's file is what the pipeline reads
+    from benchmarks import throughput
+    throughput.main([str(tmp_path / "timed.yaml"), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "b.json")])
+    doc["stages"]["train"]["throughput"] = str(tmp_path / "b.json")
+    measured = load_pipeline(str(write_doc(doc, tmp_path / "measured.yaml")))
+    assert measured.throughput["tokens_per_s"].keys() == tps.keys() and "cpu" in measured.throughput["source"]
     del tps["up"]
     doc["stages"]["train"]["throughput"] = {"source": "given", "tokens_per_s": tps}
     err = run_cli("pipeline", write_doc(doc, tmp_path / "bad.yaml"), "--out", tmp_path / "o", code=2).stderr
