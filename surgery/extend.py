@@ -46,7 +46,7 @@ from bam_surgery.runtime.config import MAX_EXPERTS, ConfigError, ModelConfig
 from bam_surgery.runtime.dtypes import COMPUTE_DTYPES
 from bam_surgery.runtime.layout import router_tensors, tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
-from bam_surgery.runtime.routers import KeyStoreRouter, LinearRouter, init_tensor
+from bam_surgery.runtime.routers import KeyStoreRouter, LinearRouter, RouterTensor, init_tensor
 from bam_surgery.train.provenance import expert_names, read_provenance
 
 from .errors import BamSurgeryError, InputError
@@ -158,7 +158,7 @@ def plan_extension(mixture: Reader, specialists: Sequence[Reader], names: Sequen
         raise BamSurgeryError(f"extend: {e}") from None
     ext = Extension(inputs, options, before, config, G)
     routers = router_tensors(config)
-    ext.tensors = [_router_op(ext, name, routers[name].init) if name in routers else _tensor_op(ext, name, shape)
+    ext.tensors = [_router_op(ext, name, routers[name]) if name in routers else _tensor_op(ext, name, shape)
                    for name, shape in tensor_shapes(config).items()]
     ext.rows = {"rule": "random", "std": options.router_std, "seed": options.router_seed}
     return dataclasses.replace(ext)  # __post_init__ indexes the tensors
@@ -180,22 +180,20 @@ def _tensor_op(ext: Extension, name: str, shape: tuple[int, ...]) -> TensorOp:
     return TensorOp(name, "stack", shape, mix.dtype(name), old + new)
 
 
-def _router_op(ext: Extension, name: str, init: str) -> TensorOp:
+def _router_op(ext: Extension, name: str, spec: RouterTensor) -> TensorOp:
     """A router tensor: per expert, the mixture's rows and the new ones (op calibrated: routers are small, made
     whole here); else the mixture's."""
-    mix = ext.inputs[0].reader
     prefix, _, tensor = name.rpartition("_router.")
     group = prefix.rsplit(".", 1)[-1]  # ffn or attn
     cfg = ext.config
     kind, E = (cfg.ffn_router_kind, cfg.ffn_experts) if group == "ffn" else (cfg.attn_router_kind, cfg.attn_experts)
-    shape, dtype = tuple(router_tensors(cfg)[name].shape), mix.dtype(name)
+    shape, dtype = tuple(spec.shape), ext.inputs[0].reader.dtype(name)
     if tensor not in per_expert_router_tensors(kind, cfg, E):
         return TensorOp(name, "copy", shape, dtype, (Source(0, name),))
     old = read_source(ext, Source(0, name), ext.options.allow_nonfinite).float()
-    n_new = len(ext.specialists)
-    spec = dataclasses.replace(router_tensors(cfg)[name], shape=(n_new, *shape[1:]))
     gen = torch.Generator().manual_seed(router_rng_seed(ext.options.router_seed, f"{name}/extend"))
-    new = init_tensor(spec, cfg, ext.options.router_std, gen)
+    new = init_tensor(dataclasses.replace(spec, shape=(len(ext.specialists), *shape[1:])), cfg,
+                      ext.options.router_std, gen)
     ext.calibrated[name] = torch.cat([old, _grouped(ext, group, new)])
     return TensorOp(name, "calibrated", shape, dtype)
 
