@@ -23,9 +23,10 @@
 #   make reproduce  install the runtime and run the tiny pipeline (seed, specialists, mixtures, training,
 #                   eval, report) on the repository's corpus into reproduce-out/; run again to resume
 #   make bench-gpu  on a lent GPU machine, with its preinstalled CUDA torch ($(GPU_PYTHON)), this checkout on its path
-#                   (nothing installed or downloaded), run benchmarks/inference.py --device cuda --dtype bf16
-#                   --size paper-small into bench-out/gpu/ (docs/gpu.md; BENCH_GPU_ARGS="--device cpu --size smoke"
-#                   checks it on a CPU)
+#                   (nothing installed or downloaded), run benchmarks/gpu.py --device cuda --dtype bf16 --size paper-small
+#                   into bench-out/gpu/: every case in one process, most important first, rows written as measured,
+#                   nothing new started after --budget-s 280 (under 6 minutes on an H200; docs/gpu.md;
+#                   BENCH_GPU_ARGS="--device cpu --size smoke" checks it on a CPU)
 #   make test-gpu   the same, tests/runtime/test_cuda.py (every test skips without CUDA)
 PYTHON ?= python3
 VENV   := .venv
@@ -183,8 +184,7 @@ reproduce: $(VENV)/.runtime-installed
 
 bench-gpu:
 	$(GPU_INSTALL)
-	$(GPU_RUN) -m benchmarks.inference --device cuda --dtype bf16 --size paper-small --out $(BENCH_GPU_OUT) \
-		$(BENCH_GPU_ARGS)
+	$(GPU_RUN) -m benchmarks.gpu --device cuda --dtype bf16 --size paper-small --out $(BENCH_GPU_OUT) $(BENCH_GPU_ARGS)
 
 test-gpu:
 	$(GPU_INSTALL)

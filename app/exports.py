@@ -1,11 +1,11 @@
 """The export use case: what an export carries, decided once, and the one function every route writes through.
 
-    with open_input("hf-llama/") as reader:
-        export(reader, "llama.gguf", "gguf", source="hf-llama/", gguf_dtype="q8_0")
+    convert("hf-llama/", "llama.gguf", "gguf", own=GGUFOptions(dtype="q8_0"))   # open, export, close
     export(PlanReader(plan), "mix-hf", "hf", plan=plan)      # a merge's export: the seed's side files, its card
 
-`convert`, a merge's export (`merge --format`), `export-onnx` and `export-gguf` call `export`; each is a
-declaration of its options. `export_inputs` gathers, for any source (a canonical file or folder, an HF folder, a
+`convert` (bam-surgery convert, export-onnx and export-gguf: each a declaration of its options, the format's own
+ones declared by the format, converters/base.py:Exporter.Options) and a merge's export (`merge --format`) call
+`export`. `export_inputs` gathers, for any source (a canonical file or folder, an HF folder, a
 GGUF file, a train run's checkpoint, a merge's seed), what travels with the weights:
 
     tokenizer files     tokenizer.json (or tokenizer.model / vocab.json + merges.txt), tokenizer_config.json with
@@ -26,17 +26,25 @@ what the source has says so in one line (a GGUF without a byte-level BPE, a bina
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from bam_surgery.converters.byte_tokenizer import BYTE_VOCAB, BYTES, TOKENIZER_KEY, uses_byte_tokenizer
-from bam_surgery.converters.export import ExportOptions, check_export, exporter, side_files
+from bam_surgery.converters.byte_tokenizer import (BYTE_VOCAB, BYTES, TOKENIZER_KEY, unavailable_tokenizer,
+                                                   uses_byte_tokenizer)
+from bam_surgery.converters.export import REFUSED_FORMATS, ExportOptions, check_export, exporter, exporters, side_files
 from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.sizes import parse_size
 from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
+from bam_surgery.surgery.errors import BamSurgeryError
+
+from .inputs import open_input
+from .reporter import Reporter
 
 # the files that say how text becomes ids (the rest: special tokens, templates)
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -49,7 +57,6 @@ class ExportInputs:
     files: tuple[Path, ...] = ()  # copied into the export by name (never generation_config.json: see generation)
     generation: Mapping[str, Any] | None = None  # generation_config.json's entries
     byte_tokenizer: bool = False  # the model reads UTF-8 bytes (train's byte tokenizer)
-    hf_source: Reader | None = None  # an HF folder: a dense hf export copies its files as they are
     model_card: str | None = None  # a merge's card
 
 
@@ -64,62 +71,100 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
     else:
         seed, files, card = reader, tokenizer_files(reader), None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
-    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files)
+    missing = unavailable_tokenizer(seed.metadata)
+    if missing is not None and warn is not None and fmt != "canonical":  # the canonical format keeps the fact
+        warn(f"{seed.path}: its tokenizer could not be rebuilt, so the output carries none ({missing})")
+    has_vocabulary = any(f.name in VOCABULARY_FILES for f in files) or missing is not None
     return ExportInputs(files=tuple(files), generation=generation_config(seed),
                         byte_tokenizer=uses_byte_tokenizer(says_bytes, has_vocabulary, reader.config.vocab_size)
                         and reader.config.vocab_size >= BYTE_VOCAB,  # ids 1..255 are bytes: the vocabulary holds them
-                        hf_source=seed if seed.source_dir is not None and files and plan is None else None,
                         model_card=card)
 
 
 @dataclass(frozen=True)
 class ExportRequest:
-    """The options of an export besides its inputs: each format reads the ones it has (converters/base.py)."""
+    """How an export is written besides what it carries: directory shards, whether OUT may be replaced, and the
+    format's own options (an instance of its Exporter.Options; None: their defaults)."""
 
-    architecture: str | None = None  # dense hf: the HF model_type (default: the source's own)
     max_shard_bytes: int | None = None
-    dtype: Any = None  # a torch dtype every tensor is cast to (onnx: fp16)
-    gguf_dtype: str | None = None
-    opset: int | None = None
-    kv_cache: bool = True
-    verify: bool = False
     force: bool = False
-    log: Callable[[str], None] | None = None
+    own: Any = None
+
+
+def formats() -> dict[str, str]:
+    """The output formats, {name: a few words}, in --format order; REFUSED_FORMATS: the ones refused saying why."""
+    return {name: e.summary for name, e in exporters().items()}
+
+
+def format_options(fmt: str) -> type:
+    """The dataclass of a format's own options (converters/base.py:Exporter.Options)."""
+    return exporter(fmt).Options
+
+
+def convert(source: str, out: str | os.PathLike, fmt: str = "canonical", *, own: Any = None,
+            max_shard_size: str | None = None, force: bool = False, allow_pickle: bool = False,
+            reporter: Reporter | None = None) -> Path:
+    """The use case of `bam-surgery convert` (and export-onnx, export-gguf: the same with their format's options):
+    open `source` (any checkpoint, a run folder as its newest checkpoint) and export it to `out` in format `fmt`.
+    own: the format's own options (format_options(fmt)); reporter: the format's lines (an ONNX verification's
+    summary, the GGUF tokenizer's notes) and OUT once it is in place."""
+    reporter = reporter or Reporter()
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
+    check_format_out(fmt, out)
+    with open_input(source, allow_pickle) as reader:
+        path = export(reader, out, fmt, ExportRequest(max_shard_bytes=shard_bytes, force=force, own=own),
+                      source=str(source), reporter=reporter)
+        reporter.written(path)
+    return path
+
+
+def check_format_out(fmt: str, out: str | os.PathLike | None) -> None:
+    """A format that writes a directory refuses an OUT named like one file."""
+    if out is not None and exporter(fmt).writes_directory and str(out).endswith(".safetensors"):
+        raise BamSurgeryError(f"--format {fmt}: writes a directory; {out} names a .safetensors file")
 
 
 def export(reader: Reader, out: str | Path, fmt: str, request: ExportRequest = ExportRequest(), *,
-           source: str | None = None, plan=None, warn: Callable[[str], None] | None = None) -> Path:
+           source: str | None = None, plan=None, reporter: Reporter | None = None) -> Path:
     """Write `reader` (a checkpoint, or a merge's PlanReader with its `plan`) to `out` in format `fmt`, carrying
     what export_inputs gathers. Refused before anything is written: a format that cannot express the model, a bad
     OUT (runtime.output_path); `source` names the input in the output's metadata and card."""
     out = Path(out)
     recipe = plan.recipe.name if plan is not None else None
+    own = _own(reader, fmt, request, plan)
     # from the config, before any read
-    check_export(fmt, reader.config, recipe=recipe, architecture=_architecture(reader, request, plan))
+    check_export(fmt, reader.config, recipe=recipe, architecture=getattr(own, "architecture", None))
     inputs = [(inp.label, inp.reader) for inp in plan.inputs] if plan is not None else [(source or "", reader)]
     check_output_path(out, request.force, inputs)
-    return write_export(reader, out, fmt, request, source=source, plan=plan, warn=warn)
+    return write_export(reader, out, fmt, request, source=source, plan=plan, reporter=reporter)
 
 
 def write_export(reader: Reader, out: Path, fmt: str, request: ExportRequest = ExportRequest(), *,
-                 source: str | None = None, plan=None, warn: Callable[[str], None] | None = None) -> Path:
-    """export's writing, once the format and OUT are checked (app/merge.py checks them itself, once)."""
-    arch = _architecture(reader, request, plan)
+                 source: str | None = None, plan=None, reporter: Reporter | None = None) -> Path:
+    """export's writing, once the format and OUT are checked (app/merge.py checks them itself, once). The format's
+    lines go to reporter.log, but for a merge's export (the merge prints its own summary)."""
+    reporter = reporter or Reporter()
     recipe = plan.recipe.name if plan is not None else None
-    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warn)
+    warnings: list[str] = []  # said once the output is written: a format that refuses says one line only
+    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warnings.append)
     with tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
         options = ExportOptions(
             tokenizer_files=inputs.files + _byte_tokenizer_files(fmt, inputs, Path(scratch)),
-            tokenizer_source=inputs.hf_source, generation=inputs.generation, model_card=inputs.model_card,
-            max_shard_bytes=request.max_shard_bytes, dtype=request.dtype, architecture=arch, recipe=recipe,
-            metadata=_metadata(fmt, source, reader), replace=request.force, opset=request.opset,
-            kv_cache=request.kv_cache, verify=request.verify, gguf_dtype=request.gguf_dtype, log=request.log)
-        return exporter(fmt).write(reader, out, options)
+            generation=inputs.generation, model_card=inputs.model_card, metadata=_metadata(fmt, source, reader),
+            recipe=recipe, max_shard_bytes=request.max_shard_bytes, replace=request.force,
+            log=reporter.log if plan is None else None, own=_own(reader, fmt, request, plan))
+        path = exporter(fmt).write(reader, out, options)
+    for line in warnings:
+        reporter.warning(line)
+    return path
 
 
-def _architecture(reader: Reader, request: ExportRequest, plan) -> str | None:
-    """The HF model_type a dense hf export writes: the one asked for, else the source's own (a merge has none)."""
-    return request.architecture or (reader.architecture if plan is None else None)
+def _own(reader: Reader, fmt: str, request: ExportRequest, plan) -> Any:
+    """The format's own options; a dense hf export's architecture defaults to the source's own (a merge has none)."""
+    own = request.own if request.own is not None else format_options(fmt)()
+    if getattr(own, "architecture", "") is None and plan is None and reader.architecture:
+        own = dataclasses.replace(own, architecture=reader.architecture)
+    return own
 
 
 def carried_files(inputs: ExportInputs) -> dict[str, bytes]:
@@ -142,11 +187,13 @@ def _byte_tokenizer_files(fmt: str, inputs: ExportInputs, scratch: Path) -> tupl
 
 def _metadata(fmt: str, source: str | None, reader: Reader) -> dict[str, str]:
     """The canonical file's (and the GGUF card's) extra metadata: the source, and the byte tokenizer's key where
-    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it)."""
+    the source says it (a model without a tokenizer and a small vocabulary needs no key: the rule finds it), or that
+    its own tokenizer is unavailable (a GGUF's not rebuilt: no later command reads bytes in its place)."""
     out = {"bam_source": source} if source else {}
-    if fmt == "canonical" and reader.metadata.get(TOKENIZER_KEY) == BYTES:
-        out[TOKENIZER_KEY] = BYTES
+    if fmt == "canonical" and (reader.metadata.get(TOKENIZER_KEY) == BYTES or unavailable_tokenizer(reader.metadata)):
+        out[TOKENIZER_KEY] = reader.metadata[TOKENIZER_KEY]  # bytes, or why its own tokenizer is unavailable
     return out
 
 
-__all__ = ["ExportInputs", "ExportRequest", "carried_files", "export", "export_inputs"]
+__all__ = ["REFUSED_FORMATS", "ExportInputs", "ExportRequest", "carried_files", "check_format_out", "convert",
+           "export", "export_inputs", "format_options", "formats"]

@@ -17,7 +17,7 @@ import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, write_checkpoint
 from bam_surgery.runtime.output_path import check_output_path
@@ -33,8 +33,7 @@ from bam_surgery.surgery.provenance import input_records, plan_input_files, tool
 
 from .exports import carried_files, export_inputs
 from .inputs import open_input
-
-Log = Callable[[str], None]
+from .reporter import Reporter
 
 
 @dataclass(frozen=True)
@@ -45,10 +44,11 @@ class ExtendResult:
 
 def extend(mixture: str, experts: Sequence[tuple[str | None, str]], out: str | os.PathLike, *,
            options: ExtendOptions = ExtendOptions(), max_shard_size: str | None = None, force: bool = False,
-           allow_pickle: bool = False, log: Log | None = None,
-           on_written: Callable[[Path], None] | None = None) -> ExtendResult:
+           allow_pickle: bool = False, reporter: Reporter | None = None) -> ExtendResult:
     """Add `experts` ([(name or None, checkpoint)], dense specialists branched from the mixture's seed) to the
-    trained `mixture`, into OUT (canonical: a .safetensors file, or a folder of shards)."""
+    trained `mixture`, into OUT (canonical: a .safetensors file, or a folder of shards). reporter: the new rows'
+    progress lines and OUT the moment it is in place, before the inputs are closed (default: Reporter())."""
+    reporter = reporter or Reporter()
     if not experts:
         raise BamSurgeryError("--experts: give at least one specialist to add")
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
@@ -59,14 +59,13 @@ def extend(mixture: str, experts: Sequence[tuple[str | None, str]], out: str | o
     with ExitStack() as opened:
         readers = [opened.enter_context(open_input(spec, allow_pickle)) for spec in (mixture, *(s for _, s in experts))]
         names = input_names([mixture, *(s for _, s in experts)], ["mixture", *(n for n, _ in experts)])
-        ext = extension_rows(plan_extension(readers[0], readers[1:], names, options), log)
+        ext = extension_rows(plan_extension(readers[0], readers[1:], names, options), reporter.log)
         check_output_path(out, force, [(inp.label, inp.reader) for inp in ext.inputs])
         digests = InputHasher(plan_input_files(ext)).result()
         record = extension_record(ext, input_records(ext.inputs, digests), tool_record())
         prov = json.dumps(extended_provenance(ext, record), separators=(",", ":"), sort_keys=True)
-        carried = carried_files(export_inputs(readers[0], "canonical"))
+        carried = carried_files(export_inputs(readers[0], "canonical", warn=reporter.warning))
         path = write_checkpoint(PlanReader(ext, hash_inputs=False), out, {PROVENANCE_KEY: prov}, shard_bytes,
                                 replace=force, side_files=carried)
-        if on_written is not None:
-            on_written(path)
+        reporter.written(path)
     return ExtendResult(ext, path)

@@ -14,9 +14,14 @@ from bam_surgery.runtime.errors import UserError, one_line
 from bam_surgery.surgery.errors import BamSurgeryError
 
 
+def resolved_input(spec: str) -> str:
+    """The checkpoint a spec stands for: a run folder's newest checkpoint, anything else as it is."""
+    return resolve_checkpoint(spec)
+
+
 def open_input(spec: str, allow_pickle: bool = False) -> Reader:
     try:
-        return converters.open_checkpoint(resolve_checkpoint(spec), allow_pickle=allow_pickle)
+        return converters.open_checkpoint(resolved_input(spec), allow_pickle=allow_pickle)
     except (UserError, OSError) as e:
         msg = one_line(e) if not isinstance(e, OSError) else f"cannot open ({e.strerror or e})"
         raise BamSurgeryError(msg if spec in msg else f"{spec}: {msg}") from e

@@ -103,10 +103,12 @@ DTYPES = ("fp32", "bf16")
 def peak_tflops(device_name: str) -> Optional[float]:
     """The table's peak dense bf16 TFLOP/s for a device name, or None when it is not in the table (pass
     --peak-tflops then); 0.0 for a device without bf16 tensor cores."""
-    for key, tflops in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops
-    return None
+    return by_device_name(PEAK_TFLOPS, device_name)
+
+
+def by_device_name(table, device_name: str) -> Optional[float]:
+    """The value of the first (substring of a device name, value) entry whose key the name contains; None."""
+    return next((value for key, value in table if key.lower() in device_name.lower()), None)
 
 
 @dataclass

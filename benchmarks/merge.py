@@ -153,7 +153,8 @@ def generate_hf(dense: list[Path], directory: Path) -> list[Path]:
     tokenizer = write_tokenizer(directory / "tokenizer")
     for src, dst in zip(dense, out):
         with CheckpointReader(src) as reader:
-            save_hf(reader, dst, "llama", tokenizer_from=tokenizer)
+            save_hf(reader, dst, "llama", tokenizer_files=[tokenizer / "tokenizer.json", tokenizer / "tokenizer_config.json"],
+                    generation={"bos_token_id": 1, "eos_token_id": 2})
     marker.write_text(json.dumps(stamp, indent=1))
     return out
 

@@ -14,14 +14,19 @@ threads (and OMP_NUM_THREADS), one at a time:
               AutoModelForCausalLM of the same weights (`bam-surgery convert --format hf`: LlamaForCausalLM for
               the seed, the HF BAM remote code for the mixture): forward, cross-entropy, backward, clip, AdamW
               with the same settings, on the same batches (the same sampler over the same token files, the
-              model's own tokenizer); median over the steps after --skip
+              model's own tokenizer); median over the steps after --skip. Our run three ways: as `train` runs
+              by default (fp32, fused AdamW), `--compile on` (blocks compiled; the first step's time, which holds
+              the compilation, is in the notes) and `--precision bf16` (bf16 autocast); the notes give each
+              run's final loss and its largest step-by-step difference from the default run's loss curve
     eval      tokens/s of train.evaluate_streams (what `bam-surgery eval` runs) against the transformers model's
               forward over the same held-out windows (no gradient); the model's loading is not timed
     generate  new tokens/s of runtime.generate (greedy, static KV cache, what `bam-surgery generate` runs) on
               a prompt, prefill included, against llama.cpp (llama-cpp-python, in --gguf-python's venv) on
               the original GGUF (Q4_1 weights, its default f16 KV cache: what a llama.cpp user runs) and on
               `export-gguf --dtype f32` of it (f32 weights and KV cache: the runtime's arithmetic); same prompt,
-              same number of tokens, same threads; the greedy tokens are compared with the runtime's.
+              same number of tokens, same threads; the greedy tokens are compared with the runtime's. The
+              notes give prefill (the prompt over the time to the first new token) and decode (the other new
+              tokens over the rest) apart.
               llama.cpp has no attention experts: the mixture's llama.cpp rows are "not carried".
 
 Writes results.json (command, commit, machine, load average per case, every row) and results.md to --out
@@ -49,8 +54,11 @@ SIZES = {  # steps, skip, seq_len, micro_batch, eval_tokens (per domain), new_to
     "default": dict(steps=6, skip=2, seq_len=128, micro_batch=2, eval_tokens=512, new_tokens=32, repeat=3),
     "smoke": dict(steps=2, skip=1, seq_len=16, micro_batch=1, eval_tokens=32, new_tokens=2, repeat=1),
 }
-CASES = ("train ours", "train transformers", "eval ours", "eval transformers", "generate ours",
-         "generate llama.cpp q4_1 (original)", "generate llama.cpp f32")
+CASES = ("train ours", "train ours --compile on", "train ours --precision bf16", "train transformers", "eval ours",
+         "eval transformers", "generate ours", "generate llama.cpp q4_1 (original)", "generate llama.cpp f32")
+# the train cases' TrainConfig changes: the default (fp32, fused AdamW), blocks compiled (inductor), bf16 autocast
+TRAIN_VARIANTS = {"train ours": {}, "train ours --compile on": {"compile": "on"},
+                  "train ours --precision bf16": {"precision": "bf16"}}
 
 
 def cli(*args: str) -> None:
@@ -93,14 +101,18 @@ def train_ours(a, paths, work: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     tc = TrainConfig(init=str(paths["ckpt"]), data=DATA, out=str(out), steps=a.steps, warmup_steps=2, lr=1e-4,
                      seq_len=a.seq_len, micro_batch=a.micro_batch, save_every=0, eval_every=-1,
-                     token_cache=str(work / "cache"), progress=False, plot=False)
-    res = train(tc, log=lambda m: None)
+                     token_cache=str(work / "cache"), progress=False, plot=False, **TRAIN_VARIANTS[a.case])
+    lines: list[str] = []
+    start = time.perf_counter()
+    res = train(tc, log=lines.append)
+    wall = time.perf_counter() - start
     recs = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["kind"] == "train"]
     shutil.rmtree(out, ignore_errors=True)
     # final_loss: the language-model loss, as the transformers loop computes it; a mixture's objective (res.loss)
-    # adds the routers' load-balancing and z-losses
+    # adds the routers' load-balancing and z-losses; losses: every step's, to compare the curves
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs[a.skip:]), "final_loss": recs[-1]["nll"],
-            "objective": res.loss}
+            "objective": res.loss, "losses": [r["nll"] for r in recs], "first_step_s": recs[0]["step_s"],
+            "wall_s": wall, "memory": next((x for x in lines if x.startswith("memory:")), None)}
 
 
 def hf_model(a, paths):
@@ -131,7 +143,7 @@ def train_transformers(a, paths, work: Path) -> dict:
     sampler = MixtureSampler([tokens[d.name] for d in domains], [d.weight for d in domains], a.seq_len, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     schedule = TrainConfig(steps=a.steps, warmup_steps=2, lr=1e-4)  # the runtime's warm-up and cosine
-    rates = []
+    rates, losses = [], []
     for step in range(a.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -144,9 +156,10 @@ def train_transformers(a, paths, work: Path) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
         if step >= a.skip:
             rates.append(a.micro_batch * a.seq_len / (time.perf_counter() - t0))
-    return {"tokens_per_s": statistics.median(rates), "final_loss": float(loss.detach())}
+    return {"tokens_per_s": statistics.median(rates), "final_loss": losses[-1], "losses": losses}
 
 
 def eval_windows_of(a, paths, work: Path):
@@ -216,7 +229,16 @@ def generate_ours(a, paths, work: Path) -> dict:
     ids = torch.tensor([tokenizer_of(paths["ckpt"]).encode_batch([PROMPT])[0].tolist()])
     tokens = []
     wall = timed(lambda: tokens.append(generate(model, ids, a.new_tokens)[0].tolist()), a.repeat)
-    return {"tokens_per_s": a.new_tokens / wall, "tokens": tokens[-1], "prompt_tokens": ids.shape[1]}
+    first = timed(lambda: generate(model, ids, 1), a.repeat)  # the prefill and the first token's sampling
+    return {"tokens_per_s": a.new_tokens / wall, "tokens": tokens[-1], "prompt_tokens": ids.shape[1],
+            **rates_apart(ids.shape[1], a.new_tokens, first, wall)}
+
+
+def rates_apart(prompt: int, new: int, first_s: float, total_s: float) -> dict:
+    """Prefill tokens/s (the prompt over the time to the first new token) and decode tokens/s (the other new tokens
+    over the rest of the time)."""
+    return {"prefill_tokens_per_s": prompt / first_s,
+            "decode_tokens_per_s": (new - 1) / (total_s - first_s) if new > 1 and total_s > first_s else None}
 
 
 def generate_llama(a, gguf: Path, kv: str) -> dict:
@@ -227,17 +249,22 @@ def generate_llama(a, gguf: Path, kv: str) -> dict:
                           type_k=ggml[kv], type_v=ggml[kv], verbose=False)
     ids = llm.tokenize(PROMPT.encode(), add_bos=False)
     tokens: list[list[int]] = []
+    firsts: list[float] = []
 
     def run():
         out = []
+        start = time.perf_counter()
         for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            if not out:
+                firsts.append(time.perf_counter() - start)
             out.append(int(token))
             if len(out) == a.new_tokens:
                 break
         tokens.append(out)
 
     wall = timed(run, a.repeat)
-    return {"tokens_per_s": a.new_tokens / wall, "tokens": tokens[-1], "prompt_tokens": len(ids)}
+    return {"tokens_per_s": a.new_tokens / wall, "tokens": tokens[-1], "prompt_tokens": len(ids),
+            **rates_apart(len(ids), a.new_tokens, statistics.median(firsts[1:] or firsts), wall)}
 
 
 def run_case(a) -> dict:
@@ -253,8 +280,8 @@ def run_case(a) -> dict:
         if not exported.exists():
             cli("export-gguf", a.ckpt, "--out", str(exported), "--dtype", "f32")
         return generate_llama(a, exported, "f32")
-    runner = {"train ours": train_ours, "train transformers": train_transformers, "eval ours": eval_ours,
-              "eval transformers": eval_transformers, "generate ours": generate_ours}[a.case]
+    runner = {**{c: train_ours for c in TRAIN_VARIANTS}, "train transformers": train_transformers,
+              "eval ours": eval_ours, "eval transformers": eval_transformers, "generate ours": generate_ours}[a.case]
     return runner(a, paths, work)
 
 
@@ -271,13 +298,31 @@ def child(a, case: str, model: str, paths: dict[str, Path], python: str) -> dict
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": load}
 
 
+def notes(r: dict, rows: list[dict]) -> str:
+    """Per case: training, the final loss and the largest step-by-step difference from the default run's curve;
+    generation, prefill and decode apart."""
+    if r["case"].startswith("train"):
+        base = next((x for x in rows if x["model"] == r["model"] and x["case"] == "train ours" and "losses" in x), None)
+        text = f"final loss {r['final_loss']:.5f}"
+        if base is not None and r is not base and r.get("losses"):
+            text += f", max step difference from ours {max(abs(p - q) for p, q in zip(r['losses'], base['losses'])):.2e}"
+        if r.get("first_step_s"):
+            text += f", first step {r['first_step_s']:.1f} s"
+        return text
+    if r.get("prefill_tokens_per_s"):
+        decode = r.get("decode_tokens_per_s")
+        return f"prefill {r['prefill_tokens_per_s']:,.1f} tok/s, decode {decode:,.1f} tok/s" if decode else ""
+    return ""
+
+
 def render(rows: list[dict]) -> str:
-    lines = ["| model | case | tokens/s | x ours | greedy tokens equal to ours | load |", "|---|---|---:|---:|---|---:|"]
+    lines = ["| model | case | tokens/s | x ours | greedy tokens equal to ours | load | notes |",
+             "|---|---|---:|---:|---|---:|---|"]
     ours = {(r["model"], r["case"].split()[0]): r.get("tokens_per_s") for r in rows if r["case"].endswith("ours")}
     for r in rows:
         base = ours.get((r["model"], r["case"].split()[0]))
         if "error" in r or "not_carried" in r:
-            lines.append(f"| {r['model']} | {r['case']} | {r.get('not_carried') or 'failed: ' + r['error']} | | | |")
+            lines.append(f"| {r['model']} | {r['case']} | {r.get('not_carried') or 'failed: ' + r['error']} | | | | |")
             continue
         same = ""
         if r["case"].startswith("generate") and not r["case"].endswith("ours"):
@@ -285,7 +330,8 @@ def render(rows: list[dict]) -> str:
             same = "" if want is None else "yes" if r["tokens"] == want else "no, from new token " + str(
                 next((i for i, (p, q) in enumerate(zip(r["tokens"], want)) if p != q), min(len(want), len(r["tokens"]))))
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base and not r["case"].endswith("ours") else ""
-        lines.append(f"| {r['model']} | {r['case']} | {r['tokens_per_s']:,.1f} | {ratio} | {same} | {r['load']:.1f} |")
+        lines.append(f"| {r['model']} | {r['case']} | {r['tokens_per_s']:,.1f} | {ratio} | {same} | {r['load']:.1f} | "
+                     f"{notes(r, rows)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,29 +12,21 @@ import errno
 import os
 import signal
 import sys
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from bam_surgery.app.exports import ExportRequest, export
-from bam_surgery.app.inputs import open_input
-from bam_surgery.app.merge import check_format_out
+from bam_surgery.app.errors import UsageError, UserError, missing_package_message, one_line, os_error_message
 from bam_surgery.app.merge import merge as app_merge
 from bam_surgery.runtime.atomic import InterruptedAfterWrite
-from bam_surgery.runtime.errors import UsageError, UserError, one_line
-from bam_surgery.runtime.sizes import parse_size
-from bam_surgery.surgery.audit import audit_checkpoint
-from bam_surgery.surgery.inspect import render_audit
 from bam_surgery.surgery.options import MergeOptions
-from bam_surgery.surgery.plan import format_plan
-from bam_surgery.surgery.plan_reader import PlanReader
 from bam_surgery.surgery.specs import merge_inputs
 
 from .early import EXPERTS, INTERRUPTED, SEED
-from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, command_options, format_option, option,
-                      options_of, output_written)
+from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, WRITTEN, CommandReporter, command_options, format_option,
+                      option, options_of)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -137,31 +129,6 @@ class Group(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-# import name -> the distribution pip installs it from, where they differ
-_DISTRIBUTIONS = {"yaml": "PyYAML", "lm_eval": "lm_eval", "onnxruntime_genai": "onnxruntime-genai",
-                  "llama_cpp": "llama-cpp-python", "sklearn": "scikit-learn"}
-
-
-def missing_package_message(e: ModuleNotFoundError) -> str | None:
-    """A third-party package a command needs and this environment lacks, as one line saying what to install;
-    None when the missing module is part of bam-surgery itself (a broken install, a bug: keep its traceback)."""
-    name = (e.name or "").split(".")[0]
-    if not name or name == "bam_surgery":
-        return None
-    dist = _DISTRIBUTIONS.get(name, name.replace("_", "-"))
-    return (f"this command needs the Python package {dist!r}, which is not installed here "
-            f"(pip install {dist}; requirements.txt pins the tested version)")
-
-
-def os_error_message(e: OSError) -> str:
-    """An OSError as one line naming the path: 'out/mix.safetensors: No space left on device'."""
-    reason = e.strerror or (os.strerror(e.errno) if e.errno else None) or str(e) or type(e).__name__
-    if e.errno == errno.ENOSPC:
-        reason += " (free some space or write elsewhere; nothing was left half-written)"
-    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
-    return one_line(f"{' -> '.join(paths)}: {reason}" if paths else reason)
-
-
 def _quiet_broken_pipe() -> None:
     """stdout's reader went away (`bam-surgery inspect x | head`): exit without a traceback."""
     try:
@@ -175,40 +142,6 @@ def _quiet_broken_pipe() -> None:
 def cli() -> None:
     """Model surgery for mixture-of-experts upcycling: merge dense checkpoints branched from one seed
     into a BAM / BTX mixture, or upcycle one dense model."""
-
-
-_held_warnings: list[str] | None = None  # while a merge runs (_warnings_unless_refused)
-
-
-def _warn(msg: str) -> None:
-    if _held_warnings is not None:
-        _held_warnings.append(msg)
-    else:
-        _warn_now(msg)
-
-
-def _warn_now(msg: str) -> None:
-    """A warning never held: what a run did to the disk (a killed run's work folder settled)."""
-    click.echo(f"bam-surgery: warning: {one_line(msg)}", err=True)
-
-
-@contextmanager
-def _warnings_unless_refused():
-    """A merge's warnings (an expert far from the seed or equal to it, tokenizers that differ, non-finite values
-    kept) held while it runs: printed once it completes or is interrupted, dropped when it is refused, so that a
-    refused merge prints its one error line alone (an unrelated expert holding NaN printed the distance warning,
-    then the error: issue 33). Fix the error, and the next run prints them."""
-    global _held_warnings
-    _held_warnings = []
-    try:
-        yield
-    except Exception:
-        _held_warnings = None
-        raise
-    finally:
-        held, _held_warnings = _held_warnings or [], None
-        for msg in held:
-            _warn_now(msg)
 
 
 @dataclass(frozen=True)
@@ -244,27 +177,19 @@ class MergeArgs:
 @command_options(MergeArgs)
 def merge(args: MergeArgs) -> None:
     """Merge dense checkpoints branched from one seed into a mixture (or upcycle one dense model)."""
-    log = (lambda msg: None) if args.quiet else (lambda msg: click.echo(msg, err=True))
+    reporter = CommandReporter(log=not args.quiet, progress=not args.quiet and sys.stderr.isatty())
     with ExitStack() as held:
         if not args.dry_run:
-            held.enter_context(_warnings_unless_refused())
+            held.enter_context(reporter.holding_warnings())
         result = app_merge(merge_inputs(args.seed, args.experts), args.out, recipe=args.recipe,
                            options=args.options, fmt=args.fmt, max_shard_size=args.max_shard_size,
-                           dry_run=args.dry_run, force=args.force, allow_pickle=args.allow_pickle,
-                           progress=not args.quiet and sys.stderr.isatty(), warn=_warn, on_stale=_warn_now, log=log,
-                           on_written=output_written)
+                           dry_run=args.dry_run, force=args.force, allow_pickle=args.allow_pickle, reporter=reporter)
     if args.dry_run:
-        _print_dry_run(result.plan, args)
+        click.echo(result.dry_run_text())
+        if args.out is not None and Path(args.out).exists() and not args.force:
+            reporter.warning(f"{args.out} exists; the merge would need --force")
     elif not args.quiet:
         _print_merge_summary(result.plan, result.path)
-
-
-def _print_dry_run(plan, args: MergeArgs) -> None:
-    click.echo(format_plan(plan))
-    click.echo("")
-    click.echo(_audit_text(plan))
-    if args.out is not None and Path(args.out).exists() and not args.force:
-        _warn(f"{args.out} exists; the merge would need --force")
 
 
 def _print_merge_summary(plan, path: Path) -> None:
@@ -290,41 +215,6 @@ def untrained_gate_note(cfg) -> str | None:
     return f"until the routers are trained {scaled}{shared}, so perplexity before training is not representative"
 
 
-@cli.command()
-@click.argument("source", metavar="CKPT")
-@click.option("--out", required=True, type=click.Path(), metavar="OUT",
-              help="Output path: .safetensors file or directory (canonical), a directory (hf, mixtral, onnx), or a "
-                   "FILE.gguf (gguf).")
-@format_option("Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral or HF "
-               "BAM export).")
-@click.option("--architecture", metavar="MODEL_TYPE",
-              help="For --format hf of a dense model: the HF architecture to write (llama, mistral, qwen2, "
-                   "gpt_neox, gpt2, cohere, phi). Default: the input's own, when it came from HF.")
-@MAX_SHARD_SIZE
-@OUT_FORCE
-@ALLOW_PICKLE
-@click.option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
-def convert(source, out, fmt, architecture, max_shard_size, force, allow_pickle, quiet) -> None:
-    """Convert one checkpoint between formats, streamed (e.g. an HF Llama to canonical and back).
-
-    The tokenizer files, chat template and generation config go with the weights into every format
-    (docs/deploy.md, "What every export carries"); a format that cannot carry them says so in one line.
-    """
-    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    check_format_out(fmt, out)
-    with open_input(source, allow_pickle) as reader:
-        export(reader, out, fmt, ExportRequest(architecture=architecture, max_shard_bytes=shard_bytes, force=force),
-               source=str(source))
-        output_written(Path(out))
-    if not quiet:
-        click.echo(f"wrote {out} ({fmt})", err=True)
-
-
-def _audit_text(plan) -> str:
-    """Parameter counts of the planned output, from its shapes only (the count-params table)."""
-    return render_audit(audit_checkpoint(PlanReader(plan, hash_inputs=False)), "planned output of the merge")
-
-
 # The header-only commands (count-params, inspect) live in their own module.
 from .audit import count_params_cmd, inspect_cmd  # noqa: E402
 
@@ -333,11 +223,10 @@ cli.add_command(inspect_cmd)
 from .generate import generate_cmd  # noqa: E402
 
 cli.add_command(generate_cmd)
-from .onnx import export_onnx_cmd  # noqa: E402
+from .exports import convert, export_gguf_cmd, export_onnx_cmd  # noqa: E402
 
+cli.add_command(convert)
 cli.add_command(export_onnx_cmd)
-from .gguf import export_gguf_cmd  # noqa: E402
-
 cli.add_command(export_gguf_cmd)
 
 from .train import eval_cmd, plot_cmd, train_cmd  # noqa: E402

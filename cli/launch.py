@@ -14,7 +14,6 @@ before. Nothing starts for --dry-run (which reads no tensor data) or --help.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -22,31 +21,28 @@ from pathlib import Path
 
 import click
 
+from bam_surgery.app.errors import UserError  # the app's errors and the runtime's leaf modules import no torch
+from bam_surgery.runtime.shards import INDEX_NAME, read_index
 from bam_surgery.surgery.specs import merge_inputs  # standard library only
 
 from .early import INPUTS, INTERRUPTED_LINE
 
-_INDEX = "model.safetensors.index.json"
-_MAX_INDEX_BYTES = 64 << 20
-
 
 def _weight_files(path: Path) -> list[Path]:
-    """A plain local checkpoint's weight files; [] when it is not one (the merge decides, later). The index is
-    read here with json, not runtime.shards.read_index: importing the runtime package imports torch."""
+    """A plain local checkpoint's weight files; [] when it is not one (the merge decides, later, and says why).
+    The index is read by the one shard-index reader (runtime.shards.read_index: bounded, no torch)."""
     if path.is_file():
         return [path] if path.suffix == ".safetensors" else []
     if not path.is_dir():
         return []
-    index = path / _INDEX
+    index = path / INDEX_NAME
     if index.is_file():
         try:
-            if index.stat().st_size > _MAX_INDEX_BYTES:
-                return []
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
-        except (OSError, ValueError, TypeError, AttributeError):
+            weight_map, _ = read_index(index)
+        except (OSError, UserError):
             return []
-        return [path / n for n in names if isinstance(n, str) and n == os.path.basename(n) and n.endswith(".safetensors")
+        names = sorted(set(weight_map.values()))
+        return [path / n for n in names if n == os.path.basename(n) and n.endswith(".safetensors")
                 and (path / n).is_file()]
     single = path / "model.safetensors"
     return [single] if single.is_file() else []

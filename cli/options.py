@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from bam_surgery.converters.export import REFUSED_FORMATS, exporters
+from bam_surgery.app.errors import one_line
+from bam_surgery.app.exports import REFUSED_FORMATS, formats
+from bam_surgery.app.reporter import Reporter
 
-FORMATS = {name: e.summary for name, e in exporters().items()}  # converters.export's table, in order
+FORMATS = formats()  # converters.export's table, in order
 
 MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE",
                               help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
@@ -34,11 +37,12 @@ def option(*decls, **attrs):
     return dataclasses.field(metadata={"option": decls[0] if shared else click.option(*decls, **attrs)})
 
 
-def options_of(cls):
+def options_of(cls, only: str | None = None):
     """A field of a command's options dataclass that is itself a dataclass `cls` whose fields declare their flags
-    in their metadata (surgery/options.py:MergeOptions): its flags go where the field is, and the command gets
-    one `cls` instance built from them."""
-    return dataclasses.field(metadata={"options_of": cls})
+    in their metadata (runtime/options.py:declared: surgery/options.py:MergeOptions, a format's own options): its
+    flags go where the field is, and the command gets one `cls` instance built from them. only: the fields whose
+    metadata has this key true (count-params takes MergeOptions' `counts` fields); the others keep their defaults."""
+    return dataclasses.field(metadata={"options_of": cls, "only": only})
 
 
 def command_options(cls):
@@ -52,7 +56,7 @@ def command_options(cls):
             return command(command_args(cls, params))
         for f in reversed(dataclasses.fields(cls)):
             inner = nested.get(f.name)
-            for decorator in ([flag_option(g) for g in reversed(dataclasses.fields(inner))] if inner
+            for decorator in ([flag_option(g) for g in reversed(flagged(*inner))] if inner
                               else [f.metadata["option"]]):
                 with_options = decorator(with_options)
         return with_options
@@ -62,13 +66,20 @@ def command_options(cls):
 def command_args(cls, params: dict):
     """The `cls` instance a command gets from click's parameters (command_options)."""
     params = dict(params)
-    for name, inner in _nested(cls).items():
-        params[name] = inner(**{f.name: _parsed(f, params.pop(f.name)) for f in dataclasses.fields(inner)})
+    for name, (inner, only) in _nested(cls).items():
+        params[name] = inner(**{f.name: _parsed(f, params.pop(f.name)) for f in flagged(inner, only)})
     return cls(**params)
 
 
+def flagged(cls, only: str | None = None) -> list[dataclasses.Field]:
+    """The fields of an options dataclass that declare a flag (runtime/options.py:declared), those marked `only`
+    if given; the others (a format's dtype cast, say) are the Python API's alone."""
+    return [f for f in dataclasses.fields(cls) if "flag" in f.metadata and (only is None or f.metadata.get(only))]
+
+
 def _nested(cls) -> dict:
-    return {f.name: f.metadata["options_of"] for f in dataclasses.fields(cls) if "options_of" in f.metadata}
+    return {f.name: (f.metadata["options_of"], f.metadata["only"]) for f in dataclasses.fields(cls)
+            if "options_of" in f.metadata}
 
 
 def flag_option(f: dataclasses.Field):
@@ -87,6 +98,8 @@ def flag_option(f: dataclasses.Field):
         low, high = m["bounds"]
         attrs["type"] = (click.IntRange(min=low, max=high) if scalar == "int"
                          else click.FloatRange(min=low, max=high, min_open=m["min_open"]))
+    elif m["parse"] is not None:  # text, which `parse` reads and refuses in its own words
+        attrs["type"] = click.STRING
     elif scalar == "int":
         attrs["type"] = int
     elif f.type == "bool":
@@ -149,3 +162,54 @@ def output_written(path: str | os.PathLike) -> None:
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.meta.setdefault(WRITTEN, []).append(Path(path))
+
+
+def warn_now(message: str) -> None:
+    """A warning line on stderr, never held."""
+    click.echo(f"bam-surgery: warning: {one_line(message)}", err=True)
+
+
+class CommandReporter(Reporter):
+    """A command's reporter (app/reporter.py): warnings and notes as `bam-surgery: warning|note: ...` lines, log lines
+    on stderr unless `log` is off (--quiet), a progress bar where `progress`, and an output in place marked for the
+    Ctrl-C message (output_written). A merge holds its warnings while it runs (holding_warnings)."""
+
+    def __init__(self, *, log: bool = True, progress: bool = False):
+        self._log, self.progress = log, progress
+        self._held: list[str] | None = None
+
+    def warning(self, message: str) -> None:
+        if self._held is not None:
+            self._held.append(message)
+        else:
+            warn_now(message)
+
+    def settled(self, message: str) -> None:
+        warn_now(message)  # what a run did to the disk: never held
+
+    def note(self, message: str) -> None:
+        click.echo(f"bam-surgery: note: {one_line(message)}", err=True)
+
+    def log(self, line: str) -> None:
+        if self._log:
+            click.echo(line, err=True)
+
+    def written(self, path: Path) -> None:
+        output_written(path)
+
+    @contextmanager
+    def holding_warnings(self):
+        """A merge's warnings (an expert far from the seed or equal to it, tokenizers that differ, non-finite values
+        kept) held while it runs: printed once it completes or is interrupted, dropped when it is refused, so that a
+        refused merge prints its one error line alone (an unrelated expert holding NaN printed the distance
+        warning, then the error: issue 33). Fix the error, and the next run prints them."""
+        self._held = []
+        try:
+            yield
+        except Exception:
+            self._held = None
+            raise
+        finally:
+            held, self._held = self._held or [], None
+            for message in held:
+                warn_now(message)

@@ -1,19 +1,26 @@
-"""The exporter protocol every output format implements, its options and its error.
+"""The exporter protocol every output format implements, what every format is given, and its error.
 
 converters/export.py holds the table of formats (`exporters()`) and imports each format's module; the formats
 import only this file, so the table and the formats form no import loop.
+
+Each format declares its own options as a frozen dataclass, `Exporter.Options` (HFOptions: the architecture of a
+dense hf export; OnnxOptions: opset, KV cache, verify; GGUFOptions: the matrices' type; ...), its fields declared
+with their flags (runtime/options.py:declared), so that `export-onnx` and `export-gguf` are declarations of them.
+What every format gets besides, the same for all, is ExportOptions: what the export carries (decided once, by
+app/exports.py) and how its files are written, with the format's own options in `own`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.reader import Reader
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 
 class CapabilityError(ConfigError):
@@ -22,24 +29,32 @@ class CapabilityError(ConfigError):
 
 
 @dataclass(frozen=True)
-class ExportOptions:
-    """Everything an exporter may use besides the reader; each format reads the fields it needs."""
+class NoOptions:
+    """A format without options of its own (canonical)."""
 
+
+@dataclass(frozen=True)
+class CastOptions:
+    """The HF formats' own: every tensor cast to one dtype (the Python API's; None: each tensor's own)."""
+
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What every format is given besides the reader and OUT; each format writes the carried parts its own way."""
+
+    # what the export carries, decided by app/exports.py:export_inputs for every format alike
     tokenizer_files: tuple[Path, ...] = ()  # copied into the output by name
-    tokenizer_source: Reader | None = None  # dense hf: carry this reader's tokenizer files and token ids
     generation: Mapping[str, Any] | None = None  # generation_config.json entries; *_token_id also go to config.json
     model_card: str | None = None  # README.md
-    max_shard_bytes: int | None = None  # None: the format's default (one file for most)
-    dtype: torch.dtype | None = None  # cast every tensor (None: keep each tensor's dtype)
-    architecture: str | None = None  # dense hf: the HF model_type to write
+    metadata: Mapping[str, str] = field(default_factory=dict)  # canonical (and the GGUF card): extra metadata entries
+    # how it is written
     recipe: str | None = None  # named in capability messages
-    metadata: Mapping[str, str] = field(default_factory=dict)  # canonical: extra metadata entries
+    max_shard_bytes: int | None = None  # None: the format's default (one file for most)
     replace: bool = True  # an existing OUT may be replaced if it is our own output (False: refuse; --force: True)
-    opset: int | None = None  # onnx: the ONNX opset (None: the exporter's default)
-    kv_cache: bool = True  # onnx: past key/values as graph inputs, present key/values as outputs
-    verify: bool = False  # onnx: run the export in onnxruntime against the runtime before putting it in place
-    gguf_dtype: str | None = None  # gguf: f32, f16 or q8_0 matrices (None: from dtype, else from the weights)
     log: Callable[[str], None] | None = None  # progress and summary lines (the CLI prints them on stderr)
+    own: Any = None  # the format's own options: an instance of its Exporter.Options (None: their defaults)
 
 
 class Exporter(ABC):
@@ -48,6 +63,7 @@ class Exporter(ABC):
     name: str
     summary: str  # a few words for --format's help
     writes_directory: bool = True  # False: OUT may also be a single file (canonical .safetensors)
+    Options: ClassVar[type] = NoOptions  # the format's own options (a frozen dataclass of declared fields)
 
     @abstractmethod
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
@@ -57,5 +73,12 @@ class Exporter(ABC):
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         """Check (again, with the reader's tensors) and write `out` atomically; return it."""
 
+    def own(self, options: ExportOptions) -> Any:
+        """This format's own options in `options` (their defaults where none were given)."""
+        own = options.own if options.own is not None else self.Options()
+        if not isinstance(own, self.Options):
+            raise TypeError(f"{self.name} export: its options are {self.Options.__name__}, not {type(own).__name__}")
+        return own
 
-__all__ = ["CapabilityError", "Exporter", "ExportOptions"]
+
+__all__ = ["CapabilityError", "CastOptions", "Exporter", "ExportOptions", "NoOptions"]

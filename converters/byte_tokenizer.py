@@ -11,6 +11,7 @@ from __future__ import annotations
 
 BYTES = "bytes"
 TOKENIZER_KEY = "bam_tokenizer"  # checkpoint metadata: the tokenizer a run trained with, when it is BYTES
+UNAVAILABLE = "unavailable: "  # ... or, before why, that the model's own tokenizer could not be rebuilt (a GGUF's)
 BYTE_VOCAB = 256
 BYTE_FALLBACK_MAX_VOCAB = 512
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
@@ -27,5 +28,14 @@ def byte_symbols() -> dict[int, str]:
 def uses_byte_tokenizer(says_bytes: bool, has_tokenizer: bool, vocab_size: int) -> bool:
     """The one rule for which models read UTF-8 bytes (train, generate and every export apply it): the checkpoint
     says so (TOKENIZER_KEY: BYTES), or it carries no tokenizer and its vocabulary has at most
-    BYTE_FALLBACK_MAX_VOCAB tokens. Whether the vocabulary is large enough (BYTE_VOCAB) is each caller's check."""
+    BYTE_FALLBACK_MAX_VOCAB tokens. A model whose own tokenizer could not be rebuilt (unavailable_tokenizer) has one:
+    its callers pass has_tokenizer, and ask for --tokenizer, never reading bytes in its place. Whether the
+    vocabulary is large enough (BYTE_VOCAB) is each caller's check."""
     return says_bytes or (not has_tokenizer and vocab_size <= BYTE_FALLBACK_MAX_VOCAB)
+
+
+def unavailable_tokenizer(metadata) -> str | None:
+    """Why the checkpoint's own tokenizer is not available (TOKENIZER_KEY: UNAVAILABLE + why, set by the GGUF reader
+    for tokenizer metadata it does not rebuild and kept by canonical conversions), or None."""
+    value = metadata.get(TOKENIZER_KEY)
+    return value[len(UNAVAILABLE):] if isinstance(value, str) and value.startswith(UNAVAILABLE) else None

@@ -7,6 +7,7 @@ options)`, plus one line in `exporters()`.
 
     exporter("mixtral").check(cfg, recipe="btx")      CapabilityError (one line), before any I/O
     exporter("mixtral").write(reader, out, ExportOptions(...))   streams reader -> out (atomic)
+    exporter("onnx").Options                          the format's own options (converters/base.py)
 
 Formats:
     canonical   our own safetensors (file or directory); a merge writes it itself (surgery.execute),
@@ -27,7 +28,7 @@ one-line CapabilityError saying why.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import fields as fields_of, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,11 @@ from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
+from .hf.families import NATIVE_MIXTURES
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .hf_export import HFExporter
-from .mixtral import MixtralExporter
+from .native_moe import NativeMixtureExporter
 from .onnx_export import OnnxExporter
-from .qk_norm_moe import FlexOlmoExporter, Qwen3MoeExporter
-from .qwen2_moe import Qwen2MoeExporter
 
 # native formats asked for that cannot carry our mixtures -> why (docs/deploy.md)
 REFUSED_FORMATS: dict[str, str] = {
@@ -63,8 +63,7 @@ class CanonicalExporter(Exporter):
         pass  # every ModelConfig has a canonical layout
 
     def write(self, reader, out, options) -> Path:
-        if options.dtype is not None:
-            raise CapabilityError("canonical output keeps each tensor's dtype (no dtype cast)")
+        self.own(options)
         check_layout(reader)  # a checkpoint whose tensors contradict its own config is never written
         return write_checkpoint(reader, out, options.metadata, options.max_shard_bytes, replace=options.replace,
                                 side_files=side_files(options))
@@ -81,8 +80,8 @@ def side_files(options: ExportOptions) -> dict[str, bytes]:
 
 def exporters() -> dict[str, Exporter]:
     """The table of output formats, in --format order. Adding a format: one entry here."""
-    return {e.name: e for e in (CanonicalExporter(), MixtralExporter(), Qwen2MoeExporter(), Qwen3MoeExporter(),
-                                FlexOlmoExporter(), HFExporter(), OnnxExporter(), GGUFExporter())}
+    natives = [NativeMixtureExporter(f) for f in NATIVE_MIXTURES]  # one per native mixture record (hf/families.py)
+    return {e.name: e for e in (CanonicalExporter(), *natives, HFExporter(), OnnxExporter(), GGUFExporter())}
 
 
 def exporter(fmt: str) -> Exporter:
@@ -101,11 +100,16 @@ def check_export(fmt: str, cfg: ModelConfig, *, recipe: str | None = None, archi
 
 def export(reader: Reader, out: str | os.PathLike, fmt: str, options: ExportOptions | None = None,
            **fields: Any) -> Path:
-    """Write `reader` (a checkpoint or a merge's PlanReader) to `out` in format `fmt`; `fields`
-    override entries of `options` (ExportOptions)."""
-    options = replace(options or ExportOptions(), **fields)
+    """Write `reader` (a checkpoint or a merge's PlanReader) to `out` in format `fmt`; `fields` override entries
+    of `options` (ExportOptions) or of the format's own (export(r, out, "onnx", verify=True, log=print)). What
+    travels with the weights is the caller's to give (app/exports.py gathers it for every route of the tool)."""
     chosen = exporter(fmt)
-    chosen.check(reader.config, recipe=options.recipe, architecture=options.architecture)
+    common = {f.name for f in fields_of(ExportOptions)}
+    options = replace(options or ExportOptions(), **{k: v for k, v in fields.items() if k in common})
+    own = {k: v for k, v in fields.items() if k not in common}
+    if own:
+        options = replace(options, own=replace(chosen.own(options), **own))
+    chosen.check(reader.config, recipe=options.recipe, architecture=getattr(chosen.own(options), "architecture", None))
     return chosen.write(reader, Path(out), options)
 
 

@@ -3,9 +3,10 @@
     exporter("gguf").write(reader, Path("mix.gguf"), ExportOptions(gguf_dtype="q8_0", tokenizer_files=(...)))
 
 What llama.cpp runs, decided from the config alone (check_gguf: CapabilityError, one line, before any tensor is read):
-the architecture is the first of `candidates(cfg)` whose gguf_table.ARCHS row computes exactly what the model computes
-(arch_problems: the row's QK-norm, norm position, layers without RoPE, biases, RoPE scalings, attention width), else
-the first, whose problems are the refusal.
+the architecture is the first of `candidates(cfg)` (the nearest in trunk, gguf_table.ARCHS rows, from the family
+records) whose column (`arch_column`: llama.cpp's column of the table of what runs where, converters/carry.py) carries
+the model: the row's QK-norm, norm position, layers without RoPE, biases, RoPE scalings, attention width; else the
+first, whose failures are the refusal.
   dense    sequential blocks, RMSNorm, RoPE over the whole head, SwiGLU FFN, a final norm, no logit scale, no lm_head
            bias; GQA, any head_dim and tied embeddings are fine. By family:
              olmo2    a full-width QK-norm and norms after attention and FFN (OLMo 2); q/k/v biases; H * Dh = d_model
@@ -19,15 +20,20 @@ the first, whose problems are the refusal.
                       attention and final soft-caps (both: llama.cpp applies 50 and 30 without the keys), sliding
                       layers (at least one), tied embeddings; gemma3 the same with a per-head QK-norm and no attention
                       soft-cap (Gemma 3). Their windows, the sliding layers' RoPE and the attention scale llama.cpp
-                      derives from the block count: gguf_table's WINDOWS section; no Gemma mixture.
+                      derives from the block count: gguf_table's WINDOWS section; no mixture of their norms.
+             granite  the residual stream's multipliers, an attention scale of its own and a logit divisor (Granite;
+                      a Llama-shaped model with a logit scale too): {arch}.embedding_scale, residual_scale,
+                      attention.scale, logit_scale
+             exaone4  a per-head QK-norm with norms after attention and FFN (EXAONE 4); sliding windows only as
+                      llama.cpp slides them: three layers of four at 64 layers, RoPE in those alone
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
-  mixture  exactly what the `mixtral` format takes (converters/hf/mixtral_config.py:mixtral_problems): FFN experts of
+  mixture  exactly what the `mixtral` format takes (its record's config map, hf/moe_family.py): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
            with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
            QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's norm_topk_prob;
            softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
   shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
-           (converters/hf/qwen2_moe_config.py:qwen2_moe_problems) and llama.cpp's `qwen2moe` architecture computes:
+           (hf/moe_family.py SharedExpertMoe) and llama.cpp's `qwen2moe` architecture computes:
            routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
            expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
            gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
@@ -50,8 +56,8 @@ fused tensor (phi3); experts go stacked [E, ...] as they are, the shared expert
 as ffn_{gate,up,down}_shexp and its gate as ffn_gate_inp_shexp. The `llama` and `smollm3` architectures rotate
 pairs of dimensions, so the Q and K rows (weights and biases) of a rotate-halves model are permuted per head as
 convert_hf_to_gguf.py does (LlamaModel.permute); the others rotate halves (NEOX) and take them as they are.
-Types: the matrices in f32, f16 or q8_0 (`gguf_dtype`, else options.dtype, else f32 for float32 weights and f16
-for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
+Types: the matrices in f32, f16 or q8_0 (GGUFOptions.dtype, the format's own option, else f32 for float32 weights
+and f16 for 16-bit ones); 1-D tensors (norms, biases, RoPE's factors), the routers and the shared expert's gate stay f32,
 and a q8_0 matrix whose rows are not a multiple of 32 values falls back to f16, as llama.cpp's converter
 does. One tensor is in memory at a time: the header is written from the shapes, then each tensor is read,
 converted and appended.
@@ -85,19 +91,21 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from functools import lru_cache
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from bam_surgery import __version__
 from bam_surgery.runtime.atomic import atomic_path
-from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.dtypes import main_dtype
-from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.errors import CheckpointError, OptionError, printable
 from bam_surgery.runtime.jsonfile import json_field, parse_json
 from bam_surgery.runtime.layout import tensor_shapes
+from bam_surgery.runtime.options import declared
 from bam_surgery.runtime.outputs import FORMAT, GGUF_FORMAT_KEY
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import read_side_file
@@ -105,18 +113,18 @@ from bam_surgery.runtime.shards import read_side_file
 from .base import CapabilityError, ExportOptions, Exporter
 from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
-                             byte_symbols, uses_byte_tokenizer)
-from .hf.mixtral_config import mixtral_problems
-from .hf.moe_family import bias_problem, raise_problems
-from .hf.qwen2_moe_config import qwen2_moe_problems
-from .gguf_tokenizer import LLAMA3_REGEX, PRE_TOKENIZERS, QWEN2_REGEX
-from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, rope_heads, rope_pairs, rope_scaling,
-                         sliding_layers, tensor_layout, tensor_names, window_keys)
-from .qwen2_moe import WithZeroQKVBias
+                             byte_symbols, unavailable_tokenizer, uses_byte_tokenizer)
+from .hf.architectures import ARCHITECTURES
+from .hf.families import NATIVE_MIXTURES
+from .carry import SIZES, TRAINING, Carry, Column, anything, rule, values
+from .hf.moe_family import bias_row, raise_problems
+from .gguf_tokenizer import PRE_TOKENIZERS, pre_tokenizer_name
+from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, nope_layers, pattern_layers, rope_heads,
+                         rope_pairs, rope_scaling, sliding_layers, tensor_layout, tensor_names, window_keys)
+from .native_moe import WithZeroQKVBias
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
-_SPLIT_REGEXES = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2"}
 CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
 
@@ -127,21 +135,30 @@ _NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after
 _SOFTCAPS = {"none": "no {} soft-capping", "always": "{} soft-capping", "optional": ""}
 
 
+def _features(cfg: ModelConfig) -> dict[str, Any]:
+    """What of a config picks llama.cpp's architecture for it: its trunk (QK-norm, norm position, layers without RoPE,
+    shared expert), then what a family record's Gguf.picks name (a RoPE type, q/k/v biases)."""
+    return dict(qk_norm=cfg.qk_norm, norm_position=cfg.norm_position, nope=bool(cfg.nope_layers),
+                shared=bool(cfg.ffn_shared_hidden), rope_type=(cfg.scaled_rope or {}).get("rope_type"),
+                qkv_bias=cfg.qkv_bias)
+
+
+TRUNK_FEATURES = ("qk_norm", "norm_position", "nope", "shared")
+
+
 def candidates(cfg: ModelConfig) -> list[str]:
-    """llama.cpp's architectures that may run this model, the most specific first (module docstring)."""
-    if cfg.ffn_experts:
-        return ["qwen2moe" if cfg.ffn_shared_hidden else "qwen3moe" if cfg.qk_norm == "head" else "llama"]
-    if cfg.norm_position == "sandwich":
-        return ["gemma3" if cfg.qk_norm == "head" else "gemma2"]
-    if cfg.qk_norm == "full" or cfg.norm_position == "post":
-        return ["olmo2"]
-    if cfg.qk_norm == "head":
-        return ["qwen3"]
-    if cfg.nope_layers:
-        return ["smollm3"]
-    if cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] == "longrope":
-        return ["phi3"]
-    return (["qwen2"] if cfg.qkv_bias else []) + ["llama"]
+    """llama.cpp's architectures of the model's kind (a mixture's: those with a gating), the nearest first: fewest
+    trunk features (_features) that differ from the row's, then fewest others, then in gguf_table.ARCHS order."""
+    want = _features(cfg)
+    rows = [r for r in ARCHS.values() if (r.gate_norm is not None if cfg.ffn_experts else r.hf_dense is not None)]
+
+    def misses(row) -> tuple[int, int]:
+        have = {**dict(qk_norm=row.qk_norm, norm_position=row.norm_position, nope=bool(row.nope_every),
+                       shared=row.shared_expert, rope_type=None, qkv_bias=False), **row.picks}
+        differ = {k for k, v in want.items() if have[k] != v}
+        return len(differ & set(TRUNK_FEATURES)), len(differ - set(TRUNK_FEATURES))
+
+    return [r.name for r in sorted(rows, key=misses)]
 
 
 def gguf_architecture(cfg: ModelConfig) -> str:
@@ -152,119 +169,195 @@ def gguf_architecture(cfg: ModelConfig) -> str:
 
 
 def gguf_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(what llama.cpp needs, what this model has) for every feature the architecture gguf_architecture picks lacks."""
-    if cfg.attn_experts:
-        return [("dense attention (llama.cpp has no attention experts)", f"{cfg.attn_experts} attention experts")]
-    return arch_problems(cfg, gguf_architecture(cfg))
+    """(what llama.cpp needs, what this model has) for every feature the architecture gguf_architecture picks lacks;
+    attention experts alone, where the model has them (no architecture of llama.cpp has any)."""
+    problems = arch_problems(cfg, gguf_architecture(cfg))
+    return problems[:1] if cfg.attn_experts else problems
 
 
 def arch_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
-    """What llama.cpp's `arch` (its gguf_table.ARCHS row) lacks for this model: a mixture's FFN side as the HF format
-    of its shape judges it (hf/mixtral_config.py, hf/qwen2_moe_config.py: llama.cpp runs the same experts), the rest
-    from the row."""
+    """What llama.cpp's `arch` lacks for this model: the failures of its column (arch_column). A mixture whose norm
+    position no llama.cpp mixture has is told that alone."""
+    mixtures = [r for r in ARCHS.values() if r.gate_norm is not None]
+    if cfg.ffn_experts and not cfg.attn_experts and cfg.norm_position not in {r.norm_position for r in mixtures}:
+        names = [r.name for r in mixtures]
+        return [(f"a dense model, or a mixture of llama.cpp's {', '.join(names[:-1])} or {names[-1]} (none has "
+                 f"{_NORM_POSITIONS[cfg.norm_position]})", f"a mixture with {_NORM_POSITIONS[cfg.norm_position]}")]
+    return arch_column(arch).problems(cfg)
+
+
+def _when(kind: bool, rows: Iterable[Carry], tag: str) -> list[Carry]:
+    """Rows that apply to a mixture (kind True) or a dense model only (`tag` in the table's cells, or none)."""
+    def shown(r: Carry) -> str | dict[str, str]:
+        tagged = {f: s if s.startswith("any") or not tag else f"{s} ({tag})" for f in r.fields for s in [r.shown_for(f)]}
+        return tagged if len(set(tagged.values())) > 1 else next(iter(tagged.values()))
+    return [Carry(r.fields, (lambda r: lambda cfg: bool(cfg.ffn_experts) != kind or r.ok(cfg))(r), r.needs, r.has,
+                  shown(r), r.allowed) for r in rows]
+
+
+def _plain(row, cfg: ModelConfig) -> ModelConfig:
+    """A mixture's config with the trunk llama.cpp's row decides itself left plain (its FFN side judged alone)."""
+    return cfg.replace(qk_norm="none", norm_position="pre", nope_layers=None, scaled_rope=None,
+                       gate_norm=row.gate_norm or cfg.gate_norm)
+
+
+@lru_cache(maxsize=None)
+def arch_column(arch: str) -> Column:
+    """What llama.cpp's `arch` carries (converters/carry.py), from its gguf_table.ARCHS row: a mixture's FFN side as
+    the native HF format the row names judges it (hf/moe_family.py: llama.cpp runs the same experts), a dense model's
+    from the row, then the trunk both share; the llama.cpp column of the table of what runs where."""
     row = ARCHS[arch]
-    out: list[tuple[str, str]] = []
-
-    def need(ok: bool, needs: str, has: str) -> None:
-        if not ok:
-            out.append((needs, has))
-
-    if cfg.ffn_experts:  # the experts, with the attention side and the gate normalization left to the row
-        if cfg.norm_position == "sandwich":
-            return [("a dense model, or a mixture of llama.cpp's llama, qwen2moe or qwen3moe (it has no Gemma mixture)",
-                     "a mixture of Gemma's shape (norms before and after each sublayer)")]
-        plain = cfg.replace(qk_norm="none", norm_position="pre", nope_layers=None, scaled_rope=None,
-                            gate_norm=row.gate_norm or cfg.gate_norm)
-        out += (qwen2_moe_problems if cfg.ffn_shared_hidden else mixtral_problems)(plain)
-        top = f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts"
-        # topk_softmax and softmax agree only when every expert is selected (the top-k probabilities sum to 1)
-        if cfg.gate_norm != row.gate_norm and cfg.ffn_top_k != cfg.ffn_experts:
-            need(False, "gates p_i of the softmax over all experts, not renormalized over the top-k (llama.cpp's "
-                 f"{arch}; rebuild the mixture with --gate-norm softmax)" if row.gate_norm == "softmax" else
-                 f"top-k gates renormalized to sum to 1 (llama.cpp's {arch}; rebuild the mixture with --gate-norm "
-                 "topk_softmax)", top)
+    rows: list[Carry] = [values("attn_experts", (0,), "dense attention (llama.cpp has no attention experts)",
+                                "{} attention experts")]
+    if row.gate_norm is None:  # a dense row: the mixture's fields do not apply (its kind's candidates only)
+        rows += anything("ffn_top_k", "gate_norm", "router", "router_hidden", "router_temperature",
+                         shown="any (no experts)")
     else:
-        need(cfg.activation == row.activation, f"{_ACTIVATIONS[row.activation]} FFNs (llama.cpp's {arch})",
-             f"activation {cfg.activation}")
-        need(cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}")
-        need(not cfg.norm_bias, "norms without bias", "norm biases")
-        need(cfg.block == "sequential", "sequential blocks", f"block {cfg.block}")
-        need(cfg.position == "rope", "RoPE", f"position {cfg.position}")
-        need(cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}")
-        need(cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}")
-        need(cfg.final_norm, "a final norm", "no final norm")
-        out += bias_problem(cfg, row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})"
-                            if row.biases else f"no biases (llama.cpp's {arch})")
-        out += gemma_problems(cfg, arch)
-    need(row.rope_pairs or not cfg.rope_interleaved, f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE")
-    need(cfg.qk_norm == row.qk_norm, f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})", _QK_NORMS.get(cfg.qk_norm, ""))
-    need(cfg.norm_position == row.norm_position, f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
-         _NORM_POSITIONS.get(cfg.norm_position, ""))
-    nope = row.nope_layers(cfg.n_layers)
-    need((cfg.nope_layers or None) == nope,
-         f"no RoPE in layers {nope} (llama.cpp's {arch}: every {row.nope_every}th)" if nope else
-         f"RoPE in every layer (llama.cpp's {arch})",
-         f"no RoPE in layers {cfg.nope_layers}" if cfg.nope_layers else "RoPE in every layer")
+        judge = ARCHITECTURES[row.moe_checks].config.column
+        lifted = [Carry(r.fields, (lambda r: lambda cfg: r.ok(_plain(row, cfg)))(r),
+                        (lambda r: lambda cfg: r.needs_text(_plain(row, cfg)))(r),
+                        (lambda r: lambda cfg: r.has_text(_plain(row, cfg)))(r), r.shown, r.allowed)
+                  for r in judge.rows if not set(r.fields) & _ROW_DECIDES]
+        rows += _when(True, [*lifted, _gates(row)], "mixture" if row.hf_dense else "")
+    if row.hf_dense is not None:
+        rows += _when(False, [r for r in _dense_rows(row) if not set(r.fields) & set(row.carries)],
+                      "dense" if row.gate_norm else "")
+    rows += anything(*row.carries, shown="any (its keys)")
+    return Column(f"gguf:{arch}", (*rows, *_trunk_rows(row), *anything(*SIZES, "rope_theta", *TRAINING),
+                                   *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)")))
+
+
+# the row's to decide, not the judge's
+_ROW_DECIDES = {"qk_norm", "norm_position", "nope_layers", "scaled_rope", "gate_norm", "attn_experts"}
+
+
+def _gates(row) -> Carry:
+    arch = row.name
+    return rule("gate_norm", lambda cfg: cfg.gate_norm == row.gate_norm or cfg.ffn_top_k == cfg.ffn_experts,
+                "gates p_i of the softmax over all experts, not renormalized over the top-k (llama.cpp's "
+                f"{arch}; rebuild the mixture with --gate-norm softmax)" if row.gate_norm == "softmax" else
+                f"top-k gates renormalized to sum to 1 (llama.cpp's {arch}; rebuild the mixture with --gate-norm "
+                "topk_softmax)", lambda cfg: f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of "
+                                             f"{cfg.ffn_experts} experts", row.gate_norm)
+
+
+def _dense_rows(row) -> list[Carry]:
+    arch = row.name
+    return [values("activation", (row.activation,), f"{_ACTIVATIONS[row.activation]} FFNs (llama.cpp's {arch})",
+                   "activation {}"),
+            values("norm", ("rmsnorm",), "RMSNorm", "norm {}"),
+            values("norm_bias", (False,), "norms without bias", "norm biases"),
+            values("block", ("sequential",), "sequential blocks", "block {}"),
+            values("position", ("rope",), "RoPE", "position {}"),
+            values("rotary_fraction", (1.0,), "RoPE over the whole head", "rotary_fraction {}"),
+            values("logit_scale", (1.0,), "unscaled logits", "logit_scale {}"),
+            values("final_norm", (True,), "a final norm", "no final norm"),
+            bias_row(row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})"
+                     if row.biases else f"no biases (llama.cpp's {arch})"),
+            *feature_rows(row)]
+
+
+def _trunk_rows(row) -> list[Carry]:
+    arch = row.name
+    nope = lambda cfg: nope_layers(row, cfg)  # noqa: E731
+    out = [rule("rope_interleaved", lambda cfg: row.rope_pairs or not cfg.rope_interleaved,
+                f"half-split RoPE (llama.cpp's {arch})", "interleaved RoPE", "any" if row.rope_pairs else "False"),
+           values("qk_norm", (row.qk_norm,), f"{_QK_NORMS[row.qk_norm]} (llama.cpp's {arch})",
+                  lambda cfg: _QK_NORMS.get(cfg.qk_norm, "")),
+           values("norm_position", (row.norm_position,), f"{_NORM_POSITIONS[row.norm_position]} (llama.cpp's {arch})",
+                  lambda cfg: _NORM_POSITIONS.get(cfg.norm_position, "")),
+           rule("nope_layers", lambda cfg: (cfg.nope_layers or None) == nope(cfg),
+                lambda cfg: f"no RoPE in layers {nope(cfg)} (llama.cpp's {arch}: "
+                            f"{'its layers without a window' if row.rope_sliding_only else f'every {row.nope_every}th'})"
+                if nope(cfg) else f"RoPE in every layer (llama.cpp's {arch})",
+                lambda cfg: f"no RoPE in layers {cfg.nope_layers}" if cfg.nope_layers else "RoPE in every layer",
+                "the layers without a window" if row.rope_sliding_only else
+                f"every {row.nope_every}th layer" if row.nope_every else "None")]
     if row.q_is_d_model:
-        need(cfg.n_heads * cfg.head_dim == cfg.d_model, f"n_heads * head_dim = d_model (llama.cpp's {arch})",
-             f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}")
-    return out + rope_problems(cfg, arch)
+        out.append(rule(("n_heads", "head_dim"), lambda cfg: cfg.n_heads * cfg.head_dim == cfg.d_model,
+                        f"n_heads * head_dim = d_model (llama.cpp's {arch})",
+                        lambda cfg: f"{cfg.n_heads} heads of {cfg.head_dim} in d_model {cfg.d_model}",
+                        "n_heads * head_dim = d_model"))
+    return [*out, *_rope_rows(row)]
 
 
 _ACTIVATIONS = {"swiglu": "SwiGLU", "geglu_tanh": "GeGLU (tanh GELU)"}
 
 
-def gemma_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
-    """Gemma's features (gguf_table's WINDOWS section) llama.cpp's dense `arch` computes otherwise: scaled embeddings,
-    soft-capping, the attention scale, sliding windows and their RoPE, tied embeddings. (1 + w) norms are no problem
-    anywhere: stored as 1 + w, llama.cpp multiplies by them.)"""
-    row = ARCHS[arch]
-    out: list[tuple[str, str]] = []
-
-    def need(ok: bool, needs: str, has: str) -> None:
-        if not ok:
-            out.append((f"{needs} (llama.cpp's {arch})", has))
-
+def feature_rows(row) -> list[Carry]:
+    """The newer families' features (gguf_table's WINDOWS section) llama.cpp's dense `arch` computes otherwise: scaled
+    embeddings, soft-capping, the attention scale, sliding windows and their RoPE, tied embeddings. ((1 + w) norms are
+    carried everywhere: stored as 1 + w, llama.cpp multiplies by them.)"""
+    arch = row.name
+    own = f" (llama.cpp's {arch})"
     scaled = "embeddings times sqrt(d_model)"
-    need(cfg.scale_embeddings == row.scale_embeddings, scaled if row.scale_embeddings else "unscaled embeddings",
-         scaled if cfg.scale_embeddings else "unscaled embeddings")
-    for which, mode, value in (("attention", row.attn_softcap, cfg.attn_softcap),
-                               ("final", row.final_softcap, cfg.final_softcap)):
-        need(mode == "optional" or (mode == "always") == (value is not None), _SOFTCAPS[mode].format(which),
-             f"{which} soft-capping {value}" if value is not None else f"no {which} soft-capping")
-    dim = attn_scale_dim(arch, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.head_dim)
-    need((cfg.attn_scale_dim or cfg.head_dim) == dim, f"attention scaled by 1/sqrt({dim})",
-         f"attention scaled by 1/sqrt({cfg.attn_scale_dim})")
-    need(row.windows != "none" or cfg.attn_window is None, "attention over the whole prefix",
-         f"a sliding window of {cfg.attn_window}")
-    # gemma2 always builds its sliding-window cache, and aborts (GGML_ASSERT is_swa_any) on a file without
-    need(row.windows != "always" or any(sliding_layers(cfg)), "sliding-window layers",
-         "no sliding-window layers")
-    if any(sliding_layers(cfg)) and cfg.scaled_rope is not None:
-        plain = cfg.window_rope_theta is not None  # the runtime's sliding layers: unscaled, else the global RoPE
-        need(plain == (row.window_rope == "plain"),
-             "sliding layers with unscaled RoPE" if row.window_rope == "plain" else
-             "sliding layers with the global RoPE scaling", "sliding layers with unscaled RoPE" if plain else
-             "sliding layers with the global RoPE scaling")
-    need(cfg.tie_embeddings or not row.tied_only, "tied embeddings", "an lm_head of its own")
+    dim = lambda cfg: attn_scale_dim(arch, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.head_dim)  # noqa: E731
+    plain_local = lambda cfg: cfg.window_rope_theta is not None  # noqa: E731  the sliding layers' RoPE: unscaled
+    local = {True: "sliding layers with unscaled RoPE", False: "sliding layers with the global RoPE scaling"}
+    out = [values("scale_embeddings", (row.scale_embeddings,), (scaled if row.scale_embeddings else
+                  "unscaled embeddings") + own, lambda cfg: scaled if cfg.scale_embeddings else "unscaled embeddings")]
+    for which, field, mode in (("attention", "attn_softcap", row.attn_softcap),
+                               ("final", "final_softcap", row.final_softcap)):
+        out.append(rule(field, (lambda field, mode: lambda cfg: mode == "optional"
+                                or (mode == "always") == (getattr(cfg, field) is not None))(field, mode),
+                        _SOFTCAPS[mode].format(which) + own,
+                        (lambda field, which: lambda cfg: f"{which} soft-capping {getattr(cfg, field)}"
+                         if getattr(cfg, field) is not None else f"no {which} soft-capping")(field, which),
+                        {"none": "None", "always": "> 0", "optional": "any"}[mode]))
+    out += [rule("attn_scale_dim", lambda cfg: (cfg.attn_scale_dim or cfg.head_dim) == dim(cfg),
+                 lambda cfg: f"attention scaled by 1/sqrt({dim(cfg)})" + own,
+                 "attention scaled by 1/sqrt({})", "llama.cpp's scale"),
+            _window_row(row),
+            # gemma2 always builds its sliding-window cache, and aborts (GGML_ASSERT is_swa_any) on a file without
+            rule("attn_window_layers", lambda cfg: row.windows != "always" or any(sliding_layers(cfg)),
+                 "sliding-window layers" + own, "no sliding-window layers",
+                 "some" if row.windows == "always" else "any"),
+            rule("window_rope_theta", lambda cfg: not any(sliding_layers(cfg)) or cfg.scaled_rope is None
+                 or plain_local(cfg) == (row.window_rope == "plain"), local[row.window_rope == "plain"] + own,
+                 lambda cfg: local[plain_local(cfg)], "any"),
+            rule("tie_embeddings", lambda cfg: cfg.tie_embeddings or not row.tied_only, "tied embeddings" + own,
+                 "an lm_head of its own", "True" if row.tied_only else "any"),
+            *anything("norm_unit_offset", shown="any (stored as 1 + w)")]
     return out
 
 
-def rope_problems(cfg: ModelConfig, arch: str) -> list[tuple[str, str]]:
-    """Scaled RoPE llama.cpp's `arch` does not apply as the runtime does (gguf_table's ROPE section)."""
-    s = cfg.scaled_rope
-    if s is None:
-        return []
-    kind = s["rope_type"]
-    supported = ARCHS[arch].rope_scalings
-    if kind not in supported:
-        why = " (llama.cpp has no dynamic NTK scaling)" if kind == "dynamic" else ""
-        return [(f"RoPE scaling llama.cpp's {arch} applies ({', '.join(supported)}){why}", f"rope_type {kind!r}")]
-    if kind == "yarn" and (s.get("beta_fast", 32) != 32 or s.get("beta_slow", 1) != 1 or not s.get("truncate", True)):
-        return [(f"YaRN with beta_fast 32, beta_slow 1 and truncated correction dims (llama.cpp's {arch})",
-                 f"yarn with beta_fast {s.get('beta_fast', 32)}, beta_slow {s.get('beta_slow', 1)}, truncate "
-                 f"{s.get('truncate', True)}")]
-    return []
+def _window_row(row) -> Carry:
+    """The sliding windows llama.cpp's architecture computes: none, any, or (fixed) its pattern at one block count."""
+    own = f" (llama.cpp's {row.name})"
+    if row.windows != "fixed":
+        return rule("attn_window", lambda cfg: row.windows != "none" or cfg.attn_window is None,
+                    "attention over the whole prefix" + own, "a sliding window of {}",
+                    "None" if row.windows == "none" else "any")
+    fixed = f"windows in the layers i with i % {row.window_pattern} < {row.window_pattern - 1} at {row.window_block_count} layers"
+    return rule("attn_window", lambda cfg: cfg.attn_window is None or (
+        cfg.n_layers == row.window_block_count and sliding_layers(cfg) == pattern_layers(row.window_pattern,
+                                                                                          cfg.n_layers)),
+        f"attention over the whole prefix, or {fixed}{own}",
+        lambda cfg: f"a sliding window of {cfg.attn_window} in layers {cfg.attn_window_layers} of {cfg.n_layers}",
+        f"None, or {fixed}")
+
+
+def _rope_rows(row) -> list[Carry]:
+    """Scaled RoPE llama.cpp's `arch` applies as the runtime does (gguf_table's ROPE section)."""
+    arch, supported = row.name, row.rope_scalings
+    kind = lambda cfg: (cfg.scaled_rope or {}).get("rope_type")  # noqa: E731
+
+    def yarn_ok(cfg) -> bool:
+        s = cfg.scaled_rope or {}
+        return kind(cfg) != "yarn" or (s.get("beta_fast", 32) == 32 and s.get("beta_slow", 1) == 1
+                                       and s.get("truncate", True))
+
+    def yarn_has(cfg) -> str:
+        s = cfg.scaled_rope
+        return (f"yarn with beta_fast {s.get('beta_fast', 32)}, beta_slow {s.get('beta_slow', 1)}, truncate "
+                f"{s.get('truncate', True)}")
+
+    why = lambda cfg: " (llama.cpp has no dynamic NTK scaling)" if kind(cfg) == "dynamic" else ""  # noqa: E731
+    return [rule("scaled_rope", lambda cfg: kind(cfg) in (None, *supported),
+                 lambda cfg: f"RoPE scaling llama.cpp's {arch} applies ({', '.join(supported)}){why(cfg)}",
+                 lambda cfg: f"rope_type {kind(cfg)!r}", f"None, {', '.join(supported)}"),
+            rule("scaled_rope", yarn_ok, f"YaRN with beta_fast 32, beta_slow 1 and truncated correction dims "
+                 f"(llama.cpp's {arch})", yarn_has, "yarn: beta_fast 32, beta_slow 1, truncated")]
 
 
 def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
@@ -272,23 +365,35 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
     problems = gguf_problems(cfg)
     if problems:
         carried = CARRIED_BY
-        if cfg.ffn_shared_hidden and not qwen2_moe_problems(cfg):  # the HF Qwen2-MoE format takes it
-            carried = "canonical, hf, qwen2_moe or onnx"
+        natives = [f.model_type for f in NATIVE_MIXTURES if f.config.shared_expert and not f.config.problems(cfg)]
+        if cfg.ffn_shared_hidden and natives:  # a native shared-expert format takes it
+            carried = f"canonical, hf, {', '.join(natives)} or onnx"
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
 
 
-def resolve_dtype(reader: Reader, options: ExportOptions) -> str:
-    """The matrices' type: options.gguf_dtype, else options.dtype (float32 / float16), else f32 for float32
-    weights and f16 for 16-bit ones."""
-    if options.gguf_dtype is not None:
-        if options.gguf_dtype not in GGUF_DTYPES:
-            raise CapabilityError(f"gguf dtype {options.gguf_dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-        return options.gguf_dtype
-    if options.dtype is not None:
-        named = {torch.float32: "f32", torch.float16: "f16"}
-        if options.dtype not in named:
-            raise CapabilityError(f"gguf export writes f32, f16 or q8_0 matrices, not {str(options.dtype)[6:]}")
-        return named[options.dtype]
+def parse_gguf_dtype(text: str) -> str:
+    """--dtype f32|f16|q8_0."""
+    if text not in GGUF_DTYPES:
+        raise OptionError(f"--dtype: unknown dtype {text!r}; choose one of {', '.join(GGUF_DTYPES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class GGUFOptions:
+    """The gguf format's own options (`bam-surgery export-gguf` declares its flags from them)."""
+
+    dtype: str | None = declared(
+        None, "--dtype", metavar="|".join(GGUF_DTYPES), parse=parse_gguf_dtype,
+        help="Type of the weight matrices: f32, f16 or q8_0 (8-bit blocks of 32); norms, biases and routers stay f32. "
+             "Default: f32 for float32 checkpoints, f16 for 16-bit ones.")
+
+
+def resolve_dtype(reader: Reader, own: GGUFOptions) -> str:
+    """The matrices' type: the one asked for, else f32 for float32 weights and f16 for 16-bit ones."""
+    if own.dtype is not None:
+        if own.dtype not in GGUF_DTYPES:
+            raise CapabilityError(f"gguf dtype {own.dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+        return own.dtype
     entries = [(n, reader.shape(n), reader.dtype(n)) for n in reader.names()]
     return "f32" if main_dtype(entries) == torch.float32 else "f16"
 
@@ -400,31 +505,6 @@ def byte_vocabulary(vocab_size: int) -> Vocabulary:
     return Vocabulary(BYTES, "gpt-2", tokens, [int(t) for t in types], [], eos=0, bos=0)
 
 
-def pre_tokenizer_name(pre: Any, where: str) -> str:
-    """The llama.cpp pre-tokenizer equal to a tokenizer.json pre_tokenizer, or CapabilityError."""
-    steps = (json_field(pre, "pretokenizers", list, f"{where}: pre_tokenizer", default=[])
-             if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre])
-    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or [None]]
-
-    def byte_level(step: dict, regex: bool) -> bool:
-        return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True)
-                and bool(step.get("use_regex", True)) == regex)
-
-    if kinds == ["ByteLevel"] and byte_level(steps[0], True):
-        return "gpt-2"
-    if kinds == ["Split", "ByteLevel"] and byte_level(steps[1], False):
-        split = steps[0]
-        regex = (split.get("pattern") or {}).get("Regex") if isinstance(split.get("pattern"), dict) else None
-        if regex in _SPLIT_REGEXES and split.get("behavior") == "Isolated" and not split.get("invert"):
-            return _SPLIT_REGEXES[regex]
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(steps[1], True):
-        return "smollm"
-    shown = json.dumps(pre, sort_keys=True)[:120]
-    raise CapabilityError(f"{where}: its pre-tokenizer ({shown}) is none llama.cpp implements as written "
-                          f"(supported: {'; '.join(f'{k}: {v[1]}' for k, v in PRE_TOKENIZERS.items())}, without a "
-                          "prefix space)")
-
-
 def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
     """(the special token a tokenizer.json post-processor puts first, last) on a single sequence."""
     if post is None or (isinstance(post, dict) and post.get("type") == "ByteLevel"):
@@ -438,9 +518,12 @@ def _special_ends(post: Any, where: str) -> tuple[str | None, str | None]:
         if not all(isinstance(item, dict) for item in single):
             raise CheckpointError(f"{where}: post_processor.single holds an item that is not an object")
 
-        def special(item) -> str | None:
-            return item["SpecialToken"].get("id") if isinstance(item, dict) and "SpecialToken" in item else None
-        return (special(single[0]) if single else None, special(single[-1]) if len(single) > 1 else None)
+        def special(i: int) -> str | None:
+            if "SpecialToken" not in single[i]:
+                return None
+            entry = json_field(single[i], "SpecialToken", dict, f"{where}: post_processor.single[{i}]")
+            return json_field(entry, "id", str, f"{where}: post_processor.single[{i}].SpecialToken")
+        return (special(0) if single else None, special(len(single) - 1) if len(single) > 1 else None)
     kind = post.get("type") if isinstance(post, dict) else type(post).__name__
     raise CapabilityError(f"{where}: post-processor {str(kind)[:40]!r} is not one this export maps to llama.cpp "
                           "(ByteLevel, TemplateProcessing)")
@@ -569,6 +652,10 @@ def find_vocabulary(reader: Reader, options: ExportOptions) -> Vocabulary:
         if "chat_template.jinja" in files:  # transformers' own file for the template, ahead of tokenizer_config's
             vocab.chat_template = read_side_file(files["chat_template.jinja"]).decode("utf-8", errors="replace")
         return vocab
+    missing = unavailable_tokenizer(reader.metadata)
+    if missing is not None:  # its own tokenizer could not be rebuilt: never the byte tokenizer in its place
+        raise CapabilityError(f"gguf export: {reader.path}: its tokenizer could not be rebuilt ({missing}), and "
+                              "llama.cpp needs the vocabulary in the file")
     if uses_byte_tokenizer(reader.metadata.get(TOKENIZER_KEY) == BYTES, False, cfg.vocab_size) \
             and cfg.vocab_size >= BYTE_VOCAB:
         return byte_vocabulary(cfg.vocab_size)
@@ -614,21 +701,22 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     """general.* and bam_surgery.* entries: {key: value} (strings, or lists for base models)."""
     cfg = reader.config
     prov = _provenance(reader)
+    layout = ARCHITECTURES[ARCHS[arch].hf_mixture].stands_for if cfg.ffn_experts else ""
     if cfg.ffn_shared_hidden:
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
                 f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
-                f"on every token, scaled by sigmoid(x . w); Qwen2-MoE's layout"
+                f"on every token, scaled by sigmoid(x . w); {layout}'s layout"
                 f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
-                f"top-k, {'Qwen3-MoE' if arch == 'qwen3moe' else 'Mixtral'}'s layout)")
+                f"top-k, {layout}'s layout)")
     else:
         kind = "dense model"
     made = ""
     bases: list[tuple[str, str]] = []
     if prov is not None:
         recipe = (prov.get("recipe") or {}).get("name") if isinstance(prov.get("recipe"), dict) else None
-        inputs = [i for i in prov.get("inputs") or [] if isinstance(i, dict)]
+        inputs = provenance_inputs(prov)
         bases = [(str(i.get("name")), f"{i.get('role')} ({i.get('path')})") for i in inputs]
         made = f" Merged with recipe {recipe} from {', '.join(n for n, _ in bases)}." if recipe else ""
     else:
@@ -677,7 +765,8 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 def _write_hparams(w, cfg: ModelConfig) -> None:
     """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
     the RoPE scaling's (gguf_table.rope_scaling) and the sliding windows' (gguf_table.window_keys)."""
-    entries = [(h.key, h.kind, getattr(cfg, h.field)) for h in hparams() if h.when(cfg, w.arch)]
+    entries = [(h.key, h.kind, 1.0 / getattr(cfg, h.field) if h.reciprocal else getattr(cfg, h.field))
+               for h in hparams() if h.when(cfg, w.arch)]
     entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
     entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
     for key, kind, value in entries:
@@ -749,10 +838,11 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
 
 class GGUFExporter(Exporter):
     name = "gguf"
-    summary = ("one GGUF file for llama.cpp: dense Llama (linear, yarn or llama3 RoPE), Mistral, Qwen2, Qwen3, Phi-3, "
-               "OLMo 2, SmolLM3, Gemma 2 and Gemma 3 models, BTX mixtures as Mixtral-shaped llama or qwen3moe, shared-expert mixtures as "
-               "qwen2moe (bam-surgery export-gguf has its options)")
+    summary = (f"one GGUF file for llama.cpp: dense models as {', '.join(r.name for r in ARCHS.values() if r.hf_dense)}, "
+               f"mixtures as {', '.join(r.name for r in ARCHS.values() if r.gate_norm)} (bam-surgery export-gguf has "
+               "its options)")
     writes_directory = False
+    Options = GGUFOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         check_gguf(cfg, recipe)
@@ -762,11 +852,11 @@ class GGUFExporter(Exporter):
         check_gguf(cfg, options.recipe)
         if not out.name.endswith(SUFFIX) or out.name == SUFFIX:
             raise CapabilityError(f"--format gguf writes one file named *{SUFFIX}; {printable(str(out))} is not")
-        dtype = resolve_dtype(reader, options)
+        dtype = resolve_dtype(reader, self.own(options))
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
-        if arch == "qwen2moe" and not cfg.qkv_bias:  # Qwen2-MoE files carry q/k/v biases: zeros add nothing
+        if ARCHS[arch].qkv_bias_always and not cfg.qkv_bias:  # its files carry q/k/v biases: zeros add nothing
             reader = WithZeroQKVBias(reader)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
@@ -779,4 +869,4 @@ class GGUFExporter(Exporter):
         return out
 
 
-__all__ = ["CapabilityError", "GGUFExporter", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]
+__all__ = ["CapabilityError", "GGUFExporter", "GGUFOptions", "GGUF_DTYPES", "check_gguf", "gguf_architecture", "gguf_problems"]

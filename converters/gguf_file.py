@@ -20,16 +20,20 @@ stands).
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from bam_surgery.runtime.errors import CheckpointError, printable
+from bam_surgery.runtime.jsonfile import open_regular
+from bam_surgery.runtime.shards import open_folder_file
 
+from .gguf_metadata import INTEGER, metadata_value
 from .gguf_table import gguf_module
 
 MAGIC = b"GGUF"
@@ -37,6 +41,9 @@ VERSIONS = (2, 3)  # version 1 had 32-bit counts and is gone from llama.cpp
 DEFAULT_ALIGNMENT = 32
 MAX_METADATA_BYTES = 1 << 28  # header, key-value pairs and the tensor directory together
 MAX_STRING_BYTES = 1 << 24  # one string (chat templates run to tens of KiB)
+MAX_FIELDS = 1 << 16  # key-value pairs (llama.cpp's files hold under a hundred)
+MAX_TENSORS = 1 << 16  # tensors of one file (the largest models hold about 1,500)
+MAX_ARRAY_STRINGS = 1 << 21  # strings in all arrays together (the largest tokenizers: about 600,000 tokens and merges)
 MAX_NAME_BYTES = 64  # llama.cpp's GGML_MAX_NAME, terminating NUL included: names of at most 63 bytes
 MAX_DIMS = 4  # GGML_MAX_DIMS
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -61,11 +68,12 @@ class TensorInfo:
 class GGUFFile:
     path: Path
     version: int
-    fields: dict[str, Any]  # strings, ints, floats, bools, lists of them
+    fields: dict[str, Any]  # strings, ints, floats, bools; lists of strings; numpy arrays of numbers and bools
     types: dict[str, tuple[int, int | None]]  # key -> (value type, array item type or None)
     tensors: list[TensorInfo]
     data_start: int
     size: int
+    stat: os.stat_result  # of the descriptor parsed (FileIdentity: the file read later must be this one)
 
 
 class _Cursor:
@@ -73,6 +81,7 @@ class _Cursor:
 
     def __init__(self, buf, path: Path, limit: int):
         self.buf, self.path, self.pos, self.limit = buf, path, 0, limit
+        self.strings_left = MAX_ARRAY_STRINGS  # strings the file's arrays may still hold
 
     def fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {what}")
@@ -99,6 +108,31 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (an array's items), checked as `string` checks one, in one tight loop (a
+        tokenizer's 500,000 strings); an item that fails is read again by `string`, whose message names it."""
+        buf, limit, length = self.buf, self.limit, _LENGTH.unpack_from
+        pos, out = self.pos, []
+        for i in range(count):
+            n = length(buf, pos)[0] if pos + 8 <= limit else -1
+            end = pos + 8 + n
+            text = None
+            if 0 <= n <= MAX_STRING_BYTES and end <= limit:
+                try:
+                    text = str(buf[pos + 8:end], "utf-8")
+                except UnicodeDecodeError:
+                    pass
+            if text is None:
+                self.pos = pos
+                self.string(f"{what}[{i}]")  # raises, naming the item
+            out.append(text)
+            pos = end
+        self.pos = pos
+        return out
+
+
+_LENGTH = struct.Struct("<Q")
+
 
 def _value(cur: _Cursor, vtype: int, key: str, nested: bool = False) -> tuple[Any, int | None]:
     what = f"key {printable(key)}"
@@ -116,12 +150,16 @@ def _value(cur: _Cursor, vtype: int, key: str, nested: bool = False) -> tuple[An
             size = struct.calcsize(_SCALARS[itype][1])
             start = cur.take(count * size if count <= cur.limit else cur.limit + 1, f"{what}'s {count:,} values")
             values = np.frombuffer(cur.buf, dtype=np.dtype(_SCALARS[itype][1]), count=count, offset=start)
-            return values.tolist(), itype
+            return values.copy(), itype  # a numpy array of its own (the map closes after parsing)
         if itype == STRING:
             if count * 8 > cur.limit - cur.pos:  # every string takes at least its 8-byte length
                 raise cur.fail(f"{what} declares {count:,} strings, more than the {cur.limit - cur.pos:,} bytes left "
                                "could hold (truncated or corrupt GGUF)")
-            return [cur.string(f"{what}[{i}]") for i in range(count)], itype
+            if count > cur.strings_left:
+                raise cur.fail(f"{what} declares {count:,} strings; the arrays of a file may hold "
+                               f"{MAX_ARRAY_STRINGS:,} strings in all (the largest tokenizers: about 600,000)")
+            cur.strings_left -= count
+            return cur.strings(count, what), itype
         if itype == ARRAY:
             raise cur.fail(f"{what} is an array of arrays, which no GGUF model carries")
         raise cur.fail(f"{what}'s array has unknown value type {itype}")
@@ -132,20 +170,34 @@ def _quant_sizes() -> dict[int, tuple[int, int]]:
     return {int(k): v for k, v in gguf_module().GGML_QUANT_SIZES.items()}
 
 
-def parse_gguf(path: Path) -> GGUFFile:
-    """The file's header, metadata and tensor directory, checked (module docstring)."""
+def open_gguf(path: Path, folder: Path | None = None) -> BinaryIO:
+    """The GGUF file `path` opened once: by the folder rule of every weight file when it was found inside the model
+    folder `folder` (runtime.shards.open_folder_file), else as the regular file the user named. The caller closes
+    it."""
+    if folder is not None:
+        return open_folder_file(path, "a GGUF file of the model", folder)
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            if size < 24:
-                raise CheckpointError(f"{path}: {size} bytes, too short for a GGUF header (truncated?)")
+        return open_regular(path, str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+
+
+def parse_gguf(path: Path, folder: Path | None = None) -> GGUFFile:
+    """The file's header, metadata and tensor directory, checked (module docstring); `folder`: the model folder it
+    was found in (open_gguf)."""
+    try:
+        with open_gguf(path, folder) as f:
+            st = os.fstat(f.fileno())
+            if st.st_size < 24:
+                raise CheckpointError(f"{path}: {st.st_size} bytes, too short for a GGUF header (truncated?)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(path, buf, size)
+                return _parse(path, buf, st)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _parse(path: Path, buf, size: int) -> GGUFFile:
+def _parse(path: Path, buf, st: os.stat_result) -> GGUFFile:
+    size = st.st_size
     cur = _Cursor(buf, path, min(size, MAX_METADATA_BYTES))
     if bytes(buf[:4]) != MAGIC:
         raise CheckpointError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {MAGIC!r})")
@@ -157,6 +209,10 @@ def _parse(path: Path, buf, size: int) -> GGUFFile:
     n_tensors = cur.unpack("<Q", "the tensor count")
     n_fields = cur.unpack("<Q", "the key-value count")
     left = cur.limit - cur.pos
+    if n_fields > MAX_FIELDS or n_tensors > MAX_TENSORS:
+        raise CheckpointError(f"{path}: declares {n_fields:,} key-value pairs and {n_tensors:,} tensors; a GGUF file "
+                              f"this reader takes holds at most {MAX_FIELDS:,} of each (llama.cpp's hold under a "
+                              "hundred key-value pairs and a few thousand tensors)")
     if n_fields * 13 > left or n_tensors * 24 > left:  # the smallest pair / tensor entry takes 13 / 24 bytes
         raise CheckpointError(f"{path}: declares {n_fields:,} key-value pairs and {n_tensors:,} tensors, more than "
                               f"the {left:,} bytes of metadata could hold (corrupt or hostile GGUF)")
@@ -169,10 +225,10 @@ def _parse(path: Path, buf, size: int) -> GGUFFile:
         vtype = cur.unpack("<I", f"key {printable(key)}'s type")
         fields[key], itype = _value(cur, vtype, key)
         types[key] = (vtype, itype)
-    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not (isinstance(alignment, int) and not isinstance(alignment, bool) and 0 < alignment <= 1 << 20
-            and alignment & (alignment - 1) == 0):
-        raise CheckpointError(f"{path}: general.alignment {str(alignment)[:20]} is not a power of two up to 2**20")
+    alignment = metadata_value(fields, "general.alignment", INTEGER, DEFAULT_ALIGNMENT, low=1, high=1 << 20,
+                               where=str(path))
+    if alignment & (alignment - 1):
+        raise CheckpointError(f"{path}: general.alignment is {alignment}, expected a power of two up to 2**20")
     sizes = _quant_sizes()
     raw = []
     for i in range(n_tensors):
@@ -187,7 +243,7 @@ def _parse(path: Path, buf, size: int) -> GGUFFile:
         raw.append((name, dims, qtype, offset))
     data_start = -(-cur.pos // alignment) * alignment
     tensors = _tensors(path, raw, data_start, size, alignment, sizes)
-    return GGUFFile(path, version, fields, types, tensors, data_start, size)
+    return GGUFFile(path, version, fields, types, tensors, data_start, size, st)
 
 
 def _tensors(path: Path, raw: list, data_start: int, size: int, alignment: int,

@@ -30,18 +30,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bam_surgery.runtime.cache import untrusted_cache
 from bam_surgery.runtime.checkpoint import PROVENANCE_KEY
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json, read_json
 from bam_surgery.runtime.layout import tensor_shapes
-from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.reader import ShapeTableReader
 from bam_surgery.runtime.safetensors_file import FileIdentity
 
-from .gguf_file import GGUFFile, TensorInfo, parse_gguf, split_files
+from .byte_tokenizer import TOKENIZER_KEY, UNAVAILABLE
+from .gguf_file import GGUFFile, TensorInfo, open_gguf, parse_gguf, split_files
+from .gguf_metadata import INTEGER, NUMBER, STRING, MetadataError, metadata_value
 from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, gguf_module, hparams,
                          is_norm, rope_halves, rope_heads, rope_tensor_name, scaled_rope_of, tensor_layout,
                          tensor_names, windows_of)
+from .gguf_tokenizer import DIRECTORY as TOKENIZER_CACHE
 from .gguf_tokenizer import rebuild_tokenizer
 
 BAM_CONFIG = "bam_surgery.config"  # our export's record of the config (its tie_embeddings says output.weight is a copy)
@@ -71,21 +75,26 @@ def _type_name(qtype: int) -> str:
         return str(qtype)
 
 
-class GGUFCheckpointReader(Reader):
+class GGUFCheckpointReader(ShapeTableReader):
     """The reader protocol (runtime.reader) over a GGUF file or a split GGUF."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, folder: str | os.PathLike | None = None):
+        """`folder`: the model folder the file was found in (open_checkpoint of a folder); a split GGUF's parts are
+        always files of the named part's folder. Either way each part is opened by the folder rule of every weight
+        file (gguf_file.open_gguf)."""
         self.path = Path(path)
         self.parts = split_files(self.path)
-        parsed = [parse_gguf(p) for p in self.parts]
-        self._identity = {p: FileIdentity.of(os.stat(p)) for p in self.parts}
+        self._folder = Path(folder) if folder is not None else self.path.parent if len(self.parts) > 1 else None
+        parsed = [parse_gguf(p, self._folder) for p in self.parts]
+        self._identity = {p: FileIdentity.of(part.stat) for p, part in zip(self.parts, parsed)}
+        self._maps: dict[int, np.memmap] = {}
         head = parsed[0]
         fields = head.fields
         where = str(self.parts[0])
         self._check_split(parsed)
-        arch_name = fields.get("general.architecture")
+        arch_name = metadata_value(fields, "general.architecture", STRING, where=where)
         if arch_name not in ARCHS:
-            raise CheckpointError(f"{where}: llama.cpp architecture {printable(str(arch_name))[:40]!r} is not one this "
+            raise CheckpointError(f"{where}: llama.cpp architecture {printable(arch_name)[:40]!r} is not one this "
                                   f"reader maps ({', '.join(ARCHS)})")
         self.arch: GGUFArch = ARCHS[arch_name]
         found: dict[str, tuple[int, TensorInfo]] = {}
@@ -102,42 +111,39 @@ class GGUFCheckpointReader(Reader):
         self.config = self._config(fields, found, where)
         self._map(found)
         self.architecture = self.arch.hf_mixture if self.config.ffn_experts else self.arch.hf_dense
-        context = fields.get(f"{arch_name}.context_length")
-        self._tokenizer, note = rebuild_tokenizer(fields, where, context if isinstance(context, int) else None)
+        context = metadata_value(fields, f"{arch_name}.context_length", INTEGER, None, low=0, where=where)
+        self._tokenizer, note = rebuild_tokenizer(fields, where, context)
         # the token ids an HF config.json carries (bos / eos / pad): the rebuilt generation_config.json's
         self.hf_config = read_json(self._tokenizer[-1], expect=dict) if self._tokenizer else None
         self.metadata = {"format": "gguf", "source": str(self.path), "gguf_architecture": arch_name}
-        notes = [f"tokenizer not rebuilt: {note}"] if note else []
+        notes = [f"tokenizer not rebuilt: {note} (the commands that need it take --tokenizer)"] if note else []
+        if note and "tokenizer.ggml.model" in fields:  # a tokenizer it carries: never read as bytes in its place
+            self.metadata[TOKENIZER_KEY] = f"{UNAVAILABLE}{note}"
+        problem = untrusted_cache(TOKENIZER_CACHE) if self._tokenizer else None
+        if problem:
+            notes.append(f"tokenizer rebuilt into a private temporary folder, not the cache: {problem} (set "
+                         "BAM_SURGERY_CACHE to a folder of your own)")
         notes += [self._rope_note] if self._rope_note else []
         if notes:
             self.metadata["notes"] = "; ".join(notes)
-        if isinstance(fields.get("bam_surgery.provenance"), str):
-            self.metadata[PROVENANCE_KEY] = fields["bam_surgery.provenance"]
-        self._maps: dict[int, np.memmap] = {}
+        provenance = metadata_value(fields, "bam_surgery.provenance", STRING, None, where=where)
+        if provenance is not None:
+            self.metadata[PROVENANCE_KEY] = provenance
 
     # -- opening ---------------------------------------------------------------------------
     def _check_split(self, parsed: list[GGUFFile]) -> None:
         if len(parsed) == 1:
             return
         for i, part in enumerate(parsed):
-            count, no = part.fields.get("split.count"), part.fields.get("split.no")
+            count = metadata_value(part.fields, "split.count", INTEGER, None, where=str(part.path))
+            no = metadata_value(part.fields, "split.no", INTEGER, None, where=str(part.path))
             if count != len(parsed) or no != i:
                 raise CheckpointError(f"{part.path}: split.count {count} / split.no {no}; the file name says part "
                                       f"{i + 1} of {len(parsed)} (split.no counts from 0)")
 
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
-        values: dict = {}
-        for h in hparams():  # a later key of the same field wins (qwen2moe's expert width over the dense one)
-            key = h.key.format(arch=arch)
-            if key not in fields:
-                continue
-            value = fields[key]
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not numeric or (h.kind == "u32" and not isinstance(value, int)):
-                raise CheckpointError(f"{where}: {key} is {printable(str(value))[:30]}, not "
-                                      f"{'an integer' if h.kind == 'u32' else 'a number'}")
-            values[h.field] = value
+        values = _hparam_values(fields, self.arch, where)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -153,6 +159,9 @@ class GGUFCheckpointReader(Reader):
             values["vocab_size"] = found["token_embd.weight"][1].shape[0]
         rotary = values.pop("rotary_dim", None)
         head_dim = values.get("head_dim") or (values["d_model"] // values["n_heads"] if values["n_heads"] > 0 else 1)
+        if rotary is not None and not 0 < rotary <= head_dim:
+            raise CheckpointError(f"{where}: {arch}.rope.dimension_count is {rotary}, expected from 1 to the head size "
+                                  f"{head_dim} (the dimensions of each head RoPE rotates)")
         has = {n for n in found}
         recorded = _recorded_config(fields)
         tied = "output.weight" not in has
@@ -179,6 +188,8 @@ class GGUFCheckpointReader(Reader):
             plain = plain.replace(scaled_rope=scaled) if scaled is not None else plain
             windows = windows_of(arch, fields, plain)
             return plain.replace(**windows) if windows else plain
+        except MetadataError as e:
+            raise CheckpointError(f"{where}: {e}") from None
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
@@ -195,7 +206,7 @@ class GGUFCheckpointReader(Reader):
             if t.qtype != 0 or len(t.shape) != 1:
                 raise CheckpointError(f"{self.parts[i]}: tensor {name} is {_type_name(t.qtype)} of shape "
                                       f"{list(t.shape)}, not a float32 vector")
-            out[name] = read_tensor(np.memmap(self.parts[i], dtype=np.uint8, mode="r"), t).numpy()
+            out[name] = read_tensor(self._bytes(i), t).numpy()
         return out
 
     def _map(self, found: dict[str, tuple[int, TensorInfo]]) -> None:
@@ -228,15 +239,6 @@ class GGUFCheckpointReader(Reader):
         self._shape = expected
 
     # -- reader protocol -------------------------------------------------------------------
-    def names(self) -> list[str]:
-        return list(self._shape)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._shape
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shape[name]
-
     def dtype(self, name: str) -> torch.dtype:
         if self._unit_offset(name):
             return torch.float32
@@ -263,10 +265,7 @@ class GGUFCheckpointReader(Reader):
         if name not in self._source:
             raise CheckpointError(f"{self.path}: tensor {name} is missing")
         i, t, row = self._source[name]
-        self._identity[self.parts[i]].check_path(self.parts[i])
-        if i not in self._maps:
-            self._maps[i] = np.memmap(self.parts[i], dtype=np.uint8, mode="r")
-        tensor = read_tensor(self._maps[i], t)
+        tensor = read_tensor(self._bytes(i), t)
         shape = self._shape[name]
         if tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
             tensor = tensor.reshape(-1, *shape[1:])[row:row + shape[0]].clone()
@@ -275,6 +274,16 @@ class GGUFCheckpointReader(Reader):
         if self._unit_offset(name):
             tensor = tensor.to(torch.float32) - 1.0
         return (rope_halves(tensor, heads) if heads else tensor).contiguous()
+
+    def _bytes(self, i: int) -> np.memmap:
+        """Part i's bytes: a memory map of the file opened again by the rule it was parsed by (gguf_file.open_gguf)
+        and checked, on that descriptor, to be the file parsed (FileIdentity: not replaced or rewritten since)."""
+        if i not in self._maps:
+            part = self.parts[i]
+            with open_gguf(part, self._folder) as f:
+                self._identity[part].check(os.fstat(f.fileno()), part)
+                self._maps[i] = np.memmap(f, dtype=np.uint8, mode="r")
+        return self._maps[i]
 
     def close(self) -> None:
         self._maps.clear()
@@ -285,9 +294,37 @@ def _recorded_config(fields: dict) -> dict:
     embedding also written as output.weight, Llama 3's RoPE parameters) is taken from it only where it agrees with
     the file."""
     try:
-        return parse_json(str(fields.get(BAM_CONFIG, "{}")), BAM_CONFIG, expect=dict)
-    except CheckpointError:
+        return parse_json(metadata_value(fields, BAM_CONFIG, STRING, "{}"), BAM_CONFIG, expect=dict)
+    except (CheckpointError, MetadataError):
         return {}
+
+
+def _hparam_values(fields: dict, row: GGUFArch, where: str) -> dict:
+    """The ModelConfig fields of the file's {arch}.* keys (gguf_table.hparams; the keys of fields the architecture's
+    record carries only there), each checked by the one rule of GGUF values: u32 keys non-negative integers, f32 keys
+    finite numbers. Two keys of one field must agree (key_length and value_length: the runtime has one head size for
+    keys and values), but for the experts' width, which replaces the dense one (qwen2moe's
+    expert_feed_forward_length). A key that holds a field's reciprocal (granite's logit_scale) is read as 1 / it."""
+    values: dict = {}
+    given: dict[str, str] = {}
+    for h in hparams():
+        key = h.key.format(arch=row.name)
+        if key not in fields or (h.carried and h.field not in row.carries):
+            continue
+        value = metadata_value(fields, key, INTEGER if h.kind == "u32" else NUMBER, low=0 if h.kind == "u32" else None,
+                               where=where)
+        if h.field == "attn_scale" and not value:  # llama.cpp's 0: 1/sqrt(head_dim)
+            continue
+        if h.reciprocal:
+            if not value:
+                raise CheckpointError(f"{where}: {key} is 0, which llama.cpp divides by")
+            value = 1.0 / value
+        if h.field in values and values[h.field] != value and h.field != "ffn_hidden":
+            raise CheckpointError(f"{where}: {key} is {value} but {given[h.field]} is {values[h.field]}; the runtime "
+                                  f"computes one {h.field} for both (a model whose keys and values differ in size is "
+                                  "not one it reads)")
+        values[h.field], given[h.field] = value, key
+    return values
 
 
 def read_tensor(data: np.ndarray, t: TensorInfo) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A GGUF's SentencePiece tokenizer (tokenizer.ggml.model "llama": Llama 2, Mistral, Phi-3, Gemma) as a tokenizer.json.
 
-    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where)
+    body, extra = sentencepiece_tokenizer(fields, tokens, types, ids, where, shape)
 
 The result is the tokenizer transformers' own GGUF loader builds from the same metadata
 (AutoTokenizer.from_pretrained(folder, gguf_file=...): integrations/gguf/gguf_tokenizer_mapping.py), rebuilt here
@@ -12,8 +12,12 @@ without transformers:
                  higher first, then by the longer left half, then the longer right half, then file order. Gemma's
                  scores do not follow its merge order, its token order does: there a token's rank is its position
                  (earlier first), and its tokens of two or more spaces, stored as spaces, are spelled with U+2581 as
-                 the normalized text is. Linear in the vocabulary's characters (each token's cuts looked up in a
-                 dict), never pairwise over the vocabulary; tokens longer than MAX_TOKEN_CHARS are not rebuilt.
+                 the normalized text is. Each token's cuts are looked up in a dict, never pairwise over the
+                 vocabulary: cutting a token of L characters slices about L * L characters, and a vocabulary whose
+                 tokens together take more than MAX_MERGE_WORK (three times Gemma 3's 10.8 M), or that implies more
+                 than MAX_IMPLIED_MERGES merges (twice Gemma's 514,906), is not rebuilt; so the derivation and the
+                 merges it writes cost time and memory within those bounds, whatever the file (a vocabulary of "a",
+                 "aa", ... up to 4,096 a's implied 23 G characters of merges: a MemoryError, once).
   normalizer     Gemma: spaces -> U+2581; Phi-3: U+2581 prepended, spaces -> U+2581; Llama: none.
   pre-tokenizer  Gemma: Split on " " (merged with the previous piece; after the normalizer it never cuts);
                  Llama: Metaspace (U+2581, prepended to the first piece only, no split); Phi-3: none.
@@ -23,41 +27,41 @@ without transformers:
 
 `extra`: tokenizer_config.json entries beyond the shared ones (Gemma's mask_token) and the end-of-generation ids
 (EOG_TEXTS: Gemma's <end_of_turn>, ...) that llama.cpp stops at besides eos.
-Malformed metadata (scores not one finite number per token; required but for Gemma, checked whenever present) is a
-CheckpointError naming the file and the key.
+Malformed metadata (scores not one finite number per token: gguf_metadata's rule; required but for Gemma, checked
+whenever present) is a CheckpointError naming the file and the key.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
-from bam_surgery.runtime.errors import CheckpointError
+from .gguf_metadata import NUMBERS, metadata_value
 
 SPACE = "\u2581"  # SentencePiece's visible space
-GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")  # transformers' gemma_tokenizer
-PHI3_ARCHS = ("phi3",)  # transformers' phi3_tokenizer; every other architecture: LlamaTokenizer's shape
+SHAPES = ("llama", "gemma", "phi3")  # LlamaTokenizer's, transformers' gemma_tokenizer, phi3_tokenizer (a GGUF's
+# architecture has its shape in its family record: hf/families.py Gguf.tokenizer, gguf_table.TOKENIZER_SHAPES)
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
-MAX_TOKEN_CHARS = 4096  # a longer token makes cutting it into pairs quadratic in its length: not rebuilt
+MAX_MERGE_WORK = 1 << 25  # characters sliced cutting every token into pairs (sum of L * (L - 1)): Gemma 3's 10.8 M
+MAX_IMPLIED_MERGES = 1 << 20  # merges a vocabulary may imply: Gemma 3's 514,906
 # control tokens llama.cpp ends generation at besides eos (llama-vocab.cpp's end-of-turn names)
 EOG_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>", "<EOT>")
 
 
 def _scores(fields: Mapping[str, Any], n: int, where: str) -> list[float]:
-    key = "tokenizer.ggml.scores"
-    value = fields.get(key)
-    if not isinstance(value, list) or len(value) != n:
-        got = f"{len(value):,} values" if isinstance(value, list) else ("missing" if value is None else "not a list")
-        raise CheckpointError(f"{where}: {key} is not one score per token ({n:,} tokens; {got})")
-    for i, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise CheckpointError(f"{where}: {key}[{i}] is {str(v)[:20]!r}, not a finite number")
-    return value
+    return metadata_value(fields, "tokenizer.ggml.scores", NUMBERS, length=n, per="one score per token",
+                          where=where).tolist()
 
 
-def implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[list[str]]:
+def merge_work(tokens) -> int:
+    """Characters sliced cutting every token into two (each cut slices at most the token's length): the bound the
+    derivation's time and its merges' size stay within."""
+    return sum(n * (n - 1) for n in map(len, tokens))
+
+
+def implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[list[str]] | None:
     """The merges a vocabulary implies: for each token of `rank` (in its order), every cut into two tokens of `vocab`;
     the cuts sorted by (the token's rank, len(left), len(right)), highest first, ties in `rank`'s order (Python's sort
-    keeps it under reverse=True), as transformers' generate_merges orders them."""
+    keeps it under reverse=True), as transformers' generate_merges orders them. None once there are more than
+    MAX_IMPLIED_MERGES."""
     cuts: list[tuple[float, int, int, str, str]] = []
     for token, score in rank.items():
         for i in range(1, len(token)):
@@ -66,19 +70,31 @@ def implied_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[
                 right = token[i:]
                 if right in vocab:
                     cuts.append((score, i, len(token) - i, left, right))
+        if len(cuts) > MAX_IMPLIED_MERGES:
+            return None
     cuts.sort(key=lambda c: c[:3], reverse=True)
     return [[c[3], c[4]] for c in cuts]
 
 
+def _derivation_cost(tokens: list[str]) -> str | None:
+    """Why deriving the vocabulary's merges would cost more than MAX_MERGE_WORK, counted from the tokens' lengths
+    alone, or None."""
+    work = merge_work(set(tokens))
+    if work <= MAX_MERGE_WORK:
+        return None
+    return (f"its tokenizer.ggml.tokens (SentencePiece, {len(tokens):,} tokens of up to {max(map(len, tokens)):,} "
+            f"characters) imply merges whose derivation slices {work:,} characters, more than the "
+            f"{MAX_MERGE_WORK:,} the rebuild takes (Gemma 3's 262,144 tokens: 10.8 M)")
+
+
 def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types: list[int],
-                            ids: dict[str, int | None], where: str) -> tuple[dict, dict] | str:
-    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt."""
-    arch = fields.get("general.architecture")
-    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]), default=None)
-    if longest is not None and len(tokens[longest]) > MAX_TOKEN_CHARS:
-        return (f"its token {longest} is {len(tokens[longest]):,} characters long (the rebuild takes tokens of up to "
-                f"{MAX_TOKEN_CHARS:,}); pass --tokenizer")
-    gemma = arch in GEMMA_ARCHS
+                            ids: dict[str, int | None], where: str, shape: str = "llama") -> tuple[dict, dict] | str:
+    """(tokenizer.json body without its post-processor, {"config": {...}, "eog": [ids]}) or why it is not rebuilt;
+    `shape` one of SHAPES."""
+    too_costly = _derivation_cost(tokens)
+    if too_costly:
+        return too_costly
+    gemma = shape == "gemma"
     if not gemma or "tokenizer.ggml.scores" in fields:  # Gemma's are unused, but checked as any file's
         scores = _scores(fields, len(tokens), where)
     if gemma:
@@ -89,6 +105,9 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         spelled = tokens
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = implied_merges(vocab, dict(zip(tokens, scores)))
+    if merges is None:
+        return (f"its tokenizer.ggml.tokens (SentencePiece, {len(tokens):,} tokens) imply more than "
+                f"{MAX_IMPLIED_MERGES:,} merges, the most the rebuild derives (Gemma 3's 262,144 tokens: 514,906)")
     named = {tokens[i] for i in ids.values() if i is not None}
     config: dict[str, Any] = {}
     if gemma and "<mask>" in vocab:  # GemmaTokenizer's mask token
@@ -109,7 +128,7 @@ def sentencepiece_tokenizer(fields: Mapping[str, Any], tokens: list[str], types:
         normalizer: dict | None = replace
         pre: dict | None = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
                             "invert": False}
-    elif arch in PHI3_ARCHS:
+    elif shape == "phi3":
         normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]}
         pre = None
     else:

@@ -25,8 +25,9 @@ decides which architecture a config becomes (gguf_export.gguf_architecture) and 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -34,6 +35,10 @@ import torch
 
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
+
+from .gguf_metadata import BOOLEANS, INTEGER, NUMBER, STRING, metadata_value
+from .hf.families import FAMILIES
+from .hf.family import Family, Gguf
 
 
 def gguf_module():
@@ -95,15 +100,6 @@ def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True)
-class Fused:
-    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order."""
-
-    parts: tuple[str, ...]  # canonical prefixes ("layers.{}.attn.q", ...)
-    member: str  # gguf.MODEL_TENSOR member
-    suffixes: tuple[str, ...] = ("weight", "bias")
-
-
 def tensor_layout(arch: str, cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """({llama.cpp name: the canonical tensors it holds, stacked along the rows}, canonical tensors the architecture
     has no name for), for every tensor of `cfg`, in canonical order: one canonical tensor per name, except the parts
@@ -134,6 +130,13 @@ class HParam:
     kind: str  # "u32" or "f32"
     field: str  # the ModelConfig field (or property: rotary_dim)
     when: Callable[[ModelConfig, str], bool] = lambda cfg, arch: True
+    reciprocal: bool = False  # the key holds 1 / the field (granite's logit_scale divides the logits)
+    carried: bool = False  # a key of the architectures whose record carries the field only (Gguf.carries)
+
+
+def _carried(field: str, also: Callable[[ModelConfig], bool] = lambda cfg: True) -> Callable[[ModelConfig, str], bool]:
+    """A key written for the architectures whose record says they carry `field` (Gguf.carries)."""
+    return lambda cfg, arch: field in ARCHS[arch].carries and also(cfg)
 
 
 def _keys():
@@ -144,57 +147,45 @@ def _keys():
 def hparams() -> tuple[HParam, ...]:
     """The architecture's keys llama.cpp reads, as convert_hf_to_gguf.py writes them, in that order."""
     llm, att, rope = _keys()
+    every = (("u32", llm.VOCAB_SIZE, "vocab_size"), ("u32", llm.CONTEXT_LENGTH, "max_positions"),
+             ("u32", llm.EMBEDDING_LENGTH, "d_model"), ("u32", llm.BLOCK_COUNT, "n_layers"),
+             ("u32", llm.FEED_FORWARD_LENGTH, "ffn_hidden"), ("u32", att.HEAD_COUNT, "n_heads"),
+             ("u32", att.HEAD_COUNT_KV, "n_kv_heads"), ("u32", att.KEY_LENGTH, "head_dim"),
+             ("u32", att.VALUE_LENGTH, "head_dim"), ("u32", rope.DIMENSION_COUNT, "rotary_dim"),
+             ("f32", rope.FREQ_BASE, "rope_theta"), ("f32", att.LAYERNORM_RMS_EPS, "norm_eps"))
     return (
-        HParam(llm.VOCAB_SIZE, "u32", "vocab_size"),
-        HParam(llm.CONTEXT_LENGTH, "u32", "max_positions"),
-        HParam(llm.EMBEDDING_LENGTH, "u32", "d_model"),
-        HParam(llm.BLOCK_COUNT, "u32", "n_layers"),
-        HParam(llm.FEED_FORWARD_LENGTH, "u32", "ffn_hidden"),
-        HParam(att.HEAD_COUNT, "u32", "n_heads"),
-        HParam(att.HEAD_COUNT_KV, "u32", "n_kv_heads"),
-        HParam(att.KEY_LENGTH, "u32", "head_dim"),
-        HParam(att.VALUE_LENGTH, "u32", "head_dim"),
-        HParam(rope.DIMENSION_COUNT, "u32", "rotary_dim"),
-        HParam(rope.FREQ_BASE, "f32", "rope_theta"),
-        HParam(att.LAYERNORM_RMS_EPS, "f32", "norm_eps"),
+        *(HParam(key, kind, field) for kind, key, field in every),
         HParam(llm.EXPERT_COUNT, "u32", "ffn_experts", lambda cfg, arch: bool(cfg.ffn_experts)),
         HParam(llm.EXPERT_USED_COUNT, "u32", "ffn_top_k", lambda cfg, arch: bool(cfg.ffn_experts)),
-        # the experts' width: qwen2moe and qwen3moe read it (qwen3moe else takes feed_forward_length / top-k)
+        # the experts' width, where the architecture reads it (Gguf.expert_width)
         HParam(llm.EXPERT_FEED_FORWARD_LENGTH, "u32", "ffn_hidden",
-               lambda cfg, arch: bool(cfg.ffn_experts) and arch in ("qwen2moe", "qwen3moe")),
+               lambda cfg, arch: bool(cfg.ffn_experts) and ARCHS[arch].expert_width),
         HParam(llm.EXPERT_SHARED_FEED_FORWARD_LENGTH, "u32", "ffn_shared_hidden",
                lambda cfg, arch: bool(cfg.ffn_shared_hidden)),
         HParam(llm.ATTN_LOGIT_SOFTCAPPING, "f32", "attn_softcap", lambda cfg, arch: cfg.attn_softcap is not None),
         HParam(llm.FINAL_LOGIT_SOFTCAPPING, "f32", "final_softcap", lambda cfg, arch: cfg.final_softcap is not None),
+        # the residual stream's multipliers and an attention scale of its own (granite)
+        HParam(llm.EMBEDDING_SCALE, "f32", "embedding_multiplier", _carried("embedding_multiplier"), carried=True),
+        HParam(llm.RESIDUAL_SCALE, "f32", "residual_multiplier", _carried("residual_multiplier"), carried=True),
+        HParam(att.SCALE, "f32", "attn_scale", _carried("attn_scale", lambda cfg: cfg.attn_scale is not None), carried=True),
+        HParam(llm.LOGIT_SCALE, "f32", "logit_scale", _carried("logit_scale"), reciprocal=True, carried=True),
     )
 
 
 @dataclass(frozen=True)
-class GGUFArch:
-    name: str
-    rope_pairs: bool  # rotates pairs of dimensions (LLAMA_ROPE_TYPE_NORM): rotate-halves Q/K rows permuted
-    gate_norm: str | None  # the mixture gates its graph computes; None: no mixture
-    hf_dense: str | None  # the HF model_type of a dense model of this architecture (converters/hf/architectures.py)
-    hf_mixture: str | None  # ... of a mixture
-    output_always: bool = False  # loads output.weight even for tied embeddings
+class GGUFArch(Gguf):
+    """One llama.cpp architecture: its spelling in a family record (hf/family.py Gguf: what its graph computes beyond
+    the family's traits) with the record's traits, and the HF model_types it converts to."""
+
+    hf_dense: str | None = None  # the HF model_type of a dense model of this architecture (hf/families.py)
+    hf_mixture: str | None = None  # ... of a mixture
     qk_norm: str = "none"  # ModelConfig.qk_norm its graph applies: head (per head, [Dh]) or full ([H*Dh])
     norm_position: str = "pre"  # post: attn_post_norm / ffn_post_norm after each sublayer, no pre-norms (OLMo 2)
-    nope_every: int = 0  # n > 0: layers i with (i + 1) % n == 0 apply no RoPE (smollm3: 4, fixed in llama.cpp)
-    biases: tuple[str, ...] = ("q/k/v",)  # the biases its graph adds (of q/k/v, o, ffn)
-    rope_scalings: tuple[str, ...] = ("linear", "yarn")  # the scaled_rope types it applies (ROPE below)
-    fused: tuple[Fused, ...] = ()
-    q_is_d_model: bool = False  # loads q and o as [d_model, d_model]: n_heads * head_dim = d_model
-    # Gemma (WINDOWS section below for the sliding windows):
     activation: str = "swiglu"  # ModelConfig.activation of its FFN (geglu_tanh: gelu(gate x) * up x)
     scale_embeddings: bool = False  # the embeddings times sqrt(d_model)
     unit_offset_norms: bool = False  # its converter stores RMSNorm weights as 1 + w: read as (1 + w) norms
-    tied_only: bool = False  # loads no output.weight: the embedding is the head
-    attn_softcap: str = "none"  # none | always (attn_logit_softcapping, SOFTCAP_DEFAULTS when absent)
-    final_softcap: str = "none"  # none | optional (final_logit_softcapping, 0 or absent: none) | always
-    windows: str = "none"  # none | optional (with attention.sliding_window) | always (SOFTCAP_DEFAULTS' window)
-    window_pattern: int = 0  # absent sliding_window_pattern: layers i with i % n < n - 1 slide
-    window_rope: str = "global"  # the sliding layers' RoPE (WINDOWS): global (scaled as the others) or plain
-    attn_scale_layers: int = 0  # at this block_count (the 27B's) 1/sqrt(d_model / n_heads), else 1/sqrt(head_dim)
+    shared_expert: bool = False  # its mixture has a shared expert
+    qkv_bias_always: bool = False  # its mixture always has q/k/v biases (zeros are written for a model without)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -202,38 +193,33 @@ class GGUFArch:
         return out or None
 
 
-ARCHS = {
-    "llama": GGUFArch("llama", rope_pairs=True, gate_norm="topk_softmax", hf_dense="llama", hf_mixture="mixtral",
-                      biases=("q/k/v", "o", "ffn"), rope_scalings=("linear", "yarn", "llama3")),
-    "qwen2": GGUFArch("qwen2", rope_pairs=False, gate_norm=None, hf_dense="qwen2", hf_mixture=None,
-                      q_is_d_model=True),
-    "qwen2moe": GGUFArch("qwen2moe", rope_pairs=False, gate_norm="softmax", hf_dense=None, hf_mixture="qwen2_moe",
-                         output_always=True, q_is_d_model=True),
-    "qwen3": GGUFArch("qwen3", rope_pairs=False, gate_norm=None, hf_dense="qwen3", hf_mixture=None, qk_norm="head"),
-    "qwen3moe": GGUFArch("qwen3moe", rope_pairs=False, gate_norm="topk_softmax", hf_dense=None, hf_mixture=None,
-                         qk_norm="head"),
-    "olmo2": GGUFArch("olmo2", rope_pairs=False, gate_norm=None, hf_dense="olmo2", hf_mixture=None, output_always=True,
-                      qk_norm="full", norm_position="post", q_is_d_model=True),
-    "phi3": GGUFArch("phi3", rope_pairs=False, gate_norm=None, hf_dense="phi3", hf_mixture=None,
-                     rope_scalings=("linear", "yarn", "longrope"), q_is_d_model=True,
-                     fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.k", "layers.{}.attn.v"), "ATTN_QKV"),
-                            Fused(("layers.{}.ffn.gate", "layers.{}.ffn.up"), "FFN_UP", ("weight",)))),
-    "smollm3": GGUFArch("smollm3", rope_pairs=True, gate_norm=None, hf_dense="smollm3", hf_mixture=None,
-                        nope_every=4),
-    "gemma2": GGUFArch("gemma2", rope_pairs=False, gate_norm=None, hf_dense="gemma2", hf_mixture=None,
-                       norm_position="sandwich", biases=(), rope_scalings=("linear",), activation="geglu_tanh",
-                       scale_embeddings=True, unit_offset_norms=True, tied_only=True, attn_softcap="always",
-                       final_softcap="always", windows="always", window_pattern=2, window_rope="global",
-                       attn_scale_layers=46),
-    "gemma3": GGUFArch("gemma3", rope_pairs=False, gate_norm=None, hf_dense="gemma3_text", hf_mixture=None,
-                       qk_norm="head", norm_position="sandwich", biases=(), rope_scalings=("linear",),
-                       activation="geglu_tanh", scale_embeddings=True, unit_offset_norms=True,
-                       final_softcap="optional", windows="optional", window_pattern=6, window_rope="plain",
-                       attn_scale_layers=62),
-}
-# llama.cpp's values where a gemma2 file has no key (llama-hparams.h, gemma2's loader)
+def _rows(families: tuple[Family, ...]) -> dict[str, GGUFArch]:
+    """Each llama.cpp architecture of the records, in their order: a dense record gives the row, a mixture record of
+    the same architecture its gating (a mixture record alone gives the whole row)."""
+    rows: dict[str, GGUFArch] = {}
+    for f in families:
+        g = f.gguf
+        if g is None:
+            continue
+        spelling = {k.name: getattr(g, k.name) for k in dataclasses.fields(Gguf)}
+        traits = dict(qk_norm=f.all_traits["qk_norm"], norm_position=f.all_traits["norm_position"],
+                      activation=f.activation, scale_embeddings=f.all_traits["scale_embeddings"],
+                      unit_offset_norms=f.all_traits["norm_unit_offset"])
+        if not f.mixture:
+            rows[g.name] = GGUFArch(**spelling, hf_dense=f.model_type, **traits)
+            continue
+        mixture = dict(gate_norm=g.gate_norm, expert_width=g.expert_width, hf_mixture=f.model_type,
+                       moe_checks=g.moe_checks or f.model_type,
+                       shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always)
+        rows[g.name] = (replace(rows[g.name], **mixture) if g.name in rows
+                        else GGUFArch(**{**spelling, **mixture}, **traits))
+    return rows
+
+
+ARCHS: dict[str, GGUFArch] = _rows(FAMILIES)
+TOKENIZER_SHAPES = {name: row.tokenizer for name, row in ARCHS.items()}  # SentencePiece shapes (gguf_sentencepiece)
+# llama.cpp's values where a file of an architecture that always soft-caps has no key (llama-hparams.h)
 SOFTCAP_DEFAULTS = {"attn_softcap": 50.0, "final_softcap": 30.0}
-DEFAULT_WINDOW = {"gemma2": 4096}
 ROPE_ROWS = ("attn.q", "attn.k")  # the projections whose rows ROPE_PAIRS permutes (weights and biases)
 
 
@@ -336,10 +322,13 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
     """(ModelConfig.scaled_rope computing what llama.cpp computes for this file, or None for plain RoPE; a note when
     the factors are carried as they are) from its rope.scaling.* keys and factor tensors (`tensors`: those of
     ROPE_TENSORS present), `base` the config without scaling. `recorded` (our export's bam_surgery.config) is taken
-    when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map."""
+    when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map,
+    gguf_metadata.MetadataError (naming the key) for a value of the wrong kind."""
     rope = gguf_module().Keys.Rope
-    keys = {k: fields[k.format(arch=arch)] for k in (rope.SCALING_TYPE, rope.SCALING_FACTOR, rope.SCALING_ATTN_FACTOR,
-                                                    rope.SCALING_ORIG_CTX_LEN) if k.format(arch=arch) in fields}
+    kinds = {rope.SCALING_TYPE: (STRING, None), rope.SCALING_FACTOR: (NUMBER, None),
+             rope.SCALING_ATTN_FACTOR: (NUMBER, None), rope.SCALING_ORIG_CTX_LEN: (INTEGER, 1)}
+    keys = {k: metadata_value(fields, k.format(arch=arch), kind, low=low) for k, (kind, low) in kinds.items()
+            if k.format(arch=arch) in fields}
     if recorded is not None:
         try:
             written = rope_scaling(base.replace(scaled_rope=recorded))
@@ -347,12 +336,9 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
             written = None
         if written is not None and _same_encoding(written, keys, tensors):
             return recorded, None
-    legacy = fields.get(f"{arch}.rope.scale_linear")
+    legacy = metadata_value(fields, f"{arch}.rope.scale_linear", NUMBER, None)
     factor = keys.get(rope.SCALING_FACTOR, legacy if legacy is not None else 0.0)
     kind = keys.get(rope.SCALING_TYPE, "linear")  # llama.cpp's default: a factor alone is linear
-    if not isinstance(kind, str) or not isinstance(factor, (int, float)) or isinstance(factor, bool):
-        raise ValueError(f"rope.scaling.type {str(kind)[:20]!r} / factor {str(factor)[:20]!r} are not a type name "
-                         "and a number")
     factor = float(factor) or 1.0  # llama.cpp: 0 or absent is no scaling
     original = keys.get(rope.SCALING_ORIG_CTX_LEN, base.max_positions)
     attn = float(keys.get(rope.SCALING_ATTN_FACTOR, 1.0))
@@ -430,6 +416,15 @@ def pattern_layers(n: int, n_layers: int) -> list[bool]:
     return [n == 0 or i % n < n - 1 for i in range(n_layers)]
 
 
+def nope_layers(row: GGUFArch, cfg: ModelConfig) -> list[int] | None:
+    """The layers llama.cpp's architecture computes without RoPE for cfg, as ModelConfig.nope_layers: its fixed
+    period, or (rope_sliding_only) the layers without a window when it has windows."""
+    if row.rope_sliding_only:
+        sliding = sliding_layers(cfg)
+        return [i for i, s in enumerate(sliding) if not s] or None if any(sliding) else None
+    return row.nope_layers(cfg.n_layers)
+
+
 def attn_scale_dim(arch: str, d_model: int, n_heads: int, n_layers: int, head_dim: int) -> int:
     """The dimension llama.cpp's `arch` scales attention logits by 1/sqrt of."""
     row = ARCHS[arch]
@@ -460,30 +455,25 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
     computes for this file, `base` its config without windows. Raises ValueError (one line) for what the runtime does
     not compute."""
     row = ARCHS[arch]
-    if row.windows == "none":
+    if row.windows == "none" or (row.windows == "fixed" and base.n_layers != row.window_block_count):
         return {}
     g = gguf_module()
     att, rope = g.Keys.Attention, g.Keys.Rope
-    window = fields.get(att.SLIDING_WINDOW.format(arch=arch), DEFAULT_WINDOW.get(arch, 0))
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ValueError(f"{att.SLIDING_WINDOW.format(arch=arch)} is {printable_kind(str(window))}, not a window size")
+    window = metadata_value(fields, att.SLIDING_WINDOW.format(arch=arch), INTEGER, row.default_window, low=0)
     if window == 0:
         return {}
     n = base.n_layers
-    pattern = fields.get(att.SLIDING_WINDOW_PATTERN.format(arch=arch), row.window_pattern)
-    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
-        sliding = pattern_layers(pattern, n)
-    elif isinstance(pattern, list) and len(pattern) == n and all(isinstance(p, bool) for p in pattern):
-        sliding = pattern
+    key = att.SLIDING_WINDOW_PATTERN.format(arch=arch)
+    if row.windows == "fixed":  # llama.cpp sets its own pattern, whatever the key
+        sliding = pattern_layers(row.window_pattern, n)
+    elif isinstance(fields.get(key, row.window_pattern), int):  # a layer period (set_swa_pattern), else a bool a layer
+        sliding = pattern_layers(metadata_value(fields, key, INTEGER, row.window_pattern, low=0), n)
     else:
-        raise ValueError(f"{att.SLIDING_WINDOW_PATTERN.format(arch=arch)} is neither a layer period nor {n} booleans")
+        sliding = metadata_value(fields, key, BOOLEANS, length=n, per="one per layer").tolist()
     if not any(sliding):
         return {}
     key = rope.FREQ_BASE_SWA.format(arch=arch)
-    local = fields.get(key, base.rope_theta if row.window_rope == "global" else 10000.0)
-    if not isinstance(local, (int, float)) or isinstance(local, bool):
-        raise ValueError(f"{key} is {printable_kind(str(local))}, not a number")
-    local = float(local)
+    local = float(metadata_value(fields, key, NUMBER, base.rope_theta if row.window_rope == "global" else 10000.0))
     if local == base.rope_theta and (row.window_rope == "global" or base.scaled_rope is None):
         theta = None  # the sliding layers rotate as the others
     elif row.window_rope == "global" and base.scaled_rope is not None:
@@ -491,8 +481,10 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
                          "another base, which the runtime does not compute")
     else:
         theta = local
+    nope = [i for i, s in enumerate(sliding) if not s] or None
     return dict(attn_window=window, attn_window_layers=None if all(sliding) else
-                [i for i, s in enumerate(sliding) if s], window_rope_theta=theta)
+                [i for i, s in enumerate(sliding) if s], window_rope_theta=theta,
+                **({"nope_layers": nope} if row.rope_sliding_only else {}))
 
 
 def is_norm(canonical: str) -> bool:

@@ -6,24 +6,36 @@ trust_remote_code=True).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.options import declared
 from bam_surgery.runtime.reader import Reader
 
-from .base import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, CastOptions, ExportOptions, Exporter
 from .hf.architectures import ARCHITECTURES, architecture as lookup_architecture
-from .hf.writer import DEFAULT_SHARD_BYTES, export_with_options, save_hf
+from .hf.writer import DEFAULT_SHARD_BYTES, export_with_options
 from .hf_bam.export import check_hf_bam, export_hf_bam
 
 DENSE = ", ".join(m for m, a in ARCHITECTURES.items() if not a.mixture)
+
+
+@dataclass(frozen=True)
+class HFOptions(CastOptions):
+    """The hf format's own options: the architecture a dense model is written as, and CastOptions' dtype."""
+
+    architecture: str | None = declared(
+        None, "--architecture", metavar="MODEL_TYPE",
+        help="For --format hf of a dense model: the HF architecture to write (llama, mistral, qwen2, gpt_neox, gpt2, "
+             "cohere, phi). Default: the input's own, when it came from HF.")
 
 
 class HFExporter(Exporter):
     name = "hf"
     summary = ("HF directory: a dense model as its HF architecture, a mixture as the remote-code BAM model "
                "(trust_remote_code=True)")
+    Options = HFOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         if cfg.is_mixture:
@@ -36,14 +48,11 @@ class HFExporter(Exporter):
         arch.config.write(cfg, arch.model_type)
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        own = self.own(options)
         if reader.config.is_mixture:
             return export_hf_bam(reader, out, tokenizer_files=options.tokenizer_files, model_card=options.model_card,
-                                 max_shard_bytes=options.max_shard_bytes, dtype=options.dtype,
+                                 max_shard_bytes=options.max_shard_bytes, dtype=own.dtype,
                                  generation=options.generation, replace=options.replace)
-        if options.tokenizer_source is None:  # what the caller gathered (app.exports): files, generation config
-            shards = options.max_shard_bytes if options.max_shard_bytes is not None else DEFAULT_SHARD_BYTES
-            return export_with_options(reader, out, lookup_architecture(options.architecture),
-                                       replace(options, max_shard_bytes=shards), always_generation=False)
-        shards = {} if options.max_shard_bytes is None else {"max_shard_bytes": options.max_shard_bytes}
-        return save_hf(reader, out, options.architecture, tokenizer_from=options.tokenizer_source,
-                       model_card=options.model_card, dtype=options.dtype, replace=options.replace, **shards)
+        shards = options.max_shard_bytes if options.max_shard_bytes is not None else DEFAULT_SHARD_BYTES
+        return export_with_options(reader, out, lookup_architecture(own.architecture),
+                                   replace(options, max_shard_bytes=shards), always_generation=False)

@@ -76,7 +76,7 @@ def _open_directory(path: Path, allow_pickle: bool) -> Reader:
     if not (path / "config.json").is_file():
         models = _gguf_models(path)
         if len(models) == 1:
-            return GGUFCheckpointReader(models[0])
+            return GGUFCheckpointReader(models[0], folder=path)  # a file of the folder: its link rule
         if models:
             raise CheckpointError(f"{path}: holds {len(models)} GGUF models ({', '.join(p.name for p in models[:4])}"
                                   f"{', ...' if len(models) > 4 else ''}); pass one of them")

@@ -9,9 +9,9 @@ On disk (what `MixtralForCausalLM.save_pretrained` writes in transformers 5.x, a
     model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight  [F, D]   up projection
     model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight  [D, F]   down projection
 
-Mixtral is one more HF architecture: its weight table is in hf/architectures.py (canonical expert
-tensors are stacked [E, ...]; the STACK op turns one into E Mixtral tensors and back), its
-config.json map and capability check in hf/mixtral_config.py. Export runs the table backwards
+Mixtral is one more HF architecture: its record is in hf/families.py (its weight table: canonical expert
+tensors are stacked [E, ...]; the STACK op turns one into E Mixtral tensors and back; its config.json map and
+capability check: hf/moe_family.py RenormalizedMoe), its exporter native_moe.py's. Export runs the table backwards
 (hf/writer.py); import is the HF reader with the same table.
 
     from bam_surgery.converters.mixtral import export_mixtral, import_mixtral
@@ -30,36 +30,19 @@ from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.reader import Reader
 
-from .base import CapabilityError, ExportOptions, Exporter
+from .base import CapabilityError, CastOptions, ExportOptions
 from .hf.architectures import ARCHITECTURES
-from .hf.mixtral_config import MODEL_TYPE, check_mixtral
 from .hf.reader import HFCheckpointReader
-from .hf.writer import export_native_mixture
+from .native_moe import NativeMixtureExporter
 
-__all__ = ["CapabilityError", "MixtralExporter", "NativeMixtureExporter", "check_mixtral", "export_mixtral",
-           "import_mixtral", "load_state"]
+__all__ = ["CapabilityError", "check_mixtral", "export_mixtral", "import_mixtral", "load_state"]
 
-
-class NativeMixtureExporter(Exporter):
-    """A mixture as a native HF MoE architecture (its table in hf/architectures.py, its config map's capability
-    check); the folder as hf/writer.py:export_native_mixture writes it. `source` may present the reader otherwise."""
-
-    model_type: str
-
-    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-        ARCHITECTURES[self.model_type].config.check(cfg, recipe)
-
-    def source(self, reader: Reader) -> Reader:
-        return reader
-
-    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
-        self.check(reader.config, recipe=options.recipe)
-        return export_native_mixture(self.source(reader), out, ARCHITECTURES[self.model_type], options)
+MODEL_TYPE = "mixtral"
 
 
-class MixtralExporter(NativeMixtureExporter):
-    name, model_type = "mixtral", MODEL_TYPE
-    summary = "HF Mixtral directory, btx/upcycle of Llama-family inputs"
+def check_mixtral(cfg: ModelConfig, recipe: str | None = None) -> None:
+    """Raise CapabilityError (one line) if Mixtral cannot compute exactly what this model computes."""
+    ARCHITECTURES[MODEL_TYPE].config.check(cfg, recipe)
 
 
 def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: Iterable[str | os.PathLike] = (),
@@ -75,10 +58,10 @@ def export_mixtral(reader: Reader, out_dir: str | os.PathLike, tokenizer_files: 
     dtype            cast every tensor (default: keep each tensor's dtype)
     Nothing is left at out_dir if anything fails.
     """
-    exporter = MixtralExporter()
+    exporter = NativeMixtureExporter(ARCHITECTURES[MODEL_TYPE])
     exporter.check(reader.config, recipe=recipe or reader.metadata.get("recipe"))
     options = ExportOptions(tokenizer_files=tuple(map(Path, tokenizer_files)), generation=generation_config,
-                            model_card=model_card, max_shard_bytes=max_shard_bytes, dtype=dtype, recipe=recipe)
+                            model_card=model_card, max_shard_bytes=max_shard_bytes, recipe=recipe, own=CastOptions(dtype))
     return exporter.write(reader, Path(out_dir), options)
 
 

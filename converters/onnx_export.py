@@ -1,7 +1,7 @@
 """The `onnx` format: one ONNX graph of the model for onnxruntime (and any ONNX runtime), with its KV cache.
 
-    exporter("onnx").write(reader, Path("out"), ExportOptions(opset=17, dtype=torch.float16, kv_cache=True,
-                                                              verify=True, log=print))
+    exporter("onnx").write(reader, Path("out"), ExportOptions(own=OnnxOptions(opset=17, dtype=torch.float16,
+                                                                              verify=True), log=print))
 
 OUT (a folder, written atomically through runtime.atomic, with its marker):
     model.onnx        the graph (converters/onnx_graph: inputs, outputs, dynamic axes); the model's config is
@@ -12,12 +12,13 @@ OUT (a folder, written atomically through runtime.atomic, with its marker):
     genai_config.json ONNX Runtime GenAI's description of the graph (converters/onnx_genai); with the KV cache only
                       (GenAI's generator feeds the graph only the new tokens), options.log says so otherwise
     tokenizer files   copied from the input when it has them (options.tokenizer_files)
-With options.verify the export is run in onnxruntime against the runtime (converters/onnx_runtime) before
+The format's own options are OnnxOptions (opset, dtype, kv_cache, verify); with verify the export is run in onnxruntime against the runtime (converters/onnx_runtime) before
 it is put in place; a mismatch leaves nothing at OUT.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,11 +27,13 @@ from bam_surgery.runtime import model_from_reader
 from bam_surgery.runtime.atomic import atomic_dir
 from bam_surgery.runtime.blocks import ModelKVCache
 from bam_surgery.runtime.config import ModelConfig
-from bam_surgery.runtime.errors import CheckpointError
+from bam_surgery.runtime.errors import CheckpointError, OptionError
+from bam_surgery.runtime.options import declared
 from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
+from .carry import runtime_column
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
@@ -54,9 +57,55 @@ def check_opset(opset: int) -> None:
                               f"(scaled dot-product attention needs {MIN_OPSET}); default {DEFAULT_OPSET}")
 
 
+def parse_opset(text: str) -> int:
+    """--opset N: an integer the export can write."""
+    try:
+        opset = int(text)
+    except ValueError:
+        raise OptionError(f"--opset: {text!r} is not an integer") from None
+    check_opset(opset)
+    return opset
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """--dtype fp32|fp16."""
+    if text not in DTYPES:
+        raise OptionError(f"--dtype: unknown dtype {text!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    """The onnx format's own options (`bam-surgery export-onnx` declares its flags from them)."""
+
+    opset: int = declared(DEFAULT_OPSET, "--opset", metavar="N", parse=parse_opset,
+                          help=f"ONNX opset to write ({MIN_OPSET} to {MAX_OPSET}; default {DEFAULT_OPSET}).")
+    dtype: torch.dtype = declared(torch.float32, "--dtype", metavar="|".join(DTYPES), show_default="fp32",
+                                  parse=parse_dtype, help="Weight and KV-cache dtype of the graph.")
+    kv_cache: bool = declared(
+        True, "--kv-cache/--no-kv-cache",
+        help=f"Past and present key values as graph inputs and outputs (default); --no-kv-cache exports input_ids, "
+             f"attention_mask, position_ids -> logits only (no {GENAI_CONFIG}: GenAI needs the cache).")
+    verify: bool = declared(
+        False, "--verify",
+        help="Run the export in onnxruntime before writing it: logits of a left-padded prompt batch against the "
+             "runtime (fp32: within 1e-4) and greedy tokens through its KV cache against runtime.generate; a "
+             "mismatch writes nothing.")
+
+    @property
+    def dtype_name(self) -> str:
+        """fp32 or fp16, as --dtype spells it."""
+        return next((name for name, dtype in DTYPES.items() if dtype == self.dtype), str(self.dtype))
+
+
+# ONNX's column of the table of what runs where (converters/carry.py): the graph traces the runtime's own model math
+COLUMN = runtime_column("onnx")
+
+
 class OnnxExporter(Exporter):
     name = "onnx"
     summary = "ONNX graph with KV-cache inputs and outputs for onnxruntime (bam-surgery export-onnx has its options)"
+    Options = OnnxOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         pass  # every model the runtime builds traces: dense, FFN experts, attention experts (both KV modes, top-k)
@@ -66,9 +115,9 @@ class OnnxExporter(Exporter):
 
         from .onnx_fold import move_inline  # lazy: as onnx (it imports onnx)
 
-        opset = options.opset or DEFAULT_OPSET
+        own = self.own(options)
+        opset, dtype = own.opset, own.dtype
         check_opset(opset)
-        dtype = options.dtype or torch.float32
         if dtype not in DTYPES.values():
             raise CapabilityError(f"onnx export writes fp32 or fp16 weights, not {str(dtype)[6:]}")
         cfg = reader.config
@@ -82,11 +131,11 @@ class OnnxExporter(Exporter):
             # EXTERNAL_DATA_BYTES, are they streamed into model.onnx (onnx_fold.move_inline).
             traced = model_from_reader(reader, "cpu", dtype)
             metadata = {"bam_config": json.dumps(cfg.to_dict(), sort_keys=True), "producer": "bam-surgery"}
-            graph, store = fold_graph(traced, tmp / GRAPH_FILE, opset=opset, kv_cache=options.kv_cache,
+            graph, store = fold_graph(traced, tmp / GRAPH_FILE, opset=opset, kv_cache=own.kv_cache,
                                       metadata=metadata)
             try:
                 reference = None
-                if options.verify:
+                if own.verify:
                     if dtype != torch.float32:  # an fp16 graph is checked against the fp32 runtime
                         del traced
                         traced = model_from_reader(reader, "cpu", torch.float32)
@@ -110,14 +159,14 @@ class OnnxExporter(Exporter):
                 copy_side_file(Path(f), tmp / Path(f).name)
             if options.generation:  # eos for any loop over the graph (GenAI's is genai_config.json's)
                 (tmp / GENERATION_CONFIG).write_text(generation_config_text(options.generation), encoding="utf-8")
-            write_genai_config(cfg, tmp, options, log)
-            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, external))
+            write_genai_config(cfg, tmp, options, own.kv_cache, log)
+            (tmp / "README.md").write_text(onnx_card(cfg, out.name, options, own, external))
         return out
 
 
-def write_genai_config(cfg: ModelConfig, folder: Path, options: ExportOptions, log) -> None:
+def write_genai_config(cfg: ModelConfig, folder: Path, options: ExportOptions, kv_cache: bool, log) -> None:
     """genai_config.json for ONNX Runtime GenAI, whose generator needs the graph's KV cache."""
-    if not options.kv_cache:
+    if not kv_cache:
         log(f"bam-surgery: note: no {GENAI_CONFIG}: ONNX Runtime GenAI's generator feeds the graph only the new "
             "tokens, so it needs the KV cache (export without --no-kv-cache)")
         return
@@ -125,12 +174,12 @@ def write_genai_config(cfg: ModelConfig, folder: Path, options: ExportOptions, l
     (folder / GENAI_CONFIG).write_text(text, encoding="utf-8")
 
 
-def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, external: bool) -> str:
+def onnx_card(cfg: ModelConfig, name: str, options: ExportOptions, own: OnnxOptions, external: bool) -> str:
     """README.md of an export: what the graph takes and returns, and a snippet that runs it (tests run it)."""
-    np_dtype = "np.float16" if options.dtype == torch.float16 else "np.float32"
+    np_dtype = "np.float16" if own.dtype == torch.float16 else "np.float32"
     kind = (("BAM mixture" if cfg.attn_experts else "BTX/MoE mixture") if cfg.is_mixture else "dense model")
     files = f"`{GRAPH_FILE}`" + (f" and its weights `{DATA_FILE}` (keep them side by side)" if external else "")
-    io, snippet = _cached_graph(cfg, np_dtype) if options.kv_cache else _uncached_graph(cfg)
+    io, snippet = _cached_graph(cfg, np_dtype) if own.kv_cache else _uncached_graph(cfg)
     return f"""---
 library_name: onnx
 tags: [onnx, onnxruntime, bam-surgery]
@@ -138,8 +187,8 @@ tags: [onnx, onnxruntime, bam-surgery]
 # {name}
 
 An ONNX export of a {kind} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}) written by
-**bam-surgery export-onnx**: {files}, {"fp16" if options.dtype == torch.float16 else "fp32"} weights,
-opset {options.opset or DEFAULT_OPSET}.
+**bam-surgery export-onnx**: {files}, {"fp16" if own.dtype == torch.float16 else "fp32"} weights,
+opset {own.opset}.
 
 ## Graph
 
@@ -152,7 +201,7 @@ Axes batch, sequence and past are dynamic.{_ffn_note(cfg)}
 Needs `numpy` and `onnxruntime` only:
 
 {snippet}
-{_genai_section(options) if options.kv_cache else ""}"""
+{_genai_section(options) if own.kv_cache else ""}"""
 
 
 def _cached_graph(cfg: ModelConfig, np_dtype: str) -> tuple[str, str]:

@@ -4,8 +4,8 @@ format carries the model and, where it does not, the format's own one-line refus
     .venv/bin/python docs/gen_families.py           # rewrite docs/families.md
     .venv/bin/python docs/gen_families.py --check   # exit 1 if docs/families.md is not what this would write
 
-Nothing here is typed by hand but the list of families: each is a config.json with the features of the real
-model it stands for (tiny sizes), read by the family's own config map; each recipe's mixture config comes from
+Nothing here is typed by hand: each family is its record's example (converters/hf/families.py: a config.json with the
+features of the real model it stands for, tiny sizes), read by the family's own config map; each recipe's mixture config comes from
 surgery.recipe.mixture_config with the recipe's defaults (seed and two specialists); each cell asks the format's
 own capability check (converters.export.check_export), as `merge --format` and `convert --format` do before they
 read a tensor. tests/project/test_families_doc.py fails when docs/families.md is out of date.
@@ -17,41 +17,14 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parent / "families.md"
 REGENERATE = ".venv/bin/python docs/gen_families.py"
-SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2)
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
-# family -> (the model it stands for, its config.json with the real features; Gemma's query_pre_attn_scalar is its
-# head_dim, as in Gemma 2 2B / 9B and Gemma 3 up to 12B)
-FAMILIES: dict[str, tuple[str, dict]] = {
-    "llama": ("Llama 3.2 (llama3 RoPE, tied)", dict(SIZES, model_type="llama", tie_word_embeddings=True,
-                                                     max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE)),
-    "qwen2": ("Qwen2.5 (q/k/v biases)", dict(SIZES, model_type="qwen2", tie_word_embeddings=True)),
-    "qwen3": ("Qwen3 (QK-norm)", dict(SIZES, model_type="qwen3", head_dim=32, tie_word_embeddings=True,
-                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
-    "phi3": ("Phi-3.5-mini (fused projections, longrope)",
-             dict(SIZES, model_type="phi3", num_key_value_heads=4, max_position_embeddings=131072,
-                  original_max_position_embeddings=4096,
-                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
-                                       long_factor=[4.0] * 8))),
-    "olmo2": ("OLMo 2 (post-norms, full QK-norm)", dict(SIZES, model_type="olmo2", rms_norm_eps=1e-6,
-                                                         rope_parameters=dict(rope_type="default",
-                                                                              rope_theta=500000.0))),
-    "smollm3": ("SmolLM3 (no RoPE every 4th layer)", dict(SIZES, model_type="smollm3")),
-    "olmo3": ("OLMo 3 (sliding windows in 3 of 4 layers)", dict(SIZES, model_type="olmo3", sliding_window=512)),
-    "gemma2": ("Gemma 2 (sandwich norms, soft-capping, every other layer sliding)",
-               dict(SIZES, model_type="gemma2", head_dim=32, query_pre_attn_scalar=32, sliding_window=512)),
-    "gemma3_text": ("Gemma 3 270M (QK-norm, 5 of 6 layers sliding, local RoPE base)",
-                    dict(SIZES, model_type="gemma3_text", num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
-                         sliding_window=512)),
-    "mistral": ("Mistral 7B v0.1 (4096-token window)", dict(SIZES, model_type="mistral", sliding_window=4096)),
-    "gpt_neox": ("Pythia (parallel, partial rotary)", dict(SIZES, model_type="gpt_neox", num_key_value_heads=None,
-                                                           rotary_pct=0.25)),
-    "gpt2": ("GPT-2 (learned positions)", dict(model_type="gpt2", vocab_size=512, n_embd=64, n_layer=4, n_head=4)),
-    "cohere": ("Command R (parallel, interleaved RoPE)", dict(SIZES, model_type="cohere")),
-    "phi": ("Phi-2 (parallel, biases)", dict(SIZES, model_type="phi", num_key_value_heads=4,
-                                              partial_rotary_factor=0.5)),
-}
+
+
+def families() -> dict[str, tuple[str, dict]]:
+    """family -> (the model it stands for, its config.json with the real features at tiny sizes): each dense record's
+    example (converters/hf/families.py), in the records' order."""
+    from bam_surgery.converters.hf.families import FAMILIES
+
+    return {f.model_type: (f.stands_for, dict(f.example)) for f in FAMILIES if f.example is not None}
 
 
 def cells() -> dict[tuple[str, str], dict[str, str | None]]:
@@ -62,7 +35,7 @@ def cells() -> dict[tuple[str, str], dict[str, str | None]]:
     from bam_surgery.surgery.recipe import available_recipes, load_recipe, mixture_config
 
     out: dict[tuple[str, str], dict[str, str | None]] = {}
-    for family, (_, hf) in FAMILIES.items():
+    for family, (_, hf) in families().items():
         dense, _notes = ARCHITECTURES[family].config.read(hf, family)
         models = {"dense": (dense, None)}
         for name in available_recipes():
@@ -77,14 +50,30 @@ def cells() -> dict[tuple[str, str], dict[str, str | None]]:
                     verdicts[fmt] = None
                 except CapabilityError as e:
                     verdicts[fmt] = str(e)
+            verdicts[VLLM] = _vllm(cfg) if cfg.is_mixture else DENSE
             out[family, row] = verdicts
     return out
+
+
+VLLM, DENSE = "vllm", "-"  # the plugin's column: a mixture's HF BAM export; a dense model is vLLM's own architecture
+
+
+def _vllm(cfg) -> str | None:
+    """None where the vLLM plugin serves the HF BAM export of `cfg`, else its one-line refusal."""
+    from bam_surgery.converters.base import CapabilityError
+    from bam_surgery.converters.vllm_bam.support import check_vllm
+
+    try:
+        check_vllm(cfg)
+    except CapabilityError as e:
+        return str(e)
+    return None
 
 
 def render() -> str:
     from bam_surgery.converters.export import exporters
 
-    formats = list(exporters())
+    formats = [*exporters(), VLLM]
     table = cells()
     reasons: dict[str, int] = {}
     lines = [
@@ -96,7 +85,9 @@ def render() -> str:
         "and merged with each shipped recipe at its defaults (the seed and two specialists), against every output",
         "format: `yes` where the format carries the model, otherwise the number of the format's own refusal, the",
         "line `merge --format` and `convert --format` print before reading a tensor. Some refusals name the flag",
-        "that lifts them (a Mixtral export needs `--gate-norm topk_softmax`, for instance).",
+        "that lifts them (a Mixtral export needs `--gate-norm topk_softmax`, for instance). The `vllm` column is the",
+        "bam-surgery vLLM plugin serving a mixture's `hf` export (a dense model is served by vLLM's own architecture:",
+        "`-`). Every verdict comes from the targets' columns of the table below.",
         "",
         "| family | model | " + " | ".join(formats) + " |",
         "|---|---|" + "---|" * len(formats),
@@ -107,14 +98,63 @@ def render() -> str:
             why = verdicts[fmt]
             if why is None:
                 shown.append("yes")
+            elif why == DENSE:
+                shown.append(DENSE)
             else:
                 shown.append(f"no ({reasons.setdefault(why, len(reasons) + 1)})")
-        label = FAMILIES[family][0] if row == "dense" else ""
+        label = families()[family][0] if row == "dense" else ""
         lines.append(f"| {family if row == 'dense' else ''} | {row}{' - ' + label if label else ''} | "
                      + " | ".join(shown) + " |")
     lines += ["", "## Refusals", ""]
     lines += [f"{n}. {why}" for why, n in reasons.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + what_runs_where() + ADDING) + "\n"
+
+
+def what_runs_where() -> list[str]:
+    """The table of what runs where (converters/targets.py): for every model-config field, what each target carries."""
+    from bam_surgery.converters.targets import table
+
+    rows = table()
+    targets = list(next(iter(rows.values())))
+    out = ["", "## What runs where", "",
+           "For every field of the model config (runtime/config.py ModelConfig), the values each target carries, as",
+           "the target's own module declares them (converters/targets.py assembles the columns; converters/carry.py",
+           "says what a column is): `any`, the values, or a condition; a field a target does not name is carried at",
+           "its default only (`X only`). Every refusal of the matrix above is a row of one of these columns. For",
+           "llama.cpp, each architecture's column where they differ (a mixture's FFN side is judged as the native",
+           "format the architecture's record names).", "",
+           "| field | " + " | ".join(targets) + " |", "|---|" + "---|" * len(targets)]
+    for field, cells in rows.items():
+        out.append(f"| {field} | " + " | ".join(cells[t].replace("|", "/") for t in targets) + " |")
+    return out
+
+
+ADDING = ["", "## Adding a family", "",
+          "A family whose mechanisms the runtime has is one record in converters/hf/families.py plus its tests:",
+          "", "1. The record: its base (`LLAMA.child(...)`, or a `Family(...)` of its own shape) and what differs:",
+          "   `traits` (the canonical fields it fixes), `keys` (the config.json keys it reads: converters/hf/config_map.py",
+          "   fields; a key replaces the base's key of the same field), `rows` (its weight rows as a diff of the",
+          "   base's: converters/hf/weights.py Rows), `gguf` (llama.cpp's spelling, when llama.cpp has the",
+          "   architecture: its name, its graph's own properties, its tokenizer shape), `stands_for` and `example` (this",
+          "   page's row). A native mixture format is a record with `moe=` (converters/hf/moe_family.py's kinds).",
+          "2. Its tests: its transformers config in tests/conftest.py FAMILY_CASES (logits against transformers in both",
+          "   directions, long positions, cached decoding, every recipe's identities), its GGUF round trip where llama.cpp",
+          "   has it (tests/converters/test_gguf_input.py SHAPES, tests/converters/test_gguf.py in llama.cpp).",
+          "3. `.venv/bin/python docs/gen_families.py` (this page).", "",
+          "## Adding a mechanism", "",
+          "A mechanism the runtime lacks (a new config field, or a new value of one) touches at most four files of the",
+          "model and the targets that implement it:", "",
+          "1. runtime/config.py: the field, declared with `later(default)` (older checkpoints keep their bytes), and its",
+          "   validation.", "2. runtime/blocks.py: the math, in the reference and the fused path (and",
+          "   tests/conftest.py's float64 reference); runtime/layout.py if it has tensors.",
+          "3. converters/hf_bam/schema_bam.py: regenerated from ModelConfig",
+          "   (`.venv/bin/python -c 'from bam_surgery.converters.hf_bam.export import write_schema; write_schema()'`).",
+          "4. The family record that reads it (a config_map field in its `keys`; a new kind of key is a Field in",
+          "   converters/hf/config_map.py).", "",
+          "Every target refuses the field at any value but its default until it declares it: a target that implements",
+          "it changes its own column only (converters/vllm_bam/support.py SUPPORTED, converters/gguf_table.py and",
+          "converters/gguf_export.py for llama.cpp, converters/hf/moe_family.py for the native mixtures). HF BAM and",
+          "ONNX run the runtime's own math and carry it at once."]
 
 
 def main(argv: list[str]) -> int:

@@ -42,12 +42,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bam_surgery.converters.yamlfile import read_yaml
 from bam_surgery.app.merge import merge
+from bam_surgery.app.reporter import Reporter
+from bam_surgery.app.train import evaluate, train
+from bam_surgery.converters.yamlfile import read_yaml
+from bam_surgery.runtime.errors import one_line
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.text import render_table
 from bam_surgery.surgery.options import command_args
-from bam_surgery.train import TrainConfig, evaluate, load_run_config, train
+from bam_surgery.train import TrainConfig, load_run_config
 from bam_surgery.train.bpe import train_bpe
 from bam_surgery.train.checkpoints import latest_checkpoint, step_dir_name
 from bam_surgery.train.data import Domain, file_sha256, open_source
@@ -58,6 +61,23 @@ from .spec import (STAGES, Mixture, PipelineError, PipelineSpec, branch_config, 
                    seed_config, train_config)
 
 Log = Callable[[str], None]
+
+
+class UnitReporter(Reporter):
+    """A unit's lines in the pipeline's log (`line` indents them under the unit): the use cases' warnings, notes and
+    progress lines."""
+
+    def __init__(self, line: Log):
+        self._line = line
+
+    def warning(self, message: str) -> None:
+        self._line(f"warning: {one_line(message)}")
+
+    def note(self, message: str) -> None:
+        self._line(f"note: {one_line(message)}")
+
+    def log(self, line: str) -> None:
+        self._line(line)
 RESOLVED = "pipeline.resolved.yaml"
 COMMANDS = "commands.sh"
 
@@ -285,7 +305,7 @@ class PipelineRun:
             if run.exists():  # set up but no checkpoint yet: nothing to keep
                 shutil.rmtree(run)
             cfg = TrainConfig.from_yaml(config_file)
-        result = train(cfg, resume=resumed, log=log)
+        result = train(cfg, resume=resumed, reporter=UnitReporter(log))
         return {"tokens": result.tokens, "steps": result.steps, "checkpoint": str(result.checkpoint),
                 "resumed": resumed, "train_s": training_seconds(result.checkpoint)}
 
@@ -299,8 +319,8 @@ class PipelineRun:
         return {"tokens": 0, "file": str(path), "sha256": file_sha256(path)}
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
-        path = merge([(None, s) for s in self.merge_inputs(mix)], self.mix_file(mix), recipe=mix.recipe, options=mix.options,
-                     warn=lambda m: self.log(f"  warning: {m}")).path
+        path = merge([(None, s) for s in self.merge_inputs(mix)], self.mix_file(mix), recipe=mix.recipe,
+                     options=mix.options, reporter=UnitReporter(lambda m: self.log(f"  {m}"))).path
         return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
 
     def _eval(self, ckpt: str, out: Path) -> dict[str, Any]:

@@ -5,50 +5,38 @@
     out = model(tokens)                              # out.logits [B, T, V]
     out = model(tokens, routing=ForcedRouting(expert=2))
     new = generate(model, tokens, max_new_tokens=20)  # greedy continuation with the KV cache
+
+The package itself imports nothing (PEP 562): its names below load their module when first asked for, so the
+leaf modules (errors, jsonfile, text, sizes, cache, locks, shards' index reading, config) import without torch;
+the console entry (cli/launch.py) reads a merge's shard index through runtime.shards before torch is imported.
 """
 from __future__ import annotations
 
-import os
+import importlib
 
-import torch
-
-from .checkpoint import CheckpointError, CheckpointReader, load_checkpoint, save_checkpoint
-from .config import PRESETS, ConfigError, ModelConfig, preset
-from .blocks import ModelKVCache
-from .generation import generate
-from .model import ForcedRouting, Model, ModelOutput
-from .dtypes import FLOAT_DTYPES
-from .reader import Reader, StateReader, check_layout
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> Model:
-    """Rebuild a model from a canonical checkpoint (file or directory) alone."""
-    with CheckpointReader(path) as reader:
-        return model_from_reader(reader, device, dtype)
-
-
-def model_from_reader(reader: Reader, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Model:
-    """The model of any reader (canonical names), checked against its config's layout first (errors
-    name the file and tensor, instead of load_state_dict's message); weights cast to dtype if given.
-    In eval mode. Weights stored as integers (int32, ...) are refused by name (they were a load_state_dict
-    traceback in generate and export-onnx)."""
-    check_layout(reader, dtypes=FLOAT_DTYPES)
-    cfg, state = reader.config, {name: reader.get(name) for name in reader.names()}
-    with torch.device("meta"):
-        model = Model(cfg)
-    model.load_state_dict(state, assign=True)
-    model = model.to(device)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
-
-
-def save_model(model: Model, path: str | os.PathLike, metadata: dict[str, str] | None = None,
-               max_shard_bytes: int | None = None):
-    return save_checkpoint(model.state_dict(), model.config, path, metadata, max_shard_bytes)
-
+# name -> the module (of this package) that defines it
+_NAMES = {
+    "CheckpointError": "errors", "CheckpointReader": "checkpoint", "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint", "PRESETS": "config", "ConfigError": "config", "ModelConfig": "config",
+    "preset": "config", "ModelKVCache": "blocks", "generate": "generation", "ForcedRouting": "model",
+    "Model": "model", "ModelOutput": "model", "FLOAT_DTYPES": "dtypes", "Reader": "reader",
+    "StateReader": "reader", "check_layout": "reader", "load_model": "loading", "model_from_reader": "loading",
+    "save_model": "loading",
+}
 
 __all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "ForcedRouting", "Model", "ModelConfig", "ModelKVCache",
            "ModelOutput", "PRESETS", "Reader", "StateReader", "check_layout", "generate", "load_checkpoint", "load_model", "model_from_reader",
            "preset", "save_checkpoint", "save_model"]
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # found once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

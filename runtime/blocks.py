@@ -327,6 +327,16 @@ def _yarn_frequencies(cfg, powers: Tensor, s: dict) -> tuple[Tensor, float]:
     return (1.0 / (factor * powers)) * (1 - extrapolation) + (1.0 / powers) * extrapolation, scale
 
 
+def query_scale(cfg, positions: Tensor) -> Optional[Tensor]:
+    """The queries' scale by position [B, T, 1, 1] (float32) of a config with an attention temperature:
+    1 + attn_temperature * ln(1 + floor(position / attn_temperature_length)), op for op as transformers' Ministral 3
+    computes it; None without one."""
+    if cfg.attn_temperature is None:
+        return None
+    scale = 1 + cfg.attn_temperature * torch.log(1 + torch.floor(positions / cfg.attn_temperature_length))
+    return scale[:, :, None, None]
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """Rotate the first rotary_dim dims of each head of x [B, T, heads, Dh] in float32: pair (a, b) becomes
     (a cos - b sin, b cos + a sin), for half-split pairs (i, i + rot/2) (Llama/NeoX) or interleaved pairs
@@ -510,11 +520,12 @@ class ForwardPass:
     forced: Optional[ForcedRouting] = None
     impl: Impl = "fused"
     expert_kernel: Optional[FFNKernel] = None  # None: expert_kernel() decides
-    routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order
+    routing: dict = field(default_factory=dict)  # router name -> Routing, in execution order (a block's own: by kind)
     masks: dict = field(default_factory=dict)  # S -> attention mask, built once per key length
     # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
     prefill_from_zero: bool = False
     rope_local: Optional[tuple[Tensor, Tensor]] = None  # the sliding layers' own RoPE (Gemma 3), or None: rope
+    query_scale: Optional[Tensor] = None  # [B, T, 1, 1] the queries' scale by position (query_scale()), or None
 
     def mask(self, n_keys: int, window: Optional[int] = None) -> Optional[Tensor]:
         """The mask over n_keys key slots (a sliding window of `window` slots, or the whole causal prefix), or
@@ -551,7 +562,10 @@ class Block(nn.Module):
             self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
         sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or index in cfg.attn_window_layers)
         self.window = cfg.attn_window if sliding else None  # attends to the last `window` slots
-        self.scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5  # None: 1/sqrt(head_dim)
+        # the attention logits' scale: its own (Granite), 1/sqrt(attn_scale_dim) (Gemma), or None: 1/sqrt(head_dim)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else (
+            None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5)
+        self.residual = cfg.residual_multiplier  # each sublayer's output times this before it is added (Granite)
         self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
         q = {"q": (D, H * Dh, cfg.qkv_bias)}
         kv = {"k": (D, G * Dh, cfg.qkv_bias), "v": (D, G * Dh, cfg.qkv_bias)}
@@ -590,21 +604,25 @@ class Block(nn.Module):
         self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
-        style, where = self.cfg.block, self.cfg.norm_position
+        style, where, r = self.cfg.block, self.cfg.norm_position, self._residual
         if where == "post":  # OLMo 2
-            h = x + self.attn_post_norm(self.attention(x, step))
-            return h + self.ffn_post_norm(self.feed_forward(h, step))
+            h = x + r(self.attn_post_norm(self.attention(x, step)))
+            return h + r(self.ffn_post_norm(self.feed_forward(h, step)))
         if where == "sandwich":  # Gemma
-            h = x + self.attn_post_norm(self.attention(self.attn_norm(x), step))
-            return h + self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), step))
+            h = x + r(self.attn_post_norm(self.attention(self.attn_norm(x), step)))
+            return h + r(self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), step)))
         if style == "sequential":
-            h = x + self.attention(self.attn_norm(x), step)
-            return h + self.feed_forward(self.ffn_norm(h), step)
+            h = x + r(self.attention(self.attn_norm(x), step))
+            return h + r(self.feed_forward(self.ffn_norm(h), step))
         if style == "parallel":  # one shared norm (PaLM, GPT-J, Cohere, the paper)
             n = self.attn_norm(x)
-            return x + self.attention(n, step) + self.feed_forward(n, step)
+            return x + r(self.attention(n, step)) + r(self.feed_forward(n, step))
         # parallel_two_norms (GPT-NeoX)
-        return x + self.attention(self.attn_norm(x), step) + self.feed_forward(self.ffn_norm(x), step)
+        return x + r(self.attention(self.attn_norm(x), step)) + r(self.feed_forward(self.ffn_norm(x), step))
+
+    def _residual(self, y: Tensor) -> Tensor:
+        """A sublayer's output as it joins the residual stream: times residual_multiplier (Granite's), if not 1."""
+        return y if self.residual == 1.0 else y * self.residual
 
     # -- routing ---------------------------------------------------------------------------
     def _route(self, kind: str, x: Tensor, step: ForwardPass) -> Routing:
@@ -612,7 +630,7 @@ class Block(nn.Module):
         E, top_k = (cfg.attn_experts, cfg.attn_top_k) if kind == "attn" else (cfg.ffn_experts, cfg.ffn_top_k)
         router = self.attn_router if kind == "attn" else self.ffn_router
         r = route(router, x, E, top_k, cfg.gate_norm, step.forced.gates(kind, E) if step.forced else None)
-        step.routing[f"layers.{self.index}.{kind}_router"] = r
+        step.routing[f"{kind}_router"] = r  # the trunk names it layers.{index}.{kind}_router
         return r
 
     def _cache(self, k: Tensor, v: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
@@ -624,6 +642,11 @@ class Block(nn.Module):
             return x
         rope = step.rope_local if self.window is not None and step.rope_local is not None else step.rope
         return apply_rotary(x, *rope, self.cfg.rope_interleaved)
+
+    def _query(self, q: Tensor, step: ForwardPass) -> Tensor:
+        """Queries [B, T, heads, Dh] after RoPE, and times their scale by position where the config has one."""
+        q = self._rope(q, step)
+        return q if step.query_scale is None else q * step.query_scale.to(q.dtype)
 
     def _qk(self, name: str, y: Tensor, e: Optional[int]) -> Tensor:
         """Projection q or k of expert e (None: dense or shared), y [B, T, heads*Dh], through its QK-norm: over
@@ -691,7 +714,7 @@ class Block(nn.Module):
     def attention_expert(self, x: Tensor, k: Tensor, v: Tensor, step: ForwardPass, e: Optional[int]) -> Tensor:
         """MHA_e(x) over keys/values k, v [B, G, S, Dh]: [B, T, D] -> [B, T, D] (e=None: dense attention)."""
         cfg, (B, T, _) = self.cfg, x.shape
-        q = self._rope(self._attn_proj("q", x, e).view(B, T, cfg.n_heads, cfg.head_dim), step).transpose(1, 2)
+        q = self._query(self._attn_proj("q", x, e).view(B, T, cfg.n_heads, cfg.head_dim), step).transpose(1, 2)
         rep = cfg.n_heads // cfg.n_kv_heads
         if rep > 1:  # GQA: query head h reads kv head h // rep
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -774,7 +797,7 @@ class Block(nn.Module):
                 # (g, e, r), h = g*rep + r, so that GQA's j // (E*rep) picks g.
                 rep = H // G
                 q = q.view(B, T, E, G, rep, Dh).transpose(2, 3).reshape(B, T, E * H, Dh)
-        q, k = self._rope(q, step).transpose(1, 2), self._rope(k, step).transpose(1, 2)  # [B, heads, T, Dh]
+        q, k = self._query(q, step).transpose(1, 2), self._rope(k, step).transpose(1, 2)  # [B, heads, T, Dh]
         k, v = self._cache(k, v.transpose(1, 2), step)
         if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
             k, v = k[:, :, :T], v[:, :, :T]
@@ -876,6 +899,8 @@ class Transformer(nn.Module):
         self.final_norm = Norm(cfg) if getattr(cfg, "final_norm", True) else nn.Identity()
         self.impl: Impl = "fused"  # or "reference": the per-expert loop (the tests' oracle)
         self.expert_kernel: Optional[FFNKernel] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
+        # recompute each block's activations in the backward pass instead of keeping them (training; see run_block)
+        self.activation_checkpointing = False
 
     def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                       positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,
@@ -912,24 +937,60 @@ class Transformer(nn.Module):
         local = cfg.position == "rope" and cfg.window_rope_theta is not None
         step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
                     rope_local=rotary_cos_sin(cfg, positions, local=True) if local else None,
+                    query_scale=query_scale(cfg, positions),
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
                     expert_kernel=self.expert_kernel,
                     prefill_from_zero=self._prefill_from_zero(cache, attention_mask, input_pos))
-        for block in self.layers:
+        trace: dict[str, Routing] = {}
+        for i, block in enumerate(self.layers):
             if all_hidden is not None:
                 all_hidden.append(x)
-            x = block(x, step)
+            # every block records its routing by kind into an empty dict, named here: a block compiled on its
+            # own (torch.compile per block, train/) then sees the same input for every layer and compiles once
+            step.routing = {}
+            x = self.run_block(block, x, step)
+            trace.update((f"layers.{i}.{name}", r) for name, r in step.routing.items())
+        step.routing = trace
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def run_block(self, block: nn.Module, x: Tensor, step: ForwardPass) -> Tensor:
+        """block(x, step); with activation_checkpointing (and gradients wanted), through torch.utils.checkpoint:
+        only the block's input is kept, and the block runs again in the backward pass. That second run computes
+        the same values (no randomness; the same routing); its routing records go to a scratch ForwardPass, and
+        routers that collect statistics while training (key stores) do not collect them a second time."""
+        if not (self.activation_checkpointing and torch.is_grad_enabled()):
+            return block(x, step)
+        from torch.utils.checkpoint import checkpoint  # lazy: training only
+
+        runs: list[int] = []
+
+        def run(x: Tensor) -> Tensor:
+            if not runs:
+                runs.append(1)
+                return block(x, step)
+            scratch = ForwardPass(**{**step.__dict__, "routing": {}})
+            collectors = [(m, m.collector) for m in block.modules() if getattr(m, "collector", None) is not None]
+            try:
+                for m, _ in collectors:
+                    m.collector = None
+                return block(x, scratch)
+            finally:
+                for m, c in collectors:
+                    m.collector = c
+
+        return checkpoint(run, x, use_reentrant=False)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Input embeddings [B, T, D] of tokens [B, T]: times sqrt(d_model) with scale_embeddings (Gemma, which
         rounds the factor to the embeddings' dtype first)."""
         x = self.embed(tokens)
-        if not self.config.scale_embeddings:
-            return x
-        return x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.config.embedding_multiplier
+        return x
 
     def output_logits(self, logits: Tensor) -> Tensor:
         """The head's logits [..., V] times logit_scale (Cohere), then soft-capped c * tanh(l / c) (Gemma 2)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -29,7 +29,7 @@ from .atomic import atomic_dir, atomic_path
 from .cache import cached_texts
 from .config import ConfigError, ModelConfig
 from .errors import CheckpointError, printable
-from .jsonfile import parse_json, read_json
+from .jsonfile import open_regular, parse_json, read_json
 from .layout import tensor_shapes
 from .outputs import FORMAT
 from .read_ahead import iter_tensors
@@ -41,6 +41,20 @@ CONFIG_KEY = "bam_config"
 PROVENANCE_KEY = "bam_provenance"  # a merge's record of how it was made (surgery.provenance writes it)
 SHARD_METADATA = {"format": FORMAT}  # each shard of a canonical directory; the index carries the rest
 SIDE_FILES_KEY = "bam_side_files"  # a single file's side files: JSON {name: text}, names from SIDE_FILES
+
+
+
+def provenance_inputs(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The inputs a provenance record (PROVENANCE_KEY, parsed) names, read by one rule for all its readers (inspect,
+    the GGUF card, expert names): a list of entries, each an object (a bare value taken as its path), or an older
+    {role: entry or path} object; "inputs" of any other kind (a number, a string) names none."""
+    inputs = (provenance or {}).get("inputs")
+    if isinstance(inputs, dict):
+        return [{**(v if isinstance(v, dict) else {"path": v}), "role": k} for k, v in inputs.items()]
+    if isinstance(inputs, list):
+        return [i if isinstance(i, dict) else {"path": i} for i in inputs]
+    return []
+
 
 __all__ = ["CONFIG_KEY", "FORMAT", "PROVENANCE_KEY", "SIDE_FILES_KEY", "CheckpointError", "CheckpointReader", "load_checkpoint", "save_checkpoint",
            "write_checkpoint", "write_dir_config"]
@@ -60,6 +74,8 @@ class CheckpointReader(SafetensorsReader):
             if self.path.is_dir():
                 cfg_file = self.path / "config.json"
                 if not cfg_file.exists():
+                    if any(self.path.glob("*.gguf")):
+                        raise _foreign(self.path, "a folder of GGUF files")
                     raise CheckpointError(f"{self.path}: no config.json")
                 body = read_json(cfg_file, expect=dict)
                 if CONFIG_KEY not in body:
@@ -76,6 +92,8 @@ class CheckpointReader(SafetensorsReader):
                 for fname in files:
                     self._add(shard_path(self.path, fname, index))
             else:
+                if _is_gguf(self.path):
+                    raise _foreign(self.path, "a GGUF file")
                 h = self._add(self.path)
                 self.metadata = dict(h.metadata)
                 if CONFIG_KEY not in self.metadata:
@@ -141,13 +159,30 @@ def _hf_model_type(folder: Path) -> object | None:
 
 
 def _foreign_folder(folder: Path, model_type: object) -> CheckpointError:
-    """An HF folder (an HF model, or our Mixtral / HF BAM export) handed to the canonical reader: one line
-    naming the calls that read it (runtime imports nothing from converters, so they are only named)."""
+    """An HF folder (an HF model, or our Mixtral / HF BAM export) handed to the canonical reader."""
+    return _foreign(folder, f"a Hugging Face model folder (model_type {model_type!r})")
+
+
+def _foreign(path: Path, what: str) -> CheckpointError:
+    """A checkpoint of another kind handed to the canonical reader: one line naming the calls that read it
+    (runtime imports nothing from the layers above, so they are only named): bam_surgery.load, the public API's
+    door for every checkpoint (the model and its tokenizer), or the reader and the model apart."""
     return CheckpointError(
-        f"{folder}: a Hugging Face model folder (model_type {model_type!r}), not a bam-surgery "
-        "canonical checkpoint (load_model and CheckpointReader read only those); open it with "
-        f"bam_surgery.converters.open_checkpoint({str(folder)!r}) and build the model with "
+        f"{path}: {what}, not a bam-surgery canonical checkpoint (load_model and CheckpointReader read only "
+        f"those); load it with bam_surgery.load({str(path)!r}) (the model and its tokenizer), or open it with "
+        f"bam_surgery.converters.open_checkpoint({str(path)!r}) and build the model with "
         "bam_surgery.runtime.model_from_reader(reader)")
+
+
+def _is_gguf(path: Path) -> bool:
+    """A file that starts with GGUF's magic (or is named .gguf)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open_regular(path, str(path)) as f:  # a FIFO or a device is not opened blocking
+            return f.read(4) == b"GGUF"
+    except (OSError, CheckpointError):
+        return False  # the reader below says why it cannot read it
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

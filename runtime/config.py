@@ -48,13 +48,11 @@ NORM_POSITIONS, QK_NORMS, ROPE_TYPES = get_args(NormPosition), get_args(QKNorm),
 GATE_NORMS, KV_MODES, ROUTERS = get_args(GateNorm), get_args(KVMode), get_args(Router)
 
 
-# Fields written by to_dict only when they differ from their default: fields added after checkpoints existed,
-# so that every config that does not use them serializes to the same bytes as before they were added.
-WRITTEN_WHEN_SET = ("attn_router", "router_hidden", "router_temperature", "final_norm", "key_store_alpha",
-                    "key_store_beta", "key_store_delta", "key_store_theta_percentile", "key_store_ema_decay",
-                    "ffn_shared_hidden", "scaled_rope", "nope_layers", "qk_norm", "norm_position",
-                    "norm_unit_offset", "scale_embeddings", "attn_window", "attn_window_layers", "window_rope_theta",
-                    "attn_scale_dim", "attn_softcap", "final_softcap")
+def later(default: Any, *, never: tuple[Any, ...] = ()) -> Any:
+    """A field added after checkpoints existed: to_dict writes it only when it differs from its default, so every
+    config that does not use it serializes to the same bytes as before it was added (declare every new field so).
+    `never`: values of its type the field never takes (validate refuses them; the HF BAM schema leaves them out)."""
+    return dataclasses.field(default=default, metadata={"written_when_set": True, "never": tuple(never)})
 
 
 class ConfigError(UserError, ValueError):
@@ -123,47 +121,57 @@ class ModelConfig(ConfigRules):
     block: Block = "sequential"  # parallel: one shared norm; parallel_two_norms: NeoX
     tie_embeddings: bool = False
     logit_scale: float = 1.0  # multiplies the logits (Cohere)
-    final_norm: bool = True  # False: the last block's output goes to the head without a norm
+    final_norm: bool = later(True)  # False: the last block's output goes to the head without a norm
     # scaled RoPE: transformers' rope_parameters less rope_theta and partial_rotary_factor ({"rope_type": "llama3",
     # "factor": 32.0, ...}; ROPE_KEYS lists each type's keys); None: plain RoPE
-    scaled_rope: dict | None = None
-    nope_layers: list[int] | None = None  # layers that apply no RoPE (SmolLM3's every fourth layer); None: none
-    qk_norm: QKNorm = "none"  # a norm on queries and keys before RoPE: per head [Dh] or over the full width [H*Dh]
-    norm_position: NormPosition = "pre"  # post: each sublayer's output is normed before the residual add
-    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma), not by weight
-    scale_embeddings: bool = False  # the input embeddings times sqrt(d_model) (Gemma)
+    scaled_rope: dict | None = later(None)
+    nope_layers: list[int] | None = later(None)  # layers that apply no RoPE (SmolLM3's every fourth layer); None: none
+    qk_norm: QKNorm = later("none")  # a norm on queries and keys before RoPE: per head [Dh] or over the full width [H*Dh]
+    norm_position: NormPosition = later("pre")  # post: each sublayer's output is normed before the residual add
+    norm_unit_offset: bool = later(False)  # RMSNorm scales by (1 + weight) (Gemma), not by weight
+    scale_embeddings: bool = later(False)  # the input embeddings times sqrt(d_model) (Gemma)
     # sliding-window attention: a query sees the last attn_window keys (itself included) in the layers
     # attn_window_layers (None: every layer); None: every layer attends to the whole causal prefix. (Not named
     # sliding_window: transformers' caches read that attribute of a config and would keep only a window of keys.)
-    attn_window: int | None = None
-    attn_window_layers: list[int] | None = None
-    window_rope_theta: float | None = None  # plain RoPE of this base in the sliding layers (Gemma 3's local base)
-    attn_scale_dim: int | None = None  # attention logits scaled by 1/sqrt(this) (Gemma's query_pre_attn_scalar)
-    attn_softcap: float | None = None  # attention logits soft-capped: c * tanh(s / c) (Gemma 2)
-    final_softcap: float | None = None  # output logits soft-capped likewise (Gemma 2)
+    attn_window: int | None = later(None)
+    attn_window_layers: list[int] | None = later(None)
+    window_rope_theta: float | None = later(None)  # plain RoPE of this base in the sliding layers (Gemma 3's local base)
+    attn_scale_dim: int | None = later(None)  # attention logits scaled by 1/sqrt(this) (Gemma's query_pre_attn_scalar)
+    attn_softcap: float | None = later(None)  # attention logits soft-capped: c * tanh(s / c) (Gemma 2)
+    final_softcap: float | None = later(None)  # output logits soft-capped likewise (Gemma 2)
+    # the residual stream's multipliers (Granite): the input embeddings times embedding_multiplier, each sublayer's
+    # output times residual_multiplier before it is added; attn_scale: the attention logits' scale itself (None:
+    # 1/sqrt(attn_scale_dim or head_dim))
+    embedding_multiplier: float = later(1.0)
+    residual_multiplier: float = later(1.0)
+    attn_scale: float | None = later(None)
+    # queries scaled by position (Llama 4's attention temperature, Ministral 3): times
+    # 1 + attn_temperature * ln(1 + floor(position / attn_temperature_length)); None: unscaled
+    attn_temperature: float | None = later(None)
+    attn_temperature_length: int | None = later(None)
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
     gate_norm: GateNorm = "softmax"  # softmax: p_i from the full softmax (paper); topk_softmax: renormalized over top-k (Mixtral/BTX)
     # an always-on shared FFN expert of this width beside the routed ones (Qwen2-MoE, DeepSeek-MoE), its output
     # scaled by sigmoid(x . w) with w = ffn_shared_gate.weight [1, D]; 0: none. Needs ffn_experts > 0.
-    ffn_shared_hidden: int = 0
+    ffn_shared_hidden: int = later(0)
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
     router: Router = "linear"  # kind of the FFN routers, and of the attention routers unless attn_router says
-    attn_router: Router | None = None  # kind of the attention routers; None: the same as router
-    router_hidden: int | None = None  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
+    attn_router: Router | None = later(None, never=("key_store",))  # kind of the attention routers; None: the same as router
+    router_hidden: int | None = later(None)  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
     # expert_embedding: initial temperature tau (the learned one is a tensor); key_store: the fixed temperature
     # of its cosine logits
-    router_temperature: float = 0.1
+    router_temperature: float = later(0.1)
     # key_store update rules, once per optimizer step (docs/routers.md, "key store"): attraction, peer pull,
     # dispersion, the share of experts that may be re-seeded per step, the usage EMA's decay
-    key_store_alpha: float = 0.01
-    key_store_beta: float = 0.005
-    key_store_delta: float = 0.001
-    key_store_theta_percentile: float = 0.05
-    key_store_ema_decay: float = 0.99
+    key_store_alpha: float = later(0.01)
+    key_store_beta: float = later(0.005)
+    key_store_delta: float = later(0.001)
+    key_store_theta_percentile: float = later(0.05)
+    key_store_ema_decay: float = later(0.99)
     lb_coef: float = 0.01  # alpha, load-balancing loss weight
     z_coef: float = 0.001  # beta, router z-loss weight
     name: str = ""  # free-form label (preset name, source architecture)
@@ -248,15 +256,27 @@ class ModelConfig(ConfigRules):
         if self.attn_scale_dim is not None:
             _need(0 < self.attn_scale_dim <= MAX_DIM, "attn_scale_dim", f"must be a positive integer, got "
                   f"{self.attn_scale_dim!r}")
-        for fld in ("attn_softcap", "final_softcap"):
+        for fld in ("attn_softcap", "final_softcap", "attn_scale", "embedding_multiplier", "residual_multiplier"):
             v = getattr(self, fld)
             _need(v is None or (math.isfinite(v) and v > 0), fld, f"must be a finite number > 0, got {v!r}")
+        _need(self.attn_scale is None or self.attn_scale_dim is None, "attn_scale",
+              "an attention scale of its own and attn_scale_dim are one setting: give one")
+        self._validate_temperature()
         if self.nope_layers is not None:
             _need(self.position == "rope", "nope_layers", "layers without RoPE need position: rope")
             self._check_layer_list("nope_layers")
         if self.scaled_rope is not None:
             _need(self.position == "rope", "scaled_rope", "scaled RoPE needs position: rope")
             _validate_scaled_rope(self.scaled_rope, self.rotary_dim // 2)
+
+    def _validate_temperature(self) -> None:
+        """The queries' scale by position: a finite temperature >= 0 and its positive period, together."""
+        beta, length = self.attn_temperature, self.attn_temperature_length
+        _need((beta is None) == (length is None), "attn_temperature",
+              "attn_temperature and attn_temperature_length go together")
+        if beta is not None:
+            _need(math.isfinite(beta) and beta >= 0, "attn_temperature", f"must be a finite number >= 0, got {beta!r}")
+            _need(0 < length <= MAX_DIM, "attn_temperature_length", f"must be a positive integer, got {length!r}")
 
     def _check_layer_list(self, fld: str) -> None:
         """A field listing layers (nope_layers, attn_window_layers): indices in [0, n_layers), increasing."""
@@ -342,10 +362,10 @@ class ModelConfig(ConfigRules):
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Every field, except those of WRITTEN_WHEN_SET that hold their default."""
+        """Every field, except those declared with later() that hold their default."""
         d = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
-            if f.name in WRITTEN_WHEN_SET and d[f.name] == f.default:
+            if f.metadata.get("written_when_set") and d[f.name] == f.default:
                 del d[f.name]
         return d
 
@@ -426,6 +446,12 @@ def _field_types(cls: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
     if cls not in _FIELD_TYPES:
         _FIELD_TYPES[cls] = {name: _type_check(hint) for name, hint in get_type_hints(cls).items()}
     return _FIELD_TYPES[cls]
+
+
+def dense_fields() -> tuple[str, ...]:
+    """The fields of a model's dense architecture: those above ModelConfig's mixture section (ffn_experts on)."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    return tuple(names[:names.index("ffn_experts")])
 
 
 # ---- presets: data, with their source ------------------------------------------------------

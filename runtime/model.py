@@ -25,9 +25,10 @@ from .layout import router_tensors
 from .key_store import KeyStoreCollector
 from .routers import KeyStoreRouter, init_tensor
 
-# Rows of logits per chunk of the loss-only path: 2**26 fp32 logits (256 MiB) at most, e.g. 262 rows at
-# vocab 256000; the whole batch at once for small vocabularies.
+# Rows of logits per chunk of the loss-only path (loss_chunk_rows): 2**26 fp32 logits (256 MiB) at most, e.g. 262
+# rows at vocab 256000, the whole batch at once for small vocabularies; on a CUDA device 2**28 (1 GiB, 1,048 rows).
 LOSS_CHUNK_ELEMENTS = 1 << 26
+CUDA_LOSS_CHUNK_ELEMENTS = 1 << 28
 
 
 @dataclass
@@ -134,7 +135,7 @@ class Model(Transformer):
                 logits = (out.logits if out.logits is not None and not logits_to_keep else self.head(x)).float()
                 out.nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
             else:
-                rows = self.loss_chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // cfg.vocab_size)
+                rows = self.loss_chunk_rows or loss_chunk_rows(cfg.vocab_size, x.device)
                 out.nll = linear_cross_entropy(x.reshape(B * T, -1), self.head_weight,
                                                getattr(self, "lm_head_bias", None), targets.reshape(-1),
                                                cfg.logit_scale, rows)
@@ -143,30 +144,48 @@ class Model(Transformer):
 
 
 # ---- loss-only head: chunked, gradients computed chunk by chunk -----------------------------
+def loss_chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Rows per chunk of the loss-only head: LOSS_CHUNK_ELEMENTS fp32 logits at most (256 MiB), or on a CUDA
+    device CUDA_LOSS_CHUNK_ELEMENTS (1 GiB): each chunk adds its partial head gradient into the fp32
+    accumulator (a pass over the [V, D] gradient), so fewer, larger chunks keep that traffic small."""
+    limit = CUDA_LOSS_CHUNK_ELEMENTS if device.type == "cuda" else LOSS_CHUNK_ELEMENTS
+    return max(1, limit // vocab_size)
+
+
 def linear_cross_entropy(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, scale: float,
                          chunk_rows: int) -> Tensor:
     """Mean cross-entropy of logits = scale * (x @ weight.T + bias) against targets (-100 ignored), for
     x [N, D], weight [V, D], targets [N], chunk_rows rows at a time. With gradients wanted, they are computed
     in the same pass (fp32 softmax minus one-hot, per chunk) and only scaled in backward, so no [N, V] tensor
-    is ever held; the head's matmuls run once forward and twice for the gradients, as without chunking."""
+    is ever held; the head's matmuls run once forward and twice for the gradients, as without chunking.
+    Under autocast the weight (and x) are cast to the matmul dtype once per call, not per chunk and matmul: at
+    vocab 256k the fp32 head is 1 GiB, and three casts per chunk were the largest single cost of a GPU step."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if needs_grad:
         return _LinearCrossEntropy.apply(x, weight, bias, targets, scale, chunk_rows)
+    xm, wm, bm = _matmul_operands(x, weight, bias)
     total = torch.zeros((), device=x.device)
     for start in range(0, x.shape[0], chunk_rows):
-        logits, t = _chunk_logits(x[start:start + chunk_rows], weight, bias, scale), targets[start:start + chunk_rows]
+        logits, t = _chunk_logits(xm[start:start + chunk_rows], wm, bm, scale), targets[start:start + chunk_rows]
         total = total + F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
     return total / (targets != -100).sum()
 
 
-def _chunk_logits(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    logits = F.linear(x, weight, bias).float()
-    return logits * scale if scale != 1.0 else logits
-
-
-def _mm_dtype(weight: Tensor) -> torch.dtype:
+def _matmul_operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """x, weight and bias in the dtype the head's matmul runs in: autocast's where it is on (as F.linear would
+    cast them), else their own. Without autocast nothing is copied."""
     device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _chunk_logits(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """fp32 logits [n, V] of x [n, D] already in the matmul dtype (_matmul_operands)."""
+    with torch.autocast(weight.device.type, enabled=False):  # the operands are cast already
+        logits = F.linear(x, weight, bias).float()
+    return logits.mul_(scale) if scale != 1.0 else logits
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -175,23 +194,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 chunk_rows: int) -> Tensor:
         valid = targets != -100
         count = valid.sum()
-        dtype = _mm_dtype(weight)
+        xm, wm, bm = _matmul_operands(x, weight, bias)
         grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # fp32 accumulators: each chunk's partial product (in the matmul dtype) is added in place, with no fp32
+        # copy of it; a single chunk (small vocabularies, the CPU) writes its product straight in
+        grad_w: Tensor | None = None
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         total = torch.zeros((), device=x.device)
         for start in range(0, x.shape[0], chunk_rows):
-            xc, tc = x[start:start + chunk_rows], targets[start:start + chunk_rows].clamp(min=0)
+            xc, tc = xm[start:start + chunk_rows], targets[start:start + chunk_rows].clamp(min=0)
             vc = valid[start:start + chunk_rows].float()
-            logits = _chunk_logits(xc, weight, bias, scale)  # [n, V] fp32
+            logits = _chunk_logits(xc, wm, bm, scale)  # [n, V] fp32
             lse = logits.logsumexp(-1)
             total = total + ((lse - logits.gather(-1, tc[:, None])[:, 0]) * vc).sum()
-            # d(sum of NLL)/d logits = softmax - one_hot (valid rows only); times scale for x @ W.T + b
-            g = (logits - lse[:, None]).exp_()
+            # d(sum of NLL)/d logits = softmax - one_hot (valid rows only); times scale for x @ W.T + b; in place
+            g = logits.sub_(lse[:, None]).exp_()
             g.scatter_add_(-1, tc[:, None], -torch.ones_like(vc)[:, None])
-            g = g * (vc * scale)[:, None]
-            grad_x[start:start + chunk_rows] = (g.to(dtype) @ weight.to(dtype)).to(x.dtype)
-            grad_w += (g.t().to(dtype) @ xc.to(dtype)).float()
+            g.mul_((vc * scale)[:, None])
+            gm = g.to(wm.dtype)
+            with torch.autocast(weight.device.type, enabled=False):
+                grad_x[start:start + chunk_rows] = (gm @ wm).to(x.dtype)
+                part = gm.t() @ xc  # [V, D]
+            grad_w = part.float() if grad_w is None else grad_w.add_(part)
             if grad_b is not None:
                 grad_b += g.sum(0)
         ctx.save_for_backward(grad_x, grad_w, grad_b, count)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from .errors import CheckpointError, printable
 from .jsonfile import read_json
-from .safetensors_file import read_header
 
 FORMAT = "bam-surgery/1"  # "format" in every canonical file's metadata and canonical config.json
 MARKER = ".bam-surgery.json"  # in every folder output: {"format": FORMAT, "files": [names]}
@@ -85,6 +84,7 @@ def not_own_output(path: Path) -> str | None:
 def _own_safetensors(file: Path) -> bool:
     try:
         with open(file, "rb") as f:
+            from .safetensors_file import read_header  # lazy: torch (runtime/cache.py -> atomic -> here is torch-free)
             header = read_header(file, f, os.fstat(f.fileno()).st_size)
     except (CheckpointError, OSError):
         return False

@@ -121,6 +121,22 @@ class StateReader(Reader):
         return self.state[name]
 
 
+class ShapeTableReader(Reader):
+    """A reader whose canonical tensors are the keys of `self._shape` (name -> shape, in canonical order): the
+    converters' readers (HF, GGUF), which derive every shape when they open."""
+
+    _shape: dict[str, tuple[int, ...]]
+
+    def names(self) -> list[str]:
+        return list(self._shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shape
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+
 class SafetensorsReader(Reader):
     """A reader over safetensors files whose tensors are canonical tensors one to one (under their
     own names, or renamed by the subclass). `_add(file, canonical_of_key)` opens a file."""

@@ -1,4 +1,5 @@
-"""The one shard writer: tensors streamed into size-bounded safetensors files, plus the index.
+"""The one shard writer: tensors streamed into size-bounded safetensors files, plus the index, and the one
+reader of a model folder's index and side files.
 
     model-00001-of-0000N.safetensors ...      (or one file with the format's single-file name)
     model.safetensors.index.json              {"metadata": {"total_size": ..., ...}, "weight_map": {name: file}}
@@ -6,6 +7,9 @@
 Every directory output (canonical checkpoints, merges, HF, Mixtral and HF BAM exports) is written
 by `write_shards`; the formats differ only in the file names, the per-file metadata and whether
 they write an index for a single shard, which the caller says.
+
+Importing this module imports no torch (the writer's modules load when a file is written), so the console entry
+reads a merge's shard index here (`read_index`) while torch is still being imported.
 """
 from __future__ import annotations
 
@@ -14,20 +18,22 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import BinaryIO, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, Mapping
 
-import torch
-
-from .dtypes import nbytes
 from .errors import CheckpointError, printable
 from .jsonfile import MAX_JSON_BYTES, open_regular, read_json
-from .safetensors_file import Entry, SafetensorsStreamWriter
+
+if TYPE_CHECKING:  # annotations only: the writer's modules import torch
+    import torch
+
+    from .safetensors_file import Entry
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def plan_shards(entries: list[Entry], max_shard_bytes: int | None) -> list[list[Entry]]:
     """Split entries (in order) into shards of at most max_shard_bytes (a single bigger tensor gets its own)."""
+    from .dtypes import nbytes  # lazy: torch (the module docstring)
     if not max_shard_bytes:
         return [list(entries)]
     shards: list[list] = [[]]
@@ -49,6 +55,7 @@ def shard_name(i: int, n: int) -> str:
 def write_file(path: Path, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
                metadata: Mapping[str, str] | None = None, on_write: Callable[[str], None] | None = None) -> None:
     """One safetensors file: the next len(entries) (name, tensor) pairs of `tensors`, in entries' order."""
+    from .safetensors_file import SafetensorsStreamWriter  # lazy: torch (the module docstring)
     with SafetensorsStreamWriter(path, entries, metadata) as writer:
         for name, tensor in itertools.islice(tensors, len(entries)):
             writer.write(name, tensor)
@@ -79,6 +86,7 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int, me
 
 
 def total_size(entries: list[Entry]) -> int:
+    from .dtypes import nbytes  # lazy: torch (the module docstring)
     return sum(nbytes(shape, dtype) for _, shape, dtype in entries)
 
 
@@ -158,27 +166,40 @@ def _outside(directory: Path, path: Path, what: str, target: Path) -> Checkpoint
 MAX_SIDE_FILE_BYTES = MAX_JSON_BYTES
 
 
-@contextmanager
-def open_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Iterator[BinaryIO]:
-    """The side file `path` of the model folder path.parent, opened once and checked after opening, so that
-    what is read is what was checked (a file swapped for a link between a check and a copy cannot bring an
-    outside file in): its resolved path opened with O_NOFOLLOW (a link put there since fails), the opened
-    descriptor's own path (/proc/self/fd) inside the folder by folder_file's rule, a regular file
-    (runtime.jsonfile.open_regular), at most max_bytes by fstat. Errors are one CheckpointError naming it."""
-    what = what or path.name
-    folder_file(path.parent, path, what)
-    root = path.parent.resolve()
+def open_folder_file(path: Path, what: str, folder: Path | None = None) -> BinaryIO:
+    """`path`, a file of the model folder `folder` (default: path.parent), opened once and checked after opening,
+    the rule of every file read from inside a model folder (side files, a split GGUF's parts, a folder's GGUF): its
+    resolved path opened with O_NOFOLLOW (a link put there since fails), the opened descriptor's own path
+    (/proc/self/fd) inside the folder by folder_file's rule, a regular file (runtime.jsonfile.open_regular). The
+    caller closes the file; errors are one CheckpointError naming it."""
+    folder = path.parent if folder is None else folder
+    folder_file(folder, path, what)
+    root = folder.resolve()
     try:
         f = open_regular(path.resolve(), str(path), flags=os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
-    with f:
+    try:
         try:
             real = Path(os.readlink(f"/proc/self/fd/{f.fileno()}"))
         except OSError:  # no /proc: the O_NOFOLLOW open of the resolved path stands alone
             real = None
         if real is not None and not _inside(root, real):
-            raise _outside(path.parent, path, what, real)
+            raise _outside(folder, path, what, real)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+@contextmanager
+def open_side_file(path: Path, what: str | None = None, max_bytes: int = MAX_SIDE_FILE_BYTES) -> Iterator[BinaryIO]:
+    """The side file `path` of the model folder path.parent, opened once and checked after opening
+    (open_folder_file), so that what is read is what was checked (a file swapped for a link between a check and a
+    copy cannot bring an outside file in), and at most max_bytes by fstat. Errors are one CheckpointError naming
+    it."""
+    what = what or path.name
+    with open_folder_file(path, what) as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise CheckpointError(f"{path}: {size:,} bytes is too large for {what} (the limit of every side file "

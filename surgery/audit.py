@@ -162,6 +162,28 @@ def apply_paper_deviations(cfg: ModelConfig, counts: list[TensorCount]
     return adjusted, adjustments
 
 
+# ---- the paper's routing --------------------------------------------------------------------------
+# Each token goes to 1 FFN expert, gated by its p_i from the full softmax, and to every attention expert (soft):
+# Table 5's BAM and BTX top-1 columns, Table 6 (its BTX top-3 column routes to 3). count-params --convention paper
+# takes these where the options leave them to the recipe (whose default routes to 2: app/params.py).
+PAPER_ROUTING = {"ffn_top_k": 1, "gate_norm": "softmax", "attention_routing": "soft"}
+
+
+def routing_label(cfg: ModelConfig) -> str | None:
+    """The routing a mixture's count counts, in words, where it is not the paper's (PAPER_ROUTING); None where it
+    is, or where nothing is routed."""
+    parts = []
+    if cfg.ffn_experts and cfg.ffn_top_k != PAPER_ROUTING["ffn_top_k"]:
+        parts.append(f"top-{cfg.ffn_top_k} of {cfg.ffn_experts} FFN experts")
+    if cfg.attn_experts and cfg.attn_top_k is not None:
+        parts.append(f"top-{cfg.attn_top_k} of {cfg.attn_experts} attention experts")
+    if not parts:
+        return None
+    paper_column = cfg.ffn_top_k == 3 and not cfg.attn_experts and len(parts) == 1
+    return f"routed {', '.join(parts)}" + (", as the paper's BTX top-3 column" if paper_column else
+                                           " (not the paper's: 1 FFN expert per token, every attention expert)")
+
+
 # ---- Table 5 rows ---------------------------------------------------------------------------
 # (label, per block?, selector). Per-block rows give layer 0's active count (all blocks have the same
 # shapes); the others are whole-model. The paper's rows are active counts: its ffn_exp for BTX top-3

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from bam_surgery.converters.hf.files import GENERATION_CONFIG, side_file
+from bam_surgery.converters.hf.files import GENERATION_CONFIG, check_token_ids, side_file
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.runtime.jsonfile import read_json
@@ -60,16 +60,9 @@ def generation_config(reader: Reader) -> dict:
         where, out = reader.source_dir / "config.json" if reader.source_dir else "config.json", \
             {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
     for key, value in out.items():
-        if key.endswith("_token_id") and not _token_ids(value):
-            raise InputError(f"{where}: {key}: expected a token id (an integer, a non-empty list of integers or null), "
-                             f"got {str(value)[:60]!r}")
+        if key.endswith("_token_id"):
+            check_token_ids(where, key, value, error=InputError)
     return out
-
-
-def _token_ids(value) -> bool:
-    def one(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
-    return value is None or one(value) or (isinstance(value, list) and bool(value) and all(one(v) for v in value))
 
 
 def _vocab_digest(files: list[Path]) -> dict[str, str]:

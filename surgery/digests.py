@@ -1,8 +1,8 @@
 """File digests for the provenance, without torch: BLAKE3 of a file, the digest cache, HF blob names,
 and hashing started at launch, before the runtime is imported.
 
-Imports only the standard library and blake3, so `cli/launch.py` can start hashing a merge's
-input files while the interpreter is still importing torch (seconds, and more on a cold page
+Imports only the standard library, blake3 and the runtime's torch-free leaf modules (the one bounded JSON
+reader), so `cli/launch.py` can start hashing a merge's input files while the interpreter is still importing torch (seconds, and more on a cold page
 cache). surgery/hashing.py (InputHasher) takes those digests over when the merge's plan names the
 same files, provably unchanged; see its docstring for the sources of a digest.
 """
@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Iterable
 
 import blake3
+
+from bam_surgery.runtime.errors import UserError
+from bam_surgery.runtime.jsonfile import read_json
 
 ALGORITHM = "blake3"
 HASH_CHUNK = 16 << 20
@@ -99,11 +102,16 @@ class DigestCache:
         self.file = file or cache_file()
         self._lock = threading.Lock()
         self._new: dict[str, list] = {}
+        self._entries: dict[str, list] = self._read()
+
+    def _read(self) -> dict[str, list]:
+        """The cache file's entries; {} for a missing, unreadable or malformed one (runtime.jsonfile's bounds)."""
         try:
-            body = json.loads(self.file.read_text())
-            self._entries: dict[str, list] = body["entries"] if body.get("version") == 1 else {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            self._entries = {}
+            body = read_json(self.file, expect=dict)
+        except (OSError, UserError):
+            return {}
+        entries = body.get("entries")
+        return entries if body.get("version") == 1 and isinstance(entries, dict) else {}
 
     def get(self, path: Path, key: FileKey) -> FileDigest | None:
         entry = self._entries.get(str(path))
@@ -121,11 +129,7 @@ class DigestCache:
         if not self._new:
             return
         try:
-            try:  # merge with what other runs wrote meanwhile
-                current = json.loads(self.file.read_text()).get("entries", {})
-            except (OSError, ValueError, AttributeError):
-                current = {}
-            entries = {**(current if isinstance(current, dict) else {}), **self._new}
+            entries = {**self._read(), **self._new}  # merged with what other runs wrote meanwhile
             keep = sorted(entries.items(), key=lambda kv: kv[1][-1] if isinstance(kv[1], list) and kv[1] else 0)
             body = json.dumps({"version": 1, "entries": dict(keep[-_CACHE_ENTRIES:])})
             self.file.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY
+from bam_surgery.runtime.checkpoint import CONFIG_KEY, PROVENANCE_KEY, provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError, printable
 from bam_surgery.runtime.jsonfile import parse_json
@@ -17,7 +17,7 @@ from bam_surgery.runtime.layout import GROUPS
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.text import render_table
 
-from .audit import Audit, audit_checkpoint
+from .audit import Audit, audit_checkpoint, routing_label
 
 # The config fields a reader wants first; the JSON output carries the whole config.
 KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
@@ -92,10 +92,7 @@ class Provenance:
 
     @property
     def inputs(self) -> list[dict[str, Any]]:
-        ins = (self.fields or {}).get("inputs") or []
-        if isinstance(ins, dict):  # {role: {...}} or {role: path}
-            return [dict(role=k, **(v if isinstance(v, dict) else {"path": v})) for k, v in ins.items()]
-        return [i if isinstance(i, dict) else {"path": i} for i in ins]
+        return provenance_inputs(self.fields)
 
 
 HOW_OBTAINED = {
@@ -109,7 +106,7 @@ def input_digest(entry: dict[str, Any]) -> tuple[str, str]:
     merges recorded a bare sha256 of each file (or of a sha256sum manifest for a sharded input)."""
     files = entry.get("files") if isinstance(entry.get("files"), list) else []
     if "digest" in entry:
-        hows = sorted({f.get("how") for f in files if isinstance(f, dict)} - {None})
+        hows = sorted({str(f["how"]) for f in files if isinstance(f, dict) and f.get("how") is not None})
         how = "; ".join(HOW_OBTAINED.get(h, str(h)) for h in hows) or "-"
         if len(files) > 1:
             how = f"BLAKE3 of the manifest of {len(files)} files ({how})"
@@ -144,6 +141,10 @@ class Inspection:
     @property
     def total_bytes(self) -> int:
         return sum(g.bytes for g in self.groups.values())
+
+    def table(self) -> str:
+        """The inspection as `bam-surgery inspect` prints it (render_inspection)."""
+        return render_inspection(self)
 
     def to_dict(self) -> dict[str, Any]:
         other_meta = {k: v for k, v in self.metadata.items() if k not in (CONFIG_KEY, PROVENANCE_KEY)}
@@ -183,6 +184,71 @@ def inspect_checkpoint(reader: Reader) -> Inspection:
                       parse_provenance(metadata), groups)
 
 
+# ---- the inspect table (bam-surgery inspect) ------------------------------------------------------------------------------
+def _show(field: str, value: Any) -> str:
+    if field == "attn_top_k" and value is None:
+        return "soft (every expert)"
+    return str(value)
+
+
+def render_inspection(ins: Inspection) -> str:
+    cfg = ins.config
+    out = [f"checkpoint  {printable(ins.path)}", f"kind        {describe_kind(cfg)}"]
+    if ins.files:
+        out.append(f"files       {len(ins.files)}: " + ", ".join(printable(f.rsplit('/', 1)[-1]) for f in ins.files))
+    other = {k: v for k, v in ins.metadata.items() if k not in (CONFIG_KEY, PROVENANCE_KEY, "total_size")}
+    if other:
+        out += ["", "metadata", render_table(("key", "value"), [(k, v if len(v) <= 100 else v[:97] + "...")
+                                                               for k, v in other.items()], indent="  ", left=2)]
+    out += ["", "config", render_table(("field", "value"), [(k, _show(k, v)) for k, v in key_config(cfg).items()],
+                                        indent="  ", left=2)]
+    rows = [(g, s.tensors, s.params, s.active, s.bytes, ",".join(s.dtypes) or "-") for g, s in ins.groups.items()]
+    rows.append(("total", len(ins.audit.tensors), ins.audit.total, ins.audit.active, ins.total_bytes, ""))
+    out += ["", "tensors", render_table(("group", "tensors", "params", "active", "bytes", "dtypes"), rows,
+                                         indent="  ")]
+    out += ["", "provenance"]
+    prov = ins.provenance
+    if prov is None:
+        out.append(f"  none (no {PROVENANCE_KEY!r} in the checkpoint metadata)")
+    elif prov.fields is None:
+        out.append(f"  unreadable: {prov.error}")
+    else:
+        head = [("recipe", prov.recipe or "-"), ("tool", prov.tool_version or "-")]
+        shown = {"recipe", "tool", "tool_version", "version", "inputs", "tensors", "training", "experts"}
+        head += [(k, v if isinstance(v, str) else json.dumps(v, sort_keys=True))
+                 for k, v in prov.fields.items() if k not in shown]
+        experts = prov.fields.get("experts")
+        if isinstance(experts, dict):
+            head.append(("experts", "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in experts.items()
+                                              if isinstance(v, list) and v) or "-"))
+        per_tensor = prov.fields.get("tensors")
+        if isinstance(per_tensor, dict):  # one line per op; the full map is in --json
+            ops: dict[str, int] = {}
+            for rec in per_tensor.values():
+                op = str(rec.get("op", "?")) if isinstance(rec, dict) else "?"
+                ops[op] = ops.get(op, 0) + 1
+            head.append(("tensors", ", ".join(f"{n} {op}" for op, n in sorted(ops.items())) + " (--json: each)"))
+        out.append(render_table(("field", "value"), head, indent="  ", left=2))
+        if prov.inputs:
+            cols = ["name", "role", "path", "digest", "how it was obtained"]
+            extra = sorted({k for i in prov.inputs for k in i} - {"name", "role", "path", "spec", "files", "digest",
+                                                                    "sha256"})
+            rows = [(i.get("name", "-"), i.get("role", "-"), i.get("path", i.get("spec", "-")), *input_digest(i),
+                     *[str(i.get(k, "")) for k in extra]) for i in prov.inputs]
+            out += ["  inputs", render_table((*cols, *extra), rows, indent="    ", left=len(cols) + len(extra))]
+        if prov.training:  # the chain: merge (above) -> each training run, oldest first
+            rows = [_training_row(i, r) for i, r in enumerate(prov.training)]
+            out += ["  training (oldest first)", render_table(("run", "init", "steps", "tokens", "data"), rows,
+                                                              indent="    ", left=2)]
+    out += ["", "layout check"]
+    if ins.audit.mismatches:
+        out.append(f"  {len(ins.audit.mismatches)} mismatches with the layout its config implies:")
+        out += [f"  {m.message()}" for m in ins.audit.mismatches]
+    else:
+        out.append("  ok: every tensor name and shape matches the config")
+    return "\n".join(out)
+
+
 # ---- the count-params table (count-params, merge --dry-run, model cards) ---------------------------
 def render_audit(a: Audit, source: str) -> str:
     out = [f"model       {printable(source)}", f"kind        {describe_kind(a.config)}",
@@ -210,8 +276,9 @@ def render_audit(a: Audit, source: str) -> str:
         exact_active = a.active - sum(adj.active_delta for adj in a.adjustments)
         exact_total = a.total - sum(adj.total_delta for adj in a.adjustments)
         out.append(f"  exact: total {exact_total:,}, active {exact_active:,}")
-        out += ["", "as in the paper's Table 5 (per-block rows: one transformer block, active)",
-                render_table(("row", "params"), a.table5(), indent="  ")]
+        label = routing_label(a.config)
+        out += ["", f"as in the paper's Table 5{', ' + label if label else ''} (per-block rows: one transformer "
+                "block, active)", render_table(("row", "params"), a.table5(), indent="  ")]
     if a.mismatches:
         out += ["", f"layout mismatches ({len(a.mismatches)})"]
         out += [f"  {m.message()}" for m in a.mismatches]
@@ -221,3 +288,15 @@ def render_audit(a: Audit, source: str) -> str:
 def millions(n: int) -> str:
     """2,717,711,360 -> '2717.71M' (rounded to the nearest 10,000)."""
     return f"{n / 1e6:.2f}M"
+
+
+def _training_row(i: int, run: dict) -> tuple:
+    """One training run of a provenance record as a row, whatever types its fields hold (a file we did not write)."""
+    init = run.get("init")
+    data = run.get("data") if isinstance(run.get("data"), list) else []
+
+    def weight(w) -> str:
+        return f"{w:.2g}" if isinstance(w, (int, float)) and not isinstance(w, bool) else str(w)
+    domains = ", ".join(f"{d.get('domain')} {weight(d.get('weight', 0))}" for d in data if isinstance(d, dict))
+    return (i + 1, init.get("spec", "-") if isinstance(init, dict) else "-", run.get("steps", "-"),
+            run.get("tokens", "-"), domains or "-")

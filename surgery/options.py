@@ -9,6 +9,8 @@ option is one field here:
               `recipe_value` reads it, so the plan and the mixture config resolve it in one way
     yaml      the types a pipeline file may give it (pipeline/schema.py offers the fields that have some, under
               the same name, and pipeline/run.py writes them back as flags with `command_args`)
+    counts    the option changes what `count-params` counts (the mixture's experts, routing, routers): count-params
+              takes these flags as merge does (cli/audit.py), so a count and a merge read the same options
 
     options = MergeOptions(ffn_top_k=2, router="mlp")
     plan = compile_plan(load_recipe("bam"), readers, options)
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
+from bam_surgery.runtime.options import declared
 
 from .errors import BamSurgeryError
 
@@ -35,16 +38,11 @@ ROUTER_INITS = ("random", *WARM_STARTS)  # --router-init: random (no warm start)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def merge_option(default: Any, flag: str, help: str, *, metavar: str | None = None,
-                 choices: tuple[str, ...] | None = None, bounds: tuple[float | None, float | None] | None = None,
-                 min_open: bool = False, show_default: bool | str = False, parse: Callable[[Any], Any] | None = None,
-                 recipe: str | None = None, yaml: tuple[type, ...] | None = None) -> Any:
-    """A field of MergeOptions with its flag, help sentence, allowed values, recipe key and pipeline types.
-    show_default: a string is the flag's own default where it differs from the field's (--router-init random);
-    parse: the flag's text -> the field's value."""
-    return field(default=default, metadata=dict(
-        flag=flag, help=help, metavar=metavar, choices=choices, bounds=bounds, min_open=min_open,
-        show_default=show_default, parse=parse, recipe=recipe, yaml=yaml))
+def merge_option(default: Any, flag: str, help: str, *, recipe: str | None = None, yaml: tuple[type, ...] | None = None,
+                 counts: bool = False, **flag_attrs: Any) -> Any:
+    """A field of MergeOptions with its flag, help sentence and allowed values (runtime/options.py:declared), its
+    recipe key, the YAML types a pipeline may give it and whether count-params takes it."""
+    return declared(default, flag, help, recipe=recipe, yaml=yaml, counts=counts, **flag_attrs)
 
 
 def parse_weights(text: str | None) -> tuple[float, ...] | None:
@@ -64,20 +62,22 @@ class MergeOptions:
     warm_start, a random router init). The field order is the order of `bam-surgery merge --help`."""
 
     ffn_top_k: int | None = merge_option(
-        None, "--ffn-top-k", metavar="K", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_top_k", yaml=(int,),
+        None, "--ffn-top-k", counts=True, metavar="K", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_top_k",
+        yaml=(int,),
         help="FFN experts each token is routed to (default: the recipe's: 2 for the shipped recipes, 1 for "
-             "btx-shared-expert; the paper's is 1).")
+             "btx-shared-expert; the paper's is 1, which count-params --convention paper takes).")
     attention_routing: str | int | None = merge_option(  # soft | topK
-        None, "--attention-routing", metavar="soft|topK", recipe="defaults.attention_routing", yaml=(str, int),
+        None, "--attention-routing", counts=True, metavar="soft|topK", recipe="defaults.attention_routing",
+        yaml=(str, int),
         help="Attention-expert routing: soft (every token to every expert, the paper's choice) or topK, "
              "e.g. top2 (default: the recipe's).")
     gate_norm: GateNorm | None = merge_option(
-        None, "--gate-norm", choices=GATE_NORMS, recipe="defaults.gate_norm", yaml=(str,),
+        None, "--gate-norm", counts=True, choices=GATE_NORMS, recipe="defaults.gate_norm", yaml=(str,),
         help="Gate values: softmax takes p_i from the full softmax (paper); topk_softmax renormalizes "
              "over the chosen top-k (default: the recipe's: topk_softmax for the shipped recipes, softmax for "
              "btx-shared-expert).")
     extra_ffn_experts: int | None = merge_option(
-        None, "--extra-ffn-experts", metavar="N", bounds=(0, MAX_EXPERTS), yaml=(int,),
+        None, "--extra-ffn-experts", counts=True, metavar="N", bounds=(0, MAX_EXPERTS), yaml=(int,),
         recipe="defaults.extra_ffn_experts",
         help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
              "for upcycle, the number of copies besides the seed's own slot).")
@@ -92,7 +92,7 @@ class MergeOptions:
         help="Seed of --drop-ratio's subsets and values: each expert's generator is seeded from N, its layer and "
              "its slot, so results do not depend on order.")
     ffn_granularity: int | None = merge_option(
-        None, "--ffn-granularity", metavar="G", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_granularity",
+        None, "--ffn-granularity", counts=True, metavar="G", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_granularity",
         yaml=(int,),
         help="Fine-grained upcycling (He et al. 2024): each FFN expert split along its intermediate dimension into "
              "G experts of 1/G its width; G times the FFN experts, each token routed to G x top-k of them, router "
@@ -118,17 +118,17 @@ class MergeOptions:
         None, "--router-std", metavar="X", bounds=(0, None), recipe="routers.std", yaml=(float, int),
         help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
     router: Router | None = merge_option(  # router kind of every router (runtime/routers.py)
-        None, "--router", choices=ROUTERS, recipe="routers.kind", yaml=(str,),
+        None, "--router", counts=True, choices=ROUTERS, recipe="routers.kind", yaml=(str,),
         help="Router kind of every router: linear, mlp, attention or expert_embedding (docs/routers.md; "
              "default: the recipe's, linear).")
     ffn_router: Router | None = merge_option(  # the FFN routers' kind (over `router`)
-        None, "--ffn-router", choices=ROUTERS, recipe="routers.ffn_kind", yaml=(str,),
+        None, "--ffn-router", counts=True, choices=ROUTERS, recipe="routers.ffn_kind", yaml=(str,),
         help="Router kind of the FFN routers (overrides --router).")
     attn_router: Router | None = merge_option(  # the attention routers' kind (over `router`)
-        None, "--attn-router", choices=ROUTERS, recipe="routers.attn_kind", yaml=(str,),
+        None, "--attn-router", counts=True, choices=ROUTERS, recipe="routers.attn_kind", yaml=(str,),
         help="Router kind of the attention routers (overrides --router).")
     router_hidden: int | None = merge_option(
-        None, "--router-hidden", metavar="N", bounds=(1, None), recipe="routers.hidden", yaml=(int,),
+        None, "--router-hidden", counts=True, metavar="N", bounds=(1, None), recipe="routers.hidden", yaml=(int,),
         help="mlp routers: hidden width (default 2*d_model); attention routers: query/key width "
              "(default head_dim).")
     router_temperature: float | None = merge_option(

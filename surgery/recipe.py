@@ -342,21 +342,6 @@ def _is_finite_number(v: Any) -> bool:
 
 
 # ---- the output config ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MixtureShape:
-    """A mixture's options checked and resolved against its recipe and inputs: what its config is built from."""
-
-    ffn_experts: int  # coarse: one per FFN slot (a member or a copy of the seed's FFN)
-    attn_experts: int
-    ffn_top_k: int  # coarse
-    attn_top_k: int | None
-    ffn_router: Router
-    attn_router: Router
-    router_hidden: int | None
-    router_temperature: float | None
-    granularity: int = 1  # fine-grained: each coarse FFN expert split into this many (ffn_granularity)
-
-
 def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MergeOptions | None = None,
                    **given: Any) -> ModelConfig:
     """The config of the mixture a recipe builds from `n_inputs` dense models of shape `dense_cfg`.
@@ -369,15 +354,22 @@ def mixture_config(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, option
     return build_mixture_config(recipe, dense_cfg, options, check_mixture(recipe, dense_cfg, n_inputs, options))
 
 
-def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MergeOptions) -> MixtureShape:
-    """Validation: every option against the recipe and the inputs (ConfigError naming the option), resolved."""
+def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options: MergeOptions) -> dict[str, Any]:
+    """Validation: every option against the recipe and the inputs (ConfigError naming the option), resolved into
+    the mixture's ModelConfig fields: its experts, their routing and their routers."""
     if dense_cfg.is_mixture:
         raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
                           f"attn_experts={dense_cfg.attn_experts}); merge takes dense inputs")
     n_ffn, n_attn, top_k, attn_k = _check_experts(recipe, n_inputs, options)
     ffn_kind, attn_kind, hidden, temperature = _check_routers(recipe, options, n_ffn, n_attn)
-    granularity = _check_upcycling(recipe, dense_cfg, options, n_ffn)
-    return MixtureShape(n_ffn, n_attn, top_k, attn_k, ffn_kind, attn_kind, hidden, temperature, granularity)
+    # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
+    kind = ffn_kind if n_ffn else (attn_kind if n_attn else "linear")
+    temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
+    G = _check_upcycling(recipe, dense_cfg, options, n_ffn)  # fine-grained: G experts of width F/G per coarse one
+    return dict(ffn_experts=n_ffn * G, ffn_top_k=top_k * G if n_ffn else 1, ffn_hidden=dense_cfg.ffn_hidden // G,
+                attn_experts=n_attn, attn_top_k=attn_k if n_attn else None, router=kind,
+                attn_router=attn_kind if n_attn and attn_kind != kind else None, router_hidden=hidden,
+                router_temperature=temperature_default if temperature is None else float(temperature))
 
 
 def _check_upcycling(recipe: Recipe, dense_cfg: ModelConfig, options: MergeOptions, n_ffn: int) -> int:
@@ -466,28 +458,14 @@ def _check_routers(recipe: Recipe, options: MergeOptions, n_ffn: int, n_attn: in
 
 
 def build_mixture_config(recipe: Recipe, dense_cfg: ModelConfig, options: MergeOptions,
-                         shape: MixtureShape) -> ModelConfig:
-    """Construction: the mixture's config from the dense one and the checked shape (check_mixture)."""
-    n_ffn, n_attn = shape.ffn_experts, shape.attn_experts
-    # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
-    kind = shape.ffn_router if n_ffn else (shape.attn_router if n_attn else "linear")
-    temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
+                         mixture: dict[str, Any]) -> ModelConfig:
+    """Construction: the mixture's config from the dense one and the checked fields (check_mixture)."""
     base = f"{dense_cfg.name}-" if dense_cfg.name else ""
-    G = shape.granularity  # fine-grained: G experts of width F/G per coarse expert, G x top-k routed
     return dense_cfg.replace(
-        ffn_hidden=dense_cfg.ffn_hidden // G,
-        ffn_experts=n_ffn * G,
-        ffn_top_k=shape.ffn_top_k * G if n_ffn else 1,
-        ffn_shared_hidden=dense_cfg.ffn_hidden if recipe.shared_expert and n_ffn else 0,
+        **mixture,
+        ffn_shared_hidden=dense_cfg.ffn_hidden if recipe.shared_expert and mixture["ffn_experts"] else 0,
         gate_norm=options.resolved("gate_norm", recipe),
-        attn_experts=n_attn,
-        attn_top_k=shape.attn_top_k if n_attn else None,
-        kv_mode=recipe.kv_mode if n_attn else "expert",
-        router=kind,
-        attn_router=shape.attn_router if n_attn and shape.attn_router != kind else None,
-        router_hidden=shape.router_hidden,
-        router_temperature=(temperature_default if shape.router_temperature is None
-                            else float(shape.router_temperature)),
+        kv_mode=recipe.kv_mode if mixture["attn_experts"] else "expert",
         lb_coef=float(options.resolved("lb_coef", recipe)),
         z_coef=float(options.resolved("z_coef", recipe)),
         name=f"{base}{recipe.name}",

@@ -185,13 +185,17 @@ def ref_attention(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor,
         theta = cfg.window_rope_theta if sliding else None
         q, k = ref_rope(cfg, q, theta), ref_rope(cfg, k, theta)
     t = torch.arange(T)
+    if cfg.attn_temperature is not None:  # queries scaled by position
+        q = q * (1 + cfg.attn_temperature * torch.log(1 + torch.floor(t / cfg.attn_temperature_length)))[None, :, None,
+                                                                                                          None]
     hidden = t[None, :] > t[:, None]  # the future; and, in a sliding layer, keys window or more slots back
     if sliding:
         hidden |= t[None, :] <= t[:, None] - cfg.attn_window
     heads = []
     for h in range(H):
         g = h // (H // G)  # the kv head this query head reads
-        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) / math.sqrt(cfg.attn_scale_dim or Dh)  # [B, T, T]
+        scale = cfg.attn_scale if cfg.attn_scale is not None else 1 / math.sqrt(cfg.attn_scale_dim or Dh)
+        scores = q[:, :, h] @ k[:, :, g].transpose(1, 2) * scale  # [B, T, T]
         if cfg.attn_softcap is not None:
             scores = cfg.attn_softcap * torch.tanh(scores / cfg.attn_softcap)
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -253,6 +257,7 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
     x = s["embed.weight"][tokens]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
+    x = x * cfg.embedding_multiplier
     if cfg.position == "learned":
         x = x + s["pos_embed.weight"][:T][None]
     routers = []
@@ -293,22 +298,23 @@ def reference_forward(cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: 
         gate = torch.sigmoid(n @ s[f"{p}.ffn_shared_gate.weight"].T)  # [B, T, 1]
         return routed + gate * ref_ffn(cfg, sub(s, f"{p}.ffn_shared"), n)
 
+    r = cfg.residual_multiplier  # each sublayer's output times r as it joins the residual stream
     for i in range(cfg.n_layers):
         p, layer = f"layers.{i}", i
         if cfg.norm_position == "post":  # OLMo 2: the sublayer's output normed, then added
-            h = x + norm(f"{p}.attn_post_norm", attention(p, x))
-            x = h + norm(f"{p}.ffn_post_norm", ffn(p, h))
+            h = x + r * norm(f"{p}.attn_post_norm", attention(p, x))
+            x = h + r * norm(f"{p}.ffn_post_norm", ffn(p, h))
         elif cfg.norm_position == "sandwich":  # Gemma: normed in and out
-            h = x + norm(f"{p}.attn_post_norm", attention(p, norm(f"{p}.attn_norm", x)))
-            x = h + norm(f"{p}.ffn_post_norm", ffn(p, norm(f"{p}.ffn_norm", h)))
+            h = x + r * norm(f"{p}.attn_post_norm", attention(p, norm(f"{p}.attn_norm", x)))
+            x = h + r * norm(f"{p}.ffn_post_norm", ffn(p, norm(f"{p}.ffn_norm", h)))
         elif cfg.block == "sequential":
-            h = x + attention(p, norm(f"{p}.attn_norm", x))
-            x = h + ffn(p, norm(f"{p}.ffn_norm", h))
+            h = x + r * attention(p, norm(f"{p}.attn_norm", x))
+            x = h + r * ffn(p, norm(f"{p}.ffn_norm", h))
         elif cfg.block == "parallel":
             n = norm(f"{p}.attn_norm", x)
-            x = x + attention(p, n) + ffn(p, n)
+            x = x + r * attention(p, n) + r * ffn(p, n)
         else:
-            x = x + attention(p, norm(f"{p}.attn_norm", x)) + ffn(p, norm(f"{p}.ffn_norm", x))
+            x = x + r * attention(p, norm(f"{p}.attn_norm", x)) + r * ffn(p, norm(f"{p}.ffn_norm", x))
     x = norm("final_norm", x)
     head = s["embed.weight"] if cfg.tie_embeddings else s["lm_head.weight"]
     logits = x @ head.T
@@ -633,6 +639,28 @@ FAMILY_CASES = {
     "olmo3": ("Olmo3Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
                                   eos_token_id=2)),
+    # the families of 2026 read as records: Granite 3's multipliers with Llama 3's RoPE scaling and attention biases;
+    # Ministral 3's YaRN and queries scaled by position (original length shrunk to 512: the scale and the RoPE
+    # change inside the long-position test); EXAONE 4 with its sliding windows (three layers of four, RoPE only
+    # there) and Llama 3's scaling on the global layer's positions, and without windows (RoPE everywhere)
+    "granite": ("GraniteConfig", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True,
+                                      embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                                      logits_scaling=8.0, max_position_embeddings=131072,
+                                      rope_parameters=LLAMA32_ROPE)),
+    "ministral3": ("Ministral3Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                                            rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                                                                 original_max_position_embeddings=512, beta_fast=32.0,
+                                                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                                                 llama_4_scaling_beta=0.1))),
+    "exaone4": ("Exaone4Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                      sliding_window_pattern=4, max_position_embeddings=131072,
+                                      rope_parameters=LLAMA32_ROPE)),
+    "exaone4-global": ("Exaone4Config", dict(HF_SMALL, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, sliding_window=None,
+                                             layer_types=["full_attention"] * 2, tie_word_embeddings=True)),
 }
 
 
@@ -665,6 +693,36 @@ def branch_state(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, t
     return out
 
 
+def hf_llama_family(root: Path, config: dict, names=("seed", "code", "law", "math")) -> None:
+    """Tiny HF Llama folders root/NAME (safetensors + config.json `config`, written directly); the specialists are
+    the seed plus a 2% perturbation, as branches are."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    seed = {n: 1 + 0.1 * torch.randn(s, generator=gen) if len(s) == 1 else torch.randn(s, generator=gen) / s[-1] ** 0.5
+            for n, s in sorted(llama_hf_shapes(config).items())}
+    for i, name in enumerate(names):
+        g = torch.Generator().manual_seed(100 + i)
+        state = seed if i == 0 else {n: t + 0.02 * t.abs().mean() * torch.randn(t.shape, generator=g)
+                                     for n, t in seed.items()}
+        (root / name).mkdir()
+        save_file(state, str(root / name / "model.safetensors"), metadata={"format": "pt"})
+        (root / name / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def export_carries(source) -> dict:
+    """save_hf's tokenizer_files and generation as every export carries them from `source` (a reader or a
+    checkpoint path): app/exports.py:export_inputs, the one owner."""
+    from bam_surgery.app.exports import export_inputs
+    from bam_surgery.converters import open_checkpoint
+
+    if isinstance(source, (str, Path)):
+        with open_checkpoint(str(source)) as reader:
+            return export_carries(reader)
+    inputs = export_inputs(source, "hf")
+    return dict(tokenizer_files=inputs.files, generation=inputs.generation)
+
+
 def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lambda name: False) -> list[Path]:
     """HF folders root/NAME of FAMILY_CASES[case]: a random seed (random_hf_model) and specialists branched from it
     (branch_state), each written back in the family's own format by the exporter, so every one loads in
@@ -677,7 +735,7 @@ def hf_specialists(root: Path, case: str, names=("seed", "one", "two"), keep=lam
         state = {n: seed.get(n) for n in seed.names()}
         for j, name in enumerate(names[1:], 1):
             save_hf(branch_state(state, keep, 10 * j), root / name, seed.architecture, config=seed.config,
-                    tokenizer_from=root / names[0])
+                    **export_carries(seed))
     return [root / n for n in names]
 
 

@@ -29,15 +29,20 @@ Schedule = Literal["cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
 Strategy = Literal["ddp", "fsdp"]
+StateDtype = Literal["fp32", "bf16"]
+Compile = Literal["auto", "on", "off"]
 SCHEDULES, PRECISIONS = get_args(Schedule), get_args(Precision)
 DEVICES, STRATEGIES = get_args(Device), get_args(Strategy)
-CHOICES = {"schedule": SCHEDULES, "precision": PRECISIONS, "device": DEVICES, "strategy": STRATEGIES}
+STATE_DTYPES, COMPILES = get_args(StateDtype), get_args(Compile)
+CHOICES = {"schedule": SCHEDULES, "precision": PRECISIONS, "device": DEVICES, "strategy": STRATEGIES,
+           "optimizer_state": STATE_DTYPES, "compile": COMPILES}
 
 # Fields that may change when a run is resumed: they do not change the numbers of the steps already
 # taken (extending `steps` moves the cosine's end, which the user asks for by changing it; another
 # strategy, device or process count keeps the global batch, batch_tokens).
 RESUMABLE = ("steps", "save_every", "keep_last", "eval_every", "eval_tokens", "eval_batch", "progress", "plot",
-             "peak_tflops", "token_cache", "strategy", "device")
+             "peak_tflops", "token_cache", "strategy", "device", "activation_checkpointing", "compile",
+             "final_optimizer_state")
 
 
 def knob(default: Any, help: str, **extra: Any) -> Any:
@@ -51,9 +56,8 @@ def knob_list(default: list[str], help: str) -> Any:
 @dataclass
 class TrainConfig:
     # ---- where the model comes from ------------------------------------------------------
-    init: str | None = knob(None, "Checkpoint to start from: anything `open_checkpoint` accepts (canonical file or "
-                                  "directory, Hugging Face directory or hub id, our exports, a run folder: its latest "
-                                  "checkpoint).")
+    init: str | None = knob(None, "Checkpoint to start from: any the tool reads (canonical, Hugging Face folder or hub "
+                                  "id, GGUF, our exports) or a run folder (its latest checkpoint).")
     preset: str | None = knob(None, "Start from random weights with this preset's architecture (tiny, paper-small, "
                                     "paper-large) instead of --init.")
     model_config: str | None = knob(None, "Start from random weights with the ModelConfig in this JSON or YAML file "
@@ -93,6 +97,10 @@ class TrainConfig:
     adam_beta2: float = knob(0.95, "AdamW beta2.")
     adam_eps: float = knob(1e-8, "AdamW epsilon.")
     grad_clip: float = knob(1.0, "Clip the global gradient norm to this value (0: no clipping).")
+    optimizer_state: StateDtype = knob("fp32", "AdamW's two moments per trainable parameter in fp32 (8 bytes) or "
+                                               "bf16 (4 bytes; the update is still computed in fp32 and the moments "
+                                               "rounded stochastically: loss curves within 2% of fp32's, "
+                                               "docs/training.md).", choices=STATE_DTYPES)
     lb_coef: float | None = knob(None, "alpha, the load-balancing loss weight (default: the model config's, "
                                        "0.01 for merges).")
     z_coef: float | None = knob(None, "beta, the router z-loss weight (default: the model config's, 0.001 for "
@@ -110,12 +118,21 @@ class TrainConfig:
                                       "per block).", choices=STRATEGIES)
     peak_tflops: float | None = knob(None, "Peak TFLOP/s of one device for the MFU estimate. Default: known GPUs "
                                            "in bf16 (H100, H200, A100, ...); none on CPU.")
+    compile: Compile = knob("auto", "torch.compile each block of the model (compiled once, used by every layer): "
+                                    "auto: on CUDA; on; off.", choices=COMPILES)
+    activation_checkpointing: bool = knob(False, "Keep only each block's input during the forward pass and run the "
+                                                 "block again in the backward pass: activation memory falls to one "
+                                                 "block's, for about a third more compute; the same loss and "
+                                                 "gradients.")
     # ---- the run -------------------------------------------------------------------------
     out: str = knob("", "Run folder: checkpoints, metrics.jsonl, config.yaml, plots. Must not exist unless "
                         "--resume.")
     seed: int = knob(0, "Seed of the random init, the domain sampling and the sequence order.")
     save_every: int = knob(1000, "Write a checkpoint every N steps (0: only at the end).")
     keep_last: int = knob(3, "Keep the newest K checkpoints (the final one is always kept).")
+    final_optimizer_state: bool = knob(True, "Write the optimizer state into the final checkpoint too (needed to "
+                                             "train the run further with --resume --steps N; with fp32 state it is "
+                                             "twice the size of the weights).")
     eval_every: int = knob(0, "Evaluate on the held-out data every N steps (0: only at the end; -1: never).")
     eval_tokens: int = knob(262144, "Held-out tokens evaluated per domain (0: all).")
     eval_batch: int | None = knob(None, "Sequences per forward pass when evaluating. Default: micro_batch.")

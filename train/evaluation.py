@@ -25,6 +25,7 @@ import tqdm  # called as tqdm.tqdm, so that tests can replace the bar class
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.runtime import model_from_reader
+from bam_surgery.runtime.text import render_table
 
 from .checkpoints import resolve_checkpoint
 from .data import parse_data_spec, open_source
@@ -62,6 +63,30 @@ class EvalReport:
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "seq_len": self.seq_len,
                 "experts": self.experts, "domains": {n: d.to_dict() for n, d in self.domains.items()}}
+
+    def table(self) -> str:
+        """The report as `bam-surgery eval` prints it: the domains' loss and perplexity, and the routing means."""
+        out = [f"checkpoint  {self.checkpoint}", f"tokenizer   {self.tokenizer}, windows of {self.seq_len}", ""]
+        rows = [(n, r.tokens, f"{r.loss:.4f}", f"{r.perplexity:.3f}") for n, r in self.domains.items()]
+        out.append(render_table(("domain", "tokens", "loss", "perplexity"), rows))
+        for kind, title, key in (("ffn", "FFN experts: share of tokens", "share"),
+                                 ("attn", "attention experts: mean gate", "mean_gate")):
+            names = self.experts.get(kind)
+            if not names:
+                continue
+            rows = []
+            for n, r in self.domains.items():
+                s = r.routing_summary.get(kind)
+                if s:
+                    rows.append((n, *[f"{v:.3f}" for v in s[key]], f"{s['used']:g}/{len(names)}",
+                                 f"{s['entropy_bits']:.3f}", f"{s['gini']:.3f}"))
+            out += ["", f"{title} (mean over layers; entropy in bits, max {_log2(len(names)):.3f})",
+                    render_table(("domain", *names, "used", "entropy", "gini"), rows)]
+        return "\n".join(out)
+
+
+def _log2(n: int) -> float:
+    return math.log2(n) if n else 0.0
 
 
 def autocast(device: torch.device, precision: str):

@@ -44,7 +44,6 @@ from bam_surgery.runtime.errors import OutputError
 from bam_surgery.runtime.locks import lock_file, unlock_file
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.layout import tensor_shapes
-from bam_surgery.runtime.memory import check_fits
 
 from . import distributed as dist_
 from .card import model_card
@@ -54,8 +53,9 @@ from .config import RESUMABLE, TrainConfig
 from .data import Domain, file_sha256, has_split, open_source, parse_data_spec
 from .errors import TrainError
 from .evaluation import evaluate_streams, reduce_routing
+from .memory import available_memory, check_training_memory, estimate_training_memory, resident_bytes
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
-from .optim import apply_trainable, build_optimizer, lr_at, set_lr
+from .optim import apply_trainable, build_optimizer, compile_blocks, lr_at, select_trainable, set_lr
 from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
 from .progress import ProgressLines
@@ -332,7 +332,7 @@ class _Run:
             raise TrainError(f"seq_len {self.seq_len} exceeds the model's max_positions ({mcfg.max_positions})")
         self.alpha = mcfg.lb_coef if cfg.lb_coef is None else cfg.lb_coef
         self.beta = mcfg.z_coef if cfg.z_coef is None else cfg.z_coef
-        _check_training_fits(mcfg, cfg.micro_batch, self.seq_len, self.d.device)
+        self._plan_memory()
         if self.state is None:
             model = Model(mcfg)
             model.reset_parameters(std=cfg.init_std, seed=cfg.seed)
@@ -347,7 +347,39 @@ class _Run:
             self.state = None
         # fp32 master weights (and optimizer state) whatever the checkpoint's dtype; autocast does bf16
         self.model = model.float().to(self.d.device).train()
+        self.model.activation_checkpointing = cfg.activation_checkpointing
         self.trainable = apply_trainable(self.model, cfg.trainable)
+
+    def _plan_memory(self) -> None:
+        """The estimated peak (train/memory.py), logged before the first step; a run that cannot fit in the
+        memory available is refused now, naming the option that fits, instead of being killed mid-step."""
+        cfg, mcfg, d = self.cfg, self.model_config, self.d
+        names = list(tensor_shapes(mcfg))
+        trainable = select_trainable(names, cfg.trainable)
+        bf16 = self._precision() == "bf16"
+        held = sum(t.numel() * t.element_size() for t in self.state.values()) if self.state else 0
+        process = max(0, resident_bytes() - held) if d.device.type == "cpu" else 0
+        batch_tokens = cfg.batch_tokens or cfg.micro_batch * self.seq_len * d.world
+
+        def plan_for(changes: dict):
+            c = cfg.replace(**changes)
+            return estimate_training_memory(mcfg, micro_batch=c.micro_batch, seq_len=self.seq_len,
+                                            trainable=trainable, bf16=bf16, optimizer_state=c.optimizer_state,
+                                            checkpointing=c.activation_checkpointing, device=d.device,
+                                            world=d.world, strategy=d.strategy, process=process)
+
+        plan = plan_for({})
+        available = available_memory(d.device)
+        params = sum(math.prod(s) for s in tensor_shapes(mcfg).values())
+        check_training_memory(plan, available, cfg.replace(batch_tokens=batch_tokens), plan_for,
+                              f"training this model ({params:,} parameters) with micro_batch {cfg.micro_batch} x "
+                              f"seq_len {self.seq_len}")
+        self.memory_line = plan.line(available)  # logged with the first step's line
+
+    def _precision(self) -> str:
+        """bf16 (autocast over fp32 weights) or fp32: --precision, auto being bf16 on CUDA."""
+        p = self.cfg.precision
+        return "bf16" if p == "bf16" or (p == "auto" and self.d.device.type == "cuda") else "fp32"
 
     def _tokenized(self, domains: list[Domain], split: str) -> list:
         """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
@@ -440,8 +472,12 @@ class _Run:
         return self.run_info
 
     def _setup_optimizer(self) -> None:
+        if self.cfg.compile == "on" or (self.cfg.compile == "auto" and self.d.device.type == "cuda"):
+            compile_blocks(self.model)
         self.wrapped = dist_.wrap(self.model, self.d)
-        self.opt, self.opt_names = build_optimizer(self.model, self.cfg)
+        # torch's fused AdamW, except over FSDP2's sharded parameters (DTensors)
+        self.opt, self.opt_names = build_optimizer(self.model, self.cfg, fused=self.d.strategy != "fsdp"
+                                                   or not self.d.active)
         self.start_step, self.tokens_seen, self.elapsed = 0, 0, 0.0
 
     def _restore_trainer_state(self) -> None:
@@ -450,6 +486,9 @@ class _Run:
         if meta.get("optimizer_params") != self.opt_names:
             raise TrainError(f"cannot resume from {self.resume_dir}: {where} holds optimizer state for other "
                              "parameters (were the trainable patterns changed?)")
+        if meta.get("optimizer_state") == "not saved":
+            raise TrainError(f"cannot resume from {self.resume_dir}: it was written without the optimizer state "
+                             f"(final_optimizer_state false); start a new run from it with --init {self.resume_dir}")
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
             if key.startswith("optim."):
@@ -471,8 +510,7 @@ class _Run:
     def _loop(self) -> TrainResult:
         cfg, d = self.cfg, self.d
         flops_tok = flops_per_token(self.model_config, self.seq_len)
-        precision = "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and d.device.type == "cuda") \
-            else "fp32"
+        precision = self._precision()
         peak = peak_flops(d.device, precision, cfg.peak_tflops)
         metrics = MetricsWriter(self.dir / "metrics.jsonl", enabled=d.is_main)
         bar = tqdm.tqdm(total=cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
@@ -484,6 +522,7 @@ class _Run:
         ticker = ProgressLines("step", cfg.steps, self.log, enabled=bar.disable and cfg.progress and d.is_main)
         params = [p for p in self.model.parameters() if p.requires_grad]
         last_loss, last_eval, final = None, None, None
+        self.log(self.memory_line)
         self.log(f"training {cfg.steps - self.start_step} steps from step {self.start_step}: "
                  f"{self.global_seqs} sequences x {self.seq_len} tokens per step "
                  f"({self.accum} micro-batches of {cfg.micro_batch} on each of {d.world} process(es))")
@@ -547,10 +586,11 @@ class _Run:
                                  out.z_loss.detach()]).double()  # stays on the device: no sync per micro-batch
             racc.add(out.routing)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
-        grad_norm = float(dist_.local_value(norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.after_step()  # routers with rule-based state (runtime/routers.py) update it here
+        # the step's numbers are read once it is queued whole: one wait for the device per step, at its end
+        grad_norm = float(dist_.local_value(norm))
         sums = dist_.all_sum(d, sums).cpu() / (self.accum * d.world)
         racc = reduce_routing(racc, d)
         rec = {"loss": float(sums[0]), "nll": float(sums[1]), "lb_loss": float(sums[2]), "z_loss": float(sums[3]),
@@ -571,7 +611,9 @@ class _Run:
     def _save(self, step: int, loss: float | None, last_eval: dict | None) -> Path | None:
         d = self.d
         model_state = dist_.full_model_state(self.model, d)
-        optim_state = dist_.full_optimizer_state(self.model, self.opt, self.opt_names, d)
+        # a finished run's final checkpoint may leave the optimizer state out (--no-final-optimizer-state)
+        with_optim = self.cfg.final_optimizer_state or step < self.cfg.steps
+        optim_state = dist_.full_optimizer_state(self.model, self.opt, self.opt_names, d) if with_optim else {}
         path = None
         if d.is_main:
             record = {"tool": self.run_info["tool"], "init": {k: v for k, v in self.run_info["init"].items()
@@ -587,6 +629,8 @@ class _Run:
             tensors["rng.torch"] = torch.get_rng_state()
             meta = {"step": step, "tokens": self.tokens_seen, "sampler": self.sampler.state(),
                     "optimizer_params": self.opt_names, "world_size": d.world, "strategy": d.strategy}
+            if not with_optim:
+                meta["optimizer_state"] = "not saved"
             rel = f"{self.dir}/checkpoints/{step_dir_name(step)}"
             card = model_card(self.model_config, self.run_info, step, self.tokens_seen, loss, last_eval,
                               self.experts, rel)
@@ -604,17 +648,6 @@ def _above_bar(tqdm, log: Log) -> Log:
         with tqdm.external_write_mode(file=sys.stderr):
             log(msg)
     return write
-
-
-def _check_training_fits(mcfg: ModelConfig, micro_batch: int, seq_len: int, device) -> None:
-    """--micro-batch, --model-config and --preset sizes against the device's memory, before the model is
-    built: a lower bound, the float32 weights plus per token the logits and, in each layer, the
-    residual stream (4 x D) and the FFN hidden (2 x F) (autograd keeps more)."""
-    params = sum(math.prod(s) for s in tensor_shapes(mcfg).values())
-    per_token = 2 * mcfg.vocab_size + mcfg.n_layers * (4 * mcfg.d_model + 2 * mcfg.ffn_hidden)
-    need = 4 * params + 4 * micro_batch * seq_len * per_token
-    check_fits(need, f"training this model ({params:,} parameters) with micro_batch {micro_batch} x seq_len "
-               f"{seq_len}", TrainError, device)
 
 
 def _read_model_config(path: Path) -> ModelConfig:

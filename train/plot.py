@@ -207,7 +207,11 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
     try:
         fig.savefig(tmp, dpi=dpi, metadata={"Software": SOFTWARE})
         tmp.replace(path)
-    except BaseException:  # a full disk: no partial file left beside the plots
+    except OSError as e:  # a full disk, a quota: no partial file left beside the plots, and the file named
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror or (os.strerror(e.errno) if e.errno else str(e))
+        raise TrainError(f"{path}: could not be written ({reason}); nothing was left there") from None
+    except BaseException:  # Ctrl-C
         tmp.unlink(missing_ok=True)
         raise
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bam_surgery.converters.byte_tokenizer import TOKENIZER_KEY
+from bam_surgery.runtime.checkpoint import provenance_inputs
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.jsonfile import parse_json
@@ -51,14 +52,13 @@ def expert_names(provenance: dict[str, Any] | None, cfg: ModelConfig) -> dict[st
     fine = fine if isinstance(fine, int) and not isinstance(fine, bool) and fine > 0 else 1
     out: dict[str, list[str]] = {}
     for kind, n in (("ffn", cfg.ffn_experts), ("attn", cfg.attn_experts)):
-        G = fine if kind == "ffn" else 1
+        G = fine if kind == "ffn" and n % fine == 0 else 1
         names = [f"expert{e}" for e in range(n)]
         if isinstance(given, dict) and isinstance(given.get(kind), list) and len(given[kind]) == n:
             names = [str(x) for x in given[kind]]
         else:
-            inputs = prov.get("inputs") if isinstance(prov.get("inputs"), list) else []
-            for inp in inputs:
-                e = inp.get("expert") if isinstance(inp, dict) else None
+            for inp in provenance_inputs(prov):
+                e = inp.get("expert")
                 if isinstance(e, int) and not isinstance(e, bool) and 0 <= e * G < n:
                     label = inp.get("name") or (_stem(inp["path"]) if inp.get("path") else None)
                     if label:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from bam_surgery.converters import open_checkpoint
+from bam_surgery.runtime.text import render_table
 
 from .checkpoints import resolve_checkpoint
 from .data import parse_data_spec
@@ -30,6 +31,12 @@ from .errors import TrainError
 from .evaluation import (DomainResult, EvalReport, check_seq_len, evaluate_streams, load_model_for_eval,
                          load_streams)
 from .metrics import summarize_routing, top1_expert
+
+# Up to this many experts a table has one column per expert; past it, a summary per layer.
+MAX_EXPERT_COLUMNS = 12
+KINDS = (("ffn", "FFN routers: share of top-k assignments", "usage"),
+         ("attn", "attention routers: mean gate", "mean_gate"))
+
 
 ROUTER_NAME = re.compile(r"^layers\.(\d+)\.(ffn|attn)_router$")
 
@@ -56,6 +63,10 @@ class RoutingReport(EvalReport):
         """[(layer, router name, statistics)] of one kind of router on one domain, in layer order."""
         rows = [(router_layer(n), n, s) for n, s in self.domains[domain].routing.items() if router_kind(n) == kind]
         return sorted(rows, key=lambda r: (r[0] is None, r[0] or 0, r[1]))
+
+    def table(self) -> str:
+        """The report as `bam-surgery routing-stats` prints it (render_routing)."""
+        return render_routing(self)
 
 
 class _Top1Recorder:
@@ -158,3 +169,54 @@ def add_stability(results: dict[str, DomainResult], changed: dict[str, dict[str,
         r.routing_summary = summarize_routing(r.routing)
         for summary in r.routing_summary.values():
             summary.setdefault("changed", None)
+
+
+# ---- the tables `bam-surgery routing-stats` prints ------------------------------------------------------
+def render_routing(report: RoutingReport) -> str:
+    """Per domain, one table per router kind: layers x experts (or a summary per layer past
+    MAX_EXPERT_COLUMNS experts), with used, entropy, Gini and the stability column."""
+    out = [f"checkpoint  {report.checkpoint}"]
+    if report.compare:
+        out.append(f"compare     {report.compare}  (changed: share of tokens whose top-1 expert differs)")
+    out.append(f"tokenizer   {report.tokenizer}, windows of {report.seq_len}")
+    for domain, result in report.domains.items():
+        out += ["", f"== {domain}: {result.tokens:,} tokens"]
+        for kind, title, key in KINDS:
+            rows = report.by_layer(domain, kind)
+            if not rows:
+                continue
+            names = report.experts.get(kind) or rows[0][2]["experts"]
+            out += ["", f"{title} (entropy in bits, max {rows[0][2]['entropy_max']:.3f})",
+                    _layer_table(rows, names, key, result.routing_summary.get(kind, {}), report.compare is not None)]
+    return "\n".join(out)
+
+
+def _layer_table(rows, names: list[str], key: str, summary: dict, with_changed: bool) -> str:
+    E = len(names)
+    wide = E <= MAX_EXPERT_COLUMNS
+    header = ["layer", *(names if wide else ["max (expert)", "min (expert)"]), "used", "entropy", "gini"]
+    if with_changed:
+        header.append("changed")
+    body = []
+    for layer, router, s in rows:
+        values = s[key]
+        cells = [f"{v:.3f}" for v in values] if wide else [_extreme(values, names, max), _extreme(values, names, min)]
+        line = [router if layer is None else str(layer), *cells, f"{s['used']}/{E} ({s['used_percent']:.0f}%)",
+                f"{s['entropy']:.3f}", f"{s['gini']:.3f}"]
+        if with_changed:
+            line.append(f"{s['changed']:.3f}" if s.get("changed") is not None else "-")
+        body.append(line)
+    if len(rows) > 1 and summary:  # the means over layers that `eval` shows
+        mean_key = "share" if key == "usage" else "mean_gate"
+        cells = [f"{v:.3f}" for v in summary[mean_key]] if wide else ["", ""]
+        line = ["mean", *cells, f"{summary['used']:g}/{E}", f"{summary['entropy_bits']:.3f}",
+                f"{summary['gini']:.3f}"]
+        if with_changed:
+            line.append(f"{summary['changed']:.3f}" if summary.get("changed") is not None else "-")
+        body.append(line)
+    return render_table(header, body)
+
+
+def _extreme(values: list[float], names: list[str], pick) -> str:
+    i = pick(range(len(values)), key=lambda e: values[e])
+    return f"{values[i]:.3f} ({names[i]})"

@@ -32,11 +32,11 @@ import tokenizers
 from tqdm import tqdm
 
 from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES,
-                                                   TOKENIZER_KEY, uses_byte_tokenizer)
-from bam_surgery.converters.hf.files import side_file
+                                                   TOKENIZER_KEY, unavailable_tokenizer, uses_byte_tokenizer)
+from bam_surgery.converters.hf.files import check_token_ids, side_file
 from bam_surgery.runtime.cache import cache_root
 
-from bam_surgery.runtime.jsonfile import json_field, read_json
+from bam_surgery.runtime.jsonfile import json_field, read_bounded, read_json
 
 from .data import Source, file_sha256
 
@@ -84,9 +84,10 @@ class HFTokenizer:
 
     def __init__(self, path: Path, eos_id: int | None = None, fallback_eos: int | None = None):
         self.path = path
+        text = read_bounded(path, error=TrainError, what="a tokenizer.json")  # a regular file of at most 64 MiB
         try:
-            self.tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a plain Exception for malformed files
+            self.tok = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a plain Exception for malformed files (UnicodeDecodeError too)
             raise TrainError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         self.name = str(path)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -154,6 +155,9 @@ def _tokenizer_json(path: Path, where: str) -> Path:
         raise TrainError(f"{where}: {path} holds no tokenizer.json")
     if path.is_file():
         return path
+    if path.exists():  # /dev/zero, a FIFO: never read (it would not end, or block)
+        raise TrainError(f"{where}: {path} is neither a tokenizer.json file nor a folder holding one (not a regular "
+                         "file)")
     raise TrainError(f"{where}: {path}: no such file or folder")
 
 
@@ -173,6 +177,27 @@ def checkpoint_tokenizer(reader: Reader) -> str | None:
     return None
 
 
+def _config_eos(reader: Reader) -> int | None:
+    """The eos id of the model's config (an HF folder's config.json, a GGUF's rebuilt generation config), the
+    fallback where its tokenizer names none; checked by the one rule of token ids (converters/hf/files.py)."""
+    value = (reader.hf_config or {}).get("eos_token_id")
+    where = reader.source_dir / "config.json" if reader.source_dir is not None else reader.path
+    check_token_ids(where, "eos_token_id", value, error=TrainError)
+    return value[0] if isinstance(value, list) else value
+
+
+def _carried_tokenizer(reader: Reader, path: Path, eos_id: int | None) -> HFTokenizer:
+    """The checkpoint's own tokenizer.json; one rebuilt from a GGUF's metadata that does not load is that GGUF's to
+    name (its cache entry would tell the user nothing)."""
+    try:
+        return HFTokenizer(path, eos_id, fallback_eos=_config_eos(reader))
+    except TrainError as e:
+        if reader.metadata.get("format") != "gguf":
+            raise
+        raise TrainError(f"{reader.path}: the tokenizer rebuilt from its tokenizer.ggml.* metadata does not load "
+                         f"({e})") from None
+
+
 def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int,
                       eos_id: int | None = None) -> Tokenizer:
     """Apply the rules in the module docstring; check the vocabulary fits the model's."""
@@ -182,13 +207,14 @@ def resolve_tokenizer(option: str | None, reader: Reader | None, vocab_size: int
                                                                       eos_id)
     else:
         carried = checkpoint_tokenizer(reader) if reader is not None else None
-        hf_eos = ((reader.hf_config if reader is not None else None) or {}).get("eos_token_id")
-        if isinstance(hf_eos, list):
-            hf_eos = hf_eos[0] if hf_eos else None
-        if uses_byte_tokenizer(carried == BYTES, carried is not None, vocab_size):
+        missing = unavailable_tokenizer(reader.metadata) if reader is not None else None
+        if uses_byte_tokenizer(carried == BYTES, carried is not None or missing is not None, vocab_size):
             tok = ByteTokenizer(eos_id)
         elif carried is not None:
-            tok = HFTokenizer(Path(carried), eos_id, fallback_eos=hf_eos)
+            tok = _carried_tokenizer(reader, Path(carried), eos_id)
+        elif missing is not None:  # its own tokenizer could not be rebuilt: never bytes in its place
+            raise TrainError(f"{reader.path}: its tokenizer could not be rebuilt: {missing}; pass --tokenizer "
+                             "PATH/tokenizer.json")
         else:
             raise TrainError(f"no tokenizer found for a model with vocab_size {vocab_size}: the checkpoint carries "
                              "no tokenizer.json; pass --tokenizer PATH/tokenizer.json (or --tokenizer bytes)")

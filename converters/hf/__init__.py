@@ -1,11 +1,12 @@
 """Hugging Face model directories <-> canonical names: import (a lazy reader) and the exact inverse (a writer).
 
-    architectures.py  one weight-mapping table per model_type (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi,
-                      mixtral)
-    config_map.py     config.json <-> ModelConfig, one spec per model_type
+    families.py       one record per family (its base plus what differs); family.py what a record holds and derives
+    architectures.py  the weight-mapping table per model_type (the records'), binding a table to a config
+    weights.py        a table's rows and their diff
+    config_map.py     config.json <-> ModelConfig: the fields a record's keys are made of, the dense spec
+    moe_family.py     the native mixture formats' config maps (mechanisms) and their columns
     ops.py            the named reshape ops the tables use, each with its inverse
     files.py          the files of a model directory (config, weights, index, tokenizer)
-    mixtral_config.py Mixtral's config.json map and what a mixture needs to be written as Mixtral
     reader.py         HFCheckpointReader: the reader protocol over an HF directory (Mixtral included)
     writer.py         any table run backwards into an HF directory, streamed (save_hf: a dense model)
 """

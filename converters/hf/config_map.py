@@ -1,4 +1,5 @@
-"""Hugging Face config.json <-> ModelConfig, one declarative spec per architecture.
+"""Hugging Face config.json <-> ModelConfig: the fields a family's keys are made of, and the spec a family record
+derives (converters/hf/family.py; the records are converters/hf/families.py).
 
 A spec is a list of fields plus the values the architecture fixes. Every field knows both
 directions (`read`: HF keys -> canonical fields; `write`: canonical fields -> HF keys), so export
@@ -34,8 +35,12 @@ def _value(hf: Mapping[str, Any], key: str, default: Any) -> Any:
 
 
 class Field:
+    """config.json keys <-> canonical fields, both ways. `stage` orders reading: a field that needs what another reads
+    (the sizes, nope_layers, attn_window) reads after it; writing keeps the declared order (config.json's)."""
+
     hf_keys: tuple[str, ...] = ()
     canonical: tuple[str, ...] = ()
+    stage = 0
 
     def read(self, hf: Mapping[str, Any], out: dict[str, Any], notes: list[str]) -> None:
         raise NotImplementedError
@@ -65,22 +70,40 @@ class Same(Field):
 
 
 @dataclass
-class Nullable(Field):
+class Nullable(Same):
     """One HF key <-> one canonical field that may be null in config.json on purpose (an explicit null means none,
     where the class default may be a value: Gemma 2's soft-caps)."""
 
-    hf_key: str
-    field_name: str
     default: Any = None
-
-    def __post_init__(self):
-        self.hf_keys, self.canonical = (self.hf_key,), (self.field_name,)
 
     def read(self, hf, out, notes):
         out[self.field_name] = hf[self.hf_key] if self.hf_key in hf else self.default
 
+
+@dataclass
+class Reciprocal(Same):
+    """One HF key holding the reciprocal of a canonical field (Granite's logits_scaling divides the logits: the
+    canonical logit_scale, which multiplies them, is 1 / it)."""
+
+    default: Any = 1.0
+
+    def read(self, hf, out, notes):
+        out[self.field_name] = 1.0 / float(_value(hf, self.hf_key, self.default))
+
     def write(self, cfg, model_type):
-        return {self.hf_key: getattr(cfg, self.field_name)}
+        return {self.hf_key: 1.0 / getattr(cfg, self.field_name)}
+
+
+@dataclass
+class AttentionScale(Same):
+    """The attention logits' scale itself (Granite's attention_multiplier) <-> attn_scale; a model scaled by
+    1/sqrt(attn_scale_dim or head_dim) is written with that value."""
+
+    default: Any = 1.0
+
+    def write(self, cfg, model_type):
+        scale = cfg.attn_scale if cfg.attn_scale is not None else (cfg.attn_scale_dim or cfg.head_dim) ** -0.5
+        return {self.hf_key: scale}
 
 
 @dataclass
@@ -126,6 +149,11 @@ class Activation(Field):
 
     def __post_init__(self):
         self.hf_keys, self.canonical = (self.hf_key,), ("activation",)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The canonical activations the architecture computes."""
+        return self.gated_kinds if self.gated else tuple(_CANONICAL_ACT)
 
     def read(self, hf, out, notes):
         name = _value(hf, self.hf_key, self.default)
@@ -234,6 +262,8 @@ class Rope(Field):
     legacy_fraction_key: str = "partial_rotary_factor"
     aliases: Mapping[str, str] = field(default_factory=dict)
     original_key: str | None = None  # a top-level original_max_position_embeddings that wins (Phi-3)
+    default_parameters: Mapping[str, Any] | None = None  # the class's rope_parameters where config.json has none
+    stage = 1  # after the sizes (the rotated fraction is a count of head dims)
 
     def __post_init__(self):
         self.hf_keys = ("rope_parameters", "rope_scaling", "rope_theta", self.legacy_theta_key) + (
@@ -248,6 +278,7 @@ class Rope(Field):
         for key in ("rope_scaling", "rope_parameters"):
             if hf.get(key) is not None and not isinstance(hf[key], dict):
                 raise ConfigError(f"{key}: expected an object, got {str(hf[key])[:60]}")
+        hf = self.with_default(hf)
         params = hf.get("rope_parameters")
         if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
             if len({json.dumps(v, sort_keys=True) for v in params.values()}) > 1:
@@ -274,6 +305,13 @@ class Rope(Field):
             return  # ModelConfig names the bad size (hidden_size / num_attention_heads)
         head_dim = out.get("head_dim") or d_model // n_heads
         out["rotary_fraction"] = int(head_dim * float(frac)) / head_dim
+
+    def with_default(self, hf: Mapping[str, Any]) -> Mapping[str, Any]:
+        """config.json with the class's rope_parameters where it has none of its own (nor the older keys)."""
+        if self.default_parameters is None or any(hf.get(k) is not None for k in
+                                                  ("rope_parameters", "rope_scaling", "rope_theta")):
+            return hf
+        return {**hf, "rope_parameters": dict(self.default_parameters)}
 
     def _scaled(self, hf: Mapping[str, Any], named: list[tuple[str, dict]]) -> dict[str, Any] | None:
         """The canonical scaled_rope from the first RoPE dict naming a type other than default, or None."""
@@ -323,6 +361,7 @@ class LayerTypeRope(Rope):
 
     local_key: str | None = "rope_local_base_freq"  # the older top-level key of the local base (Gemma 3)
     default_local: float = 10000.0
+    stage = 3  # after the window (the local base belongs to the sliding layers)
 
     def __post_init__(self):
         super().__post_init__()
@@ -354,6 +393,40 @@ class LayerTypeRope(Rope):
 
 
 @dataclass
+class TemperedRope(Rope):
+    """RoPE with the queries' scale by position in rope_parameters (Ministral 3: llama_4_scaling_beta, over the
+    rope's original_max_position_embeddings) <-> attn_temperature and attn_temperature_length. A model without one
+    is written with a temperature of 0 (a scale of 1: the class has none to leave out)."""
+
+    beta_key: str = "llama_4_scaling_beta"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.canonical += ("attn_temperature", "attn_temperature_length")
+
+    def read(self, hf, out, notes):
+        super().read(hf, out, notes)
+        params = self.with_default(hf).get("rope_parameters") or {}
+        beta, length = params.get(self.beta_key), params.get("original_max_position_embeddings")
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool):
+            raise ConfigError(f"rope_parameters.{self.beta_key}: expected a number, got {str(beta)[:40]}")
+        out["attn_temperature"], out["attn_temperature_length"] = float(beta), length
+
+    def write(self, cfg, model_type):
+        body = super().write(cfg, model_type)
+        original = (cfg.scaled_rope or {}).get("original_max_position_embeddings")
+        length = cfg.attn_temperature_length or original or cfg.max_positions
+        if original is not None and original != length:
+            raise CapabilityError(f"cannot export to {model_type}: its queries' scale counts positions in periods of "
+                                  f"the RoPE's original_max_position_embeddings ({original}), the model's are "
+                                  f"{length}")
+        for key in ("rope_parameters", "rope_scaling"):  # transformers 5 takes rope_scaling over rope_parameters
+            if key in body:
+                body[key].update({self.beta_key: cfg.attn_temperature or 0.0, "original_max_position_embeddings": length})
+        return body
+
+
+@dataclass
 class SlidingWindow(Field):
     """Sliding-window attention <-> canonical attn_window and attn_window_layers (None: every layer).
 
@@ -373,11 +446,13 @@ class SlidingWindow(Field):
     period: int = 0  # rule "period": the class default period (period_key overrides it)
     period_key: str | None = None
     layer_types: bool = False  # the family writes layer_types (and reads them)
+    rope_sliding_only: bool = False  # with a window, RoPE in the sliding layers only (EXAONE 4): nope_layers
+    stage = 2  # after the layer count and the layers without RoPE (rule nope)
 
     def __post_init__(self):
         self.hf_keys = (self.hf_key,) + ((self.enabled_key,) if self.enabled_key else ()) + (
             ("layer_types",) if self.layer_types else ())
-        self.canonical = ("attn_window", "attn_window_layers")
+        self.canonical = ("attn_window", "attn_window_layers") + (("nope_layers",) if self.rope_sliding_only else ())
 
     def read(self, hf, out, notes):
         window = hf[self.hf_key] if self.hf_key in hf else self.default
@@ -386,12 +461,16 @@ class SlidingWindow(Field):
         n_layers = out.get("n_layers")
         if window is None or not isinstance(n_layers, int) or n_layers <= 0:
             out["attn_window"], out["attn_window_layers"] = None, None
+            if self.rope_sliding_only:
+                out["nope_layers"] = None
             return
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ConfigError(f"{self.hf_key}: expected a positive integer, got {str(window)[:40]}")
         sliding = self._sliding_layers(hf, n_layers, out)
         out["attn_window"] = window if sliding else None
         out["attn_window_layers"] = None if not sliding or len(sliding) == n_layers else sliding
+        if self.rope_sliding_only:
+            out["nope_layers"] = [i for i in range(n_layers) if i not in sliding] or None
 
     def _sliding_layers(self, hf, n_layers: int, out) -> list[int]:
         types = hf.get("layer_types") if self.layer_types else None
@@ -425,6 +504,11 @@ class SlidingWindow(Field):
         elif sliding and len(sliding) != cfg.n_layers:
             raise CapabilityError(f"cannot export to {model_type}: its window applies to every layer, the model has "
                                   f"it in layers {sorted(sliding)[:8]} only")
+        nope = [i for i in range(cfg.n_layers) if i not in sliding] if cfg.attn_window is not None else []
+        if self.rope_sliding_only and (cfg.nope_layers or []) != nope:
+            raise CapabilityError(f"cannot export to {model_type}: it applies RoPE in exactly its sliding layers "
+                                  f"(none in layers {nope[:8]}), the model has no RoPE in layers "
+                                  f"{(cfg.nope_layers or [])[:8]}")
         return body
 
 
@@ -436,6 +520,7 @@ class NoRopeLayers(Field):
     hf_key: str = "no_rope_layers"
     interval_key: str = "no_rope_layer_interval"
     default_interval: int = 4
+    stage = 1  # after the layer count
 
     def __post_init__(self):
         self.hf_keys, self.canonical = (self.hf_key, self.interval_key), ("nope_layers",)
@@ -490,8 +575,8 @@ class ConfigMap(Protocol):
 
 @dataclass(frozen=True)
 class ConfigSpec:
-    """The declarative ConfigMap of the dense architectures; `read` and `write` are each other's
-    inverse. (Mixtral's is converters.hf.mixtral_config.MixtralConfigMap.)"""
+    """The declarative ConfigMap of the dense architectures (a family record's keys and traits: family.py); `read`
+    and `write` are each other's inverse. (The native mixtures' are converters/hf/moe_family.py's.)"""
 
     fields: tuple[Field, ...]
     fixed: Mapping[str, Any] = field(default_factory=dict)
@@ -508,7 +593,7 @@ class ConfigSpec:
         of the wrong type or range is a ConfigError naming the config.json key."""
         out: dict[str, Any] = dict(self.fixed)
         notes: list[str] = []
-        for f in self.fields:
+        for f in sorted(self.fields, key=lambda f: f.stage):
             with wrong_values(hf, f.hf_keys or f.canonical):
                 f.read(hf, out, notes)
         out["name"] = name
@@ -565,196 +650,3 @@ def hf_to_model_config(hf: Mapping[str, Any], spec: ConfigSpec, name: str = "") 
 
 def model_config_to_hf(cfg: ModelConfig, spec: ConfigSpec, model_type: str) -> dict[str, Any]:
     return spec.write(cfg, model_type)
-
-
-# ---- the specs ------------------------------------------------------------------------------
-def _sizes(max_positions_default: int, kv_heads: bool = True, head_dim_key: bool = False,
-           head_dim_default: int | None = None) -> tuple[Field, ...]:
-    """The Llama-style size keys shared by llama, mistral, qwen2, gpt_neox, cohere, phi."""
-    out: list[Field] = [Same("vocab_size", "vocab_size"), Same("hidden_size", "d_model"),
-                        Same("num_hidden_layers", "n_layers"), Same("num_attention_heads", "n_heads"),
-                        Same("intermediate_size", "ffn_hidden"),
-                        Same("max_position_embeddings", "max_positions", max_positions_default)]
-    out.append(Same("num_key_value_heads", "n_kv_heads", None) if kv_heads else DerivedEqual("n_kv_heads", "n_heads"))
-    out.append(Same("head_dim", "head_dim", head_dim_default) if head_dim_key
-               else DerivedEqual("head_dim", "d_model/n_heads"))
-    return tuple(out)
-
-
-# every dense architecture here ends with a norm before its head (final_norm: fixed True)
-# the trunk features of the newer families, off (each family's spec fixes or reads its own)
-_PLAIN_TRUNK = dict(qk_norm="none", norm_position="pre", nope_layers=None, norm_unit_offset=False,
-                    scale_embeddings=False, window_rope_theta=None, attn_scale_dim=None, attn_softcap=None,
-                    final_softcap=None)
-_NO_WINDOW = dict(attn_window=None, attn_window_layers=None)  # the families without sliding-window attention
-_ROPE_ONLY = dict(_PLAIN_TRUNK, position="rope", rope_interleaved=False, lm_head_bias=False, logit_scale=1.0,
-                  final_norm=True)
-_LLAMA_FIXED = dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0)
-
-LLAMA = ConfigSpec(
-    fields=_sizes(2048, head_dim_key=True) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
-        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False)),
-    fixed=dict(_LLAMA_FIXED, **_NO_WINDOW),
-)
-
-MISTRAL = ConfigSpec(
-    fields=_sizes(131072, head_dim_key=True) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
-        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        SlidingWindow("sliding_window", default=4096)),
-    fixed=dict(_LLAMA_FIXED, qkv_bias=False, o_bias=False, ffn_bias=False),
-)
-
-QWEN2 = ConfigSpec(
-    fields=_sizes(32768, head_dim_key=True) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
-        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        SlidingWindow("sliding_window", enabled_key="use_sliding_window", default=4096, rule="from",
-                      layer_types=True)),
-    fixed=dict(_LLAMA_FIXED, qkv_bias=True, o_bias=False, ffn_bias=False),  # q/k/v biases, none on o
-)
-
-GPT_NEOX = ConfigSpec(
-    fields=_sizes(2048, kv_heads=False) + (
-        Activation("hidden_act", gated=False, default="gelu"), Same("layer_norm_eps", "norm_eps", 1e-5),
-        Rope(default_theta=10000.0, default_fraction=0.25, legacy_theta_key="rotary_emb_base",
-             legacy_fraction_key="rotary_pct"),
-        Same("tie_word_embeddings", "tie_embeddings", False),
-        ParallelResidual("use_parallel_residual", default=True),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), True)),
-    fixed=dict(_ROPE_ONLY, **_NO_WINDOW, norm="layernorm", norm_bias=True, ffn_bias=True),
-)
-
-GPT2 = ConfigSpec(
-    fields=(Same("vocab_size", "vocab_size"), Same("n_embd", "d_model"), Same("n_layer", "n_layers"),
-            Same("n_head", "n_heads"), InnerWidth("n_inner", "n_embd"),
-            Same("n_positions", "max_positions", 1024),
-            DerivedEqual("n_kv_heads", "n_heads"), DerivedEqual("head_dim", "d_model/n_heads"),
-            Activation("activation_function", gated=False, default="gelu_new"),
-            Same("layer_norm_epsilon", "norm_eps", 1e-5), Same("tie_word_embeddings", "tie_embeddings", True),
-            Require("scale_attn_weights", True, "attention is scaled by 1/sqrt(head_dim)"),
-            Require("scale_attn_by_inverse_layer_idx", False), Require("add_cross_attention", False)),
-    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, norm="layernorm", norm_bias=True, position="learned", rope_theta=10000.0,
-               rotary_fraction=1.0, scaled_rope=None,
-               rope_interleaved=False, block="sequential", qkv_bias=True, o_bias=True, ffn_bias=True,
-               lm_head_bias=False, logit_scale=1.0, final_norm=True),
-)
-
-COHERE = ConfigSpec(
-    fields=_sizes(8192) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("layer_norm_eps", "norm_eps", 1e-5),
-        Rope(default_theta=500000.0), Same("tie_word_embeddings", "tie_embeddings", True),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("logit_scale", "logit_scale", 0.0625),
-        Require("use_qk_norm", False, "per-head QK layernorm is not modelled")),
-    # one bias-free layernorm shared by attention and FFN; RoPE on interleaved pairs
-    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, position="rope", rope_interleaved=True, rotary_fraction=1.0, norm="layernorm", norm_bias=False,
-               block="parallel", ffn_bias=False, lm_head_bias=False, final_norm=True),
-)
-
-PHI = ConfigSpec(
-    fields=_sizes(2048) + (
-        Activation("hidden_act", gated=False, default="gelu_new"), Same("layer_norm_eps", "norm_eps", 1e-5),
-        Rope(default_theta=10000.0, default_fraction=0.5), Same("tie_word_embeddings", "tie_embeddings", False),
-        Require("qk_layernorm", False, "per-head QK layernorm is not modelled")),
-    fixed=dict(_PLAIN_TRUNK, **_NO_WINDOW, position="rope", rope_interleaved=False, norm="layernorm", norm_bias=True, block="parallel",
-               qkv_bias=True, o_bias=True, ffn_bias=True, lm_head_bias=True, logit_scale=1.0, final_norm=True),
-)
-
-# ---- the families of 2024-25 -----------------------------------------------------------------
-# Qwen3: Llama with a per-head RMS QK-norm, an explicit head_dim and no q/k/v biases by default.
-QWEN3 = ConfigSpec(
-    fields=_sizes(32768, head_dim_key=True, head_dim_default=128) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
-        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
-        SlidingWindow("sliding_window", enabled_key="use_sliding_window", default=4096, rule="from",
-                      layer_types=True)),
-    fixed=dict(_LLAMA_FIXED, qk_norm="head", ffn_bias=False),
-)
-
-# Phi-3 / Phi-3.5 / Phi-4-mini: Llama with fused qkv and gate_up projections, partial rotary (Phi-4-mini), longrope
-# (the 128k models: its legacy names su and yarn mean longrope), original_max_position_embeddings at the top level.
-PHI3 = ConfigSpec(
-    fields=_sizes(4096) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
-        Rope(default_theta=10000.0, default_fraction=1.0, aliases={"su": "longrope", "yarn": "longrope"},
-             original_key="original_max_position_embeddings"),
-        Same("tie_word_embeddings", "tie_embeddings", False), SlidingWindow("sliding_window")),
-    fixed=dict(_ROPE_ONLY, norm="rmsnorm", norm_bias=False, block="sequential", qkv_bias=False, o_bias=False,
-               ffn_bias=False),
-)
-
-# OLMo 2: no norm before the sublayers; each sublayer's output RMS-normed before the residual add, and an RMS
-# QK-norm over the full q and k width.
-OLMO2 = ConfigSpec(
-    fields=_sizes(2048) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
-        Rope(default_theta=10000.0), Same("tie_word_embeddings", "tie_embeddings", False),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
-    fixed=dict(_LLAMA_FIXED, **_NO_WINDOW, qk_norm="full", norm_position="post", ffn_bias=False),
-)
-
-# OLMo 3: OLMo 2 with sliding-window attention in three layers of four (or layer_types) and a RoPE per layer type
-OLMO3 = ConfigSpec(
-    fields=_sizes(2048) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-5),
-        SlidingWindow("sliding_window", default=4096, rule="period", period=4, layer_types=True),
-        LayerTypeRope(default_theta=500000.0, local_key=None, default_local=500000.0),
-        Same("tie_word_embeddings", "tie_embeddings", False),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False)),
-    fixed=dict({k: v for k, v in _LLAMA_FIXED.items() if k != "window_rope_theta"}, qk_norm="full",
-               norm_position="post", ffn_bias=False),
-)
-
-# SmolLM3: Llama with no RoPE in every fourth layer (no_rope_layers), tied embeddings by default.
-SMOLLM3 = ConfigSpec(
-    fields=_sizes(32768) + (
-        Activation("hidden_act", gated=True, default="silu"), Same("rms_norm_eps", "norm_eps", 1e-6),
-        Rope(default_theta=2000000.0), Same("tie_word_embeddings", "tie_embeddings", True),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False), Same("mlp_bias", "ffn_bias", False),
-        NoRopeLayers(), SlidingWindow("sliding_window", enabled_key="use_sliding_window", rule="nope",
-                                      layer_types=True)),
-    fixed={k: v for k, v in _LLAMA_FIXED.items() if k != "nope_layers"},
-)
-
-# Gemma 2 and Gemma 3 (text): sandwich norms of (1 + w) RMSNorm, embeddings times sqrt(hidden_size), GeGLU,
-# attention scaled by query_pre_attn_scalar, sliding-window layers (Gemma 2 every other one, Gemma 3 five of six,
-# or config.json's layer_types), soft-capped attention and output logits (Gemma 2), per-head QK-norm and the local
-# layers' own RoPE base (Gemma 3), tied embeddings.
-_GEMMA_FIXED = dict({k: v for k, v in _ROPE_ONLY.items() if k not in ("attn_scale_dim", "attn_softcap", "final_softcap",
-                                                                       "window_rope_theta")},
-                    norm="rmsnorm", norm_bias=False, block="sequential", rotary_fraction=1.0,
-                    norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, ffn_bias=False)
-
-
-def _gemma_trunk(max_positions_default: int) -> tuple[Field, ...]:
-    """The size, activation, norm, tie, bias and attention-scale keys Gemma 2 and 3 share."""
-    return _sizes(max_positions_default, head_dim_key=True, head_dim_default=256) + (
-        Activation("hidden_activation", gated=True, default="gelu_pytorch_tanh", gated_kinds=("geglu_tanh",)),
-        Same("rms_norm_eps", "norm_eps", 1e-6), Same("tie_word_embeddings", "tie_embeddings", True),
-        FanOut("attention_bias", ("qkv_bias", "o_bias"), False),
-        Same("query_pre_attn_scalar", "attn_scale_dim", 256))
-
-
-GEMMA2 = ConfigSpec(
-    fields=_gemma_trunk(8192) + (
-        Rope(default_theta=10000.0),
-        SlidingWindow("sliding_window", default=4096, rule="period", period=2, layer_types=True),
-        Nullable("attn_logit_softcapping", "attn_softcap", 50.0),
-        Nullable("final_logit_softcapping", "final_softcap", 30.0),
-        Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
-    fixed=dict(_GEMMA_FIXED, qk_norm="none", window_rope_theta=None),
-)
-
-GEMMA3_TEXT = ConfigSpec(
-    fields=_gemma_trunk(131072) + (
-        SlidingWindow("sliding_window", default=4096, rule="period", period=6, period_key="sliding_window_pattern",
-                      layer_types=True),
-        LayerTypeRope(default_theta=1000000.0),
-        Nullable("attn_logit_softcapping", "attn_softcap", None),
-        Nullable("final_logit_softcapping", "final_softcap", None),
-        Require("use_bidirectional_attention", False, "bidirectional attention is not modelled")),
-    fixed=dict(_GEMMA_FIXED, qk_norm="head"),
-)

@@ -33,6 +33,17 @@ def generation_config_text(generation) -> str:
     return json.dumps(dict(generation), indent=2, sort_keys=True) + "\n"
 
 
+def check_token_ids(where: str | Path, key: str, value, error: type[Exception] = CheckpointError) -> None:
+    """The one rule of a token id read from a config (generation_config.json, config.json, the generation config a
+    GGUF's tokenizer is rebuilt with), for every reader of one: an integer from 0 to 2**31 - 1, a non-empty list of
+    them, or null; anything else (the string "2", true, []) is `error` naming the file and the key."""
+    def one(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+    if not (value is None or one(value) or (isinstance(value, list) and bool(value) and all(one(v) for v in value))):
+        raise error(f"{where}: {key}: expected a token id (an integer, a non-empty list of integers or null), got "
+                    f"{str(value)[:60]!r}")
+
+
 def read_hf_config(directory: Path) -> dict:
     cfg_file = directory / CONFIG_FILE
     if not cfg_file.is_file():

@@ -1,20 +1,26 @@
-"""What the Llama-family mixture architectures (Mixtral, Qwen2-MoE, Qwen3-MoE, FlexOlmo) share: the trunk they
-compute, the config.json entries they write alike, and the checks of reading one back.
+"""The native mixture formats (converters/hf/families.py has one record each): the trunk they compute, the
+config.json entries they write alike, the checks of reading one back, and the ways they differ, as mechanisms.
 
 Each is a sequential block with RMSNorm (no bias), half-split RoPE over the whole head (any scaled RoPE, read and
 written by config_map.Rope like the dense families), dense GQA attention and SwiGLU FFN experts behind a linear
-router, a final norm and an unscaled head. They differ in the trunk's norms (`TRUNKS`: Mixtral and Qwen2-MoE have
-no QK-norm and norms before the sublayers, Qwen3-MoE a per-head QK-norm, FlexOlmo OLMo 2's full-width QK-norm and
-norms after the sublayers) and in what mixtral_config.py, qwen2_moe_config.py and qwen3_moe_config.py add
-(biases, gate normalization, the shared expert).
+router, a final norm and an unscaled head. They differ in the trunk's norms (the record's traits qk_norm and
+norm_position: norms before the sublayers or after them, no QK-norm, a per-head or a full-width one) and in how they
+gate, which biases they hold and whether they have a shared expert:
+  RenormalizedMoe   top-k gates always renormalized, no biases, no shared expert
+  SharedExpertMoe   a shared expert beside the routed ones, q/k/v biases always (zeros for a model without), the top-k
+                    renormalized when norm_topk_prob
+  AttentionBiasMoe  q/k/v and o biases together (attention_bias), the top-k renormalized when norm_topk_prob
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, Mapping, Sequence
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 
 from ..base import CapabilityError
+from ..carry import SIZES, TRAINING, Carry, Column, anything, rule, values
 from .config_map import Rope, model_config, wrong_values
 
 Problems = list[tuple[str, str]]  # (what the architecture needs, what the model has)
@@ -28,9 +34,6 @@ TRUNK_FIELDS: dict[str, str] = {
 }
 
 
-# (qk_norm, norm_position) of each mixture trunk -> the format that carries it (the formats say so when they refuse)
-TRUNKS: dict[tuple[str, str], str] = {("none", "pre"): "mixtral", ("head", "pre"): "qwen3_moe",
-                                      ("full", "post"): "flex_olmo"}
 _QK_NORMS = {"none": "no QK-norm", "head": "a per-head QK-norm", "full": "a full-width QK-norm"}
 _NORM_POSITIONS = {"pre": "norms before attention and FFN", "post": "norms after attention and FFN",
                    "sandwich": "norms before and after attention and FFN"}
@@ -42,65 +45,80 @@ def _trunk_text(qk_norm: str, norm_position: str, other_position: str) -> str:
     return qk if norm_position == other_position else f"{qk} and {_NORM_POSITIONS[norm_position]}"
 
 
-def trunk_problems(cfg: ModelConfig, qk_norm: str = "none", norm_position: str = "pre") -> Problems:
-    """Every feature of `cfg` the Llama-family mixture trunk with this QK-norm and norm position cannot express (from
-    the config alone). A model whose trunk another format has is told to use it (`TRUNKS`)."""
-    elsewhere = TRUNKS.get((cfg.qk_norm, cfg.norm_position))
-    hint = f" (use --format {elsewhere})" if elsewhere else ""
-    checks = [
-        (cfg.activation == "swiglu", "SwiGLU FFNs", f"activation {cfg.activation}"),
-        (cfg.attn_experts == 0, "dense attention", f"{cfg.attn_experts} attention experts"),
-        (cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)"),
-        (cfg.norm == "rmsnorm", "RMSNorm", f"norm {cfg.norm}"),
-        (not cfg.norm_bias, "norms without bias", "norm biases"),
-        (cfg.block == "sequential", "sequential blocks", f"block {cfg.block}"),
-        ((cfg.qk_norm, cfg.norm_position) == (qk_norm, norm_position),
-         _trunk_text(qk_norm, norm_position, cfg.norm_position),
-         _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position) + hint),
-        (cfg.position == "rope", "RoPE", f"position {cfg.position}"),
-        (not cfg.nope_layers, "RoPE in every layer", f"no RoPE in layers {cfg.nope_layers}"),
-        (not cfg.rope_interleaved, "half-split RoPE", "interleaved RoPE"),
-        (cfg.rotary_fraction == 1.0, "RoPE over the whole head", f"rotary_fraction {cfg.rotary_fraction}"),
-        (cfg.logit_scale == 1.0, "unscaled logits", f"logit_scale {cfg.logit_scale}"),
-        (cfg.ffn_router_kind == "linear", "linear routers", f"router {cfg.ffn_router_kind}"),
-        (cfg.final_norm, "a final norm", "no final norm"),
-    ]
-    return [(needs, has) for ok, needs, has in checks if not ok] + gemma_problems(cfg)
+def trunk_rows(qk_norm: str = "none", norm_position: str = "pre",
+               trunks: Mapping[tuple[str, str], str] | None = None) -> tuple[Carry, ...]:
+    """What the Llama-family mixture trunk with this QK-norm and norm position carries (the column's rows); a model
+    whose trunk another format has is told to use it (`trunks`: (qk_norm, norm_position) -> that format)."""
+    def has_trunk(cfg) -> str:
+        elsewhere = (trunks or {}).get((cfg.qk_norm, cfg.norm_position))
+        hint = f" (use --format {elsewhere})" if elsewhere else ""
+        return _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position) + hint
+
+    return (
+        values("activation", ("swiglu",), "SwiGLU FFNs", "activation {}"),
+        values("attn_experts", (0,), "dense attention", "{} attention experts"),
+        rule("ffn_experts", lambda cfg: cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)", ">= 2"),
+        values("norm", ("rmsnorm",), "RMSNorm", "norm {}"),
+        values("norm_bias", (False,), "norms without bias", "norm biases"),
+        values("block", ("sequential",), "sequential blocks", "block {}"),
+        rule(("qk_norm", "norm_position"), lambda cfg: (cfg.qk_norm, cfg.norm_position) == (qk_norm, norm_position),
+             lambda cfg: _trunk_text(qk_norm, norm_position, cfg.norm_position), has_trunk,
+             {"qk_norm": qk_norm, "norm_position": norm_position}),
+        values("position", ("rope",), "RoPE", "position {}"),
+        rule("nope_layers", lambda cfg: not cfg.nope_layers, "RoPE in every layer", "no RoPE in layers {}", "None"),
+        values("rope_interleaved", (False,), "half-split RoPE", "interleaved RoPE"),
+        values("rotary_fraction", (1.0,), "RoPE over the whole head", "rotary_fraction {}"),
+        values("logit_scale", (1.0,), "unscaled logits", "logit_scale {}"),
+        values("router", ("linear",), "linear routers", "router {}"),
+        values("final_norm", (True,), "a final norm", "no final norm"),
+        *feature_rows(),
+        *anything(*SIZES, "rope_theta", "tie_embeddings", "ffn_top_k"),
+        *anything("scaled_rope", shown="any (config_map.Rope)"),
+        *anything("attn_window_layers", "window_rope_theta", shown="None (no window)"),
+        *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)"),
+        *anything("router_hidden", "router_temperature", shown="any (linear routers)"),
+        *anything(*TRAINING, shown="any (training only)"),
+    )
 
 
-def gemma_problems(cfg: ModelConfig) -> Problems:
-    """Gemma's and the windowed families' features, which no Llama-family trunk (nor llama.cpp's llama) computes:
-    sliding windows, (1 + w) norms, scaled embeddings, a query_pre_attn_scalar, soft-capping."""
-    checks = [
-        (cfg.attn_window is None, "attention over the whole prefix", f"a sliding window of {cfg.attn_window}"),
-        (not cfg.norm_unit_offset, "norms scaling by w", "(1 + w) norms"),
-        (not cfg.scale_embeddings, "unscaled embeddings", "embeddings times sqrt(d_model)"),
-        (cfg.attn_scale_dim in (None, cfg.head_dim), "attention scaled by 1/sqrt(head_dim)",
-         f"attention scaled by 1/sqrt({cfg.attn_scale_dim})"),
-        (cfg.attn_softcap is None and cfg.final_softcap is None, "no soft-capping", "soft-capped logits"),
-    ]
-    return [(needs, has) for ok, needs, has in checks if not ok]
+def feature_rows() -> tuple[Carry, ...]:
+    """The newer families' features (Gemma's, the windowed ones'), which no Llama-family trunk (nor llama.cpp's
+    llama) computes: sliding windows, (1 + w) norms, scaled embeddings, a query_pre_attn_scalar, soft-capping."""
+    return (
+        values("attn_window", (None,), "attention over the whole prefix", "a sliding window of {}"),
+        values("norm_unit_offset", (False,), "norms scaling by w", "(1 + w) norms"),
+        values("scale_embeddings", (False,), "unscaled embeddings", "embeddings times sqrt(d_model)"),
+        rule("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim),
+             "attention scaled by 1/sqrt(head_dim)", "attention scaled by 1/sqrt({})", "None, head_dim"),
+        rule(("attn_softcap", "final_softcap"), lambda cfg: cfg.attn_softcap is None and cfg.final_softcap is None,
+             "no soft-capping", "soft-capped logits", "None"),
+    )
 
 
-def shared_expert_problem(cfg: ModelConfig) -> Problems:
-    """A shared FFN expert, which only Qwen2-MoE carries."""
-    return [("no shared expert (--format qwen2_moe carries one)", "a shared FFN expert")] if cfg.ffn_shared_hidden else []
+def shared_expert_row(shared: str) -> Carry:
+    """No shared FFN expert (the format `shared` carries one)."""
+    return values("ffn_shared_hidden", (0,), f"no shared expert (--format {shared} carries one)", "a shared FFN expert")
 
 
-def attention_bias_problems(cfg: ModelConfig) -> Problems:
-    """The biases an `attention_bias` architecture (q/k/v and o together, Qwen3-MoE, FlexOlmo) cannot carry."""
-    out = bias_problem(cfg, ("q/k/v", "o"), "no biases but on attention (q/k/v and o)")
-    if cfg.qkv_bias != cfg.o_bias:
-        out.append(("q/k/v and o biases together (attention_bias)",
-                    "q/k/v biases without an o bias" if cfg.qkv_bias else "an o bias without q/k/v biases"))
-    return out
+BIASES = ("qkv_bias", "o_bias", "ffn_bias", "lm_head_bias")
+_BIAS_NAMES = dict(zip(BIASES, ("q/k/v", "o", "ffn", "lm_head")))
 
 
-def bias_problem(cfg: ModelConfig, allowed: tuple[str, ...], needs: str) -> Problems:
-    """The biases of `cfg` outside `allowed` (of q/k/v, o, ffn, lm_head), as one problem."""
-    biases = [n for n, on in (("q/k/v", cfg.qkv_bias), ("o", cfg.o_bias), ("ffn", cfg.ffn_bias),
-                              ("lm_head", cfg.lm_head_bias)) if on and n not in allowed]
-    return [(needs, f"{', '.join(biases)} biases")] if biases else []
+def bias_row(allowed: tuple[str, ...], needs: str) -> Carry:
+    """No biases but `allowed` (of q/k/v, o, ffn, lm_head)."""
+    def outside(cfg) -> list[str]:
+        return [_BIAS_NAMES[b] for b in BIASES if getattr(cfg, b) and _BIAS_NAMES[b] not in allowed]
+    return rule(BIASES, lambda cfg: not outside(cfg), needs, lambda cfg: f"{', '.join(outside(cfg))} biases",
+                {b: "any" if _BIAS_NAMES[b] in allowed else "False" for b in BIASES})
+
+
+def attention_bias_rows() -> tuple[Carry, ...]:
+    """The biases an `attention_bias` architecture (q/k/v and o together) carries."""
+    return (bias_row(("q/k/v", "o"), "no biases but on attention (q/k/v and o)"),
+            rule(("qkv_bias", "o_bias"), lambda cfg: cfg.qkv_bias == cfg.o_bias,
+                 "q/k/v and o biases together (attention_bias)",
+                 lambda cfg: "q/k/v biases without an o bias" if cfg.qkv_bias else "an o bias without q/k/v biases",
+                 "equal to each other"))
 
 
 def raise_problems(problems: Problems, subject: str, recipe: str | None, tail: str = "") -> None:
@@ -168,25 +186,48 @@ def numbers(fields: dict[str, Any], keys: tuple[str, ...], hf_key: Mapping[str, 
         fields[key] = float(fields[key])
 
 
+@dataclass(frozen=True)
 class MoeConfigMap:
-    """config.json <-> ModelConfig for a Llama-family mixture architecture (the interface of config_map.ConfigSpec).
-    A subclass names the architecture and says what it adds: its problems, its config.json entries, and the
-    canonical fields it reads (checking what only it has)."""
+    """config.json <-> ModelConfig for a Llama-family mixture architecture (the interface of config_map.ConfigSpec),
+    from its record (converters/hf/families.py): the architecture's names, its config.json keys and class defaults,
+    its trunk; a subclass is a way of gating and holding biases (module docstring)."""
 
     architecture: str  # config.json "architectures" entry
     model_type: str
     key_of: Mapping[str, str]  # canonical field -> config.json key
     defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) for keys a config.json may omit
+    qk_norm: str = "none"  # the trunk
+    norm_position: str = "pre"
+    natives: Callable[[], Sequence[MoeConfigMap]] = tuple  # every native format's map (a refusal names the others)
     typed_keys: tuple[str, ...] = ()  # config.json keys whose wrong type read_fields would trip on
-    qk_norm, norm_position = "none", "pre"  # the trunk (TRUNKS)
+
+    qkv_bias_always = False  # the architecture always has q/k/v biases (zeros are written for a model without)
+    shared_expert = False  # it has a shared expert beside the routed ones
 
     @property
     def rope(self) -> Rope:
         """RoPE as every HF family reads and writes it, with this architecture's default base."""
         return Rope(default_theta=float(self.defaults["rope_theta"]))
 
-    def problems(self, cfg: ModelConfig) -> Problems:
+    def trunks(self) -> dict[tuple[str, str], str]:
+        """(qk_norm, norm_position) -> the native format without a shared expert that carries that trunk."""
+        out: dict[tuple[str, str], str] = {}
+        for m in self.natives():
+            if not m.shared_expert:
+                out.setdefault((m.qk_norm, m.norm_position), m.model_type)
+        return out
+
+    @cached_property
+    def column(self) -> Column:
+        """What the format carries (converters/carry.py): the trunk's rows, then its own."""
+        return Column(self.model_type, trunk_rows(self.qk_norm, self.norm_position, self.trunks()) + self.own_rows())
+
+    def own_rows(self) -> tuple[Carry, ...]:
+        """How the format gates and which biases it holds (a subclass's)."""
         raise NotImplementedError
+
+    def problems(self, cfg: ModelConfig) -> Problems:
+        return self.column.problems(cfg)
 
     def entries(self, cfg: ModelConfig) -> dict[str, Any]:
         """The architecture's own config.json entries."""
@@ -227,3 +268,85 @@ class MoeConfigMap:
                 name=str(hf.get("_name_or_path") or name or self.model_type),
             ), self.key_of)
         return cfg, []
+
+
+@dataclass(frozen=True)
+class RenormalizedMoe(MoeConfigMap):
+    """Top-k gates always renormalized to sum to 1, bias-free projections, no shared expert, a sliding_window key
+    (written as none) and router jitter."""
+
+    def own_rows(self) -> tuple[Carry, ...]:
+        shared = next(m.model_type for m in self.natives() if m.shared_expert)
+        # the top-k probabilities renormalized to sum to 1; plain softmax gates agree only when every expert is
+        # selected (then the top-k probabilities already sum to 1)
+        gates = rule("gate_norm", lambda cfg: cfg.ffn_experts < 2 or cfg.gate_norm == "topk_softmax"
+                     or cfg.ffn_top_k == cfg.ffn_experts,
+                     "top-k gates renormalized to sum to 1 (gate_norm topk_softmax)",
+                     lambda cfg: f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts, "
+                                 f"whose gates p_i do not sum to 1, so {self.display}'s outputs would differ (rebuild "
+                                 "the mixture with --gate-norm topk_softmax; in a recipe or pipeline, gate_norm: "
+                                 "topk_softmax)", "topk_softmax (softmax with top-k = every expert)")
+        return shared_expert_row(shared), bias_row((), "bias-free projections"), gates
+
+    @property
+    def display(self) -> str:
+        return self.architecture.removesuffix("ForCausalLM")
+
+    def entries(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {"sliding_window": None, "router_jitter_noise": 0.0}
+
+    def read_fields(self, hf: Mapping[str, Any], get) -> dict[str, Any]:
+        return {"gate_norm": "topk_softmax"}
+
+
+@dataclass(frozen=True)
+class SharedExpertMoe(MoeConfigMap):
+    """A shared expert beside the routed ones (scaled by sigmoid(x . w)), q/k/v biases always (a model without them is
+    written with zeros: converters/native_moe.py's WithZeroQKVBias), the top-k renormalized when norm_topk_prob, every
+    layer sparse, the sliding-window keys written off."""
+
+    qkv_bias_always = shared_expert = True
+
+    def own_rows(self) -> tuple[Carry, ...]:
+        plain = self.trunks().get((self.qk_norm, self.norm_position))
+        return (rule("ffn_shared_hidden", lambda cfg: cfg.ffn_shared_hidden > 0,
+                     f"a shared expert (recipe btx-shared-expert; without one use --format {plain})",
+                     "no shared expert", "> 0"),
+                bias_row(("q/k/v",), "no biases but on q/k/v"),
+                *anything("gate_norm", shown="any (norm_topk_prob)"))
+
+    def entries(self, cfg: ModelConfig) -> dict[str, Any]:
+        return dict(**sparse_entries(cfg),
+                    qkv_bias=True,  # transformers >= 5 reads it; older versions always have q/k/v biases
+                    use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+
+    def read_fields(self, hf: Mapping[str, Any], get) -> dict[str, Any]:
+        every_layer_sparse(hf, get)
+        if not hf.get("qkv_bias", True):
+            raise CapabilityError("qkv_bias false is not supported on import (export always writes q/k/v biases)")
+        return {"qkv_bias": True, **gate_norm_of(get)}
+
+
+@dataclass(frozen=True)
+class AttentionBiasMoe(MoeConfigMap):
+    """One `attention_bias` (q/k/v and o together), the top-k renormalized when norm_topk_prob, no shared expert;
+    `sparse`: the architecture may have dense layers (decoder_sparse_step, mlp_only_layers: every layer sparse here)
+    and sliding-window keys (written off)."""
+
+    sparse: bool = False
+
+    def own_rows(self) -> tuple[Carry, ...]:
+        shared = next(m.model_type for m in self.natives() if m.shared_expert)
+        return (shared_expert_row(shared), *attention_bias_rows(), *anything("gate_norm", shown="any (norm_topk_prob)"))
+
+    def entries(self, cfg: ModelConfig) -> dict[str, Any]:
+        out = {"attention_bias": cfg.qkv_bias, "norm_topk_prob": cfg.gate_norm == "topk_softmax"}
+        if self.sparse:
+            out.update(**sparse_entries(cfg), use_sliding_window=False, sliding_window=None)
+        return out
+
+    def read_fields(self, hf: Mapping[str, Any], get) -> dict[str, Any]:
+        if self.sparse:
+            every_layer_sparse(hf, get)
+        bias = bool(get("attention_bias"))
+        return {"qkv_bias": bias, "o_bias": bias, **gate_norm_of(get)}

@@ -24,7 +24,7 @@ import torch
 from bam_surgery.runtime.config import ConfigError
 from bam_surgery.runtime.errors import CheckpointError
 from bam_surgery.runtime.layout import tensor_shapes
-from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.reader import ShapeTableReader
 from bam_surgery.runtime.safetensors_file import FileIdentity, SafetensorsFile
 
 from .architectures import Architecture, Binding, BoundRule, architecture, bind
@@ -64,7 +64,7 @@ class _PickleFile:
         return self.state[key]
 
 
-class HFCheckpointReader(Reader):
+class HFCheckpointReader(ShapeTableReader):
     """The reader protocol (runtime.reader) over a Hugging Face model directory.
 
     `architecture` is the directory's model_type; `table` its weight-mapping table."""
@@ -155,18 +155,9 @@ class HFCheckpointReader(Reader):
                     raise CheckpointError(f"{where} has shape {list(metas[0][0])}, which gives {c} {list(s)}; "
                                           f"config.json implies {list(expected[c])}")
                 self._shape[c], self._dtype[c] = s, metas[0][1]
-        self._names = list(expected)
+        self._shape = {c: self._shape[c] for c in expected}  # canonical order
 
     # -- reader protocol -------------------------------------------------------------------
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._shape
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shape[name]
-
     def dtype(self, name: str) -> torch.dtype:
         return self._dtype[name]
 

@@ -1,6 +1,6 @@
 """Canonical readers -> Hugging Face model directories, streamed tensor by tensor.
 
-    save_hf(reader, "out/llama", "llama", tokenizer_from=hf_reader)      a dense architecture
+    save_hf(reader, "out/llama", "llama", tokenizer_files=files)          a dense architecture
     export_architecture(reader, out, ARCHITECTURES["mixtral"], ...)       any table, Mixtral included
 
 Every HF format (the dense architectures, Mixtral, the HF BAM remote-code model) is written here:
@@ -29,12 +29,11 @@ from bam_surgery.runtime.reader import Reader, StateReader, check_layout
 from bam_surgery.runtime.safetensors_file import Entry
 from bam_surgery.runtime.shards import INDEX_NAME, copy_side_file, total_size, write_index, write_shards
 
-from ..base import ExportOptions
+from ..base import CastOptions, ExportOptions
 from .architectures import Architecture, BoundRule
 from .architectures import architecture as lookup_architecture
 from .architectures import bind
-from .files import (CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, generation_config_text, read_hf_config,
-                    tokenizer_files_in)
+from .files import CONFIG_FILE, GENERATION_CONFIG, SINGLE_FILE, generation_config_text
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 SHARD_METADATA = {"format": "pt"}  # what transformers' save_pretrained puts in each weight file
@@ -151,41 +150,43 @@ def export_with_options(reader: Reader, out_dir: str | os.PathLike, arch: Archit
         if generation or always_generation else {}
     if options.model_card is not None:
         texts["README.md"] = options.model_card
-    return export_architecture(reader, out_dir, arch, token_ids={k: generation.get(k) for k in TOKEN_ID_KEYS},
+    dtype = options.own.dtype if isinstance(options.own, CastOptions) else None
+    return export_architecture(reader, out_dir, arch, token_ids=config_token_ids(generation, reader.hf_config),
                                texts=texts, copies=options.tokenizer_files, max_shard_bytes=options.max_shard_bytes,
-                               dtype=options.dtype, replace=options.replace, **layout)
+                               dtype=dtype, replace=options.replace, **layout)
 
 
-def _tokenizer_source(tokenizer_from: Reader | str | os.PathLike | None) -> tuple[list[Path], Mapping[str, Any]]:
-    """(tokenizer files, HF config.json of that source or {}) from a reader or a directory."""
-    if tokenizer_from is None:
-        return [], {}
-    if isinstance(tokenizer_from, Reader):
-        return tokenizer_from.tokenizer_files(), tokenizer_from.hf_config or {}
-    d = Path(tokenizer_from)
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: tokenizer source is not a directory")
-    return tokenizer_files_in(d), read_hf_config(d) if (d / CONFIG_FILE).is_file() else {}
+def config_token_ids(generation: Mapping[str, Any], source_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """config.json's bos/eos/pad ids: the generation config's, else the source config.json's where it is an HF
+    model (a dense HF folder converted keeps its pad_token_id), else null. A source id that is not a token id
+    (an integer, or a non-empty list of them) is left out rather than carried."""
+    source = source_config or {}
+
+    def token_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+
+    def valid(v) -> bool:
+        return token_id(v) or (isinstance(v, list) and bool(v) and all(token_id(x) for x in v))
+    return {k: generation[k] if k in generation else (source.get(k) if valid(source.get(k)) else None)
+            for k in TOKEN_ID_KEYS}
 
 
-def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathLike, architecture: str,
-            tokenizer_from: Reader | str | os.PathLike | None = None, *, config: ModelConfig | None = None,
-            max_shard_bytes: int | None = DEFAULT_SHARD_BYTES, model_card: str | None = None,
-            dtype: torch.dtype | None = None, replace: bool = True) -> Path:
+def save_hf(source: Reader | Mapping[str, torch.Tensor], out_dir: str | os.PathLike, architecture: str, *,
+            config: ModelConfig | None = None, tokenizer_files: Iterable[str | os.PathLike] = (),
+            generation: Mapping[str, Any] | None = None, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+            model_card: str | None = None, dtype: torch.dtype | None = None, replace: bool = True) -> Path:
     """Write a dense canonical model (a reader, or a state dict with `config=`) as an HF directory.
 
     architecture: the HF model_type to write (llama, mistral, qwen2, gpt_neox, gpt2, cohere, phi).
-    tokenizer_from: a reader (an HF input) or a directory; its tokenizer files and generation config
-    are copied and its config's bos/eos/pad token ids carried over (null where it has none).
-    model_card: markdown written as README.md.
+    tokenizer_files: copied by name; generation: generation_config.json's entries (its token ids also go to
+    config.json; null where it has none). What a checkpoint carries is gathered by app/exports.py:export_inputs,
+    the one owner (bam-surgery convert --format hf goes through it). model_card: markdown written as README.md.
     """
     if isinstance(source, Mapping):
         if config is None:
             raise ValueError("save_hf: a state dict needs config=ModelConfig")
         source = StateReader(source, config)
-    arch = lookup_architecture(architecture)
-    tok_files, tok_config = _tokenizer_source(tokenizer_from)
-    # None where the source has none, not the config class's defaults (Phi-3's pad 32000 is past a small vocabulary)
-    return export_architecture(source, out_dir, arch, token_ids={k: tok_config.get(k) for k in TOKEN_ID_KEYS},
-                               texts={} if model_card is None else {"README.md": model_card}, copies=tok_files,
-                               max_shard_bytes=max_shard_bytes, dtype=dtype, replace=replace)
+    options = ExportOptions(tokenizer_files=tuple(Path(f) for f in tokenizer_files), generation=generation,
+                            model_card=model_card, max_shard_bytes=max_shard_bytes, replace=replace,
+                            own=CastOptions(dtype))
+    return export_with_options(source, out_dir, lookup_architecture(architecture), options, always_generation=False)

@@ -31,12 +31,13 @@ import torch
 from bam_surgery.runtime import blocks as runtime_blocks
 from bam_surgery.runtime import config_rules as runtime_config_rules
 from bam_surgery.runtime import routers as runtime_routers
-from bam_surgery.runtime.config import ModelConfig
+from bam_surgery.runtime.config import PRESET_NOTES, PRESETS, ModelConfig
 from bam_surgery.runtime.dtypes import FLOAT_DTYPES, dtype_name, main_dtype
 from bam_surgery.runtime.layout import tensor_shapes
 from bam_surgery.runtime.reader import Reader, check_layout
 
 from ..base import CapabilityError
+from ..carry import Column, anything, supported_values, values
 from . import schema_bam
 from ..hf.architectures import BoundRule
 from ..hf.files import CONFIG_FILE, GENERATION_CONFIG
@@ -74,18 +75,70 @@ def weight_rows(cfg: ModelConfig) -> list[BoundRule]:
     return [BoundRule((hf_weight_name(c),), (c,), IDENTITY, None) for c in tensor_shapes(cfg)]
 
 
-# ---- capability check -----------------------------------------------------------------------
+# ---- what the export carries ----------------------------------------------------------------
+# HF BAM's column of the table of what runs where (converters/carry.py): modeling_bam.py runs the runtime's own model
+# math (blocks.py, shipped byte for byte), so it carries every value the runtime does, the values schema_bam.py lists
+# (generated from ModelConfig: schema_text)
+COLUMN = Column("hf", tuple(values(f, schema_bam.SUPPORTED[f]) if f in schema_bam.SUPPORTED else anything(f)[0]
+                            for f in schema_bam.FIELDS))
+
+
 def check_hf_bam(cfg: ModelConfig) -> None:
     """Raise a one-line CapabilityError if modeling_bam.py cannot run this config; runs before any I/O."""
     for f in dataclasses.fields(cfg):
         if f.name not in schema_bam.FIELDS:
             raise CapabilityError(f"cannot export to the HF BAM format: config field {f.name!r} is unknown to "
                                   "configuration_bam.py / modeling_bam.py")
-    for fld, allowed in schema_bam.SUPPORTED.items():
-        value = getattr(cfg, fld)
-        if value not in allowed:
-            raise CapabilityError(f"cannot export to the HF BAM format: {fld}={value!r} is not implemented by "
-                                  f"modeling_bam.py (supported: {', '.join(map(str, allowed))})")
+    for row in COLUMN.failures(cfg):
+        fld, allowed = row.fields[0], row.allowed
+        raise CapabilityError(f"cannot export to the HF BAM format: {fld}={getattr(cfg, fld)!r} is not implemented by "
+                              f"modeling_bam.py (supported: {', '.join(map(str, allowed))})")
+
+
+# ---- the schema, generated from the model config ----------------------------------------------
+SCHEMA_BEGIN = "# ---- generated from runtime/config.py ModelConfig"
+SCHEMA_END = "# ---- end of the generated part"
+SCHEMA_FILE = CODE_DIR / "schema_bam.py"
+
+
+def schema_text(text: str) -> str:
+    """schema_bam.py's text with its FIELDS and SUPPORTED made again from ModelConfig, the way blocks.py is shipped
+    byte for byte: every field, same names, order and defaults (the sizes ModelConfig requires get the tiny preset's
+    as placeholders; an export always sets every field), and each field of a fixed set of values its values (less
+    those the field never takes). write_schema() writes it; tests/converters/test_hf_bam_export.py holds the file
+    equal to it."""
+    head, _, rest = text.partition(SCHEMA_BEGIN)
+    return head + "\n".join(_schema_lines()) + rest.partition(SCHEMA_END)[2]
+
+
+def _schema_lines() -> list[str]:
+    placeholders = {k: v for k, v in PRESETS["tiny"].items() if k not in PRESET_NOTES}
+    out = [f"{SCHEMA_BEGIN} (converters/hf_bam/export.py:schema_text; a test holds it equal)",
+           "# Every field of bam-surgery's ModelConfig, same names, order and defaults; None for n_kv_heads / head_dim",
+           "# means n_heads / d_model // n_heads. The sizes ModelConfig requires get placeholders: an export always sets",
+           "# every field.", "FIELDS = {", "    # ---- dense architecture ----"]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == "ffn_experts":
+            out.append("    # ---- mixture ----")
+        value = placeholders[f.name] if f.default is dataclasses.MISSING else f.default
+        out.append(f"    {json.dumps(f.name)}: {_literal(value)},")
+    out += ["}", "", "# What modeling_bam.py implements, per config field of a fixed set of values. The exporter refuses "
+            "configs", "# outside it (export.py:check_hf_bam), and so does BamConfig when a config.json is edited by "
+            "hand.", "SUPPORTED = {"]
+    for name, allowed in supported_values().items():
+        out.append(f"    {json.dumps(name)}: ({', '.join(map(_literal, allowed))}),")
+    return out + ["}", SCHEMA_END]
+
+
+def _literal(value) -> str:
+    """A Python literal of a default (strings in double quotes, as the file's other strings)."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def write_schema() -> None:
+    """Rewrite schema_bam.py from ModelConfig (after a config field is added or its values change):
+    .venv/bin/python -c 'from bam_surgery.converters.hf_bam.export import write_schema; write_schema()'"""
+    SCHEMA_FILE.write_text(schema_text(SCHEMA_FILE.read_text(encoding="utf-8")), encoding="utf-8")
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: torch.dtype,

@@ -16,33 +16,77 @@ TRANSFORMERS_BELOW = "6"
 TRANSFORMERS_TESTED = ("4.57.6", "5.23.0", "5.24.0")
 TRANSFORMERS_RANGE = f">={TRANSFORMERS_MIN},<{TRANSFORMERS_BELOW}"
 
-# Every field of bam-surgery's ModelConfig, same names, order and defaults (tests/runtime/test_config.py holds them
-# equal); the five sizes ModelConfig requires get small placeholders here. An export always sets every field.
-# None for n_kv_heads / head_dim means n_heads / d_model // n_heads.
+# ---- generated from runtime/config.py ModelConfig (converters/hf_bam/export.py:schema_text; a test holds it equal)
+# Every field of bam-surgery's ModelConfig, same names, order and defaults; None for n_kv_heads / head_dim
+# means n_heads / d_model // n_heads. The sizes ModelConfig requires get placeholders: an export always sets
+# every field.
 FIELDS = {
     # ---- dense architecture ----
-    "vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 128,
-    "n_kv_heads": None, "head_dim": None,
-    "activation": "swiglu", "norm": "rmsnorm", "norm_bias": False, "norm_eps": 1e-5,
-    "qkv_bias": False, "o_bias": False, "ffn_bias": False, "lm_head_bias": False,
-    "position": "rope", "rope_theta": 10000.0, "rotary_fraction": 1.0, "rope_interleaved": False,
-    "max_positions": 2048, "block": "sequential", "tie_embeddings": False, "logit_scale": 1.0, "final_norm": True,
-    "scaled_rope": None, "nope_layers": None, "qk_norm": "none", "norm_position": "pre",
-    "norm_unit_offset": False, "scale_embeddings": False, "attn_window": None, "attn_window_layers": None,
-    "window_rope_theta": None, "attn_scale_dim": None, "attn_softcap": None, "final_softcap": None,
+    "vocab_size": 256,
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "ffn_hidden": 128,
+    "n_kv_heads": None,
+    "head_dim": None,
+    "activation": "swiglu",
+    "norm": "rmsnorm",
+    "norm_bias": False,
+    "norm_eps": 1e-05,
+    "qkv_bias": False,
+    "o_bias": False,
+    "ffn_bias": False,
+    "lm_head_bias": False,
+    "position": "rope",
+    "rope_theta": 10000.0,
+    "rotary_fraction": 1.0,
+    "rope_interleaved": False,
+    "max_positions": 2048,
+    "block": "sequential",
+    "tie_embeddings": False,
+    "logit_scale": 1.0,
+    "final_norm": True,
+    "scaled_rope": None,
+    "nope_layers": None,
+    "qk_norm": "none",
+    "norm_position": "pre",
+    "norm_unit_offset": False,
+    "scale_embeddings": False,
+    "attn_window": None,
+    "attn_window_layers": None,
+    "window_rope_theta": None,
+    "attn_scale_dim": None,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attn_scale": None,
+    "attn_temperature": None,
+    "attn_temperature_length": None,
     # ---- mixture ----
-    "ffn_experts": 0, "ffn_top_k": 1, "gate_norm": "softmax", "ffn_shared_hidden": 0,
-    "attn_experts": 0, "attn_top_k": None, "kv_mode": "expert",
-    "router": "linear", "attn_router": None, "router_hidden": None, "router_temperature": 0.1,
-    # key_store: the update rules' knobs matter only to training; kept so a config.json read back gives the
-    # same model config
-    "key_store_alpha": 0.01, "key_store_beta": 0.005, "key_store_delta": 0.001,
-    "key_store_theta_percentile": 0.05, "key_store_ema_decay": 0.99,
-    "lb_coef": 0.01, "z_coef": 0.001, "name": "",
+    "ffn_experts": 0,
+    "ffn_top_k": 1,
+    "gate_norm": "softmax",
+    "ffn_shared_hidden": 0,
+    "attn_experts": 0,
+    "attn_top_k": None,
+    "kv_mode": "expert",
+    "router": "linear",
+    "attn_router": None,
+    "router_hidden": None,
+    "router_temperature": 0.1,
+    "key_store_alpha": 0.01,
+    "key_store_beta": 0.005,
+    "key_store_delta": 0.001,
+    "key_store_theta_percentile": 0.05,
+    "key_store_ema_decay": 0.99,
+    "lb_coef": 0.01,
+    "z_coef": 0.001,
+    "name": "",
 }
 
-# What modeling_bam.py implements, per config field. The exporter refuses configs outside this table
-# (converters/hf_bam/export.py:check_hf_bam), and so does BamConfig when a config.json is edited by hand.
+# What modeling_bam.py implements, per config field of a fixed set of values. The exporter refuses configs
+# outside it (export.py:check_hf_bam), and so does BamConfig when a config.json is edited by hand.
 SUPPORTED = {
     "activation": ("swiglu", "gelu", "gelu_tanh", "relu", "silu", "geglu_tanh"),
     "norm": ("layernorm", "rmsnorm"),
@@ -55,6 +99,7 @@ SUPPORTED = {
     "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
     "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
 }
+# ---- end of the generated part
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

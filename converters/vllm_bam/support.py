@@ -1,14 +1,16 @@
 """What the vLLM model (model.py) implements of an HF BAM export's config, in plain Python (no vLLM, no
-transformers): one entry per config field of the export (converters/hf_bam/schema_bam.py FIELDS; a test holds the
-two lists equal, so a field added to the export must be decided here), and the one-line refusal at load time of
-any value outside it.
+transformers): vLLM's column of the table of what runs where (converters/carry.py, converters/targets.py), and the
+one-line refusal at load time of any value outside it.
 
 A field maps to the values the vLLM model runs (a tuple), or to ANY: every value is served as the runtime
-computes it, or the field matters only to training (losses, the key store's update rules) or to labels.
+computes it, or the field matters only to training (losses, the key store's update rules) or to labels. A field of
+the export (converters/hf_bam/schema_bam.py FIELDS) not listed here is served at its default only: a field added to
+the export is refused by vLLM until it is decided here.
 """
 from __future__ import annotations
 
 from ..base import CapabilityError
+from ..carry import Column, anything, rule, values
 from ..hf_bam import schema_bam
 
 ANY = None
@@ -43,19 +45,25 @@ SUPPORTED: dict[str, tuple | None] = {
 }
 
 
+# vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts through it
+# with a constant gate), and has no gated ReLU
+_RELU_EXPERTS = rule(("ffn_experts", "activation"), lambda cfg: not (cfg.ffn_experts and cfg.activation == "relu"),
+                     "FFN experts with activation relu (its fused-MoE layer has no ReLU experts)", "",
+                     "no ReLU experts")
+COLUMN = Column("vllm", (*[anything(f)[0] if allowed is ANY else values(f, allowed)
+                           for f, allowed in SUPPORTED.items()], _RELU_EXPERTS))
+
+
 def vllm_problems(cfg) -> list[str]:
     """What of `cfg` (anything with the export's config fields: BamConfig, ModelConfig) the vLLM model does not
     implement, one phrase each; empty when it serves the model as the runtime computes it."""
     problems = []
-    for name in schema_bam.FIELDS:
-        if name not in SUPPORTED:
-            problems.append(f"config field {name!r} (unknown to it)")
-        elif SUPPORTED[name] is not ANY and getattr(cfg, name) not in SUPPORTED[name]:
-            problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, SUPPORTED[name]))})")
-    if cfg.ffn_experts and cfg.activation == "relu":
-        # vLLM's fused-MoE layer computes act(gate x) * (up x) for SiLU and GELU (model.py runs ungated experts
-        # through it with a constant gate), and has no gated ReLU
-        problems.append("FFN experts with activation relu (its fused-MoE layer has no ReLU experts)")
+    for row in COLUMN.failures(cfg, schema_bam.FIELDS):
+        if row.allowed is None:
+            problems.append(row.needs_text(cfg))
+        else:
+            name = row.fields[0]
+            problems.append(f"{name}={getattr(cfg, name)!r} (it runs {', '.join(map(str, row.allowed))})")
     return problems
 
 

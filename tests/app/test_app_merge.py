@@ -22,6 +22,7 @@ import torch
 from conftest import MERGE_CONFIGS as CONFIGS
 from conftest import WrappedReader, b3, branched_family, logits, max_diff, random_state, save_family, sha256, tokens_for
 from bam_surgery.app.merge import MergeResult, merge
+from bam_surgery.app.reporter import Quiet
 from bam_surgery.runtime import ForcedRouting, load_model
 from bam_surgery.runtime.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 from bam_surgery.runtime.reader import Reader
@@ -43,10 +44,20 @@ class Merged:
 
 def merged(paths, out, recipe: str = "bam", max_shard_size: str | None = None, **options) -> Merged:
     """app.merge.merge of paths[0] (the seed) and paths[1:] (the experts) into OUT, its warnings kept."""
-    warnings: list[str] = []
+    reporter = Kept()
     result = merge([(None, str(p)) for p in paths], out, recipe=recipe, options=MergeOptions(**options),
-                   max_shard_size=max_shard_size, warn=warnings.append)
-    return Merged(result, warnings)
+                   max_shard_size=max_shard_size, reporter=reporter)
+    return Merged(result, reporter.warnings)
+
+
+class Kept(Quiet):
+    """A reporter that keeps the warnings."""
+
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
 
 
 # ---- identities -----------------------------------------------------------------------------------

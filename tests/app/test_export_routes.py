@@ -20,7 +20,7 @@ import torch
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from conftest import branch_state, random_hf_model, run_cli  # noqa: E402
+from conftest import branch_state, export_carries, random_hf_model, run_cli  # noqa: E402
 from bam_surgery.app.exports import export_inputs  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.converters.hf import save_hf  # noqa: E402
@@ -65,7 +65,7 @@ def hf_family(root: Path, family: str) -> list[Path]:
         state = {n: seed.get(n) for n in seed.names()}
         for j, name in enumerate(("one", "two"), 1):
             save_hf(branch_state(state, lambda n: False, 10 * j), root / name, seed.architecture, config=seed.config,
-                    tokenizer_from=root / "seed")
+                    **export_carries(seed))
     return [root / n for n in ("seed", "one", "two")]
 
 

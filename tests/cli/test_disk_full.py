@@ -38,14 +38,19 @@ def test_export_gguf_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["llama.safetensors"]
 
 
-def test_plot_out_on_a_full_disk_leaves_no_folder(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
+def run_folder(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 3.0 - s, "lr": 1e-3})
                                                + "\n" for s in (1, 2)))
+    return run
+
+
+def test_plot_out_on_a_full_disk_leaves_no_folder(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    run = run_folder(tmp_path)
     real, calls = Figure.savefig, []
 
     def savefig(self, fname, *args, **kwargs):  # the first PNG is written, the second meets a full disk
@@ -60,3 +65,18 @@ def test_plot_out_on_a_full_disk_leaves_no_folder(tmp_path, monkeypatch):
     assert "No space left" in line, line
     assert sorted(os.listdir(tmp_path)) == ["run"]
     assert sorted(os.listdir(run)) == ["metrics.jsonl"]
+
+
+def test_plot_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """Issue 42: matplotlib writes the PNG through a file object, so on a full disk its OSError has no file name
+    ("No space left on device" alone): the line names the file in DIR."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def full(self, fname, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Figure, "savefig", full)
+    out = tmp_path / "png"
+    line = cli_error_line("plot", run_folder(tmp_path), "--out", out)
+    assert f"{out / 'loss.png'}: could not be written (No space left on device)" in line, line
+    assert not out.exists()

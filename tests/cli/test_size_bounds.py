@@ -30,7 +30,7 @@ def test_memory_limit_is_known_and_check_fits_names_both_numbers():
 def test_a_micro_batch_past_memory_is_refused_before_the_model_is_built(tmp_path, extra):
     line = cli_error_line("train", "--preset", "tiny", "--data", f"code={CORPUS}/code", "--out", tmp_path / "run",
                           "--steps", 1, "--token-cache", tmp_path / "cache", "--no-plot", "--no-progress", *extra)
-    assert f"micro_batch {extra[1]}" in line and "GiB of memory; this machine has" in line
+    assert f"micro_batch {extra[1]}" in line and "GiB of RAM at its peak" in line and "GiB is available to it" in line
 
 
 def test_a_model_config_that_cannot_fit_is_refused(tmp_path):
@@ -40,7 +40,8 @@ def test_a_model_config_that_cannot_fit_is_refused(tmp_path):
     path.write_text(json.dumps(body))
     line = cli_error_line("train", "--model-config", path, "--data", f"code={CORPUS}/code", "--out",
                           tmp_path / "run", "--steps", 1, "--token-cache", tmp_path / "cache", "--no-plot")
-    assert "parameters) with micro_batch" in line and "GiB of memory" in line
+    assert "parameters) with micro_batch" in line and "GiB of RAM at its peak" in line
+    assert "use a machine with more memory" in line  # no option makes 2 TB of weights fit
 
 
 def test_a_router_hidden_width_past_memory_is_refused(tmp_path):

@@ -196,7 +196,7 @@ def test_vllm_serves_the_runtimes_tokens(kind, tmp_path, tokenizer_files):
     save_model(model, tmp_path / "canonical.safetensors")
     with CheckpointReader(tmp_path / "canonical.safetensors") as reader:
         if kind == "dense":  # as Llama, the tokenizer carried from its folder
-            out = save_hf(reader, tmp_path / "export", "llama", tokenizer_from=tokenizer_files[0].parent)
+            out = save_hf(reader, tmp_path / "export", "llama", tokenizer_files=tokenizer_files)
         else:
             out = exporter(fmt).write(reader, tmp_path / "export", ExportOptions(
                 tokenizer_files=tokenizer_files, generation={"eos_token_id": EOS, "pad_token_id": 1}))

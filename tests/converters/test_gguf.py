@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from bam_surgery.converters.base import CapabilityError, ExportOptions
+from bam_surgery.converters.gguf_export import GGUFOptions
 from bam_surgery.converters.export import check_export, exporter
 from bam_surgery.runtime import Model, generate, load_model, save_model
 from bam_surgery.runtime.checkpoint import save_checkpoint
@@ -42,6 +43,7 @@ from conftest import WrappedReader, cli_error_line, error_line, merge_family, ra
 
 gguf = pytest.importorskip("gguf")
 from bam_surgery.converters import gguf_export as ge  # noqa: E402  (needs gguf for every write)
+from bam_surgery.converters import gguf_tokenizer as gt  # noqa: E402
 from bam_surgery.converters.gguf_table import rope_pairs  # noqa: E402
 
 F32_TOL = 1e-4  # max |logit difference|, f32 weights (measured 1.4e-6 to 1.9e-5)
@@ -80,6 +82,7 @@ LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=256,  # l
                 short_factor=[1.0 + 0.05 * i for i in range(8)], long_factor=[1.5 + 0.7 * i for i in range(8)])
 
 
+EXAONE4 = dict(qk_norm="head", norm_position="post", head_dim=16)
 GEMMA = dict(norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="geglu_tanh",
              tie_embeddings=True)
 # llama.cpp's CPU GeGLU reads GELU from an f16 table (ggml's GGML_GELU_FP16: the gate rounded to f16, the GELU
@@ -114,11 +117,20 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "gemma3": (dict(GEMMA, n_layers=3, qk_norm="head", head_dim=32, n_kv_heads=1, attn_window=5,
                     attn_window_layers=[0, 2], window_rope_theta=10000.0, rope_theta=1e6, max_positions=256,
                     scaled_rope=dict(rope_type="linear", factor=8.0)), "gemma3"),
+    # Granite's multipliers (embedding, residual, attention scale, logit divisor) with Llama 3's RoPE and attention
+    # biases; EXAONE 4 (post-norms, per-head QK-norm) without windows (RoPE everywhere), and with llama.cpp's only
+    # windowed shape: 64 layers, three of four sliding, RoPE only there (at another block count llama.cpp has none)
+    "granite": (dict(embedding_multiplier=12.0, residual_multiplier=0.22, attn_scale=0.0625, logit_scale=0.125,
+                     qkv_bias=True, o_bias=True, scaled_rope=LLAMA3, max_positions=256), "granite"),
+    "exaone4": (dict(EXAONE4, n_layers=64, d_model=32, n_heads=2, n_kv_heads=1, ffn_hidden=32, attn_window=5,
+                     attn_window_layers=[i for i in range(64) if i % 4 < 3], nope_layers=list(range(3, 64, 4)),
+                     scaled_rope=LLAMA3, max_positions=256), "exaone4"),
+    "exaone4-global": (dict(EXAONE4, tie_embeddings=True, rope_theta=1e6), "exaone4"),
 }
 
 
-def write(cfg: ModelConfig, state, out: Path, **options) -> Path:
-    return exporter("gguf").write(StateReader(state, cfg), out, ExportOptions(**options))
+def write(cfg: ModelConfig, state, out: Path, gguf_dtype: str | None = None, **options) -> Path:
+    return exporter("gguf").write(StateReader(state, cfg), out, ExportOptions(own=GGUFOptions(gguf_dtype), **options))
 
 
 def fields(path: Path) -> dict:
@@ -264,7 +276,8 @@ def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
     (dict(qk_norm="head", ffn_experts=3, ffn_top_k=2, gate_norm="softmax"), "--gate-norm topk_softmax"),
     (dict(qk_norm="full", norm_position="post", head_dim=24), "4 heads of 24 in d_model 64"),
     (dict(scaled_rope=LONGROPE, max_positions=1024, o_bias=True), "o biases"),
-    (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"), "a full-width QK-norm"),
+    (dict(qk_norm="full", norm_position="post", ffn_experts=2, gate_norm="topk_softmax"),
+     "none has norms after attention and FFN"),
     (dict(qk_norm="head", rope_interleaved=True), "interleaved RoPE"),
     (dict(FAMILIES["gemma2"][0], attn_window=None, attn_window_layers=None), "no sliding-window layers"),
     (dict(FAMILIES["gemma2"][0], attn_softcap=None), "attention soft-capping (llama.cpp's gemma2)"),
@@ -274,7 +287,8 @@ def test_llama3_frequency_factors_give_the_runtime_s_frequencies():
     (dict(FAMILIES["gemma3"][0], window_rope_theta=None), "sliding layers with the global RoPE scaling"),
     (dict(FAMILIES["gemma3"][0], scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
      "gemma3 applies (linear)"),
-    (dict(FAMILIES["gemma3"][0], ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"), "no Gemma mixture"),
+    (dict(FAMILIES["gemma3"][0], ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
+     "none has norms before and after attention and FFN"),
     (dict(scale_embeddings=True), "unscaled embeddings (llama.cpp's llama)"),
     (dict(attn_window=8), "attention over the whole prefix (llama.cpp's llama)"),
 ])
@@ -435,7 +449,7 @@ def test_pre_tokenizers_llama_cpp_implements():
         return json.loads(tok.to_str())["pre_tokenizer"]
 
     assert ge.pre_tokenizer_name(as_json(pre.ByteLevel(add_prefix_space=False)), "t") == "gpt-2"
-    for regex, name in ((ge.LLAMA3_REGEX, "llama-bpe"), (ge.QWEN2_REGEX, "qwen2")):
+    for regex, name in ((gt.LLAMA3_REGEX, "llama-bpe"), (gt.QWEN2_REGEX, "qwen2")):
         split = pre.Sequence([pre.Split(tokenizers.Regex(regex), behavior="isolated"),
                               pre.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert ge.pre_tokenizer_name(as_json(split), "t") == name
@@ -465,7 +479,6 @@ def test_canonical_folder_carries_its_tokenizer(tmp_path):
     (dict(block="parallel"), "block parallel"),
     (dict(rotary_fraction=0.5), "rotary_fraction 0.5"),
     (dict(position="learned"), "position learned"),
-    (dict(logit_scale=0.5), "logit_scale"),
     (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "--gate-norm softmax"),
@@ -480,6 +493,14 @@ def test_capability_refused_from_config_alone(overrides, needle):
     message = str(e.value)
     assert needle in message and "\n" not in message
     assert "canonical, hf or onnx formats" in message or "canonical, hf, qwen2_moe or onnx formats" in message
+
+
+def test_a_logit_scale_goes_to_granite():
+    """llama.cpp's granite divides the logits (logit_scale key): a Llama-shaped model with a logit scale is carried
+    there, its other multipliers at 1 (llama.cpp's llama has none)."""
+    cfg = llama_config(logit_scale=0.5)
+    check_export("gguf", cfg)
+    assert ge.gguf_architecture(cfg) == "granite" and ge.gguf_architecture(llama_config()) == "llama"
 
 
 class NoReads(WrappedReader):
@@ -940,7 +961,7 @@ def test_llama_cpp_fine_grained_upcycle_is_the_dense_seed(llama_cpp, tmp_path, f
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pre, regex, ignore_merges", [
-    ("llama-bpe", ge.LLAMA3_REGEX, True), ("qwen2", ge.QWEN2_REGEX, False)])
+    ("llama-bpe", gt.LLAMA3_REGEX, True), ("qwen2", gt.QWEN2_REGEX, False)])
 def test_llama_cpp_split_pre_tokenizers_encode_like_tokenizers(llama_cpp, tmp_path, pre, regex, ignore_merges):
     tokenizers = pytest.importorskip("tokenizers")
     p = tokenizers.pre_tokenizers

@@ -84,6 +84,16 @@ VARIANTS = {
                            attn_experts=2, ffn_experts=2, ffn_top_k=1,
                            scaled_rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                             high_freq_factor=4.0, original_max_position_embeddings=16)),
+    # the families of 2026: Granite's multipliers and attention scale with Ministral 3's queries scaled by position
+    # (every 4 positions: generation crosses two periods); EXAONE 4's post-norms and per-head QK-norm with RoPE in
+    # its sliding layer only
+    "granite_ministral3": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2,
+                               embedding_multiplier=12.0, residual_multiplier=0.22, attn_scale=0.0625,
+                               logit_scale=0.125, attn_temperature=0.5, attn_temperature_length=4, attn_experts=2,
+                               ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
+    "exaone4_window": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, head_dim=16,
+                           qk_norm="head", norm_position="post", attn_window=3, attn_window_layers=[0],
+                           nope_layers=[1], attn_experts=2, kv_mode="shared", ffn_experts=2, ffn_top_k=1),
 }
 
 
@@ -183,7 +193,7 @@ def test_generate_with_cache_matches_runtime(exported, variant):
 
 
 @pytest.mark.parametrize("variant", ["bam_expert_kv", "topk_attention", "sequential_learned", "btx", "olmo2_shared_kv",
-                                     "phi3_longrope", "gemma3_window", "gemma2_softcap"])
+                                     "phi3_longrope", "gemma3_window", "gemma2_softcap", "granite_ministral3"])
 def test_left_padded_batch(exported, variant):
     model, _, hf = exported(variant)
     gen = torch.Generator().manual_seed(5)

@@ -14,26 +14,23 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
-from test_hf_import import TOL, canonical_model, hf_model  # noqa: E402
+from test_hf_import import TOL, canonical_model, save_cases  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime.model import Model  # noqa: E402
 
 # where each case's RoPE changes: positions starting before and ending past it
 START = {"llama3.2": 8180, "llama-linear": 500, "llama-dynamic": 50, "llama-yarn": 32760, "llama-longrope": 4090,
          "qwen3": 40950, "qwen3-yarn": 32760, "phi3": 4090, "phi4-mini": 4000, "olmo2": 4000, "smollm3": 65000,
-         "mistral-window": 0, "qwen2-window": 0, "phi3-window": 0, "gemma2": 0, "gemma3": 100, "olmo3": 0}
+         "mistral-window": 0, "qwen2-window": 0, "phi3-window": 0, "gemma2": 0, "gemma3": 100, "olmo3": 0,
+         "granite": 8180, "ministral3": 505, "exaone4": 8180, "exaone4-global": 0}
 LENGTH = 16
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for case in FAMILY_CASES:
-        d = tmp_path_factory.mktemp(case)
-        model = hf_model(case)
-        model.save_pretrained(d)
-        out[case] = (model, canonical_model(open_checkpoint(str(d))))
-    return out
+    """{case: (the transformers model, ours read from its saved folder)}."""
+    return {case: (model, canonical_model(open_checkpoint(str(d))))
+            for case, (model, d) in save_cases(tmp_path_factory, FAMILY_CASES).items()}
 
 
 def _inputs(vocab: int, start: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +87,7 @@ def test_scaled_rope_really_differs_from_plain_past_the_original(saved):
 
 
 @pytest.mark.parametrize("case", ["phi3", "llama3.2", "qwen3", "olmo2", "smollm3", "gemma2", "gemma3", "olmo3",
-                                  "mistral-window"])
+                                  "mistral-window", "granite", "ministral3", "exaone4"])
 def test_greedy_generation_equals_transformers(tmp_path, case):
     """runtime.generate against transformers' generate, greedy, through the threshold: Phi-3's longrope with its
     original length shrunk to 32 (transformers' Phi-3 drops its cache where the frequencies switch; the runtime

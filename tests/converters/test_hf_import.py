@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import FAMILY_CASES, random_hf_model  # noqa: E402
+from conftest import FAMILY_CASES, export_carries, random_hf_model  # noqa: E402
 from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.converters.hf import ARCHITECTURES, CapabilityError, HFCheckpointReader, save_hf  # noqa: E402
 from bam_surgery.converters.hf import config_map as cm  # noqa: E402
@@ -82,16 +82,21 @@ def safetensors_state(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Each case saved once with save_pretrained (module-scoped to keep the file fast)."""
+def save_cases(tmp_path_factory, cases) -> dict:
+    """{case: (the transformers model, its folder)}: each case saved once with save_pretrained."""
     out = {}
-    for case in CASES:
+    for case in cases:
         d = tmp_path_factory.mktemp(case)
         model = hf_model(case)
         model.save_pretrained(d)
         out[case] = (model, d)
     return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each case saved once (module-scoped to keep the file fast)."""
+    return save_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -112,7 +117,7 @@ def test_logits_match_transformers(saved, case):
 def test_export_reproduces_hf_state_dict_and_loads_in_transformers(saved, tmp_path, case):
     hf, d = saved[case]
     reader = open_checkpoint(str(d))
-    out = save_hf(reader, tmp_path / "out", hf.config.model_type, tokenizer_from=reader)
+    out = save_hf(reader, tmp_path / "out", hf.config.model_type, **export_carries(reader))
     original, exported = safetensors_state(d / "model.safetensors"), safetensors_state(out / "model.safetensors")
     assert sorted(exported) == sorted(original)
     for k in original:
@@ -278,7 +283,8 @@ def test_export_capability_errors_before_any_io(tmp_path):
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                 "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
                 "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
-                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config"}
+                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config",
+                "granite": "GraniteConfig", "ministral3": "Ministral3Config", "exaone4": "Exaone4Config"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
     "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
@@ -325,7 +331,7 @@ def test_rope_spellings_across_transformers_versions():
     theta = {"rope_type": "default", "rope_theta": 5e5}
     spellings = [dict(rope_theta=5e5), dict(rope_theta=5e5, rope_scaling=None), dict(rope_parameters=theta),
                  dict(rope_parameters={"full_attention": theta, "sliding_attention": theta})]
-    configs = [cm.hf_to_model_config({**sizes, **s}, cm.QWEN2)[0] for s in spellings]
+    configs = [cm.hf_to_model_config({**sizes, **s}, ARCHITECTURES["qwen2"].config)[0] for s in spellings]
     assert all(c == configs[0] for c in configs) and configs[0].rope_theta == 5e5
 
 

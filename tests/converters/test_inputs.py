@@ -17,11 +17,12 @@ from bam_surgery.converters.hf import HFCheckpointReader, save_hf
 from bam_surgery.runtime.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
+from conftest import export_carries
 
 transformers = pytest.importorskip("transformers")
 
 TOKENIZER_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
-                   "generation_config.json": "{}"}
+                   "generation_config.json": '{"bos_token_id": 1, "eos_token_id": 2}'}
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,13 @@ def test_hf_directory_and_tokenizer_files(hf_dir, tmp_path):
     assert sorted(p.name for p in reader.tokenizer_files()) == sorted(TOKENIZER_FILES)
     assert reader.files() == [hf_dir / "model.safetensors"]
     assert isinstance(open_checkpoint(str(hf_dir / "model.safetensors")), HFCheckpointReader)  # its directory
-    out = save_hf(reader, tmp_path / "out", "llama", tokenizer_from=reader)
-    for name in TOKENIZER_FILES:
-        assert (out / name).read_text() == TOKENIZER_FILES[name]
+    out = save_hf(reader, tmp_path / "out", "llama", **export_carries(reader))  # what every export carries
+    for name in TOKENIZER_FILES:  # the tokenizer files as they are; the generation config's entries rewritten
+        got = (out / name).read_text()
+        assert got == TOKENIZER_FILES[name] if name != "generation_config.json" else \
+            json.loads(got) == json.loads(TOKENIZER_FILES[name])
     written = json.loads((out / "config.json").read_text())
-    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # carried from the tokenizer source
+    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # the generation config's token ids
     assert written["architectures"] == ["LlamaForCausalLM"]
 
 

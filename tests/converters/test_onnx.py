@@ -58,6 +58,15 @@ KINDS = {
                              norm_position="sandwich", norm_unit_offset=True, scale_embeddings=True, qk_norm="head",
                              attn_scale_dim=20, attn_window=3, attn_window_layers=[0], window_rope_theta=100.0,
                              attn_softcap=5.0, final_softcap=3.0),
+    # the families of 2026: Granite's multipliers with Ministral 3's queries scaled by position (every 4 positions,
+    # inside the traced and decoded lengths) and YaRN; EXAONE 4's post-norms, per-head QK-norm and RoPE in its
+    # sliding layer only
+    "bam_granite_ministral3": dict(attn_experts=2, ffn_experts=2, n_kv_heads=2, embedding_multiplier=12.0,
+                                   residual_multiplier=0.22, attn_scale=0.0625, logit_scale=0.125,
+                                   attn_temperature=0.1, attn_temperature_length=4,
+                                   scaled_rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)),
+    "bam_exaone4": dict(attn_experts=2, kv_mode="shared", ffn_experts=2, n_kv_heads=2, qk_norm="head",
+                        norm_position="post", attn_window=3, attn_window_layers=[0], nope_layers=[1]),
 }
 
 

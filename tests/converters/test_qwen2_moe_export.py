@@ -12,7 +12,7 @@ from conftest import (cli_error_line, dense_family, load_hf_native, max_diff, me
                       seed_and_experts, tiny_config, tokens_for)
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.export import exporter
-from bam_surgery.converters.hf.qwen2_moe_config import check_qwen2_moe
+from bam_surgery.converters.hf.architectures import ARCHITECTURES
 from bam_surgery.converters.base import CapabilityError
 from bam_surgery.runtime import load_model, save_checkpoint
 from bam_surgery.runtime.model import Model
@@ -94,7 +94,7 @@ def test_refusals_are_one_line(tmp_path):
     assert "no shared expert (--format qwen2_moe carries one)" in line
     assert not (tmp_path / "o").exists()
     with pytest.raises(CapabilityError, match="interleaved RoPE"):
-        check_qwen2_moe(tiny_config(**LLAMA, ffn_experts=2, ffn_shared_hidden=8, rope_interleaved=True))
+        ARCHITECTURES["qwen2_moe"].config.check(tiny_config(**LLAMA, ffn_experts=2, ffn_shared_hidden=8, rope_interleaved=True))
 
 
 def test_specialists_differing_in_attention_are_averaged_like_btx(tmp_path):

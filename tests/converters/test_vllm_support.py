@@ -18,18 +18,20 @@ from bam_surgery.converters.hf_bam import schema_bam
 from bam_surgery.converters.vllm_bam import MODEL_CLASS, register, support
 
 
-def test_every_export_field_is_decided():
-    assert list(support.SUPPORTED) == list(schema_bam.FIELDS)
+def test_every_listed_field_is_an_export_field():
+    assert set(support.SUPPORTED) <= set(schema_bam.FIELDS)
     for field, values in support.SUPPORTED.items():  # nothing listed that the export cannot hold
         if values is not support.ANY and field in schema_bam.SUPPORTED:
             assert set(values) <= set(schema_bam.SUPPORTED[field]), field
 
 
-def test_a_field_unknown_to_the_vllm_model_is_refused(monkeypatch):
+def test_a_field_the_vllm_model_does_not_list_is_served_at_its_default_only(monkeypatch):
     monkeypatch.setitem(schema_bam.FIELDS, "future_field", False)
     cfg = tiny_config()
     cfg.future_field = False
-    with pytest.raises(CapabilityError, match="config field 'future_field'"):
+    support.check_vllm(cfg)
+    cfg.future_field = True
+    with pytest.raises(CapabilityError, match=re.escape("future_field=True (it runs False)")):
         support.check_vllm(cfg)
 
 

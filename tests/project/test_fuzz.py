@@ -183,12 +183,13 @@ def tiny_gguf(tmp_path_factory) -> bytes:
     pytest.importorskip("gguf")
     from bam_surgery.converters.export import exporter
     from bam_surgery.converters.base import ExportOptions
+    from bam_surgery.converters.gguf_export import GGUFOptions
     from bam_surgery.runtime.reader import StateReader
     from conftest import random_state
 
     cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64, name="fuzz")
     out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    exporter("gguf").write(StateReader(random_state(cfg), cfg), out, ExportOptions(gguf_dtype="f32"))
+    exporter("gguf").write(StateReader(random_state(cfg), cfg), out, ExportOptions(own=GGUFOptions("f32")))
     return out.read_bytes()
 
 

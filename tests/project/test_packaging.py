@@ -96,7 +96,7 @@ def test_a_missing_optional_package_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, dist", [("yaml.constructor", "PyYAML"), ("onnxruntime", "onnxruntime"),
                                         ("lm_eval", "lm_eval")])
 def test_missing_package_names_what_to_install(name, dist):
-    from bam_surgery.cli.commands import missing_package_message
+    from bam_surgery.app.errors import missing_package_message
 
     assert f"pip install {dist}" in missing_package_message(ModuleNotFoundError("x", name=name))
     assert missing_package_message(ModuleNotFoundError("x", name="bam_surgery.surgery.nothing")) is None

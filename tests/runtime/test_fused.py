@@ -264,3 +264,33 @@ def test_attend_and_its_graph_form_equal_plain_attention(rep, shape, sdpa_gqa, m
     want = _attention_float64(q, k, v, mask)
     assert max_diff(attend(q, k, v, mask), want) < 1e-5
     assert max_diff(_attend_graph(q, k, v, mask, Dh ** -0.5), want) < 1e-5
+
+
+def test_the_loss_head_casts_its_weight_once_under_autocast():
+    """Under bf16 autocast the chunked head casts the fp32 head weight to bf16 once per forward, whatever the number
+    of chunks (it was three casts per chunk: run G2's largest single CUDA cost at vocab 256k), and its gradient
+    accumulates in fp32; the loss equals the full logits' to 0.5%."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = tiny_config(ffn_experts=3, attn_experts=2)
+    model = build_model(cfg, random_state(cfg, 31)).train()
+    model.loss_chunk_rows = 3
+    weight = model.lm_head.weight
+    casts = []
+
+    class CountCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == weight.data_ptr():
+                casts.append(kwargs.get("dtype"))
+            return func(*args, **(kwargs or {}))
+
+    tokens, targets = tokens_for(cfg, 31), tokens_for(cfg, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), CountCasts():
+        out = model(tokens, targets=targets, return_logits=False)
+    with CountCasts():
+        out.loss.backward()
+    assert casts == [torch.bfloat16], casts  # 16 rows in chunks of 3: six chunks, one cast
+    assert weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(tokens, targets=targets)
+    assert abs(out.loss.item() - full.loss.item()) < 5e-3 * full.loss.item()

@@ -1,6 +1,7 @@
-"""What a GPU run needs, checked on the CPU (issue 24): the GPU benchmark (benchmarks/inference.py) runs end to end
-at `--device cpu --size smoke` through every code path `make bench-gpu` takes (bf16 inference weights and cache,
-training under bf16 autocast, the compiled decode step, peak memory, MFU, the issue's targets), imports nothing
+"""What a GPU run needs, checked on the CPU (issues 24 and 40): the GPU benchmark (benchmarks/gpu.py, over the engines
+of benchmarks/inference.py) runs end to end at `--device cpu --size smoke` through every code path `make bench-gpu`
+takes (bf16 inference weights and cache, training under bf16 autocast eager and with compiled blocks, the compiled
+decode step, MFU, the bandwidth limit, the issue's targets, the time budget), imports nothing
 setup.py does not declare (transformers only in its peer rows), and the decode step follows the rules of
 torch.compile(mode="reduce-overhead") (CUDA graphs): torch._dynamo.explain finds no graph break, so no host
 synchronisation and no data-dependent shape, for every model kind. tests/runtime/test_cuda.py holds what needs a GPU."""
@@ -23,6 +24,7 @@ from bam_surgery.runtime.generation import decode_step
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks import gpu  # noqa: E402
 from benchmarks import inference as bench  # noqa: E402
 
 SMOKE_CASES = ["bam-expert-kv fused", "bam-shared-kv reference", "Mixtral (transformers)",
@@ -31,39 +33,87 @@ SMOKE_CASES = ["bam-expert-kv fused", "bam-shared-kv reference", "Mixtral (trans
 
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
-    """The same command as make bench-gpu, at --device cpu --size smoke, in one process: bf16 inference weights
-    and cache, training under bf16 autocast, the fused decode step compiled (aot_eager: no C++ build)."""
-    cmd = [sys.executable, "-m", "benchmarks.inference", "--device", "cpu", "--dtype", "bf16", "--size", "smoke",
-           "--repeat", "1", "--in-process", "--decode-graphs", "on", "--compile-backend", "aot_eager",
-           "--peak-tflops", "1", "--out", str(tmp_path), "--cases", *SMOKE_CASES]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+    """The command make bench-gpu runs (benchmarks/gpu.py), at --device cpu --size smoke, in one process: bf16
+    inference weights and cache, the fused decode step compiled (aot_eager on the CPU: no C++ build), training
+    under bf16 autocast eager and with compiled blocks, a row written per case in the benchmark's order."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--size", "smoke", "--repeat", "1",
+           "--peak-tflops", "1", "--hbm-tbs", "0.01", "--budget-s", "100000", "--out", str(tmp_path), "--cases",
+           *SMOKE_CASES]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["case"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    assert list(rows) == [c.name for c in bench.CASES if c.name in SMOKE_CASES]
-    for name, r in rows.items():
-        assert not r["error"] and not r["skipped"], (name, r["error"], r["skipped"])
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in rows] == [n for n in gpu.ORDER if n in SMOKE_CASES]
+    by = {r["case"]: r for r in rows}
+    for name, r in by.items():
+        assert not r["errors"] and not r["skipped"] and not r["skipped_phases"], (name, r)
         for metric in ("prefill_tps", "decode1_tps", "decode_batch_tps", "train_tps"):
             assert r[metric] > 0, (name, metric)
-        assert r["dtype"] == "bf16" and r["device"] == "cpu" and r["peak_bytes"]["rss"] > 0
-    assert rows["bam-expert-kv fused"]["decode_mode"] == "compiled (aot_eager)"
-    assert rows["bam-shared-kv reference"]["decode_mode"] == "eager"
-    # bf16 cache: 2 bytes per element; expert KV holds E times the heads of shared KV
-    assert rows["bam-shared-kv reference"]["kv_bytes_per_token"] == 2 * 2 * 2 * 4 * 16  # K, V x layers x heads x Dh
-    assert rows["bam-expert-kv fused"]["kv_bytes_per_token"] == 4 * 2 * 2 * 2 * 4 * 16
-    assert rows["Mixtral (transformers)"]["generate_tps"] > 0
-    assert rows["HF BAM export expert KV (transformers)"]["generate_tps"] > 0
+    fused = by["bam-expert-kv fused"]
+    assert fused["train_compiled_tps"] > 0 and fused["compile_s"] > 0 and fused["decode_mode"] == "compiled (aot_eager)"
+    assert by["bam-shared-kv reference"]["decode_mode"] == "eager" and not by["bam-shared-kv reference"]["compile_s"]
+    assert by["Mixtral (transformers)"]["generate_tps"] > 0
+    assert by["HF BAM export expert KV (transformers)"]["generate_tps"] > 0
+    assert fused["kv_bytes_per_token"] == 4 * 2 * 2 * 2 * 4 * 16  # bf16 cache: E x K, V x layers x heads x Dh
     text = (tmp_path / "results.md").read_text()
     assert "cpu, bf16, size smoke" in text and "MFU against 1 TFLOP/s" in text and "| decode b2 tok/s |" in text
-    assert "% |" in text  # the MFU columns are filled with --peak-tflops
+    assert "of the bandwidth limit 0.01 TB/s" in text and "Issue 40's targets" in text
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_keeps_to_its_budget(tmp_path):
+    """--budget-s: a compiled phase starts only with 60 s of the budget left, and past the budget no case starts;
+    each row is written as it ends, skipped ones included."""
+    base = [sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--size", "smoke", "--repeat", "1"]
+    cmd = base + ["--budget-s", "30", "--out", str(tmp_path), "--cases", "dense fused", "dense reference"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in rows] == ["dense fused", "dense reference"]
+    first = rows[0]
+    assert first["prefill_tps"] > 0 and first["train_tps"] > 0
+    assert first["skipped_phases"] == ["decode", "train compiled"]  # each compiles: 60 s needed, 30 s given
+    assert "not run (budget): decode, train compiled" in (tmp_path / "results.md").read_text()
+    out = tmp_path / "none"
+    proc = subprocess.run(base + ["--budget-s", "0", "--out", str(out), "--cases", "dense fused"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "rows.jsonl").read_text())["skipped"] == "time budget (0 s) spent"
+
+
+def test_the_decode_bandwidth_limit_and_the_targets():
+    """decode b1's limit: bf16 bytes of every weight a token reads plus its KV cache reads; paper-small dense:
+    6 layers x (4 x 1024^2 attention + 3 x 1024 x 4096 FFN) + 256,000 x 1024 head (+ one embedding row), and
+    2 x 6 x 8 heads x 128 x 1,040 cached keys and values on average."""
+    from bam_surgery.runtime import ModelConfig
+
+    size = bench.SIZES["paper-small"]
+    cfg = bench.runtime_config("dense", size)
+    weights = 6 * (4 * 1024 * 1024 + 3 * 1024 * 4096) + 256_000 * 1024 + 1024
+    assert gpu.decode_bytes(cfg, size) == 2 * (weights + 2 * 6 * 8 * 128 * (1024 + 16))
+    bam = bench.runtime_config("bam-expert-kv", size)  # 4 attention experts, top-1 of 4 FFN experts, 2 routers
+    assert gpu.decode_bytes(bam, size) > gpu.decode_bytes(cfg, size)
+    assert isinstance(bam, ModelConfig) and gpu.hbm_tbs("NVIDIA H200") == 4.8 and gpu.hbm_tbs("NVIDIA H100 80GB HBM3") == 3.35
+    dense = gpu.Row("dense fused", flops_per_token=1e9, train_compiled_tps=0.41 * 989e12 / 3e9, train_tps=1.0,
+                    decode1_tps=1000.0, decode_bytes_per_token=1e9)
+    bam_row = gpu.Row("bam-expert-kv fused", flops_per_token=1e9, train_tps=0.2 * 989e12 / 3e9, prefill_tps=300.0)
+    ref = gpu.Row("bam-expert-kv reference", flops_per_token=1e9, prefill_tps=100.0)
+    text = gpu.targets([dense, bam_row, ref], 989.0, 4.8)
+    assert "dense fused training MFU 41.0% (best of eager and compiled; target >= 40%: met)" in text
+    assert "bam-expert-kv fused training MFU 20.0% (best of eager and compiled; target >= 35%: NOT met)" in text
+    assert "bam-expert-kv fused prefill 3.00x the reference (target >= 3x: met)" in text
+    assert ("dense fused decode b1 1,000.0 tokens/s = 21% of the bandwidth limit 4.8 TB/s / 1.000 GB per token = "
+            "4,800 tokens/s (target >= 50%: NOT met)") in text
+    assert "transformers rows measured: none" in text
 
 
 @pytest.mark.slow
 def test_a_missing_cuda_or_transformers_is_one_line():
     if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--device", "cuda", "--size", "smoke"],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
-        assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr.splitlines()[-1]
+        for script in ("benchmarks.inference", "benchmarks.gpu"):
+            proc = subprocess.run([sys.executable, "-m", script, "--device", "cuda", "--size", "smoke"],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr.splitlines()[-1], script
     mixtral = next(c for c in bench.CASES if c.engine == "transformers")
     ort = next(c for c in bench.CASES if c.engine == "onnxruntime")
     assert bench.skip_reason(ort, "cuda") == "onnxruntime rows run on the CPU only"
@@ -78,11 +128,12 @@ def test_a_missing_cuda_or_transformers_is_one_line():
     assert "| Mixtral (transformers) | skipped: transformers is not installed |" in bench.table([skipped])
 
 
-def test_the_benchmark_imports_only_declared_packages():
-    """Top-level imports of benchmarks/inference.py: the standard library, the package and what setup.py declares;
-    transformers only inside the transformers engines."""
+@pytest.mark.parametrize("script", ["inference.py", "gpu.py"])
+def test_the_benchmark_imports_only_declared_packages(script):
+    """Imports of benchmarks/inference.py and benchmarks/gpu.py: the standard library, the package and what setup.py
+    declares; transformers only inside the transformers engines."""
     declared = {dist_name(r).replace("-", "_") for r in setup_keyword("install_requires")}
-    tree = ast.parse((ROOT / "benchmarks" / "inference.py").read_text())
+    tree = ast.parse((ROOT / "benchmarks" / script).read_text())
     owners: dict[ast.AST, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
@@ -93,7 +144,7 @@ def test_the_benchmark_imports_only_declared_packages():
         if top in sys.stdlib_module_names or top in ("bam_surgery", "benchmarks") or top in declared:
             continue
         assert top == "transformers" and owners.get(node) in ("TransformersEngine", "HFBamEngine"), \
-            f"benchmarks/inference.py:{node.lineno} imports {name}, which setup.py does not declare"
+            f"benchmarks/{script}:{node.lineno} imports {name}, which setup.py does not declare"
 
 
 def test_peak_table_and_mfu():
@@ -158,8 +209,8 @@ def test_make_targets_use_the_preinstalled_python():
     layers = re.search(r"^LAYERS = \((.*)\)$", (ROOT / "setup.py").read_text(encoding="utf-8"), re.M).group(1)
     names = " ".join(layers.replace('"', "").replace(",", " ").split())
     assert f"for layer in {names}; do ln -s" in out.stdout
-    assert re.search(r"PYTHONPATH=\S*build/gpu-path\S* /opt/gpu/bin/python -m benchmarks\.inference --device cuda --dtype bf16 --size paper-small",
-                     out.stdout)
+    assert re.search(r"PYTHONPATH=\S*build/gpu-path\S* /opt/gpu/bin/python -m benchmarks\.gpu --device cuda --dtype bf16 "
+                     r"--size paper-small", out.stdout)
     assert re.search(r"PYTHONPATH=\S*build/gpu-path\S* /opt/gpu/bin/python -m pytest -q -p no:cacheprovider "
                      r"tests/runtime/test_cuda\.py", out.stdout)
     assert ".venv" not in out.stdout

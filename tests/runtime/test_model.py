@@ -64,6 +64,13 @@ FAMILY_FEATURES = {
     "gemma2": dict(attn_window=3, attn_window_layers=[0], norm_position="sandwich", norm_unit_offset=True,
                    scale_embeddings=True, activation="geglu_tanh", attn_softcap=5.0, final_softcap=3.0,
                    n_kv_heads=2),
+    # the residual stream's multipliers and an attention scale of its own (Granite) with queries scaled by position
+    # (Ministral 3; the scale changes every other position of the 8); a per-head QK-norm with post-norms, RoPE in
+    # the sliding layer only (EXAONE 4)
+    "granite_ministral3": dict(embedding_multiplier=3.0, residual_multiplier=0.25, attn_scale=0.0625,
+                               logit_scale=0.125, attn_temperature=0.5, attn_temperature_length=2, n_kv_heads=2),
+    "exaone4": dict(qk_norm="head", norm_position="post", attn_window=3, attn_window_layers=[0], nope_layers=[1],
+                    n_kv_heads=2, head_dim=16),
 }
 DENSE_CASES += [(f"family-{n}", f) for n, f in FAMILY_FEATURES.items()]
 

@@ -73,5 +73,23 @@ def test_load_model_of_an_hf_folder_names_the_call_that_opens_it(tmp_path, fmt, 
                                                           f"(model_type '{model_type}'), not a bam-surgery")
         assert f"bam_surgery.converters.open_checkpoint('{folder}')" in message
         assert "bam_surgery.runtime.model_from_reader(reader)" in message
+        assert f"bam_surgery.load('{folder}')" in message
     with open_checkpoint(folder) as reader:
         assert model_from_reader(reader).config.ffn_experts == experts.get("ffn_experts", 0)
+
+
+@pytest.mark.parametrize("name", ["m.gguf", "m.bin"])
+def test_load_model_of_a_gguf_file_points_to_the_api_load(tmp_path, name):
+    """A GGUF file (by its name or its magic) given to load_model: one line naming bam_surgery.load, not the
+    safetensors header parser's "unreadable safetensors header" about a length prefix of GGUF's magic."""
+    path = tmp_path / name
+    path.write_bytes(b"GGUF" + bytes(60))
+    for target in (path, tmp_path):  # the file, or a folder holding it (no config.json)
+        with pytest.raises(CheckpointError) as e:
+            load_model(target)
+        what = "a GGUF file" if target == path else "a folder of GGUF files"
+        if target == tmp_path and name != "m.gguf":
+            assert "no config.json" in str(e.value)
+            continue
+        assert str(e.value).startswith(f"{target}: {what}, not a bam-surgery canonical checkpoint")
+        assert f"bam_surgery.load('{target}')" in str(e.value) and "\n" not in str(e.value)

@@ -299,22 +299,89 @@ def test_count_params_table_and_json(tiny_ckpt):
     assert json.loads(res.output)["groups"]["ffn_experts"]["active"] == 2 * 2 * 3 * 64 * 128
 
 
-def test_count_params_recipes_reproduce_table5_and_7():
-    top1 = ["--ffn-top-k", 1]  # the paper's top-1 (the shipped recipes route to 2)
-    cases = [(["--recipe", "bam", "--experts", 4, *top1], "bam"),
-             (["--recipe", "bam-shared-kv", "--experts", 4, *top1], "bam-shared-kv"),
-             (["--recipe", "btx", "--experts", 4, *top1], "btx-top1"),
-             (["--recipe", "btx", "--experts", 4, "--ffn-top-k", 3], "btx-top3"), ([], "dense")]
-    for args, model in cases:
-        res = invoke(count_params_cmd, ["--preset", "paper-small", *args, "--convention", "paper", "--json"])
-        assert res.exit_code == 0, res.output
-        out = json.loads(res.output)
-        assert (out["active"], out["total"]) == TABLE5[model][-2:], model
-        assert list(out["table5"].values()) == list(TABLE5[model]), model
-    res = invoke(count_params_cmd, ["--preset", "paper-small", "--recipe", "btx", "--experts", 6, "--ffn-top-k", 3])
-    assert "775,990,272" in res.output  # Table 7: 776M total
+# count-params from the paper's preset and convention alone: each column's recipe and experts, and the routing the
+# column names (BTX top-3's --ffn-top-k 3); the paper's top-1 routing comes with --convention paper
+PAPER_COLUMNS = {"dense": [], "bam": ["--recipe", "bam", "--experts", 4],
+                 "bam-shared-kv": ["--recipe", "bam-shared-kv", "--experts", 4],
+                 "btx-top1": ["--recipe", "btx", "--experts", 4],
+                 "btx-top3": ["--recipe", "btx", "--experts", 4, "--ffn-top-k", 3]}
+
+
+def paper_count(*args) -> dict:
+    res = invoke(count_params_cmd, ["--preset", "paper-small", *args, "--convention", "paper", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+@pytest.mark.parametrize("model", list(PAPER_COLUMNS))
+def test_count_params_reproduces_every_table5_figure_from_the_preset_and_convention(model):
+    out = paper_count(*PAPER_COLUMNS[model])
+    assert (out["active"], out["total"]) == TABLE5[model][-2:]
+    assert list(out["table5"].items()) == list(zip(TABLE5_LABELS, TABLE5[model]))
+
+
+def test_count_params_prints_table5_under_its_heading():
+    """The issue's command, as a user types it: 662,731,776 active under "as in the paper's Table 5"."""
+    res = invoke(count_params_cmd, ["--preset", "paper-small", "--recipe", "bam", "--experts", 4, "--convention", "paper"])
+    section = res.output.split("as in the paper's Table 5 (per-block rows: one transformer block, active)\n", 1)
+    assert len(section) == 2, res.output
+    assert "Active Params      662,731,776" in section[1] and "Total Params       776,002,560" in section[1]
+    assert res.output.splitlines()[0].endswith("4 experts, the paper's top-1 FFN routing and softmax gates")
+
+
+@pytest.mark.parametrize("experts,total,active", [(4, 700_480_512, 587_234_304), (5, 738_235_392, 587_240_448),
+                                                  (6, 775_990_272, 587_246_592), (7, 813_745_152, 587_252_736),
+                                                  (8, 851_500_032, 587_258_880)])
+def test_count_params_reproduces_every_table6_figure(experts, total, active):
+    """Table 6: BTX with 4 to 8 experts (the extra ones copies of the seed's FFN; --experts counts them), totals
+    700M to 851M and 587M active; docs/param-counting.md has the exact figures."""
+    out = paper_count("--recipe", "btx", "--experts", experts)
+    assert (out["total"], out["active"]) == (total, active)
+    assert {700: 4, 738: 5, 776: 6, 813: 7, 851: 8}[next(m for m in (700, 738, 776, 813, 851)
+                                                         if m in shown_millions(total))] == experts
+    assert 587 in shown_millions(active)
+    bam = paper_count(*PAPER_COLUMNS["bam"])  # Table 6's first row: BAM, 776M / 663M
+    assert 776 in shown_millions(bam["total"]) and 663 in shown_millions(bam["active"])
+
+
+def test_count_params_reproduces_table7():
+    """Table 7: BTX top-3 of 6 experts, 776M / 662M, beside BAM's 776M / 662M."""
+    out = paper_count("--recipe", "btx", "--experts", 6, "--ffn-top-k", 3)
+    assert (out["total"], out["active"]) == (775_990_272, 662_744_064)
+    assert 776 in shown_millions(out["total"]) and 662 in shown_millions(out["active"])
+
+
+def test_count_params_labels_any_other_routing():
+    """Another routing than the paper's is counted, and said, in the Table 5 heading; exact counts the recipe's
+    own routing (top-2), as a merge with the same flags writes it."""
+    base = ["--preset", "paper-small", "--recipe", "bam", "--experts", 4]
+    res = invoke(count_params_cmd, [*base, "--convention", "paper", "--ffn-top-k", 2])
+    assert ("as in the paper's Table 5, routed top-2 of 4 FFN experts (not the paper's: 1 FFN expert per token, "
+            "every attention expert)") in res.output
+    assert "Active Params      700,480,512" in res.output
+    assert res.output.splitlines()[0].endswith("4 experts, the paper's softmax gates")  # what it took, said
+    res = invoke(count_params_cmd, [*base, "--convention", "paper", "--attention-routing", "top2", "--json"])
+    assert json.loads(res.output)["config"]["attn_top_k"] == 2
+    res = invoke(count_params_cmd, ["--preset", "paper-small", *PAPER_COLUMNS["btx-top3"], "--convention", "paper"])
+    assert "routed top-3 of 4 FFN experts, as the paper's BTX top-3 column" in res.output
+    exact = json.loads(invoke(count_params_cmd, [*base, "--json"]).output)
+    assert exact["config"]["ffn_top_k"] == 2 and exact["config"]["gate_norm"] == "topk_softmax"
+
+
+def test_count_params_takes_the_merge_options():
+    """count-params reads the merge's own flags (MergeOptions' `counts` fields): the same mixture as a merge."""
+    out = paper_count("--recipe", "btx", "--experts", 4, "--extra-ffn-experts", 2)
+    assert out["total"] == 775_990_272  # 6 FFN experts, as Table 6's BTX 6 experts
+    out = json.loads(invoke(count_params_cmd, ["--preset", "tiny", "--recipe", "bam", "--experts", 3, "--router", "mlp",
+                                               "--router-hidden", 16, "--json"]).output)
+    assert out["config"]["router"] == "mlp" and out["config"]["router_hidden"] == 16
     res = invoke(count_params_cmd, ["--preset", "paper-small", "--recipe", "upcycle", "--experts", 4, "--json"])
     assert json.loads(res.output)["total"] == TABLE5["btx-top1"][-1]  # same shapes as BTX
+    res = invoke(count_params_cmd, ["--preset", "tiny", "--recipe", "upcycle", "--experts", 4,
+                                    "--extra-ffn-experts", 2])
+    assert res.exit_code == 2 and "--extra-ffn-experts: recipe upcycle counts its copies" in res.stderr
+    res = invoke(count_params_cmd, ["--preset", "tiny", "--router", "mlp"])
+    assert res.exit_code == 2 and "--router needs --recipe" in res.stderr
 
 
 @pytest.mark.parametrize("args,message", [

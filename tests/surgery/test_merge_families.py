@@ -22,7 +22,8 @@ from bam_surgery.converters import open_checkpoint  # noqa: E402
 from bam_surgery.runtime import ForcedRouting, load_model  # noqa: E402
 
 TOL = 1e-4
-FAMILIES = ("llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gemma3", "olmo3", "mistral-window")
+FAMILIES = ("llama3.2", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gemma3", "olmo3", "mistral-window", "granite",
+            "ministral3", "exaone4")
 # what the specialists keep equal to the seed, per recipe: the tensors the recipe averages or shares
 KEEP = {
     "bam": lambda n: False,

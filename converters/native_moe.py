@@ -1,17 +1,10 @@
-"""The `qwen2_moe` format: FFN-expert mixtures with a shared expert (recipe btx-shared-expert) of
-Llama/Mistral/Qwen2-family models as HF Qwen2-MoE, loaded natively (`Qwen2MoeForCausalLM`, no remote code).
+"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`): a mixture as a native HF MoE
+architecture, loaded with no remote code, one exporter per record of converters/hf/families.py NATIVE_MIXTURES (its
+weight table, its config map's capability check; the folder as hf/writer.py:export_native_mixture writes it).
 
-On disk (what `Qwen2MoeForCausalLM.save_pretrained` writes):
-
-    model.layers.{i}.mlp.gate.weight                          [E, D]   router
-    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight        routed expert e
-    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight      the shared expert
-    model.layers.{i}.mlp.shared_expert_gate.weight            [1, D]   its gate: sigmoid(x . w)
-    model.layers.{i}.self_attn.{q,k,v}_proj.bias                       always (zeros for a model without)
-
-The weight table is in hf/architectures.py, the config.json map and the capability check in
-hf/qwen2_moe_config.py. Qwen2-MoE always has q/k/v biases: a model without them is written through
-`WithZeroQKVBias`, a reader view that adds zero biases, so Qwen2-MoE computes exactly the same function.
+A format whose architecture always has q/k/v biases (a shared-expert mixture's: `qwen2_moe`) writes a model without
+them through `WithZeroQKVBias`, a reader view that adds zero biases, so the architecture computes exactly the same
+function.
 """
 from __future__ import annotations
 
@@ -23,8 +16,9 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.reader import Reader
 
-from .hf.qwen2_moe_config import MODEL_TYPE
-from .mixtral import NativeMixtureExporter
+from .base import CastOptions, ExportOptions, Exporter
+from .hf.family import Family
+from .hf.writer import export_native_mixture
 
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
@@ -78,10 +72,21 @@ class WithZeroQKVBias(Reader):
         self.inner.check_unchanged()
 
 
-class Qwen2MoeExporter(NativeMixtureExporter):
-    name, model_type = "qwen2_moe", MODEL_TYPE
-    summary = "HF Qwen2-MoE directory, btx-shared-expert of Llama-family inputs"
+class NativeMixtureExporter(Exporter):
+    """A mixture as the native HF MoE architecture of a family record."""
+
+    Options = CastOptions
+
+    def __init__(self, family: Family):
+        self.family, self.name, self.summary = family, family.model_type, family.summary
+
+    def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
+        self.family.config.check(cfg, recipe)
 
     def source(self, reader: Reader) -> Reader:
-        """Qwen2-MoE always has q/k/v biases: a model without them is seen through WithZeroQKVBias."""
-        return reader if reader.config.qkv_bias else WithZeroQKVBias(reader)
+        """The reader as the architecture holds it: with zero q/k/v biases where it always has them."""
+        return WithZeroQKVBias(reader) if self.family.config.qkv_bias_always and not reader.config.qkv_bias else reader
+
+    def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
+        self.check(reader.config, recipe=options.recipe)
+        return export_native_mixture(self.source(reader), out, self.family, options)
