@@ -6,9 +6,11 @@
 
 Walk: the request's own checks (before any checkpoint is opened), the inputs opened (headers only), the
 plan compiled (surgery/plan.py) and the format's capability checked from its config, the warm start
-(surgery/warm_start.py, with --router-init domain-mean|profile), then OUT checked once (the OUT policy and
+(surgery/warm_start.py, with --router-init domain-mean|profile) and the routers from prompts (surgery/prompts.py,
+with --router-prompts: the file read before any checkpoint is opened), then OUT checked once (the OUT policy and
 the branch check) and written: canonical by surgery/execute.py (with the seed's side files), any other format
-through app/exports.py from a PlanReader (no intermediate canonical file). A dry run stops after the plan and returns it unwritten.
+through app/exports.py from a PlanReader (no intermediate canonical file). A dry run stops after the plan and
+returns it unwritten.
 """
 from __future__ import annotations
 

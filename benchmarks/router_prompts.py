@@ -14,11 +14,18 @@ states: the dense seed runs once over the first --eval-tokens held-out tokens of
 the seed's tokenizer, windows of 256) and each mode's router weights score the captured states. Per mode and
 domain: the share of the tokens whose top-1 expert is the domain's own, averaged over the 30 layers' routers (and
 its range), and the share whose top-2 holds it. Random init gives about 1/4 and 1/2. Deterministic: no timing.
+
+    .venv/bin/python -m benchmarks.router_prompts --render benchmarks/results/router-prompts-smollm2.json \
+        --write-doc docs/routers.md
+
+puts the result's table between docs/routers.md's `<!-- router-prompts begin -->` and `<!-- router-prompts end -->`
+markers (tests/project/test_router_prompts_doc.py checks that the doc holds what `render` prints for the stored file).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -123,20 +130,9 @@ def shares(seed: str, weights: dict[str, list[torch.Tensor]], eval_tokens: int, 
             for m, per in counts.items()}, n_tokens
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--eval-tokens", type=int, default=4096, help="Held-out tokens per domain.")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    seed = str(seed_gguf())
-    with tempfile.TemporaryDirectory(prefix="router-prompts-") as scratch:
-        work = Path(scratch)
-        weights = router_weights(seed, work)
-        result, n_tokens = shares(seed, weights, args.eval_tokens, work / "tokens")
+def summarize(seed: str, result: dict, n_tokens: dict) -> dict:
     summary = {"seed": Path(seed).name, "experts": list(ORDER), "prompts": PROMPTS, "eval_tokens": n_tokens,
                "modes": {}}
-    print(f"\n{'mode':<30}" + "".join(f"{d:>16}" for d in ORDER) + "   (own top-1, mean over layers [min-max]; own in "
-          "top-2)")
     for mode, per in result.items():
         row = {}
         for d in ORDER:
@@ -144,11 +140,65 @@ def main(argv: list[str] | None = None) -> None:
             row[d] = {"top1": sum(top1) / len(top1), "top1_min": min(top1), "top1_max": max(top1),
                       "top2": sum(top2) / len(top2), "top1_per_layer": top1}
         summary["modes"][mode] = row
-        print(f"{mode:<30}" + "".join(f"{row[d]['top1']:>7.2f} [{row[d]['top1_min']:.2f}-{row[d]['top1_max']:.2f}]"
-                                      for d in ORDER))
-        print(f"{'':<30}" + "".join(f"{row[d]['top2']:>16.2f}" for d in ORDER))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary
+
+
+def render(summary: dict) -> str:
+    """The markdown table of a result: per mode and domain, the own expert's top-1 share (mean over the layers'
+    routers, their range) and top-2 share."""
+    order = summary["experts"]
+    layers = len(next(iter(summary["modes"].values()))[order[0]]["top1_per_layer"])
+    tokens = ", ".join(f"{d} {summary['eval_tokens'][d]:,}" for d in order)
+    out = [f"**{summary['seed']}, upcycled into {len(order)} FFN experts ({', '.join(order)}), top-2.** Share of "
+           f"each domain's held-out tokens ({tokens}) whose top-1 expert is the domain's own: the mean over the "
+           f"{layers} layers' routers [their range]; then the share whose top-2 holds it. Chance is "
+           f"1/{len(order)} and 2/{len(order)}.", "",
+           "| router init | " + " | ".join(order) + " |", "|---|" + "---:|" * len(order)]
+    for mode, row in summary["modes"].items():
+        cells = [f"{row[d]['top1']:.2f} [{row[d]['top1_min']:.2f}-{row[d]['top1_max']:.2f}] / {row[d]['top2']:.2f}"
+                 for d in order]
+        out.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+BLOCK = re.compile(r"(<!-- router-prompts begin -->\n)(.*?)(<!-- router-prompts end -->)", re.S)
+
+
+def doc_block(text: str) -> str | None:
+    m = BLOCK.search(text)
+    return None if m is None else m.group(2).strip("\n")
+
+
+def write_doc(doc: Path, summary: dict) -> None:
+    text = doc.read_text(encoding="utf-8")
+    if doc_block(text) is None:
+        raise SystemExit(f"{doc}: no <!-- router-prompts begin --> ... end --> markers")
+    doc.write_text(BLOCK.sub(lambda m: m.group(1) + render(summary) + "\n" + m.group(3), text), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--eval-tokens", type=int, default=4096, help="Held-out tokens per domain.")
+    ap.add_argument("--out", type=Path, help="Run the measurement and write its result here (JSON).")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="Print the table of a stored result instead.")
+    ap.add_argument("--write-doc", type=Path, metavar="DOC", help="Put the table into DOC's markers.")
+    args = ap.parse_args(argv)
+    if (args.out is None) == (args.render is None):
+        ap.error("give --out (run) or --render JSON (a stored result)")
+    if args.render is not None:
+        summary = json.loads(args.render.read_text(encoding="utf-8"))
+    else:
+        seed = str(seed_gguf())
+        with tempfile.TemporaryDirectory(prefix="router-prompts-") as scratch:
+            work = Path(scratch)
+            weights = router_weights(seed, work)
+            result, n_tokens = shares(seed, weights, args.eval_tokens, work / "tokens")
+        summary = summarize(seed, result, n_tokens)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(render(summary))
+    if args.write_doc is not None:
+        write_doc(args.write_doc, summary)
 
 
 if __name__ == "__main__":

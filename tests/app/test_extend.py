@@ -194,6 +194,16 @@ def test_random_rows_are_seeded_normal(tmp_path, family):
     c = extend(str(trained), [("math", str(family[3]))], tmp_path / "c.safetensors",
                options=ExtendOptions(router_std=0.001, router_seed=1)).path
     assert a.read_bytes() == b.read_bytes()
+    # the Python API and the command: the same function, the same bytes
+    import bam_surgery as bs
+
+    api = bs.extend(trained, {"math": family[3]}, tmp_path / "api.safetensors", router_std=0.001, router_seed=1)
+    assert api.path.read_bytes() == c.read_bytes() and api.extension.config.ffn_experts == 4
+    run_cli("extend", trained, "--experts", f"math={family[3]}", "--router-std", "0.001", "--router-seed", "1",
+            "--out", tmp_path / "cli.safetensors", "--quiet")
+    assert (tmp_path / "cli.safetensors").read_bytes() == c.read_bytes()
+    with pytest.raises(bs.UserError, match="extend takes no option 'drop_ratio'"):
+        bs.extend(trained, [f"math={family[3]}"], tmp_path / "x.safetensors", drop_ratio=0.5)
     (row, _), (small, _) = _new_row(a), _new_row(c)
     assert abs(row.std() - 0.02) < 0.01 and abs(small.std() - 0.001) < 0.0005
 

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from conftest import MERGE_CONFIGS, branched_family, cli_error_line, max_diff, save_family, tiny_config, tokens_for
+from conftest import (MERGE_CONFIGS, branched_family, cli_error_line, max_diff, run_cli, save_family, tiny_config,
+                      tokens_for)
 from bam_surgery.runtime import model_from_reader
 from bam_surgery.runtime.blocks import ForcedRouting
 from bam_surgery.runtime.checkpoint import CheckpointReader, PROVENANCE_KEY
@@ -217,6 +218,24 @@ def test_count_params_counts_the_finer_experts(seed_file):
     assert b.groups["ffn_experts"].total == a.groups["ffn_experts"].total
     assert b.groups["ffn_experts"].active == a.groups["ffn_experts"].active
     assert b.groups["routers"].total == 4 * a.groups["routers"].total
+
+
+def test_count_params_takes_the_granularity_as_merge_does():
+    """count-params --recipe upcycle --ffn-granularity 4: the mixture merge would build, 16 experts of F/4 at top-8;
+    the FFN experts' counts are the coarse mixture's (the API's count_params takes it by name too)."""
+    import bam_surgery as bs
+
+    coarse = bs.count_params(preset="tiny", recipe="upcycle", experts=4)
+    fine = bs.count_params(preset="tiny", recipe="upcycle", experts=4, ffn_granularity=4)
+    assert (fine.config.ffn_experts, fine.config.ffn_top_k) == (16, 4 * coarse.config.ffn_top_k)
+    assert fine.config.ffn_hidden * 4 == coarse.config.ffn_hidden
+    for kind in ("total", "active"):
+        assert getattr(fine.audit.groups["ffn_experts"], kind) == getattr(coarse.audit.groups["ffn_experts"], kind)
+    out = run_cli("count-params", "--preset", "tiny", "--recipe", "upcycle", "--experts", "4", "--ffn-granularity",
+                  "4").output
+    assert "16 FFN experts, top-8" in out and f"{fine.audit.total:,}" in out
+    line = cli_error_line("count-params", "--preset", "tiny", "--ffn-granularity", "4")
+    assert "--ffn-granularity" in line and "--recipe" in line
 
 
 def test_fine_grained_and_drop_together(seed_file):
