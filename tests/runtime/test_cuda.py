@@ -156,8 +156,9 @@ def test_compiled_fused_training_step():
 
 def test_compiled_blocks_training_step():
     """train.optim.compile_blocks (what train --compile auto does on CUDA: each block compiled once, inductor on
-    CUDA) under bf16 autocast: one graph for every layer, the loss within 1% and the gradients within 2% of
-    eager; then two steps of fused AdamW (build_optimizer) move every parameter, finite."""
+    CUDA) under bf16 autocast: one graph for every layer and the loss within 1% of eager; in fp32 the gradients
+    within 1e-3 of eager's (relative, per tensor: bf16's rounding, not the compiler, moved a norm weight's by 2.4%
+    on an H200); then two steps of fused AdamW (build_optimizer) move every parameter, finite."""
     from torch._dynamo.utils import counters
 
     from bam_surgery.train import TrainConfig
@@ -165,15 +166,17 @@ def test_compiled_blocks_training_step():
 
     model = on_device("bam", 15, n_layers=3).train()
     tokens, targets = tokens_for(model.config, 15).to(DEVICE), tokens_for(model.config, 16).to(DEVICE)
-    eager, eager_grads = loss_and_grads(model, "fused", tokens, targets, autocast=True)
+    eager, _ = loss_and_grads(model, "fused", tokens, targets, autocast=True)
+    _, eager_grads = loss_and_grads(model, "fused", tokens, targets, autocast=False)
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(model, backend=COMPILE_BACKEND)
-    out, grads = loss_and_grads(model, "fused", tokens, targets, autocast=True)
+    out, _ = loss_and_grads(model, "fused", tokens, targets, autocast=True)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert abs(out.loss.item() - eager.loss.item()) < 1e-2 * eager.loss.item()
+    _, grads = loss_and_grads(model, "fused", tokens, targets, autocast=False)
     for name, g in eager_grads.items():
-        assert (grads[name] - g).norm() <= 0.02 * g.norm() + 1e-6, name
+        assert (grads[name] - g).norm() <= 1e-3 * g.norm() + 1e-6, name
     opt, _ = build_optimizer(model, TrainConfig(lr=1e-2, warmup_steps=0))
     assert opt.defaults["fused"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

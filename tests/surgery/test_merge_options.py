@@ -80,4 +80,6 @@ def test_every_table_of_values_is_its_literal_alias():
     assert train_config.CHOICES == {"schedule": get_args(train_config.Schedule),
                                     "precision": get_args(train_config.Precision),
                                     "device": get_args(train_config.Device),
-                                    "strategy": get_args(train_config.Strategy)}
+                                    "strategy": get_args(train_config.Strategy),
+                                    "compile": get_args(train_config.Compile),
+                                    "optimizer_state": get_args(train_config.StateDtype)}
