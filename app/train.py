@@ -80,6 +80,7 @@ def evaluate(checkpoint: str, data: str, *, split: str = "val", tokenizer: str |
     and routing statistics for mixtures (train/evaluation.py:EvalReport). data: a domain SPEC,
     NAME=SOURCE[:WEIGHT],...; reporter.progress: a bar on stderr while the windows run."""
     from bam_surgery.train.evaluation import evaluate as run  # lazy: evaluation, 0.03 s on every start of the CLI
+    _note_token_cache(token_cache, reporter or Reporter())
     return run(checkpoint, data, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len, batch_size=batch_size,
                max_tokens=max_tokens, text_field=text_field, token_cache=token_cache, device=device, split=split,
                progress=(reporter or Reporter()).progress)
@@ -101,6 +102,7 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, plo
     reporter = reporter or Reporter()
     if plot is not None:  # refuse a bad DIR before the forward passes
         routing_plot_files(plot, [d.name for d in parse_data_spec(data)])
+    _note_token_cache(token_cache, reporter)
     report = run(checkpoint, data, compare=compare, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len,
                  batch_size=batch_size, max_tokens=max_tokens, text_field=text_field, token_cache=token_cache,
                  device=device, split=split)
@@ -108,6 +110,14 @@ def routing_stats(checkpoint: str, data: str, *, compare: str | None = None, plo
         for path in plot_routing(report, plot):
             reporter.log(f"wrote {path}")
     return report
+
+
+def _note_token_cache(token_cache: str | None, reporter: Reporter) -> None:
+    """The note of a token cache that is not trusted (train/tokenize.py: the splits go to a private folder)."""
+    from bam_surgery.train.tokenize import token_cache_note  # lazy: tokenizers, as above
+    note = token_cache_note(token_cache)
+    if note:
+        reporter.note(note)
 
 
 def plot(run: str | Path, out: str | Path | None = None, reporter: Reporter | None = None) -> list[Path]:

@@ -416,7 +416,7 @@ def run_all(args) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-deploy-") as tmp:
         folder = Path(tmp)
-        os.environ["XDG_CACHE_HOME"] = str(folder / "xdg-cache")  # the merges' digest cache, removed with tmp
+        os.environ["BAM_SURGERY_CACHE"] = str(folder / "cache")  # the merges' digest cache, removed with tmp
         size = SIZES[args.size]
         print(f"building the models ({args.size}) in {folder} ...", file=sys.stderr, flush=True)
         models = build_models(folder, size, args.new_tokens, args.top_k, args.seed, args.shared_gate_norm,

@@ -258,9 +258,9 @@ def timed(run: Run, step: Step, inputs: list[Path], output: Path, log: Path) -> 
 
 
 def digest_cache(work: Path) -> Path:
-    """The merges' digest cache ($XDG_CACHE_HOME/bam-surgery, set by main), emptied before every
+    """The merges' caches ($BAM_SURGERY_CACHE, set by main: the input digests among them), emptied before every
     merge step: a repeated merge would otherwise reuse its inputs' digests and not hash at all."""
-    return work / "xdg-cache"
+    return work / "bam-surgery-cache"
 
 
 def bench_size(size: str, recipes: list[str], work: Path, run: Run, args) -> None:
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    os.environ["XDG_CACHE_HOME"] = str(digest_cache(work))  # inherited by every measured step
+    os.environ["BAM_SURGERY_CACHE"] = str(digest_cache(work))  # inherited by every measured step
     cold = not args.warm and can_drop_caches()
     run = Run(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), machine=machine_line(),
               command=" ".join([".venv/bin/python -m benchmarks.merge", *(argv if argv is not None else sys.argv[1:])]),

@@ -1,13 +1,13 @@
 """Where one merge spends its CPU: cProfile of the main thread, and CPU seconds per thread.
 
-    XDG_CACHE_HOME=/tmp/empty .venv/bin/python -m benchmarks.profile_merge merge --recipe bam \\
+    BAM_SURGERY_CACHE=/tmp/empty .venv/bin/python -m benchmarks.profile_merge merge --recipe bam \\
         --seed bench-out/0.5b/dense/seed.safetensors --experts bench-out/0.5b/dense/code.safetensors,... \\
         --out /tmp/mix.safetensors --force --quiet
 
 Runs `bam-surgery` in this process (arguments as on the command line) and prints the wall time,
 the process CPU (getrusage), the main thread's CPU, the hashing threads' CPU (time.thread_time
 around surgery.hashing.InputHasher._hash), the rest (the read-ahead thread), then the 15 functions
-with the most main-thread time. Point XDG_CACHE_HOME at an empty folder to make the merge hash its
+with the most main-thread time. Point BAM_SURGERY_CACHE at an empty folder to make the merge hash its
 inputs (a second run with the same folder takes the digests from its cache).
 """
 from __future__ import annotations

@@ -16,6 +16,8 @@ Formats:
     qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures with a shared expert: recipe btx-shared-expert)
     qwen3_moe   HF Qwen3-MoE directory (FFN-expert mixtures of Qwen3 models: per-head QK-norm)
     flex_olmo   HF FlexOlmo directory (FFN-expert mixtures of OLMo 2 models: post-norms, full-width QK-norm)
+    qwen3_5_moe HF Qwen3.5-MoE directory (FFN-expert mixtures of Qwen3.5 models: Gated DeltaNet layers, a shared
+                expert, zero when the mixture has none)
     hf          HF directory: a dense model as its own architecture (llama, gpt2, ...; needs
                 `architecture`), a mixture as the remote-code BAM model (trust_remote_code=True)
     onnx        ONNX graph with KV-cache inputs/outputs for onnxruntime (converters/onnx_export.py)
@@ -39,7 +41,7 @@ from bam_surgery.runtime.shards import read_side_file
 
 from .base import CapabilityError, Exporter, ExportOptions
 from .gguf_export import GGUFExporter
-from .hf.families import NATIVE_MIXTURES
+from .hf.families import NATIVE_MIXTURES, REFUSED_NATIVE
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .hf_export import HFExporter
 from .native_moe import NativeMixtureExporter
@@ -51,6 +53,7 @@ REFUSED_FORMATS: dict[str, str] = {
               "two picks by a softmax over the experts within a relative threshold of the best one, which no gate_norm "
               "computes, so a Phi-3 mixture would compute another function there; --format hf writes it (the HF BAM "
               "model)",
+    **{r.model_type: r.why for r in REFUSED_NATIVE},  # a family record's (hf/families.py)
 }
 
 

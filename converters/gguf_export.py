@@ -26,6 +26,11 @@ first, whose failures are the refusal.
                       attention.scale, logit_scale
              exaone4  a per-head QK-norm with norms after attention and FFN (EXAONE 4); sliding windows only as
                       llama.cpp slides them: three layers of four at 64 layers, RoPE in those alone
+             qwen35   Qwen3.5: Gated DeltaNet layers in all but every n-th layer (full_attention_interval), gated
+                      attention, partial rotary, (1 + w) norms: what the HF qwen3_5_text format carries
+                      (gguf_table's LINEAR section); qwen35moe a BTX of it, as the qwen3_5_moe format takes it
+             gemma4   Gemma 4: what the HF gemma4_text format carries, with proportional RoPE and tied embeddings
+                      (gguf_table's GEMMA4 section)
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
   mixture  exactly what the `mixtral` format takes (its record's config map, hf/moe_family.py): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
@@ -117,11 +122,13 @@ from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CAN
 from .hf.architectures import ARCHITECTURES
 from .hf.families import NATIVE_MIXTURES
 from .carry import SIZES, TRAINING, Carry, Column, anything, rule, values
-from .hf.moe_family import bias_row, raise_problems
+from .hf.moe_family import bias_row, hybrid_rows, raise_problems, spec_rows
 from .gguf_tokenizer import PRE_TOKENIZERS, pre_tokenizer_name
-from .gguf_table import (ARCHS, attn_scale_dim, gguf_module, hparams, is_norm, nope_layers, pattern_layers, rope_heads,
+from .gguf_table import (ARCHS, attn_scale_dim, fused_of, geometry_keys, gguf_module, hparams, is_norm, join_heads,
+                         linear_interval, linear_keys, linear_tensor, nope_layers, pattern_layers, rope_heads,
                          rope_pairs, rope_scaling, sliding_layers, tensor_layout, tensor_names, window_keys)
-from .native_moe import WithZeroQKVBias
+from .native_moe import WithZeros, as_held
+from .onnx_export import COLUMN as ONNX
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
@@ -138,25 +145,29 @@ _SOFTCAPS = {"none": "no {} soft-capping", "always": "{} soft-capping", "optiona
 def _features(cfg: ModelConfig) -> dict[str, Any]:
     """What of a config picks llama.cpp's architecture for it: its trunk (QK-norm, norm position, layers without RoPE,
     shared expert), then what a family record's Gguf.picks name (a RoPE type, q/k/v biases)."""
-    return dict(qk_norm=cfg.qk_norm, norm_position=cfg.norm_position, nope=bool(cfg.nope_layers),
-                shared=bool(cfg.ffn_shared_hidden), rope_type=(cfg.scaled_rope or {}).get("rope_type"),
-                qkv_bias=cfg.qkv_bias)
+    return dict(linear=bool(cfg.linear_layers), v_norm=cfg.v_norm, qk_norm=cfg.qk_norm,
+                norm_position=cfg.norm_position, nope=bool(cfg.nope_layers), shared=bool(cfg.ffn_shared_hidden),
+                rope_type=(cfg.scaled_rope or {}).get("rope_type"), qkv_bias=cfg.qkv_bias)
 
 
+FAMILY_FEATURES = ("linear", "v_norm")  # a family's own layers (Qwen3.5's Gated DeltaNet, Gemma 4's): first of all
 TRUNK_FEATURES = ("qk_norm", "norm_position", "nope", "shared")
 
 
 def candidates(cfg: ModelConfig) -> list[str]:
     """llama.cpp's architectures of the model's kind (a mixture's: those with a gating), the nearest first: fewest
-    trunk features (_features) that differ from the row's, then fewest others, then in gguf_table.ARCHS order."""
+    of the family's own layers (FAMILY_FEATURES), then trunk features (_features) that differ from the row's, then
+    fewest others, then in gguf_table.ARCHS order."""
     want = _features(cfg)
     rows = [r for r in ARCHS.values() if (r.gate_norm is not None if cfg.ffn_experts else r.hf_dense is not None)]
 
-    def misses(row) -> tuple[int, int]:
-        have = {**dict(qk_norm=row.qk_norm, norm_position=row.norm_position, nope=bool(row.nope_every),
-                       shared=row.shared_expert, rope_type=None, qkv_bias=False), **row.picks}
+    def misses(row) -> tuple[int, int, int]:
+        have = {**dict(linear=False, v_norm=False, qk_norm=row.qk_norm, norm_position=row.norm_position,
+                       nope=bool(row.nope_every), shared=row.shared_expert, rope_type=None, qkv_bias=False),
+                **row.picks}
         differ = {k for k, v in want.items() if have[k] != v}
-        return len(differ & set(TRUNK_FEATURES)), len(differ - set(TRUNK_FEATURES))
+        return (len(differ & set(FAMILY_FEATURES)), len(differ & set(TRUNK_FEATURES)),
+                len(differ - set(TRUNK_FEATURES) - set(FAMILY_FEATURES)))
 
     return [r.name for r in sorted(rows, key=misses)]
 
@@ -207,6 +218,8 @@ def arch_column(arch: str) -> Column:
     the native HF format the row names judges it (hf/moe_family.py: llama.cpp runs the same experts), a dense model's
     from the row, then the trunk both share; the llama.cpp column of the table of what runs where."""
     row = ARCHS[arch]
+    if row.linear_attention or row.per_layer_geometry:
+        return _family_column(row)
     rows: list[Carry] = [values("attn_experts", (0,), "dense attention (llama.cpp has no attention experts)",
                                 "{} attention experts")]
     if row.gate_norm is None:  # a dense row: the mixture's fields do not apply (its kind's candidates only)
@@ -225,6 +238,37 @@ def arch_column(arch: str) -> Column:
     rows += anything(*row.carries, shown="any (its keys)")
     return Column(f"gguf:{arch}", (*rows, *_trunk_rows(row), *anything(*SIZES, "rope_theta", *TRAINING),
                                    *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)")))
+
+
+def _family_column(row) -> Column:
+    """llama.cpp's architectures of a family's own layers (qwen35, qwen35moe, gemma4): what the family's HF format
+    carries (a mixture's: its native format's column; a dense model's: its record's config map, hf/moe_family.py
+    spec_rows; llama.cpp's converter reads the same config.json), and llama.cpp's own limits beyond it."""
+    arch, own = row.name, f" (llama.cpp's {row.name})"
+    if row.gate_norm is not None:
+        rows = list(ARCHITECTURES[row.moe_checks].config.column.rows)
+    else:
+        rows = [values("attn_experts", (0,), "dense attention (llama.cpp has no attention experts)",
+                       "{} attention experts"),
+                *anything("ffn_top_k", "gate_norm", "router", "router_hidden", "router_temperature",
+                          shown="any (no experts)"),
+                *spec_rows(ARCHITECTURES[row.hf_dense].config, row.hf_dense), *anything(*TRAINING),
+                *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)")]
+    if row.linear_attention:
+        rows += [rule("linear_layers", lambda cfg: linear_interval(cfg) is not None,
+                      "Gated DeltaNet layers in all but every n-th layer (full_attention_interval)" + own,
+                      "Gated DeltaNet layers {}", "all but every n-th layer"),
+                 rule("scaled_rope", lambda cfg: cfg.scaled_rope is None, "plain RoPE" + own, "scaled_rope {}",
+                      "None")]
+    if row.per_layer_geometry:
+        def proportional(cfg) -> bool:
+            s = cfg.scaled_rope or {}
+            return s.get("rope_type") == "proportional" and s.get("factor", 1.0) == 1.0
+        rows += [rule("scaled_rope", proportional, "proportional RoPE without a factor in the global layers" + own,
+                      "scaled_rope {}", "proportional (no factor)"),
+                 rule("tie_embeddings", lambda cfg: cfg.tie_embeddings, "tied embeddings" + own,
+                      "an lm_head of its own", "True")]
+    return Column(f"gguf:{arch}", tuple(rows))
 
 
 # the row's to decide, not the judge's
@@ -254,7 +298,7 @@ def _dense_rows(row) -> list[Carry]:
             values("final_norm", (True,), "a final norm", "no final norm"),
             bias_row(row.biases, f"no biases but on {' and '.join(row.biases)} (llama.cpp's {arch})"
                      if row.biases else f"no biases (llama.cpp's {arch})"),
-            *feature_rows(row)]
+            *feature_rows(row), *hybrid_rows()]
 
 
 def _trunk_rows(row) -> list[Carry]:
@@ -364,10 +408,10 @@ def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
     """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
     problems = gguf_problems(cfg)
     if problems:
-        carried = CARRIED_BY
-        natives = [f.model_type for f in NATIVE_MIXTURES if f.config.shared_expert and not f.config.problems(cfg)]
+        carried = CARRIED_BY if not ONNX.problems(cfg) else "canonical or hf"  # the ONNX export's column
+        natives = [f.format_name for f in NATIVE_MIXTURES if f.config.shared_expert and not f.config.problems(cfg)]
         if cfg.ffn_shared_hidden and natives:  # a native shared-expert format takes it
-            carried = f"canonical, hf, {', '.join(natives)} or onnx"
+            carried = f"canonical, hf, {', '.join(natives)}" + (" or onnx" if not ONNX.problems(cfg) else "")
         raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
 
 
@@ -451,10 +495,14 @@ SHEXP_GATE_EPS = 1e-20
 _SHARED_GATE = re.compile(r"layers\.\d+\.ffn_shared_gate\.weight")
 
 
-def _encoded(t: TensorPlan, reader: Reader) -> np.ndarray:
+def _encoded(t: TensorPlan, reader: Reader, arch: str) -> np.ndarray:
     if t.fixed is not None:
         return t.fixed
-    w = torch.cat([reader.get(c) for c in t.parts]) if len(t.parts) > 1 else reader.get(t.parts[0])
+    cfg = reader.config
+    parts = [linear_tensor(c, reader.get(c), cfg, to_gguf=True) for c in t.parts]
+    fused = fused_of(arch, t.parts[0]) if len(parts) > 1 else None
+    w = join_heads(parts, cfg.n_heads) if fused is not None and fused.per_head else torch.cat(parts) \
+        if len(parts) > 1 else parts[0]
     if t.heads is not None:
         w = rope_pairs(w, t.heads)
     if _SHARED_GATE.fullmatch(t.canonical) and not w.any():
@@ -703,10 +751,13 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     prov = _provenance(reader)
     layout = ARCHITECTURES[ARCHS[arch].hf_mixture].stands_for if cfg.ffn_experts else ""
     if cfg.ffn_shared_hidden:
+        renormalized = ARCHS[arch].gate_norm == "topk_softmax"
+        zeros = ("; a zero shared expert (the mixture has none)" if ARCHS[arch].zero_shared_expert else
+                 "; q/k/v biases written as zeros")
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
-                f"gates from the softmax over all experts; a shared expert of {cfg.ffn_shared_hidden} hidden units "
-                f"on every token, scaled by sigmoid(x . w); {layout}'s layout"
-                f"{'; q/k/v biases written as zeros' if isinstance(reader, WithZeroQKVBias) else ''})")
+                f"gates {'renormalized over the top-k' if renormalized else 'from the softmax over all experts'}; a shared "
+                f"expert of {cfg.ffn_shared_hidden} hidden units on every token, scaled by sigmoid(x . w); "
+                f"{layout}'s layout{zeros if isinstance(reader, WithZeros) else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 f"top-k, {layout}'s layout)")
@@ -765,12 +816,17 @@ def _write_metadata(w, cfg: ModelConfig, arch: str, dtype: str, vocab: Vocabular
 def _write_hparams(w, cfg: ModelConfig) -> None:
     """The architecture's keys llama.cpp reads ({arch}.context_length, ...): gguf_table.hparams, in its order, then
     the RoPE scaling's (gguf_table.rope_scaling) and the sliding windows' (gguf_table.window_keys)."""
-    entries = [(h.key, h.kind, 1.0 / getattr(cfg, h.field) if h.reciprocal else getattr(cfg, h.field))
-               for h in hparams() if h.when(cfg, w.arch)]
-    entries += [(key, kind, value) for key, (kind, value) in rope_scaling(cfg)[0].items()]
-    entries += [(key, kind, value) for key, (kind, value) in window_keys(cfg, w.arch).items()]
-    for key, kind, value in entries:
-        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array}[kind]
+    entries = {h.key: (h.kind, 1.0 / getattr(cfg, h.field) if h.reciprocal else getattr(cfg, h.field))
+               for h in hparams() if h.when(cfg, w.arch)}
+    entries.update(rope_scaling(cfg)[0])
+    entries.update(window_keys(cfg, w.arch))
+    if ARCHS[w.arch].linear_attention:
+        entries.update(linear_keys(cfg))
+    if ARCHS[w.arch].per_layer_geometry:  # its own values of some keys (per-layer arrays, the global head size)
+        entries.update(geometry_keys(cfg))
+    for key, (kind, value) in entries.items():
+        add = {"f32": w.add_float32, "u32": w.add_uint32, "str": w.add_string, "bools": w.add_array,
+               "u32s": w.add_array}[kind]
         add(key.format(arch=w.arch), float(value) if kind == "f32" else value)
 
 
@@ -820,7 +876,7 @@ def write_gguf(reader: Reader, path: Path, arch: str, dtype: str, vocab: Vocabul
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t in tensors:
-            w.write_tensor_data(_encoded(t, reader))
+            w.write_tensor_data(_encoded(t, reader, arch))
         fallbacks = [t.canonical for t in tensors if dtype == "q8_0" and t.qtype == gguf_module().GGMLQuantizationType.F16]
         if fallbacks:
             log(f"gguf: {len(fallbacks)} matrices kept in f16 (rows not a multiple of 32 values), e.g. {fallbacks[0]}")
@@ -856,8 +912,8 @@ class GGUFExporter(Exporter):
         arch = gguf_architecture(cfg)
         vocab = find_vocabulary(reader, options)  # before any tensor is read: a refused tokenizer writes nothing
         check_layout(reader)
-        if ARCHS[arch].qkv_bias_always and not cfg.qkv_bias:  # its files carry q/k/v biases: zeros add nothing
-            reader = WithZeroQKVBias(reader)
+        row = ARCHS[arch]  # its files carry q/k/v biases, or a shared expert, always: zeros add nothing
+        reader = as_held(reader, row.qkv_bias_always, row.zero_shared_expert)
         card = card_entries(reader, out, options, arch, vocab)
         log = options.log or (lambda line: None)
         for note in vocab.notes:

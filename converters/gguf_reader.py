@@ -10,7 +10,8 @@ is checked against the file) and maps every tensor through the table the export 
 keys, the architecture's RoPE and gating); every tensor must be one of the model the metadata describes, with its
 shape, and every tensor of that model must be there. The architectures are gguf_table.ARCHS (llama, Mixtral-shaped
 llama mixtures, qwen2, qwen2moe, qwen3, qwen3moe, olmo2, phi3 with its fused attn_qkv and ffn_up, smollm3, gemma2,
-gemma3); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
+gemma3, qwen35 and qwen35moe (gguf_table's LINEAR section: the Gated DeltaNet tensors back in transformers' order,
+a_log = log(-ssm_a)), gemma4 (its GEMMA4 section)); each row gives the QK-norm, norm position, layers without RoPE and Gemma's features (its norms, stored as
 1 + w, read as (1 + w) norms: w = v - 1 in float32; its sliding windows, their RoPE and attention scale from
 gguf_table.windows_of and attn_scale_dim), and gguf_table.scaled_rope_of the scaled RoPE from the
 rope.scaling.* keys and the frequency-factor tensors (rope_freqs, rope_factors_long / _short), which are the
@@ -42,9 +43,9 @@ from bam_surgery.runtime.safetensors_file import FileIdentity
 from .byte_tokenizer import TOKENIZER_KEY, UNAVAILABLE
 from .gguf_file import GGUFFile, TensorInfo, open_gguf, parse_gguf, split_files
 from .gguf_metadata import INTEGER, NUMBER, STRING, MetadataError, metadata_value
-from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, gguf_module, hparams,
-                         is_norm, rope_halves, rope_heads, rope_tensor_name, scaled_rope_of, tensor_layout,
-                         tensor_names, windows_of)
+from .gguf_table import (ARCHS, ROPE_TENSORS, SOFTCAP_DEFAULTS, GGUFArch, attn_scale_dim, fused_of, geometry_fields,
+                         gguf_module, hparams, is_norm, linear_fields, linear_tensor, rope_halves, rope_heads,
+                         rope_tensor_name, scaled_rope_of, split_heads, tensor_layout, tensor_names, windows_of)
 from .gguf_tokenizer import DIRECTORY as TOKENIZER_CACHE
 from .gguf_tokenizer import rebuild_tokenizer
 
@@ -143,7 +144,7 @@ class GGUFCheckpointReader(ShapeTableReader):
 
     def _config(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> ModelConfig:
         arch = self.arch.name
-        values = _hparam_values(fields, self.arch, where)
+        values, own = self._key_fields(fields, found, where)
         for cap in ("attn_softcap", "final_softcap"):  # what llama.cpp's arch applies, its default where absent
             mode = getattr(self.arch, cap)
             value = values.pop(cap, SOFTCAP_DEFAULTS[cap] if mode == "always" else None)
@@ -167,16 +168,18 @@ class GGUFCheckpointReader(ShapeTableReader):
         tied = "output.weight" not in has
         if not tied and self.arch.output_always:  # our export writes a tied embedding once more (qwen2moe, olmo2)
             tied = recorded.get("tie_embeddings") is True
-        values.update(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
-                      o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, tie_embeddings=tied,
-                      name=arch, rotary_fraction=(rotary / head_dim) if rotary is not None and head_dim else 1.0,
-                      qk_norm=self.arch.qk_norm, norm_position=self.arch.norm_position,
-                      nope_layers=self.arch.nope_layers(values["n_layers"]), activation=self.arch.activation,
-                      scale_embeddings=self.arch.scale_embeddings, norm_unit_offset=self.arch.unit_offset_norms)
+        values.update(self._architecture_fields(has, values["n_layers"]), tie_embeddings=tied, name=arch,
+                      rotary_fraction=own.get("rotary_fraction",
+                                              (rotary / head_dim) if rotary is not None and head_dim else 1.0))
         if self.arch.attn_scale_layers and values["n_heads"] > 0:
             scale = attn_scale_dim(arch, values["d_model"], values["n_heads"], values["n_layers"], head_dim)
             kept = recorded.get("attn_scale_dim")  # our record's spelling (an HF config's query_pre_attn_scalar)
             values["attn_scale_dim"] = kept if (kept or head_dim) == scale else scale if scale != head_dim else None
+        if self.arch.linear_attention:
+            try:
+                values.update(linear_fields(arch, fields, values["n_layers"]))
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
         if values.get("ffn_experts"):
             if self.arch.gate_norm is None:
                 raise CheckpointError(f"{where}: {arch}.expert_count is set, but llama.cpp's {arch} has no experts")
@@ -193,6 +196,28 @@ class GGUFCheckpointReader(ShapeTableReader):
         except (ConfigError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: its metadata describes no valid model: {' '.join(str(e).split())}") \
                 from None
+
+    def _key_fields(self, fields: dict, found: dict[str, tuple[int, TensorInfo]], where: str) -> tuple[dict, dict]:
+        """(config fields from the {arch}.* keys gguf_table.hparams lists, and the architecture's own: Gemma 4's
+        per-layer arrays and global head size, its GEMMA4 section, which override those)."""
+        arch = self.arch.name
+        own, consumed = {}, set()
+        if self.arch.per_layer_geometry:
+            try:
+                own, consumed = geometry_fields(arch, fields, set(found))
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+        values = _hparam_values({k: v for k, v in fields.items() if k not in consumed}, self.arch, where)
+        values.update(own)
+        return values, own
+
+    def _architecture_fields(self, has: set[str], n_layers: int) -> dict:
+        """The config fields the architecture fixes, and the biases its tensors show."""
+        row = self.arch
+        return dict(qkv_bias="blk.0.attn_q.bias" in has or "blk.0.attn_qkv.bias" in has,
+                    o_bias="blk.0.attn_output.bias" in has, ffn_bias="blk.0.ffn_up.bias" in has, qk_norm=row.qk_norm,
+                    norm_position=row.norm_position, nope_layers=row.nope_layers(n_layers), activation=row.activation,
+                    scale_embeddings=row.scale_embeddings, norm_unit_offset=row.unit_offset_norms)
 
     def _rope_tensors(self, found: dict[str, tuple[int, TensorInfo]], where: str) -> dict[str, np.ndarray]:
         """The RoPE frequency-factor tensors of the file (gguf_table.ROPE_TENSORS), taken out of `found` (they are
@@ -267,9 +292,12 @@ class GGUFCheckpointReader(ShapeTableReader):
         i, t, row = self._source[name]
         tensor = read_tensor(self._bytes(i), t)
         shape = self._shape[name]
-        if tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
+        fused = fused_of(self.arch.name, name)
+        if fused is not None and fused.per_head:  # qwen35's attn_q: each head's query, then its gate
+            tensor = split_heads(tensor.reshape(-1, *shape[1:]), self.config.n_heads, len(fused.parts), row // shape[0])
+        elif tensor.numel() != math.prod(shape):  # one part of a fused tensor (phi3's attn_qkv, ffn_up): its rows
             tensor = tensor.reshape(-1, *shape[1:])[row:row + shape[0]].clone()
-        tensor = tensor.reshape(shape)
+        tensor = linear_tensor(name, tensor.reshape(shape), self.config, to_gguf=False)
         heads = rope_heads(name, self.config, self.arch.name)
         if self._unit_offset(name):
             tensor = tensor.to(torch.float32) - 1.0

@@ -36,9 +36,9 @@ import torch
 from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.layout import tensor_shapes
 
-from .gguf_metadata import BOOLEANS, INTEGER, NUMBER, STRING, metadata_value
+from .gguf_metadata import BOOLEANS, INTEGER, INTEGERS, NUMBER, STRING, metadata_value
 from .hf.families import FAMILIES
-from .hf.family import Family, Gguf
+from .hf.family import Family, Fused, Gguf
 
 
 def gguf_module():
@@ -54,6 +54,8 @@ class TensorRow:
     canonical: str  # "layers.{}.attn.q": "{}" the layer
     member: str  # gguf.MODEL_TENSOR member
     suffixes: tuple[str, ...] = ("weight",)
+    only: str = ""  # only the architectures whose ARCHS row has this flag take it (""): every one listing the member
+    bare: bool = False  # llama.cpp's name has no suffix (qwen35's ssm_a)
 
 
 _WB = ("weight", "bias")
@@ -78,6 +80,22 @@ TENSORS = (
     *(TensorRow(f"layers.{{}}.ffn_shared.{c}", m) for c, m in (("gate", "FFN_GATE_SHEXP"), ("up", "FFN_UP_SHEXP"),
                                                                ("down", "FFN_DOWN_SHEXP"))),
     TensorRow("layers.{}.ffn_shared_gate", "FFN_GATE_INP_SHEXP"),
+    # Qwen3.5 (LINEAR section below): its norm before the FFN is llama.cpp's post_attention_norm; a Gated DeltaNet
+    # layer's tensors
+    TensorRow("layers.{}.ffn_norm", "ATTN_POST_NORM", only="linear_attention"),
+    *(TensorRow(f"layers.{{}}.linear.{c}", m, only="linear_attention") for c, m in (
+        ("qkv", "ATTN_QKV"), ("z", "ATTN_GATE"), ("b", "SSM_BETA"), ("a", "SSM_ALPHA"), ("conv", "SSM_CONV1D"),
+        ("norm", "SSM_NORM"), ("out", "SSM_OUT"))),
+    TensorRow("layers.{}.linear.dt", "SSM_DT", ("bias",), only="linear_attention"),
+    TensorRow("layers.{}.linear.a_log", "SSM_A", only="linear_attention", bare=True),
+    # Gemma 4 (GEMMA4 section below): each block's output scale, the per-layer inputs
+    TensorRow("layers.{}.layer_scale", "LAYER_OUT_SCALE"),
+    TensorRow("ple_embed", "PER_LAYER_TOKEN_EMBD"),
+    TensorRow("ple_proj", "PER_LAYER_MODEL_PROJ"),
+    TensorRow("ple_proj_norm", "PER_LAYER_PROJ_NORM"),
+    TensorRow("layers.{}.ple.gate", "PER_LAYER_INP_GATE"),
+    TensorRow("layers.{}.ple.out", "PER_LAYER_PROJ"),
+    TensorRow("layers.{}.ple_norm", "PER_LAYER_POST_NORM"),
 )
 
 
@@ -90,14 +108,34 @@ def tensor_names(arch: str, n_layers: int) -> dict[str, str]:
     out = {}
     for row in TENSORS:
         tensor = getattr(g.MODEL_TENSOR, row.member)
-        if tensor not in known:
+        if tensor not in known or (row.only and not getattr(ARCHS[arch], row.only)):
             continue
         layers = range(n_layers) if "{}" in row.canonical else [None]
         for i in layers:
             base, canonical = g.TENSOR_NAMES[tensor].format(bid=i), row.canonical.format(i)
             for suffix in row.suffixes:
-                out[f"{canonical}.{suffix}"] = f"{base}.{suffix}"
+                out[f"{canonical}.{suffix}"] = base if row.bare else f"{base}.{suffix}"
     return out
+
+
+def fused_of(arch: str, canonical: str) -> Fused | None:
+    """The fused tensor of `arch` a canonical tensor ("layers.3.attn.q.weight") is a part of, or None."""
+    prefix, parts = canonical.rsplit(".", 1)[0], canonical.split(".")
+    if parts[0] != "layers":
+        return None
+    return next((f for f in ARCHS[arch].fused if prefix in [p.format(parts[1]) for p in f.parts]), None)
+
+
+def join_heads(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """Per-head fusion: rows [heads, parts, rows per head] from parts each [heads * rows, ...]."""
+    rest = tuple(parts[0].shape[1:])
+    return torch.stack([p.reshape(heads, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
+
+
+def split_heads(fused: torch.Tensor, heads: int, n_parts: int, index: int) -> torch.Tensor:
+    """Part `index` of a per-head fusion (join_heads' inverse)."""
+    rest = tuple(fused.shape[1:])
+    return fused.reshape(heads, n_parts, -1, *rest)[:, index].reshape(-1, *rest)
 
 
 def tensor_layout(arch: str, cfg: ModelConfig) -> tuple[dict[str, tuple[str, ...]], list[str]]:
@@ -186,6 +224,7 @@ class GGUFArch(Gguf):
     unit_offset_norms: bool = False  # its converter stores RMSNorm weights as 1 + w: read as (1 + w) norms
     shared_expert: bool = False  # its mixture has a shared expert
     qkv_bias_always: bool = False  # its mixture always has q/k/v biases (zeros are written for a model without)
+    zero_shared_expert: bool = False  # its mixture always has a shared expert (zeros are written for a model without)
 
     def nope_layers(self, n_layers: int) -> list[int] | None:
         """The layers this architecture computes without RoPE, as ModelConfig.nope_layers (None: none)."""
@@ -210,7 +249,8 @@ def _rows(families: tuple[Family, ...]) -> dict[str, GGUFArch]:
             continue
         mixture = dict(gate_norm=g.gate_norm, expert_width=g.expert_width, hf_mixture=f.model_type,
                        moe_checks=g.moe_checks or f.model_type,
-                       shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always)
+                       shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always,
+                       zero_shared_expert=f.config.zero_shared_expert)
         rows[g.name] = (replace(rows[g.name], **mixture) if g.name in rows
                         else GGUFArch(**{**spelling, **mixture}, **traits))
     return rows
@@ -255,7 +295,9 @@ def rope_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
 #   longrope  type longrope, original_context_length, attn_factor = attention_factor, rope_factors_long / _short
 #             (llama.cpp picks the long factors by context size, the runtime and transformers by sequence length)
 #   dynamic   none: llama.cpp has no dynamic NTK scaling
-ROPE_TENSORS = {"llama3": ("ROPE_FREQS",), "longrope": ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT")}
+ROPE_TENSORS = {"llama3": ("ROPE_FREQS",), "longrope": ("ROPE_FACTORS_LONG", "ROPE_FACTORS_SHORT"),
+                "proportional": ("ROPE_FREQS",)}
+UNROTATED = 1e30  # gemma4's frequency factor of a pair proportional RoPE does not rotate (llama.cpp's converter's)
 LLAMA3_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # Llama 3.x
 
 
@@ -302,6 +344,11 @@ def rope_scaling(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Any]], dict[str
         return {rope.SCALING_TYPE: ("str", "linear"), rope.SCALING_FACTOR: ("f32", float(s["factor"]))}, {}
     if kind == "llama3":
         return {}, {rope_tensor_name("ROPE_FREQS"): llama3_factors(cfg.rope_theta, cfg.rotary_dim, s)}
+    if kind == "proportional":  # Gemma 4's global layers: the unrotated pairs' frequencies divided by 1e30
+        half = cfg.global_rotary_dim // 2
+        rotated = int(s.get("partial_rotary_factor", 1.0) * cfg.global_rotary_dim // 2)
+        return {}, {rope_tensor_name("ROPE_FREQS"): np.array([1.0] * rotated + [UNROTATED] * (half - rotated),
+                                                             dtype=np.float32)}
     original = s["original_max_position_embeddings"]
     _, scale = rope_frequencies(cfg, torch.device("cpu"), torch.tensor(0))
     if kind == "yarn":
@@ -325,6 +372,8 @@ def scaled_rope_of(arch: str, fields: dict, tensors: dict[str, np.ndarray], base
     when writing it again gives exactly these keys and tensors. Raises ValueError (one line) for what it cannot map,
     gguf_metadata.MetadataError (naming the key) for a value of the wrong kind."""
     rope = gguf_module().Keys.Rope
+    if ARCHS[arch].per_layer_geometry:
+        return proportional_of(tensors.get(rope_tensor_name("ROPE_FREQS"))), None
     kinds = {rope.SCALING_TYPE: (STRING, None), rope.SCALING_FACTOR: (NUMBER, None),
              rope.SCALING_ATTN_FACTOR: (NUMBER, None), rope.SCALING_ORIG_CTX_LEN: (INTEGER, 1)}
     keys = {k: metadata_value(fields, k.format(arch=arch), kind, low=low) for k, (kind, low) in kinds.items()
@@ -488,5 +537,159 @@ def windows_of(arch: str, fields: dict, base: ModelConfig) -> dict[str, Any]:
 
 
 def is_norm(canonical: str) -> bool:
-    """An RMSNorm weight (of the final norm, a block's norms, a QK-norm)."""
-    return canonical.endswith("norm.weight")
+    """An RMSNorm weight (of the final norm, a block's norms, a QK-norm); not a Gated DeltaNet's gated norm, which
+    scales by w in every Qwen3.5."""
+    return canonical.endswith("norm.weight") and ".linear." not in canonical
+
+
+# ---- LINEAR: Qwen3.5's Gated DeltaNet layers (qwen35, qwen35moe) -----------------------------------------------
+# Keys, as llama.cpp's converter writes them: ssm.conv_kernel (the convolution's width), ssm.state_size (the key head
+# size), ssm.group_count (key heads), ssm.time_step_rank (value heads), ssm.inner_size (value heads x value head
+# size), full_attention_interval n (layers i with (i + 1) % n != 0 are Gated DeltaNet layers: the only pattern
+# llama.cpp builds), rope.dimension_sections [11, 11, 10, 0] (every section rotates by the token's position in text).
+# Tensors, each a transform of the canonical one, exactly invertible but for ssm_a:
+#   ssm_a = -exp(a_log) (the reader takes log(-ssm_a), to float32 rounding);
+#   value heads reordered from grouped by key head (head k * r + m, r value heads per key head: the canonical
+#   order, transformers') to tiled (m * Hk + k), in the rows of attn_qkv's values, attn_gate, ssm_beta,
+#   ssm_alpha, ssm_dt, ssm_a and ssm_conv1d's value channels, and the columns of ssm_out.
+MROPE_SECTIONS = [11, 11, 10, 0]
+
+
+def linear_interval(cfg: ModelConfig) -> int | None:
+    """The full_attention_interval n whose layers (i + 1) % n != 0 are cfg's Gated DeltaNet layers, or None."""
+    linear = cfg.linear_layers or []
+    for n in range(2, cfg.n_layers + 1):
+        if linear == [i for i in range(cfg.n_layers) if (i + 1) % n]:
+            return n
+    return None
+
+
+def linear_keys(cfg: ModelConfig) -> dict[str, tuple[str, Any]]:
+    g = gguf_module()
+    ssm, llm, rope = g.Keys.SSM, g.Keys.LLM, g.Keys.Rope
+    return {ssm.CONV_KERNEL: ("u32", cfg.linear_conv), ssm.STATE_SIZE: ("u32", cfg.linear_key_dim),
+            ssm.GROUP_COUNT: ("u32", cfg.linear_key_heads), ssm.TIME_STEP_RANK: ("u32", cfg.linear_value_heads),
+            ssm.INNER_SIZE: ("u32", cfg.linear_value_heads * cfg.linear_value_dim),
+            llm.FULL_ATTENTION_INTERVAL: ("u32", linear_interval(cfg) or 0),
+            rope.DIMENSION_SECTIONS: ("u32s", MROPE_SECTIONS)}
+
+
+def linear_fields(arch: str, fields: dict, n_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a qwen35 / qwen35moe file's Gated DeltaNet layers (ValueError, one line, for keys
+    that give none)."""
+    g = gguf_module()
+    ssm, llm = g.Keys.SSM, g.Keys.LLM
+    keys = {k: metadata_value(fields, k.format(arch=arch), INTEGER, low=1)
+            for k in (ssm.CONV_KERNEL, ssm.STATE_SIZE, ssm.GROUP_COUNT, ssm.TIME_STEP_RANK, ssm.INNER_SIZE)}
+    interval = metadata_value(fields, llm.FULL_ATTENTION_INTERVAL.format(arch=arch), INTEGER, 4, low=1)  # llama.cpp's
+    heads = keys[ssm.TIME_STEP_RANK]
+    if keys[ssm.INNER_SIZE] % heads:
+        raise ValueError(f"{ssm.INNER_SIZE.format(arch=arch)} {keys[ssm.INNER_SIZE]} is not a multiple of the "
+                         f"{heads} value heads")
+    return dict(linear_layers=[i for i in range(n_layers) if (i + 1) % interval] or None,
+                linear_conv=keys[ssm.CONV_KERNEL], linear_key_dim=keys[ssm.STATE_SIZE],
+                linear_key_heads=keys[ssm.GROUP_COUNT], linear_value_heads=heads,
+                linear_value_dim=keys[ssm.INNER_SIZE] // heads, attn_output_gate=True)
+
+
+def _v_heads(t: torch.Tensor, dim: int, cfg: ModelConfig, size: int, tiled: bool) -> torch.Tensor:
+    """Value heads along `dim` (each `size` wide) from grouped to tiled order, or back."""
+    Hk, r = cfg.linear_key_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    if r == 1:
+        return t
+    shape = list(t.shape)
+    groups = [Hk, r] if tiled else [r, Hk]
+    t = t.reshape(*shape[:dim], *groups, size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+_LINEAR_PART = {"qkv.weight": (0, "v"), "conv.weight": (0, "v"), "z.weight": (0, "dv"), "b.weight": (0, 1),
+                "a.weight": (0, 1), "dt.bias": (0, 1), "a_log.weight": (0, 1), "out.weight": (1, "dv")}
+
+
+def linear_tensor(canonical: str, t: torch.Tensor, cfg: ModelConfig, to_gguf: bool) -> torch.Tensor:
+    """A Gated DeltaNet tensor as llama.cpp holds it (to_gguf) or back (the LINEAR section); others unchanged."""
+    if ".linear." not in canonical:
+        return t
+    kind = canonical.split(".linear.", 1)[1]
+    if kind == "a_log.weight" and not to_gguf:
+        t = torch.log(-t.to(torch.float32))
+    if kind in _LINEAR_PART:
+        dim, size = _LINEAR_PART[kind]
+        if size == "v":  # the value channels after q and k
+            qk = 2 * cfg.linear_key_heads * cfg.linear_key_dim
+            t = torch.cat((t[:qk], _v_heads(t[qk:], 0, cfg, cfg.linear_value_dim, to_gguf)))
+        else:
+            t = _v_heads(t, dim, cfg, cfg.linear_value_dim if size == "dv" else size, to_gguf)
+    if kind == "a_log.weight" and to_gguf:
+        t = -torch.exp(t.to(torch.float32))
+    return t
+
+
+
+# ---- GEMMA4: Gemma 4's layers (gemma4) -------------------------------------------------------------------------
+# Keys, as llama.cpp's converter writes them: attention.key_length / value_length the global layers' head size,
+# key_length_swa / value_length_swa the window layers'; rope.dimension_count the global head size (proportional RoPE:
+# the rope_freqs tensor, 1 for the rotated pairs, UNROTATED for the others) and dimension_count_swa the window
+# layers' rotated dims; attention.head_count_kv one per layer where the global layers' kv heads differ;
+# feed_forward_length one per layer where the K/V-sharing layers' MLP is double-wide; attention.shared_kv_layers;
+# embedding_length_per_layer_input. The attention scale (1), the value norm, the block scale and K = V (a global
+# layer without attn_v) are llama.cpp's gemma4 graph's own.
+def geometry_keys(cfg: ModelConfig) -> dict[str, tuple[str, Any]]:
+    g = gguf_module()
+    llm, att, rope = g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
+    full = cfg.global_head_dim or cfg.head_dim
+    kv = [cfg.layer_kv_heads(i) for i in range(cfg.n_layers)]
+    ffn = [cfg.layer_ffn_hidden(i) for i in range(cfg.n_layers)]
+    return {att.KEY_LENGTH: ("u32", full), att.VALUE_LENGTH: ("u32", full),
+            att.KEY_LENGTH_SWA: ("u32", cfg.head_dim), att.VALUE_LENGTH_SWA: ("u32", cfg.head_dim),
+            rope.DIMENSION_COUNT: ("u32", cfg.global_rotary_dim), rope.DIMENSION_COUNT_SWA: ("u32", cfg.rotary_dim),
+            att.HEAD_COUNT_KV: ("u32s", kv) if len(set(kv)) > 1 else ("u32", kv[0]),
+            llm.FEED_FORWARD_LENGTH: ("u32s", ffn) if len(set(ffn)) > 1 else ("u32", ffn[0]),
+            att.SHARED_KV_LAYERS: ("u32", cfg.kv_shared_layers),
+            llm.EMBD_LENGTH_PER_LAYER_INP: ("u32", cfg.per_layer_dim)}
+
+
+def geometry_fields(arch: str, fields: dict, has: set[str]) -> tuple[dict[str, Any], set[str]]:
+    """(ModelConfig fields of a gemma4 file's layers, the keys they come from: the generic reading skips them), from
+    its keys and tensor names `has`. ValueError (one line) for keys that give none."""
+    g = gguf_module()
+    llm, att, rope = g.Keys.LLM, g.Keys.Attention, g.Keys.Rope
+
+    def key(template: str, *default: int) -> int:  # no default: required
+        return metadata_value(fields, template.format(arch=arch), INTEGER, *default, low=0)
+
+    def per_layer(template: str) -> list[int]:  # one value, or one per layer
+        name = template.format(arch=arch)
+        if isinstance(fields.get(name), (list, np.ndarray)):
+            return [int(v) for v in metadata_value(fields, name, INTEGERS, length=n_layers, per="one per layer")]
+        return [key(template)] * n_layers
+
+    n_layers = key(llm.BLOCK_COUNT)
+    full, swa = key(att.KEY_LENGTH), key(att.KEY_LENGTH_SWA)
+    kv, ffn = per_layer(att.HEAD_COUNT_KV), per_layer(llm.FEED_FORWARD_LENGTH)
+    shared = key(att.SHARED_KV_LAYERS, 0)
+    pattern = metadata_value(fields, att.SLIDING_WINDOW_PATTERN.format(arch=arch), BOOLEANS, None)
+    window = [bool(p) for p in pattern] if pattern is not None and len(pattern) == n_layers else [False] * n_layers
+    swa_kv = next((k for k, w in zip(kv, window) if w), kv[0])
+    full_kv = next((k for k, w in zip(kv, window) if not w), kv[0])
+    owners = [i for i in range(n_layers - shared) if not window[i]]
+    k_eq_v = bool(owners) and all(f"blk.{i}.attn_v.weight" not in has for i in owners)
+    out = dict(head_dim=swa, global_head_dim=full if full != swa else None, n_kv_heads=swa_kv,
+               global_kv_heads=full_kv if full_kv != swa_kv else None, global_k_eq_v=k_eq_v, ffn_hidden=ffn[0],
+               kv_shared_layers=shared, kv_shared_ffn_hidden=ffn[-1] if ffn[-1] != ffn[0] else None,
+               per_layer_dim=key(llm.EMBD_LENGTH_PER_LAYER_INP, 0), attn_scale_dim=1, v_norm=True, layer_scale=True,
+               rotary_fraction=key(rope.DIMENSION_COUNT_SWA, swa) / swa if swa else 1.0)
+    consumed = {k.format(arch=arch) for k in (att.KEY_LENGTH, att.VALUE_LENGTH, att.HEAD_COUNT_KV,
+                                               llm.FEED_FORWARD_LENGTH, rope.DIMENSION_COUNT)}
+    return out, consumed
+
+
+def proportional_of(freqs: np.ndarray | None) -> dict | None:
+    """Gemma 4's proportional RoPE from its rope_freqs (1: rotated, UNROTATED: not), or None without the tensor."""
+    if freqs is None:
+        return None
+    rotated = int((freqs == 1.0).sum())
+    if not np.all(freqs[:rotated] == 1.0) or not np.all(freqs[rotated:] >= UNROTATED / 10):
+        raise ValueError("rope_freqs is not Gemma 4's proportional RoPE (ones, then factors of 1e30)")
+    return {"rope_type": "proportional", "partial_rotary_factor": rotated / len(freqs)}

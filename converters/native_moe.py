@@ -1,10 +1,10 @@
-"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`): a mixture as a native HF MoE
+"""The native mixture formats (`mixtral`, `qwen2_moe`, `qwen3_moe`, `flex_olmo`, `qwen3_5_moe`): a mixture as a native HF MoE
 architecture, loaded with no remote code, one exporter per record of converters/hf/families.py NATIVE_MIXTURES (its
 weight table, its config map's capability check; the folder as hf/writer.py:export_native_mixture writes it).
 
-A format whose architecture always has q/k/v biases (a shared-expert mixture's: `qwen2_moe`) writes a model without
-them through `WithZeroQKVBias`, a reader view that adds zero biases, so the architecture computes exactly the same
-function.
+A format whose architecture always has a tensor the model lacks holds it as zeros (`WithZeros`, a reader view), so
+the architecture computes exactly the same function: q/k/v biases (a shared-expert mixture's `qwen2_moe`:
+`with_zero_qkv_bias`), a shared expert (`qwen3_5_moe`, which always has one: `with_zero_shared_expert`, width 1).
 """
 from __future__ import annotations
 
@@ -23,36 +23,31 @@ from .hf.writer import export_native_mixture
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
 
-class WithZeroQKVBias(Reader):
-    """A reader seen with q/k/v biases: the config says qkv_bias, and each missing bias is zeros in its
-    weight's dtype ([out] of the weight's [out, in]). Everything else passes through."""
+class WithZeros(Reader):
+    """A reader seen with more tensors, all zeros: `config` is the view's config, `added` the new tensors' names
+    with their shapes and dtypes, each placed right after the inner tensor it follows (`after`, in names()). A
+    native format that always has a tensor the model lacks holds it as zeros, computing exactly the same function.
+    Everything else passes through."""
 
-    def __init__(self, inner: Reader):
-        self.inner = inner
-        self.config: ModelConfig = inner.config.replace(qkv_bias=True)
+    def __init__(self, inner: Reader, config: ModelConfig, added: dict[str, tuple[tuple[int, ...], torch.dtype, str]]):
+        self.inner, self.config, self._added = inner, config, added
         self.metadata = getattr(inner, "metadata", {})
         self.path, self.source_dir, self.hf_config = inner.path, inner.source_dir, inner.hf_config
-        self._bias = {f"{m.group(1)}.bias": n for n in inner.names() if (m := _QKV_WEIGHT.match(n))}
 
     def names(self) -> list[str]:
-        out = []
-        for n in self.inner.names():
-            out.append(n)
-            m = _QKV_WEIGHT.match(n)
-            if m and f"{m.group(1)}.bias" not in self.inner:
-                out.append(f"{m.group(1)}.bias")
-        return out
+        follows: dict[str, list[str]] = {}
+        for name, (_, _, after) in self._added.items():
+            follows.setdefault(after, []).append(name)
+        return [m for n in self.inner.names() for m in (n, *follows.get(n, ()))]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.inner or name in self._bias
+        return name in self.inner or name in self._added
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.inner:
-            return self.inner.shape(name)
-        return (self.inner.shape(self._bias[name])[0],)
+        return self.inner.shape(name) if name in self.inner else self._added[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.inner.dtype(name if name in self.inner else self._bias[name])
+        return self.inner.dtype(name) if name in self.inner else self._added[name][1]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self.inner:
@@ -72,20 +67,51 @@ class WithZeroQKVBias(Reader):
         self.inner.check_unchanged()
 
 
+def with_zero_qkv_bias(inner: Reader) -> WithZeros:
+    """A reader seen with q/k/v biases: the config says qkv_bias, and each missing bias is zeros in its weight's
+    dtype ([out] of the weight's [out, in])."""
+    added = {f"{m.group(1)}.bias": ((inner.shape(n)[0],), inner.dtype(n), n) for n in inner.names()
+             if (m := _QKV_WEIGHT.match(n)) and f"{m.group(1)}.bias" not in inner}
+    return WithZeros(inner, inner.config.replace(qkv_bias=True), added)
+
+
+def with_zero_shared_expert(inner: Reader) -> WithZeros:
+    """A mixture seen with a shared expert of width 1, every weight zero (its output is exactly 0)."""
+    cfg, dtype = inner.config, inner.dtype("embed.weight")
+    added = {}
+    for i in range(cfg.n_layers):
+        after = f"layers.{i}.ffn_experts.down.weight"
+        for name, shape in (("gate", (1, cfg.d_model)), ("up", (1, cfg.d_model)), ("down", (cfg.d_model, 1))):
+            added[f"layers.{i}.ffn_shared.{name}.weight"] = (shape, dtype, after)
+        added[f"layers.{i}.ffn_shared_gate.weight"] = ((1, cfg.d_model), dtype, after)
+    return WithZeros(inner, cfg.replace(ffn_shared_hidden=1), added)
+
+
+def as_held(reader: Reader, qkv_bias_always: bool, zero_shared_expert: bool) -> Reader:
+    """The reader as an architecture holds it: with zero q/k/v biases where it always has them, a zero shared expert
+    where it always has one."""
+    if qkv_bias_always and not reader.config.qkv_bias:
+        reader = with_zero_qkv_bias(reader)
+    if zero_shared_expert and not reader.config.ffn_shared_hidden:
+        reader = with_zero_shared_expert(reader)
+    return reader
+
+
 class NativeMixtureExporter(Exporter):
     """A mixture as the native HF MoE architecture of a family record."""
 
     Options = CastOptions
 
     def __init__(self, family: Family):
-        self.family, self.name, self.summary = family, family.model_type, family.summary
+        self.family, self.name, self.summary = family, family.format_name, family.summary
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         self.family.config.check(cfg, recipe)
 
     def source(self, reader: Reader) -> Reader:
-        """The reader as the architecture holds it: with zero q/k/v biases where it always has them."""
-        return WithZeroQKVBias(reader) if self.family.config.qkv_bias_always and not reader.config.qkv_bias else reader
+        """The reader as the architecture holds it (as_held)."""
+        config = self.family.config
+        return as_held(reader, config.qkv_bias_always, config.zero_shared_expert)
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         self.check(reader.config, recipe=options.recipe)

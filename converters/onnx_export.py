@@ -33,7 +33,7 @@ from bam_surgery.runtime.reader import Reader, check_layout
 from bam_surgery.runtime.shards import copy_side_file
 
 from .base import CapabilityError, ExportOptions, Exporter
-from .carry import runtime_column
+from .carry import Column, rule, runtime_column
 from .hf.files import GENERATION_CONFIG, generation_config_text
 from .onnx_genai import GENAI_CONFIG, genai_config
 from .onnx_graph import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, fold_graph, write_graph
@@ -98,8 +98,24 @@ class OnnxOptions:
         return next((name for name, dtype in DTYPES.items() if dtype == self.dtype), str(self.dtype))
 
 
-# ONNX's column of the table of what runs where (converters/carry.py): the graph traces the runtime's own model math
-COLUMN = runtime_column("onnx")
+# ONNX's column of the table of what runs where (converters/carry.py): the graph traces the runtime's own model math,
+# but for the layers OnnxExporter.check refuses (Qwen3.5's Gated DeltaNet, Gemma 4's per-layer cache geometry)
+_PER_LAYER_GEOMETRY = ("global_head_dim", "global_kv_heads", "kv_shared_layers", "per_layer_dim")
+
+
+def _per_layer_geometry(cfg) -> bool:
+    return cfg.global_head_dim is not None or cfg.global_kv_heads is not None or bool(cfg.kv_shared_layers) \
+        or bool(cfg.per_layer_dim)
+
+
+COLUMN = Column("onnx", (
+    *(r for r in runtime_column("onnx").rows if not set(r.fields) & {"linear_layers", *_PER_LAYER_GEOMETRY}),
+    rule("linear_layers", lambda cfg: not cfg.linear_layers,
+         "attention layers only (a Gated DeltaNet layer's recurrent state is not built)", "Gated DeltaNet layers",
+         "None (a recurrent state: not built)"),
+    rule(_PER_LAYER_GEOMETRY, lambda cfg: not _per_layer_geometry(cfg),
+         "one cache geometry in every layer and no per-layer inputs", "a per-layer cache geometry",
+         {"global_head_dim": "None", "global_kv_heads": "None", "kv_shared_layers": "0", "per_layer_dim": "0"})))
 
 
 class OnnxExporter(Exporter):
@@ -108,7 +124,23 @@ class OnnxExporter(Exporter):
     Options = OnnxOptions
 
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-        pass  # every model the runtime builds traces: dense, FFN experts, attention experts (both KV modes, top-k)
+        """Every model of one cache geometry traces: dense, FFN experts, attention experts (both KV modes, top-k).
+        Refused, in one line: Qwen3.5's Gated DeltaNet layers and Gemma 4's per-layer cache geometry."""
+        if cfg.linear_layers:
+            raise CapabilityError(
+                "onnx export of Gated DeltaNet layers is not built: each carries a convolution state and a "
+                "recurrent state [heads, Dk, Dv] across calls, and its gated delta rule loops over the sequence, "
+                "which the traced exporter unrolls at the traced length; a graph with conv/recurrent past and "
+                "present inputs and an ONNX Loop over the tokens (or one over chunks of 64 with a triangular solve "
+                "written out) would carry it, at the cost of one small matmul chain per token (or chunk) and "
+                "layer in the prefill, and GenAI has no such state; --format hf (HF BAM) carries it, and a BTX of it its "
+                "family's native mixture format (docs/families.md)")
+        if _per_layer_geometry(cfg):
+            raise CapabilityError(
+                "onnx export of per-layer cache geometries is not built: its past/present caches would differ from layer to "
+                "layer (the global layers' own head size and kv heads, no cache in the layers that read another's "
+                "K/V) where the graph and GenAI's config declare one geometry, and its per-layer inputs are a second "
+                "embedding lookup; --format hf (HF BAM) carries it")
 
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         import onnx  # lazy: onnx costs 0.06 s at start-up (the CLI loads this module for --help)

@@ -34,7 +34,7 @@ from .vllm_bam.support import COLUMN as VLLM
 def columns() -> dict[str, Column | Mapping[str, Column]]:
     """target -> its column (gguf: llama.cpp architecture -> its column), in the table's order."""
     return {"runtime": runtime_column("runtime"), "hf": HF_BAM,
-            **{f.model_type: f.config.column for f in NATIVE_MIXTURES},
+            **{f.format_name: f.config.column for f in NATIVE_MIXTURES},
             "gguf": {arch: arch_column(arch) for arch in ARCHS}, "onnx": ONNX, "vllm": VLLM}
 
 

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .deltanet import causal_conv, gated_delta_chunked, gated_delta_recurrent, gated_rms_norm
 from .routers import Router, make_router
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -231,12 +232,15 @@ def rotary_cos_sin(cfg, positions: Tensor, local: bool = False) -> tuple[Tensor,
     """RoPE tables for positions [B, T], computed once per forward: cos and signed sin [B, T, 1, rotary_dim]
     in float32, laid out so that apply_rotary is x * cos + swap(x) * sin (see there). Scaled RoPE
     (cfg.scaled_rope) changes the frequencies and may scale both tables (rope_frequencies); local: the sliding
-    layers' plain RoPE of base cfg.window_rope_theta instead."""
+    layers' plain RoPE of base cfg.window_rope_theta instead (over their own head size where the global layers'
+    differs: cfg.global_head_dim)."""
     needs_length = not local and cfg.scaled_rope is not None and cfg.scaled_rope["rope_type"] in ("dynamic", "longrope")
     if local:
-        inv_freq, scale = rope_frequencies(cfg, positions.device, theta=cfg.window_rope_theta, scaled=False)
+        inv_freq, scale = rope_frequencies(cfg, positions.device, theta=cfg.window_rope_theta, scaled=False,
+                                           dim=cfg.rotary_dim)
     else:
-        inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None)
+        inv_freq, scale = rope_frequencies(cfg, positions.device, positions.max() + 1 if needs_length else None,
+                                           dim=cfg.global_rotary_dim)
     angles = positions.float()[..., None] * inv_freq  # [B, T, rot/2]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     if scale != 1.0:
@@ -247,8 +251,8 @@ def rotary_cos_sin(cfg, positions: Tensor, local: bool = False) -> tuple[Tensor,
 
 
 def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None, theta: Optional[float] = None,
-                     scaled: bool = True) -> tuple[Tensor, float]:
-    """RoPE's inverse frequencies [rotary_dim/2] (float32, not a buffer, so casting the model to bf16 never
+                     scaled: bool = True, dim: Optional[int] = None) -> tuple[Tensor, float]:
+    """RoPE's inverse frequencies [dim/2] (dim: the rotated dims, cfg.rotary_dim by default) (float32, not a buffer, so casting the model to bf16 never
     rounds them) and the factor on cos and sin, computed as transformers computes them (modeling_rope_utils),
     op for op in float32 so that angles at long positions agree to the last bit:
         plain     theta^(-2i/d)
@@ -258,10 +262,17 @@ def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None
         longrope  divided by per-pair short factors, or long ones once seq_len passes the original length; cos,
                   sin times sqrt(1 + ln(factor) / ln(original))
         llama3    low frequencies divided by factor, high ones kept, a smooth ramp between
+        proportional  the first partial_rotary_factor of the pairs at theta^(-2i/d), the others frequency 0 (not
+                  rotated), all divided by factor (Gemma 4's global layers)
     """
-    dim, base, s = cfg.rotary_dim, theta or cfg.rope_theta, cfg.scaled_rope if scaled else None
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    dim, base, s = dim or cfg.rotary_dim, theta or cfg.rope_theta, cfg.scaled_rope if scaled else None
     kind = None if s is None else s["rope_type"]
+    if kind == "proportional":
+        rotated = int(s.get("partial_rotary_factor", 1.0) * dim // 2)
+        exponent = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device=device).float() / dim
+        inv_freq = torch.cat((1.0 / (base ** exponent), torch.zeros(dim // 2 - rotated, device=device)))
+        return inv_freq / s.get("factor", 1.0), 1.0
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if kind == "dynamic":
         seq = torch.clamp(seq_len, min=cfg.max_positions)
         base = base * ((s["factor"] * seq / cfg.max_positions) - (s["factor"] - 1)) ** (dim / (dim - 2))
@@ -272,7 +283,7 @@ def rope_frequencies(cfg, device: torch.device, seq_len: Optional[Tensor] = None
     if kind == "llama3":
         return _llama3_frequencies(inv_freq, s), 1.0
     if kind == "yarn":
-        return _yarn_frequencies(cfg, powers, s)
+        return _yarn_frequencies(cfg, dim, powers, s)
     if kind == "longrope":
         original = s["original_max_position_embeddings"]
         factor = s.get("factor") or cfg.max_positions / original
@@ -297,11 +308,11 @@ def _llama3_frequencies(inv_freq: Tensor, s: dict) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_frequencies(cfg, powers: Tensor, s: dict) -> tuple[Tensor, float]:
+def _yarn_frequencies(cfg, dim: int, powers: Tensor, s: dict) -> tuple[Tensor, float]:
     """YaRN: dims rotating fewer than beta_slow times over the original length are interpolated (divided by
     factor), those rotating more than beta_fast times extrapolated (kept), a linear ramp between; cos and sin
     scaled by 0.1 ln(factor) + 1 (or DeepSeek's mscale ratio), unless attention_factor says otherwise."""
-    dim, base = cfg.rotary_dim, cfg.rope_theta
+    base = cfg.rope_theta
     original = s["original_max_position_embeddings"]
     factor = s.get("factor") or cfg.max_positions / original
 
@@ -525,6 +536,9 @@ class ForwardPass:
     # a fused prefill into a cache from slot 0, no padding: attend over the first T slots, causally (no mask)
     prefill_from_zero: bool = False
     rope_local: Optional[tuple[Tensor, Tensor]] = None  # the sliding layers' own RoPE (Gemma 3), or None: rope
+    # keys and values [B, kv heads, S, Dh] of the layers that others read (kv_source), by layer, this pass
+    shared_kv: dict = field(default_factory=dict)
+    per_layer: Optional[Tensor] = None  # [B, T, L, Dp] per-layer inputs (Gemma 4's PLE), or None
     query_scale: Optional[Tensor] = None  # [B, T, 1, 1] the queries' scale by position (query_scale()), or None
 
     def mask(self, n_keys: int, window: Optional[int] = None) -> Optional[Tensor]:
@@ -538,87 +552,198 @@ class ForwardPass:
         return self.masks[n_keys, window]
 
 
+class Param(nn.Module):
+    """One tensor as a module's parameter under a given name (canonical names such as linear.dt.bias)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], value: float = 0.0):
+        super().__init__()
+        self.register_parameter(name, nn.Parameter(torch.full(shape, value)))
+
+
+class LinearMixer(nn.Module):
+    """A Gated DeltaNet token mixer (Qwen3.5's linear attention; runtime/deltanet.py has the math), or E of them
+    stacked (experts > 0: each its own projections, convolution and recurrent state). Parameters (canonical names
+    under layers.{i}.linear / linear_experts, runtime/layout.py): qkv, z, b, a, out (linear maps), conv.weight
+    [C, K], dt.bias and a_log.weight [Hv], norm.weight [Dv]; each with a leading [E] for experts."""
+
+    def __init__(self, cfg, experts: int = 0):
+        super().__init__()
+        D, Hk, Hv = cfg.d_model, cfg.linear_key_heads, cfg.linear_value_heads
+        Dk, Dv, K = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv
+        self.shape = (Hk, Hv, Dk, Dv, K)
+        self.channels = 2 * Hk * Dk + Hv * Dv
+        self.eps, self.experts = cfg.norm_eps, experts
+        lead = (experts,) if experts else ()
+        for name, (n_in, n_out) in dict(qkv=(D, self.channels), z=(D, Hv * Dv), b=(D, Hv), a=(D, Hv),
+                                        out=(Hv * Dv, D)).items():
+            self.add_module(name, StackedLinear(experts, n_in, n_out, False) if experts else nn.Linear(n_in, n_out,
+                                                                                                        bias=False))
+        self.conv = Param("weight", lead + (self.channels, K))
+        self.dt = Param("bias", lead + (Hv,))
+        self.a_log = Param("weight", lead + (Hv,))
+        self.norm = Param("weight", lead + (Dv,), 1.0)
+
+    def _w(self, name: str, e: Optional[int]) -> Tensor:
+        """A parameter as [E', ...]: every expert's (e None), expert e's alone, or the dense one (E' = 1)."""
+        mod = getattr(self, name)
+        w = mod.weight if isinstance(mod, (nn.Linear, StackedLinear)) else next(iter(mod.parameters()))
+        if not self.experts:
+            return w[None]
+        return w if e is None else w[e:e + 1]
+
+    def forward(self, x: Tensor, state: Optional[tuple[Tensor, Tensor]], gates: Optional[Tensor] = None,
+                e: Optional[int] = None, recurrent: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [B, T, D] -> (output [B, T, D], (conv state [B, E'*C, K-1], recurrent state [B, E'*Hv, Dk, Dv])).
+
+        Every expert at once (e None; E' = E), or expert e alone (E' = 1), or the dense mixer. gates [B*T, E']:
+        each expert's output weight (experts only); state: the states before x (None: a sequence's start);
+        recurrent: the token-by-token rule instead of the chunked one (always for one token)."""
+        Hk, Hv, Dk, Dv, K = self.shape
+        B, T, D = x.shape
+        w = {n: self._w(n, e) for n in ("qkv", "z", "b", "a", "out", "conv", "dt", "a_log", "norm")}
+        E = w["qkv"].shape[0]
+        mixed = F.linear(x, w["qkv"].reshape(E * self.channels, D))  # [B, T, E*C]
+        conv, rec = (None, None) if state is None else state
+        mixed, conv = causal_conv(mixed.transpose(1, 2), w["conv"].reshape(E * self.channels, K), conv)
+        q, k, v = mixed.transpose(1, 2).reshape(B, T, E, self.channels).split((Hk * Dk, Hk * Dk, Hv * Dv), -1)
+        q, k = q.reshape(B, T, E * Hk, Dk), k.reshape(B, T, E * Hk, Dk)
+        if Hv != Hk:  # each key head serves Hv/Hk consecutive value heads of its expert
+            q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+        beta = torch.sigmoid(F.linear(x, w["b"].reshape(E * Hv, D)))  # [B, T, E*Hv]
+        f32 = torch.promote_types(x.dtype, torch.float32)  # float32 (float64 for a float64 model)
+        g = -w["a_log"].reshape(E * Hv).to(f32).exp() * F.softplus(
+            F.linear(x, w["a"].reshape(E * Hv, D)).to(f32) + w["dt"].reshape(E * Hv))
+        rule = gated_delta_recurrent if recurrent or T == 1 else gated_delta_chunked
+        o, rec = rule(q, k, v.reshape(B, T, E * Hv, Dv), g, beta, rec)  # [B, T, E*Hv, Dv]
+        z = F.linear(x, w["z"].reshape(E * Hv * Dv, D)).view(B, T, E * Hv, Dv)
+        o = gated_rms_norm(o, w["norm"].repeat_interleave(Hv, dim=0), z, self.eps)  # [B, T, E*Hv, Dv]
+        if gates is None:
+            return F.linear(o.reshape(B, T, Hv * Dv), w["out"][0]), (conv, rec)
+        y = o.reshape(B * T, E, Hv * Dv).transpose(0, 1) * gates.t()[:, :, None].to(o.dtype)  # [E, N, Hv*Dv]
+        return torch.bmm(y, w["out"].transpose(1, 2)).sum(0).view(B, T, D), (conv, rec)
+
+
 class Block(nn.Module):
-    """One transformer block; dense or mixture attention, dense or mixture FFN.
+    """One transformer block; dense or mixture attention (or a Gated DeltaNet token mixer), dense or mixture FFN.
 
     Parameters (canonical names, see runtime/layout.py):
       attn          dense Q, K, V, O; or, in a shared-KV mixture, the one shared K and V
       attn_experts  stacked [E, ...] Q, O and (expert KV) K, V
       attn_router   a Router of kind cfg.attn_router_kind (runtime/routers.py): [N, D] -> logits [N, E]
+      linear        in a Gated DeltaNet layer (cfg.linear_layers), the mixer in place of attention (LinearMixer);
+                    linear_experts: E of them, mixed by attn_router
       ffn           dense gate/up/down;  ffn_experts: stacked [E, ...];  ffn_router: kind cfg.ffn_router_kind
       ffn_shared    beside ffn_experts, the always-on shared expert (gate/up/down of width ffn_shared_hidden),
                     its output times sigmoid(ffn_shared_gate(x)) (Qwen2-MoE's shared_expert and its gate)
+      ple, ple_norm Gemma 4's per-layer input: gate [Dp, D], out [D, Dp], the norm of its output
+      layer_scale   Gemma 4's scalar on the block's output
+    Per layer (cfg's per-layer rules, runtime/config_rules.py): the head size and kv heads (Gemma 4's global
+    layers), no K/V of its own where the layer reads another's (kv_source), no V where K = V.
     """
 
     def __init__(self, cfg, index: int):
         super().__init__()
         self.cfg, self.index = cfg, index
-        D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D, H = cfg.d_model, cfg.n_heads
+        self.head_dim, self.n_kv = Dh, G = cfg.layer_head_dim(index), cfg.layer_kv_heads(index)
         if cfg.norm_position != "post":  # OLMo 2 has no norm before its sublayers
             self.attn_norm = Norm(cfg)
             if cfg.block != "parallel":
                 self.ffn_norm = Norm(cfg)
         if cfg.norm_position != "pre":  # OLMo 2, Gemma: each sublayer's output normed before the residual add
             self.attn_post_norm, self.ffn_post_norm = Norm(cfg), Norm(cfg)
-        sliding = cfg.attn_window is not None and (cfg.attn_window_layers is None or index in cfg.attn_window_layers)
+        sliding = cfg.is_window_layer(index)
         self.window = cfg.attn_window if sliding else None  # attends to the last `window` slots
         # the attention logits' scale: its own (Granite), 1/sqrt(attn_scale_dim) (Gemma), or None: 1/sqrt(head_dim)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else (
             None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5)
         self.residual = cfg.residual_multiplier  # each sublayer's output times this before it is added (Granite)
         self.use_rope = index not in (cfg.nope_layers or ())  # SmolLM3: no RoPE in some layers
-        q = {"q": (D, H * Dh, cfg.qkv_bias)}
-        kv = {"k": (D, G * Dh, cfg.qkv_bias), "v": (D, G * Dh, cfg.qkv_bias)}
-        o = {"o": (H * Dh, D, cfg.o_bias)}
-        Ea = cfg.attn_experts
-        self.expert_kv = bool(Ea) and cfg.kv_mode == "expert"
-        self.kv_heads = (Ea if self.expert_kv else 1) * G  # heads this block caches
-        if Ea == 0:
-            self.attn = Projections({**q, **kv, **o})
-        elif self.expert_kv:
-            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
-            self.attn_experts = Projections({**q, **kv, **o}, Ea)
-        else:
-            self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
-            self.attn = Projections(kv)
-            self.attn_experts = Projections({**q, **o}, Ea)
-        self.qk_norm = cfg.qk_norm
-        if self.qk_norm != "none":  # a norm per projection, owned like the projection (an expert's, or shared)
-            width = {"q": Dh, "k": Dh} if self.qk_norm == "head" else {"q": H * Dh, "k": G * Dh}
-            for name in "qk":
-                owner, experts = (self.attn_experts, Ea) if self._expert_owned(name) else (self.attn, 0)
-                owner.add_module(f"{name}_norm", Norm(cfg, width[name], experts))
+        self.is_linear = cfg.is_linear_layer(index)
+        self.kv_source = cfg.kv_source(index)
+        self.owns_kv, self.k_eq_v = self.kv_source == index, cfg.layer_k_eq_v(index)
+        self._build_mixer(cfg, D, H, Dh, G)
         self.gated = cfg.activation in GATED
-        ffn = {"gate": (D, cfg.ffn_hidden, cfg.ffn_bias)} if self.gated else {}
-        ffn.update(up=(D, cfg.ffn_hidden, cfg.ffn_bias), down=(cfg.ffn_hidden, D, cfg.ffn_bias))
+        F_ = cfg.layer_ffn_hidden(index)
+        ffn = {"gate": (D, F_, cfg.ffn_bias)} if self.gated else {}
+        ffn.update(up=(D, F_, cfg.ffn_bias), down=(F_, D, cfg.ffn_bias))
         if cfg.ffn_experts:
             self.ffn_router = make_router(cfg.ffn_router_kind, cfg, cfg.ffn_experts)
             self.ffn_experts = Projections(ffn, cfg.ffn_experts)
         else:
             self.ffn = Projections(ffn)
         if cfg.ffn_shared_hidden:
-            Fs = cfg.ffn_shared_hidden
+            Fs = cfg.layer_shared_hidden(index)
             shared = {"gate": (D, Fs, cfg.ffn_bias)} if self.gated else {}
             self.ffn_shared = Projections({**shared, "up": (D, Fs, cfg.ffn_bias), "down": (Fs, D, cfg.ffn_bias)})
             self.ffn_shared_gate = nn.Linear(D, 1, bias=False)
+        if cfg.per_layer_dim:
+            Dp = cfg.per_layer_dim
+            self.ple = Projections({"gate": (D, Dp, False), "out": (Dp, D, False)})
+            self.ple_norm = Norm(cfg)
+        if cfg.layer_scale:
+            self.layer_scale = Param("weight", (1,), 1.0)
         self.act = ACTIVATIONS[cfg.activation]
+
+
+    def _build_mixer(self, cfg, D: int, H: int, Dh: int, G: int) -> None:
+        """The token mixer's modules: a Gated DeltaNet (or its experts and their router), or the attention's
+        projections (dense, expert K/V or shared K/V) with their QK-norms, owned like the projection."""
+        Ea = cfg.layer_attn_experts(self.index)
+        self.expert_kv = bool(Ea) and cfg.kv_mode == "expert" and not self.is_linear
+        self.kv_heads = (Ea if self.expert_kv else 1) * G  # heads this block caches (or reads from kv_source)
+        if self.is_linear:
+            if Ea:
+                self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
+                self.linear_experts = LinearMixer(cfg, Ea)
+            else:
+                self.linear = LinearMixer(cfg)
+        else:
+            q = {"q": (D, H * Dh, cfg.qkv_bias)}
+            if cfg.attn_output_gate:
+                q["gate"] = (D, H * Dh, cfg.qkv_bias)
+            kv = {"k": (D, G * Dh, cfg.qkv_bias)} if self.owns_kv else {}
+            if self.owns_kv and not self.k_eq_v:
+                kv["v"] = (D, G * Dh, cfg.qkv_bias)
+            o = {"o": (H * Dh, D, cfg.o_bias)}
+            if Ea == 0:
+                self.attn = Projections({**q, **kv, **o})
+            elif self.expert_kv:
+                self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
+                self.attn_experts = Projections({**q, **kv, **o}, Ea)
+            else:
+                self.attn_router = make_router(cfg.attn_router_kind, cfg, Ea)
+                self.attn = Projections(kv)
+                self.attn_experts = Projections({**q, **o}, Ea)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm != "none" and not self.is_linear:  # a norm per projection, owned like the projection
+            width = {"q": Dh, "k": Dh} if self.qk_norm == "head" else {"q": H * Dh, "k": G * Dh}
+            for name in ("q", "k") if self.owns_kv else ("q",):
+                owner, experts = (self.attn_experts, Ea) if self._expert_owned(name) else (self.attn, 0)
+                owner.add_module(f"{name}_norm", Norm(cfg, width[name], experts))
 
     def forward(self, x: Tensor, step: ForwardPass) -> Tensor:
         style, where, r = self.cfg.block, self.cfg.norm_position, self._residual
         if where == "post":  # OLMo 2
             h = x + r(self.attn_post_norm(self.attention(x, step)))
-            return h + r(self.ffn_post_norm(self.feed_forward(h, step)))
-        if where == "sandwich":  # Gemma
+            h = h + r(self.ffn_post_norm(self.feed_forward(h, step)))
+        elif where == "sandwich":  # Gemma
             h = x + r(self.attn_post_norm(self.attention(self.attn_norm(x), step)))
-            return h + r(self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), step)))
-        if style == "sequential":
+            h = h + r(self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), step)))
+        elif style == "sequential":
             h = x + r(self.attention(self.attn_norm(x), step))
-            return h + r(self.feed_forward(self.ffn_norm(h), step))
-        if style == "parallel":  # one shared norm (PaLM, GPT-J, Cohere, the paper)
+            h = h + r(self.feed_forward(self.ffn_norm(h), step))
+        elif style == "parallel":  # one shared norm (PaLM, GPT-J, Cohere, the paper)
             n = self.attn_norm(x)
-            return x + r(self.attention(n, step)) + r(self.feed_forward(n, step))
-        # parallel_two_norms (GPT-NeoX)
-        return x + r(self.attention(self.attn_norm(x), step)) + r(self.feed_forward(self.ffn_norm(x), step))
+            h = x + r(self.attention(n, step)) + r(self.feed_forward(n, step))
+        else:  # parallel_two_norms (GPT-NeoX)
+            h = x + r(self.attention(self.attn_norm(x), step)) + r(self.feed_forward(self.ffn_norm(x), step))
+        if self.cfg.per_layer_dim:  # Gemma 4: the layer's own input, gated by the hidden state, added
+            y = self.act(self.ple.gate(h)) * step.per_layer[:, :, self.index].to(h.dtype)
+            h = h + self.ple_norm(self.ple.out(y))
+        if self.cfg.layer_scale:
+            h = h * self.layer_scale.weight
+        return h
 
     def _residual(self, y: Tensor) -> Tensor:
         """A sublayer's output as it joins the residual stream: times residual_multiplier (Granite's), if not 1."""
@@ -627,7 +752,8 @@ class Block(nn.Module):
     # -- routing ---------------------------------------------------------------------------
     def _route(self, kind: str, x: Tensor, step: ForwardPass) -> Routing:
         cfg = self.cfg
-        E, top_k = (cfg.attn_experts, cfg.attn_top_k) if kind == "attn" else (cfg.ffn_experts, cfg.ffn_top_k)
+        E, top_k = ((cfg.layer_attn_experts(self.index), cfg.attn_top_k) if kind == "attn"
+                    else (cfg.ffn_experts, cfg.ffn_top_k))
         router = self.attn_router if kind == "attn" else self.ffn_router
         r = route(router, x, E, top_k, cfg.gate_norm, step.forced.gates(kind, E) if step.forced else None)
         step.routing[f"{kind}_router"] = r  # the trunk names it layers.{index}.{kind}_router
@@ -636,6 +762,33 @@ class Block(nn.Module):
     def _cache(self, k: Tensor, v: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
         """k, v [B, kv_heads, T, Dh] of the new tokens -> every key slot's [B, kv_heads, S, Dh]."""
         return (k, v) if step.cache is None else step.cache.update(self.index, step.input_pos, k, v)
+
+    def _values(self, x: Tensor, k_raw: Tensor, name_owner: Projections, e: Optional[int], all_experts: bool
+                ) -> Tensor:
+        """V of the new tokens [..., heads*Dh]: its projection, or (K = V layers) the keys' projection before their
+        norm; the caller reshapes to heads and applies _v_norm."""
+        if self.k_eq_v:
+            return k_raw
+        return name_owner.v.all_experts(x) if all_experts else name_owner.proj("v", x, e)
+
+    def _v_norm(self, v: Tensor) -> Tensor:
+        """Gemma 4's value norm: RMS over each head [..., Dh], no scale, in float32; unchanged without it."""
+        if not self.cfg.v_norm:
+            return v
+        vf = v.float()
+        return (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)).to(v.dtype)
+
+    def _gate(self, y: Tensor, x: Tensor, e: Optional[int]) -> Tensor:
+        """The attention output y [B, T, H*Dh] times sigmoid(x W_gate) (attn_output_gate, Qwen3.5); unchanged
+        without it."""
+        if not self.cfg.attn_output_gate:
+            return y
+        owner = self.attn_experts if self._expert_owned("gate") else self.attn
+        return y * torch.sigmoid(owner.proj("gate", x, e))
+
+    def _shared(self, step: ForwardPass) -> tuple[Tensor, Tensor]:
+        """The keys and values of the layer this one reads (kv_source), computed earlier in the same pass."""
+        return step.shared_kv[self.kv_source]
 
     def _rope(self, x: Tensor, step: ForwardPass) -> Tensor:
         if step.rope is None or not self.use_rope:
@@ -656,7 +809,7 @@ class Block(nn.Module):
         norm = getattr(self.attn_experts if self._expert_owned(name) else self.attn, f"{name}_norm")
         if self.qk_norm == "full":
             return norm(y, e)
-        return norm(y.unflatten(-1, (-1, self.cfg.head_dim)), e).flatten(-2)
+        return norm(y.unflatten(-1, (-1, self.head_dim)), e).flatten(-2)
 
     def _qk_all(self, name: str, y: Tensor, n_experts: int) -> Tensor:
         """Projection q or k of every expert at once, y [B, T, E*heads*Dh] expert-major, through each expert's
@@ -664,13 +817,48 @@ class Block(nn.Module):
         if self.qk_norm == "none":
             return y
         norm = getattr(self.attn_experts, f"{name}_norm")
-        width = self.cfg.head_dim if self.qk_norm == "head" else norm.shape[0]
+        width = self.head_dim if self.qk_norm == "head" else norm.shape[0]
         return norm.all_experts(y.unflatten(-1, (n_experts, -1, width))).flatten(-3)
 
     def attention(self, x: Tensor, step: ForwardPass) -> Tensor:
+        """The token mixer: softmax attention, or in a Gated DeltaNet layer the linear one."""
+        if self.is_linear:
+            return self.linear_attention(x, step)
         if step.impl == "reference":
             return self._attention_reference(x, step)
         return self._attention_fused(x, step)
+
+    def linear_attention(self, x: Tensor, step: ForwardPass) -> Tensor:
+        """The Gated DeltaNet (or its experts, mixed by the attention router) over the new tokens x [B, T, D], its
+        states read from and written to the cache (cache.state / cache.write_state). A pass from slot 0 starts a
+        sequence afresh (its states start at zero), so a cache can be filled again from the start; padding tokens
+        (attention_mask 0) enter as zeros, so they leave the states as they were (left padding)."""
+        mask = step.attention_mask
+        if mask is not None:
+            x = x * mask[:, step.input_pos].to(x.dtype)[..., None]
+        state = None
+        if step.cache is not None:
+            conv, rec = step.cache.state(self.index)
+            fresh = (step.input_pos[:1] > 0).to(rec.dtype)  # 0 at a sequence's start: no host synchronisation
+            state = (conv * fresh.to(conv.dtype), rec * fresh)
+        if not self.cfg.linear_experts:
+            out, new = self.linear(x, state, recurrent=step.impl == "reference")
+        else:
+            r = self._route("attn", x, step)
+            if step.impl != "reference":
+                out, new = self.linear_experts(x, state, r.gates)
+            else:  # expert by expert, token by token: the oracle of the fused chunked path
+                B, T, D = x.shape
+                C, Hv = self.linear_experts.channels, self.cfg.linear_value_heads
+                out, convs, recs = torch.zeros_like(x), [], []
+                for e in range(self.cfg.linear_experts):
+                    s_e = None if state is None else (state[0][:, e * C:(e + 1) * C], state[1][:, e * Hv:(e + 1) * Hv])
+                    y, (c_e, r_e) = self.linear_experts(x, s_e, r.gates[:, e:e + 1], e=e, recurrent=True)
+                    out, convs, recs = out + y, convs + [c_e], recs + [r_e]
+                new = (torch.cat(convs, 1), torch.cat(recs, 1))
+        if step.cache is not None:
+            step.cache.write_state(self.index, *new)
+        return out
 
     def feed_forward(self, x: Tensor, step: ForwardPass) -> Tensor:
         if not self.cfg.ffn_experts:
@@ -694,8 +882,9 @@ class Block(nn.Module):
 
     # -- reference: one expert at a time ---------------------------------------------------
     def _expert_owned(self, name: str) -> bool:
-        """Is projection `name` (q, k, v, o) one per attention expert, or the block's one (dense, shared K/V)?"""
-        return bool(self.cfg.attn_experts) and (name in ("q", "o") or self.expert_kv)
+        """Is projection `name` (q, gate, k, v, o) one per attention expert, or the block's one (dense, shared
+        K/V)?"""
+        return bool(self.cfg.attn_experts) and (name in ("q", "gate", "o") or self.expert_kv)
 
     def _attn_proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
         y = (self.attn_experts if self._expert_owned(name) else self.attn).proj(name, x, e)
@@ -704,22 +893,27 @@ class Block(nn.Module):
     def keys_values(self, x: Tensor, step: ForwardPass) -> tuple[Tensor, Tensor]:
         """K (after RoPE) and V of the new tokens, expert by expert: each [B, kv_heads, T, Dh], expert-major."""
         cfg, (B, T, _) = self.cfg, x.shape
+        G, Dh = self.n_kv, self.head_dim
         ks, vs = [], []
         for e in (range(cfg.attn_experts) if self.expert_kv else [None]):
-            k = self._rope(self._attn_proj("k", x, e).view(B, T, cfg.n_kv_heads, cfg.head_dim), step)
+            owner = self.attn_experts if self.expert_kv else self.attn
+            k_raw = owner.proj("k", x, e)
+            k = self._rope(self._qk("k", k_raw, e).view(B, T, G, Dh), step)
             ks.append(k.transpose(1, 2))
-            vs.append(self._attn_proj("v", x, e).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2))
+            v = self._values(x, k_raw, owner, e, all_experts=False)
+            vs.append(self._v_norm(v.view(B, T, G, Dh)).transpose(1, 2))
         return torch.cat(ks, 1), torch.cat(vs, 1)
 
     def attention_expert(self, x: Tensor, k: Tensor, v: Tensor, step: ForwardPass, e: Optional[int]) -> Tensor:
         """MHA_e(x) over keys/values k, v [B, G, S, Dh]: [B, T, D] -> [B, T, D] (e=None: dense attention)."""
         cfg, (B, T, _) = self.cfg, x.shape
-        q = self._query(self._attn_proj("q", x, e).view(B, T, cfg.n_heads, cfg.head_dim), step).transpose(1, 2)
-        rep = cfg.n_heads // cfg.n_kv_heads
+        H, Dh = cfg.n_heads, self.head_dim
+        q = self._query(self._attn_proj("q", x, e).view(B, T, H, Dh), step).transpose(1, 2)
+        rep = H // self.n_kv
         if rep > 1:  # GQA: query head h reads kv head h // rep
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         mask = step.mask(k.shape[2], self.window)
-        scale = self.scale or 1.0 / math.sqrt(cfg.head_dim)
+        scale = self.scale or 1.0 / math.sqrt(Dh)
         if cfg.attn_softcap is not None:  # Gemma 2: logits c * tanh(s / c), then the mask
             scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / cfg.attn_softcap) * cfg.attn_softcap
             if mask is None:
@@ -727,18 +921,23 @@ class Block(nn.Module):
             y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-        return self._attn_proj("o", y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), e)
+        y = self._gate(y.transpose(1, 2).reshape(B, T, H * Dh), x, e)
+        return self._attn_proj("o", y, e)
 
     def _attention_reference(self, x: Tensor, step: ForwardPass) -> Tensor:
         cfg, E = self.cfg, self.cfg.attn_experts
-        k, v = self._cache(*self.keys_values(x, step), step)
+        if self.owns_kv:
+            k, v = self._cache(*self.keys_values(x, step), step)
+            step.shared_kv[self.index] = (k, v)
+        else:
+            k, v = self._shared(step)
         if not E:
             return self.attention_expert(x, k, v, step, None)
         r = self._route("attn", x, step)
         # Attention needs whole sequences, so each expert runs on every token; its output is
         # weighted by the gate (zero for tokens that top-k routing did not send to it).
         B, T, D = x.shape
-        G = cfg.n_kv_heads
+        G = self.n_kv
         gates = r.gates.view(B, T, E)
         out = torch.zeros_like(x)
         for e in range(E):
@@ -779,38 +978,51 @@ class Block(nn.Module):
     # -- fused: all experts at once --------------------------------------------------------
     def _attention_fused(self, x: Tensor, step: ForwardPass) -> Tensor:
         cfg, (B, T, D) = self.cfg, x.shape
-        E, H, G, Dh = cfg.attn_experts, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        E, H, G, Dh = cfg.attn_experts, cfg.n_heads, self.n_kv, self.head_dim
+        k = v = None
         if not E:
             q = self._qk("q", self.attn.q(x), None).view(B, T, H, Dh)
-            k = self._qk("k", self.attn.k(x), None).view(B, T, G, Dh)
-            v = self.attn.v(x).view(B, T, G, Dh)
+            if self.owns_kv:
+                k_raw = self.attn.k(x)
+                k = self._qk("k", k_raw, None).view(B, T, G, Dh)
+                v = self._values(x, k_raw, self.attn, None, all_experts=False).view(B, T, G, Dh)
         else:
             q = self._qk_all("q", self.attn_experts.q.all_experts(x), E).view(B, T, E * H, Dh)  # expert-major e*H + h
-            if self.expert_kv:
-                k = self._qk_all("k", self.attn_experts.k.all_experts(x), E).view(B, T, self.kv_heads, Dh)
-                v = self.attn_experts.v.all_experts(x).view(B, T, self.kv_heads, Dh)
-            else:
-                k = self._qk("k", self.attn.k(x), None).view(B, T, self.kv_heads, Dh)
-                v = self.attn.v(x).view(B, T, self.kv_heads, Dh)
+            if self.owns_kv and self.expert_kv:
+                k_raw = self.attn_experts.k.all_experts(x)
+                k = self._qk_all("k", k_raw, E).view(B, T, self.kv_heads, Dh)
+                v = self._values(x, k_raw, self.attn_experts, None, all_experts=True).view(B, T, self.kv_heads, Dh)
+            elif self.owns_kv:
+                k_raw = self.attn.k(x)
+                k = self._qk("k", k_raw, None).view(B, T, self.kv_heads, Dh)
+                v = self._values(x, k_raw, self.attn, None, all_experts=False).view(B, T, self.kv_heads, Dh)
             if not self.expert_kv:
                 # Shared KV: query head (e, h) reads kv head h // rep for every e. Order the E*H query heads
                 # (g, e, r), h = g*rep + r, so that GQA's j // (E*rep) picks g.
                 rep = H // G
                 q = q.view(B, T, E, G, rep, Dh).transpose(2, 3).reshape(B, T, E * H, Dh)
-        q, k = self._query(q, step).transpose(1, 2), self._rope(k, step).transpose(1, 2)  # [B, heads, T, Dh]
-        k, v = self._cache(k, v.transpose(1, 2), step)
-        if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
-            k, v = k[:, :, :T], v[:, :, :T]
+        q = self._query(q, step).transpose(1, 2)  # [B, heads, T, Dh]
+        if self.owns_kv:
+            k = self._rope(k, step).transpose(1, 2)
+            k, v = self._cache(k, self._v_norm(v).transpose(1, 2), step)
+            if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
+                k, v = k[:, :, :T], v[:, :, :T]
+            step.shared_kv[self.index] = (k, v)
+        else:
+            k, v = self._shared(step)
         y = attend(q, k, v, step.mask(k.shape[2], self.window), self.scale, cfg.attn_softcap)  # [B, E*H, T, Dh]
         if not E:
-            return self.attn.o(y.transpose(1, 2).reshape(B, T, H * Dh))
+            return self.attn.o(self._gate(y.transpose(1, 2).reshape(B, T, H * Dh), x, None))
         r = self._route("attn", x, step)
         if self.expert_kv:
             y = y.view(B, E, H, T, Dh).permute(1, 0, 3, 2, 4)  # [E, B, T, H, Dh]
         else:
             y = y.view(B, G, E, H // G, T, Dh).permute(2, 0, 4, 1, 3, 5)  # [E, B, T, G, rep, Dh]
+        y = y.reshape(E, B * T, H * Dh)
+        if cfg.attn_output_gate:  # each expert's own gate, heads in the order h of y
+            y = y * torch.sigmoid(self.attn_experts.gate.all_experts(x).view(B * T, E, H * Dh).transpose(0, 1))
         gates = r.gates.t()[:, :, None]  # [E, N, 1]
-        y = y.reshape(E, B * T, H * Dh) * gates.to(y.dtype)
+        y = y * gates.to(y.dtype)
         o = self.attn_experts.o
         out = torch.bmm(y, o.weight.transpose(1, 2)).sum(0)  # all E output projections: [E, N, D] -> [N, D]
         if o.bias is not None:
@@ -852,35 +1064,82 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+class LinearState(nn.Module):
+    """One Gated DeltaNet layer's state: the convolution's last K-1 inputs conv [B, E*C, K-1] (the cache's dtype)
+    and the recurrent state rec [B, E*Hv, Dk, Dv] (float32, as the rule computes it). Its size does not grow with
+    the sequence."""
+
+    def __init__(self, cfg, batch: int, dtype: torch.dtype, device: Optional[torch.device] = None):
+        super().__init__()
+        E = cfg.linear_experts or 1
+        channels = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+        self.register_buffer("conv", torch.zeros(batch, E * channels, cfg.linear_conv - 1, dtype=dtype,
+                                                 device=device), persistent=False)
+        self.register_buffer("rec", torch.zeros(batch, E * cfg.linear_value_heads, cfg.linear_key_dim,
+                                                cfg.linear_value_dim, dtype=torch.float32, device=device),
+                             persistent=False)
+
+    def write(self, conv: Tensor, rec: Tensor) -> None:
+        self.conv.copy_(conv)
+        self.rec.copy_(rec)
+
+
 class ModelKVCache(nn.Module):
-    """A KVCache per layer holding exactly what the block attends over: expert KV E*G heads, shared KV and
-    dense attention G heads. Keys are stored after RoPE."""
+    """Per layer what the block needs again: a KVCache holding exactly what the block attends over (expert KV
+    E*G heads, shared KV and dense attention G heads, at the layer's own head size; keys after RoPE), a
+    LinearState in a Gated DeltaNet layer, nothing in a layer that reads another's K/V (kv_source)."""
 
     def __init__(self, cfg, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
         super().__init__()
         self.batch, self.max_len = batch, max_len
-        heads = self.kv_heads(cfg)
-        self.layers = nn.ModuleList(KVCache(batch, heads, max_len, cfg.head_dim, dtype, device)
-                                    for _ in range(cfg.n_layers))
-        if self.layers[0].k.device.type == "cuda" and hasattr(torch, "_dynamo"):
-            for layer in self.layers:  # static addresses: CUDA graphs (compile mode reduce-overhead) reuse them
-                torch._dynamo.mark_static_address(layer.k)
-                torch._dynamo.mark_static_address(layer.v)
+        layers: list[nn.Module] = []
+        for i in range(cfg.n_layers):
+            if cfg.is_linear_layer(i):
+                layers.append(LinearState(cfg, batch, dtype, device))
+            elif cfg.kv_source(i) == i:
+                layers.append(KVCache(batch, self.kv_heads(cfg, i), max_len, cfg.layer_head_dim(i), dtype, device))
+            else:
+                layers.append(nn.Identity())
+        self.layers = nn.ModuleList(layers)
+        if torch.device(device or "cpu").type == "cuda" and hasattr(torch, "_dynamo"):
+            for buffer in self.buffers():  # static addresses: CUDA graphs (compile mode reduce-overhead) reuse them
+                torch._dynamo.mark_static_address(buffer)
 
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.layers[layer].update(input_pos, k, v)
 
+    def state(self, layer: int) -> tuple[Tensor, Tensor]:
+        """A Gated DeltaNet layer's (conv, rec) before the new tokens."""
+        return self.layers[layer].conv, self.layers[layer].rec
+
+    def write_state(self, layer: int, conv: Tensor, rec: Tensor) -> None:
+        self.layers[layer].write(conv, rec)
+
     @staticmethod
-    def kv_heads(cfg) -> int:
+    def kv_heads(cfg, layer: int = 0) -> int:
+        """The kv heads layer `layer` caches: E*G with expert K/V, else G (its own G: global layers may differ)."""
         expert_kv = cfg.attn_experts and cfg.kv_mode == "expert"
-        return (cfg.attn_experts if expert_kv else 1) * cfg.n_kv_heads
+        return (cfg.attn_experts if expert_kv else 1) * cfg.layer_kv_heads(layer)
 
     @staticmethod
     def bytes_per_token(cfg, dtype: torch.dtype) -> int:
-        """Cache bytes per token and sequence: K and V, every layer: 2 * L * heads * Dh * itemsize."""
+        """Cache bytes per token and sequence: K and V of every layer that caches them: sum 2 * heads * Dh *
+        itemsize (Gated DeltaNet layers hold a fixed-size state instead: state_bytes)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.n_layers * ModelKVCache.kv_heads(cfg) * cfg.head_dim * itemsize
+        return sum(2 * ModelKVCache.kv_heads(cfg, i) * cfg.layer_head_dim(i) * itemsize for i in range(cfg.n_layers)
+                   if not cfg.is_linear_layer(i) and cfg.kv_source(i) == i)
+
+    @staticmethod
+    def state_bytes(cfg, dtype: torch.dtype) -> int:
+        """The Gated DeltaNet layers' states per sequence, whatever its length (the recurrent state in float32)."""
+        n = len(cfg.linear_layers or ())
+        if not n:
+            return 0
+        E, itemsize = cfg.linear_experts or 1, torch.empty((), dtype=dtype).element_size()
+        channels = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+        rec = cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim * 4
+        return n * E * (channels * (cfg.linear_conv - 1) * itemsize + rec)
 
 
 # ---- the trunk ------------------------------------------------------------------------------
@@ -892,6 +1151,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if getattr(cfg, "per_layer_dim", 0):  # Gemma 4's per-layer inputs (per_layer_inputs)
+            L, Dp = cfg.n_layers, cfg.per_layer_dim
+            self.ple_embed = nn.Embedding(cfg.per_layer_vocab or cfg.vocab_size, L * Dp)
+            self.ple_proj = nn.Linear(cfg.d_model, L * Dp, bias=False)
+            self.ple_proj_norm = Norm(cfg, Dp)
         if cfg.position == "learned":
             self.pos_embed = nn.Embedding(cfg.max_positions, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
@@ -904,8 +1168,8 @@ class Transformer(nn.Module):
 
     def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                       positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,
-                      routing: Optional[ForcedRouting] = None, all_hidden: Optional[list] = None
-                      ) -> tuple[Tensor, dict[str, Routing]]:
+                      routing: Optional[ForcedRouting] = None, all_hidden: Optional[list] = None,
+                      tokens: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Routing]]:
         """Input embeddings x [B, T, D] -> (final-normed hidden states [B, T, D], routing trace by router name).
 
         attention_mask  [B, S] 1 token, 0 padding, over every key slot (S = T without a cache; with one, at
@@ -915,6 +1179,7 @@ class Transformer(nn.Module):
         input_pos       [T] key slots of the new tokens (required with a cache; default 0..T-1)
         cache           anything with .update(layer, input_pos, k, v) -> (k, v), e.g. ModelKVCache
         all_hidden      if a list, receives the input of every block and the last block's output
+        tokens          [B, T] the token ids x embeds: models with per-layer inputs (Gemma 4) need them
         """
         cfg = self.config
         if self.impl not in IMPLS:
@@ -935,9 +1200,14 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence length {T} exceeds max_positions={cfg.max_positions}")
             x = x + self.pos_embed(positions)
         local = cfg.position == "rope" and cfg.window_rope_theta is not None
+        per_layer = None
+        if cfg.per_layer_dim:
+            if tokens is None:
+                raise ValueError("per-layer inputs (per_layer_dim) are looked up by token id: pass tokens")
+            per_layer = self.per_layer_inputs(tokens, x)
         step = ForwardPass(rope=rotary_cos_sin(cfg, positions) if cfg.position == "rope" else None, input_pos=input_pos,
                     rope_local=rotary_cos_sin(cfg, positions, local=True) if local else None,
-                    query_scale=query_scale(cfg, positions),
+                    query_scale=query_scale(cfg, positions), per_layer=per_layer,
                     attention_mask=attention_mask, cache=cache, forced=routing, impl=self.impl,
                     expert_kernel=self.expert_kernel,
                     prefill_from_zero=self._prefill_from_zero(cache, attention_mask, input_pos))
@@ -954,6 +1224,18 @@ class Transformer(nn.Module):
         if all_hidden is not None:
             all_hidden.append(x)
         return self.final_norm(x), step.routing
+
+    def per_layer_inputs(self, tokens: Tensor, x: Tensor) -> Tensor:
+        """Gemma 4's per-layer inputs [B, T, L, Dp]: the token's row of ple_embed (times sqrt(Dp), the factor
+        rounded to the table's dtype) and the RMS-normed projection of the input embeddings x (times 1/sqrt(D)),
+        their sum times 1/sqrt(2)."""
+        cfg = self.config
+        B, T = tokens.shape
+        L, Dp = cfg.n_layers, cfg.per_layer_dim
+        table = self.ple_embed(tokens)
+        table = table * torch.tensor(Dp ** 0.5, dtype=table.dtype, device=table.device)
+        proj = self.ple_proj_norm((self.ple_proj(x) * cfg.d_model ** -0.5).view(B, T, L, Dp))
+        return (proj + table.view(B, T, L, Dp)) * 2 ** -0.5
 
     def run_block(self, block: nn.Module, x: Tensor, step: ForwardPass) -> Tensor:
         """block(x, step); with activation_checkpointing (and gradients wanted), through torch.utils.checkpoint:

@@ -37,7 +37,9 @@ Block = Literal["sequential", "parallel", "parallel_two_norms"]
 NormPosition = Literal["pre", "post", "sandwich"]
 QKNorm = Literal["none", "head", "full"]  # RMS/layer norm of queries and keys: per head (Qwen3) or full width (OLMo 2)
 # scaled RoPE, as transformers computes it (scaled_rope holds its rope_parameters; docs/runtime.md)
-RopeType = Literal["linear", "dynamic", "yarn", "longrope", "llama3"]
+# proportional (Gemma 4's global layers): the first partial_rotary_factor of each head's half-split pairs rotate at
+# theta^(-2i/head_dim), the others not at all
+RopeType = Literal["linear", "dynamic", "yarn", "longrope", "llama3", "proportional"]
 GateNorm = Literal["softmax", "topk_softmax"]
 KVMode = Literal["expert", "shared"]
 # The router kinds: runtime/routers.py defines each (a new kind is a class there and its name here;
@@ -149,6 +151,32 @@ class ModelConfig(ConfigRules):
     # 1 + attn_temperature * ln(1 + floor(position / attn_temperature_length)); None: unscaled
     attn_temperature: float | None = later(None)
     attn_temperature_length: int | None = later(None)
+    # ---- hybrid layers (Qwen3.5, Gemma 4; docs/runtime.md) ---------------------------------
+    # Gated DeltaNet token mixers in place of softmax attention in the layers linear_layers (Qwen3.5's linear
+    # attention): q and k of linear_key_heads heads of linear_key_dim, v of linear_value_heads heads of
+    # linear_value_dim, a causal depthwise convolution of width linear_conv over them, a recurrent state per head
+    linear_layers: list[int] | None = later(None)
+    linear_key_heads: int = later(0)
+    linear_value_heads: int = later(0)
+    linear_key_dim: int = later(0)
+    linear_value_dim: int = later(0)
+    linear_conv: int = later(0)
+    attn_output_gate: bool = later(False)  # the attention's output times sigmoid(x . W_gate), elementwise (Qwen3.5)
+    # the global (non-window) layers' own geometry (Gemma 4): head size and kv heads (None: head_dim, n_kv_heads),
+    # and values that are their keys' projection (no attn.v of their own)
+    global_head_dim: int | None = later(None)
+    global_kv_heads: int | None = later(None)
+    global_k_eq_v: bool = later(False)
+    v_norm: bool = later(False)  # values RMS-normed per head, without a scale (Gemma 4)
+    # the last kv_shared_layers layers attend over the keys and values of the last earlier layer of their kind
+    # (window or global) and have no K/V of their own; their FFN is kv_shared_ffn_hidden wide (None: ffn_hidden)
+    kv_shared_layers: int = later(0)
+    kv_shared_ffn_hidden: int | None = later(None)
+    # per-layer input embeddings (Gemma 4's PLE): a [per_layer_vocab, n_layers * per_layer_dim] table plus a
+    # projection of the input embeddings feed each block a per_layer_dim vector; 0: none
+    per_layer_dim: int = later(0)
+    per_layer_vocab: int | None = later(None)  # None: vocab_size
+    layer_scale: bool = later(False)  # each block's output times a learned scalar (Gemma 4's layer_scalar)
     # ---- mixture ------------------------------------------------------------------------
     ffn_experts: int = 0  # 0 = dense FFN
     ffn_top_k: int = 1
@@ -159,6 +187,9 @@ class ModelConfig(ConfigRules):
     attn_experts: int = 0  # 0 = dense attention (BTX)
     attn_top_k: int | None = None  # None = soft routing (every token to every attention expert)
     kv_mode: KVMode = "expert"  # expert: Q,K,V,O per expert; shared: Q,O per expert, one K,V
+    # Gated DeltaNet experts in each linear layer (each its own projections, convolution and recurrent state),
+    # mixed by the layer's attention router as attention experts are; 0: one DeltaNet per linear layer
+    linear_experts: int = later(0)
     router: Router = "linear"  # kind of the FFN routers, and of the attention routers unless attn_router says
     attn_router: Router | None = later(None, never=("key_store",))  # kind of the attention routers; None: the same as router
     router_hidden: int | None = later(None)  # mlp: hidden width (None: 2*d_model); attention: query/key width (None: head_dim)
@@ -200,6 +231,7 @@ class ModelConfig(ConfigRules):
         """Every field's value and their agreement; ConfigError naming the field."""
         self._validate_trunk()
         self._validate_positions()
+        self._validate_hybrid()
         self._validate_mixture()
 
     def _validate_trunk(self) -> None:
@@ -212,7 +244,7 @@ class ModelConfig(ConfigRules):
             _need(v <= MAX_DIM, fld, f"{v} is past the limit of {MAX_DIM} (a corrupt config?)")
         _need(self.n_layers <= MAX_LAYERS, "n_layers",
               f"{self.n_layers} layers is past the limit of {MAX_LAYERS} (a corrupt config?)")
-        for fld in ("ffn_experts", "attn_experts"):
+        for fld in ("ffn_experts", "attn_experts", "linear_experts"):
             _need(getattr(self, fld) <= MAX_EXPERTS, fld,
                   f"{getattr(self, fld)} experts is past the limit of {MAX_EXPERTS} (a corrupt config?)")
         for fld in ("norm_eps", "rope_theta", "rotary_fraction", "logit_scale", "lb_coef", "z_coef"):
@@ -267,7 +299,56 @@ class ModelConfig(ConfigRules):
             self._check_layer_list("nope_layers")
         if self.scaled_rope is not None:
             _need(self.position == "rope", "scaled_rope", "scaled RoPE needs position: rope")
-            _validate_scaled_rope(self.scaled_rope, self.rotary_dim // 2)
+            _validate_scaled_rope(self.scaled_rope, self.global_rotary_dim // 2)
+
+    def _validate_hybrid(self) -> None:
+        """Gated DeltaNet layers, the global layers' geometry, K/V shared across layers, per-layer inputs."""
+        if self.linear_layers is not None:
+            self._check_layer_list("linear_layers")
+            for fld in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv"):
+                v = getattr(self, fld)
+                _need(0 < v <= MAX_DIM, fld, f"Gated DeltaNet layers need a positive integer, got {v!r}")
+            _need(self.linear_value_heads % self.linear_key_heads == 0, "linear_value_heads",
+                  f"{self.linear_value_heads} value heads are not a multiple of linear_key_heads="
+                  f"{self.linear_key_heads}")
+            _need(self.linear_conv >= 2, "linear_conv", f"the convolution needs a width >= 2, got {self.linear_conv}")
+        else:
+            for fld in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv"):
+                _need(getattr(self, fld) == 0, fld, "applies to Gated DeltaNet layers: set linear_layers too")
+        for fld in ("global_head_dim", "global_kv_heads", "kv_shared_ffn_hidden", "per_layer_vocab"):
+            v = getattr(self, fld)
+            _need(v is None or 0 < v <= MAX_DIM, fld, f"must be a positive integer, got {v!r}")
+        if self.global_kv_heads is not None:
+            _need(self.n_heads % self.global_kv_heads == 0, "global_kv_heads",
+                  f"n_heads={self.n_heads} is not divisible by global_kv_heads={self.global_kv_heads}")
+        if self.global_head_dim is not None and self.attn_window is not None and self.position == "rope":
+            _need(self.window_rope_theta is not None, "global_head_dim",
+                  "window layers of another head size than the global ones need their own RoPE (window_rope_theta)")
+        if self.global_head_dim is not None:
+            rot = self.global_rotary_dim
+            _need(self.position != "rope" or (rot % 2 == 0 and rot > 0), "global_head_dim",
+                  f"rotary dims global_head_dim*rotary_fraction={self.global_head_dim * self.rotary_fraction} must "
+                  "be a positive even integer")
+        _need(0 <= self.kv_shared_layers < self.n_layers, "kv_shared_layers",
+              f"must be from 0 to n_layers - 1 = {self.n_layers - 1}, got {self.kv_shared_layers!r}")
+        if self.kv_shared_layers:
+            first = self.n_layers - self.kv_shared_layers
+            for i in range(first, self.n_layers):
+                _need(not self.is_linear_layer(i), "kv_shared_layers",
+                      f"layer {i} reads another layer's K/V but is a Gated DeltaNet layer")
+                _need(self.kv_source(i) is not None, "kv_shared_layers",
+                      f"layer {i} ({'window' if self.is_window_layer(i) else 'global'}) has no earlier attention layer "
+                      f"of its kind before layer {first} to read K/V from")
+        else:
+            _need(self.kv_shared_ffn_hidden is None, "kv_shared_ffn_hidden", "applies to K/V-sharing layers: set "
+                  "kv_shared_layers too")
+        _need(0 <= self.per_layer_dim <= MAX_DIM, "per_layer_dim",
+              f"must be an integer from 0 (none) to {MAX_DIM}, got {self.per_layer_dim!r}")
+        _need(self.per_layer_vocab is None or self.per_layer_dim > 0, "per_layer_vocab",
+              "applies to per-layer input embeddings: set per_layer_dim too")
+        _need(not (self.per_layer_dim or self.v_norm or self.layer_scale) or self.norm == "rmsnorm",
+              "per_layer_dim/v_norm/layer_scale", "per-layer inputs, the value norm and the layer scale come with "
+              "rmsnorm")
 
     def _validate_temperature(self) -> None:
         """The queries' scale by position: a finite temperature >= 0 and its positive period, together."""
@@ -289,8 +370,11 @@ class ModelConfig(ConfigRules):
         """Experts, routing, router kinds and the router losses."""
         _need(self.ffn_experts >= 0, "ffn_experts", "must be >= 0")
         _need(self.attn_experts >= 0, "attn_experts", "must be >= 0")
-        _need(self.ffn_experts != 1 and self.attn_experts != 1, "ffn_experts/attn_experts",
-              "a mixture needs at least 2 experts (0 = dense)")
+        _need(self.linear_experts >= 0, "linear_experts", "must be >= 0")
+        _need(self.ffn_experts != 1 and self.attn_experts != 1 and self.linear_experts != 1,
+              "ffn_experts/attn_experts/linear_experts", "a mixture needs at least 2 experts (0 = dense)")
+        _need(not self.linear_experts or self.linear_layers, "linear_experts",
+              "Gated DeltaNet experts need Gated DeltaNet layers (linear_layers)")
         if self.ffn_experts:
             _need(1 <= self.ffn_top_k <= self.ffn_experts, "ffn_top_k",
                   f"top-k={self.ffn_top_k} must be between 1 and ffn_experts={self.ffn_experts}")
@@ -301,16 +385,18 @@ class ModelConfig(ConfigRules):
         _need(self.gate_norm in GATE_NORMS, "gate_norm",
               f"unknown gate normalization {self.gate_norm!r}; choose one of {', '.join(GATE_NORMS)}")
         if self.attn_top_k is not None:
-            _need(self.attn_experts > 0, "attn_top_k", "top-k attention routing needs attn_experts > 0")
-            _need(1 <= self.attn_top_k <= self.attn_experts, "attn_top_k",
-                  f"top-k={self.attn_top_k} must be between 1 and attn_experts={self.attn_experts}")
+            routed = [E for E in (self.attn_experts, self.linear_experts) if E]
+            _need(bool(routed), "attn_top_k", "top-k attention routing needs attn_experts > 0")
+            _need(1 <= self.attn_top_k <= min(routed or [0]), "attn_top_k",
+                  f"top-k={self.attn_top_k} must be between 1 and the attention experts ({min(routed or [0])})")
         _need(self.kv_mode in KV_MODES, "kv_mode", f"unknown kv_mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
         _need(self.router in ROUTERS, "router",
               f"unknown router kind {self.router!r}; choose one of {', '.join(ROUTERS)}")
         if self.attn_router is not None:
             _need(self.attn_router in ROUTERS, "attn_router",
                   f"unknown router kind {self.attn_router!r}; choose one of {', '.join(ROUTERS)}")
-            _need(self.attn_experts > 0, "attn_router", "a router kind for attention experts needs attn_experts > 0")
+            _need(self.attn_experts > 0 or self.linear_experts > 0, "attn_router",
+                  "a router kind for attention experts needs attn_experts > 0")
         if self.router_hidden is not None:
             _need(0 < self.router_hidden <= MAX_DIM, "router_hidden",
                   f"must be a positive integer up to {MAX_DIM}, got {self.router_hidden!r}")
@@ -319,7 +405,7 @@ class ModelConfig(ConfigRules):
         # the key store routes FFN experts (its rules read top-k FFN routing); attention routers take another kind
         if self.router == "key_store":
             _need(self.ffn_experts > 0, "router", "key_store routes FFN experts: needs ffn_experts > 0")
-        _need(self.attn_router_kind != "key_store" or not self.attn_experts, "attn_router",
+        _need(self.attn_router_kind != "key_store" or not (self.attn_experts or self.linear_experts), "attn_router",
               "key_store routes FFN experts only; give attention experts another kind (e.g. attn_router: linear)")
         for fld in ("key_store_alpha", "key_store_beta", "key_store_delta", "key_store_theta_percentile"):
             v = getattr(self, fld)
@@ -333,7 +419,7 @@ class ModelConfig(ConfigRules):
     # -- derived ---------------------------------------------------------------------------
     @property
     def is_mixture(self) -> bool:
-        return self.ffn_experts > 0 or self.attn_experts > 0
+        return self.ffn_experts > 0 or self.attn_experts > 0 or self.linear_experts > 0
 
     @property
     def q_dim(self) -> int:  # H * Dh
@@ -358,7 +444,7 @@ class ModelConfig(ConfigRules):
     def dense(self) -> "ModelConfig":
         """The dense config with the same shapes (mixture fields reset)."""
         return self.replace(ffn_experts=0, ffn_top_k=1, ffn_shared_hidden=0, attn_experts=0, attn_top_k=None,
-                            kv_mode="expert", attn_router=None)
+                            kv_mode="expert", attn_router=None, linear_experts=0)
 
     # -- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -403,6 +489,7 @@ ROPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
              ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 
 
@@ -428,6 +515,8 @@ def _validate_scaled_rope(d: dict, half_dim: int) -> None:
         elif key == "original_max_position_embeddings":
             _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_DIM, f"scaled_rope.{key}",
                   f"expected a positive integer, got {str(v)[:40]}")
+        elif key == "partial_rotary_factor":
+            _need(_positive(v) and v <= 1, f"scaled_rope.{key}", f"expected a number in (0, 1], got {str(v)[:40]}")
         elif key in ("mscale", "mscale_all_dim"):  # 0 turns the mscale ratio off, as in transformers
             _need(_positive(v) or v == 0, f"scaled_rope.{key}", f"expected a finite number >= 0, got {str(v)[:40]}")
         else:

@@ -32,6 +32,17 @@ these keys (tests check it). Expert tensors are stacked with a leading expert di
     shared FFN expert (ffn_shared_hidden == Fs > 0, beside the FFN experts):
     layers.{i}.ffn_shared.{gate,up,down}.weight    [Fs, D] / [Fs, D] / [D, Fs]; biases iff ffn_bias
     layers.{i}.ffn_shared_gate.weight         [1, D]        its output scaled by sigmoid(x . w)
+    Gated DeltaNet layers (linear_layers) have, instead of attention (linear_shapes; [E, ...] as linear_experts.*
+    with linear_experts, routed by layers.{i}.attn_router):
+    layers.{i}.linear.qkv.weight              [2*Hk*Dk + Hv*Dv, D]   .conv.weight [2*Hk*Dk + Hv*Dv, K]
+    layers.{i}.linear.{z,b,a}.weight          [Hv*Dv, D], [Hv, D], [Hv, D];  .dt.bias, .a_log.weight [Hv]
+    layers.{i}.linear.norm.weight             [Dv];  .out.weight [D, Hv*Dv]
+    attn.gate.weight (attn_experts.gate)      [H*Dh, D]     attn_output_gate: the output times sigmoid(x W_gate)
+    global layers (Gemma 4) use global_head_dim / global_kv_heads for Dh / G; no attn.v where global_k_eq_v; no
+    attn.k / attn.v / k_norm in the last kv_shared_layers layers (they read another layer's K/V)
+    ple_embed.weight [V', L*Dp], ple_proj.weight [L*Dp, D], ple_proj_norm.weight [Dp]   per_layer_dim Dp > 0
+    layers.{i}.ple.gate.weight [Dp, D], .ple.out.weight [D, Dp], layers.{i}.ple_norm.weight [D]
+    layers.{i}.layer_scale.weight             [1]           layer_scale
     final_norm.weight / .bias                 [D]           iff final_norm
     lm_head.weight                            [V, D]        absent iff tie_embeddings
     lm_head.bias                              [V]           iff lm_head_bias
@@ -74,7 +85,7 @@ def router_tensors(cfg: ModelConfig) -> dict[str, RouterTensor]:
     """Every router tensor of a model by canonical name (layers.{i}.{ffn,attn}_router.{tensor}), in file order."""
     out: dict[str, RouterTensor] = {}
     for i in range(cfg.n_layers):
-        for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+        for group, kind, E in (("attn", cfg.attn_router_kind, cfg.layer_attn_experts(i)),
                                ("ffn", cfg.ffn_router_kind, cfg.ffn_experts)):
             if E:
                 out.update((f"layers.{i}.{group}_router.{t.name}", t) for t in router_class(kind).tensors(cfg, E))
@@ -91,42 +102,85 @@ def buffer_names(cfg: ModelConfig) -> set[str]:
     return {name for name, t in router_tensors(cfg).items() if t.buffer}
 
 
+def linear_shapes(cfg: ModelConfig, experts: int = 0) -> dict[str, Shape]:
+    """A Gated DeltaNet's tensors by name under layers.{i}.linear (or linear_experts, [E, ...] each): the fused
+    q/k/v projection and its depthwise convolution, the output gate z, the write strength b (beta = sigmoid(x b)),
+    the decay input a with its bias dt and per-head rate a_log (g = -exp(a_log) softplus(x a + dt)), the gated
+    RMSNorm of each value head and the output projection."""
+    D = cfg.d_model
+    Hk, Hv, Dk, Dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    C = 2 * Hk * Dk + Hv * Dv
+    lead: Shape = (experts,) if experts else ()
+    return {"qkv.weight": lead + (C, D), "conv.weight": lead + (C, cfg.linear_conv), "z.weight": lead + (Hv * Dv, D),
+            "b.weight": lead + (Hv, D), "a.weight": lead + (Hv, D), "dt.bias": lead + (Hv,),
+            "a_log.weight": lead + (Hv,), "norm.weight": lead + (Dv,), "out.weight": lead + (D, Hv * Dv)}
+
+
+def _attention_shapes(out: dict[str, Shape], cfg: ModelConfig, i: int) -> None:
+    """Layer i's softmax attention: its own head size and kv heads (global layers may differ), no K/V of its own
+    where it reads another layer's (kv_source), no V where its values are its keys' projection, an output gate
+    beside q (attn_output_gate)."""
+    D, Dh, G, H = cfg.d_model, cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.n_heads
+    p, E = f"layers.{i}", cfg.attn_experts
+    owns_kv, has_v = cfg.kv_source(i) == i, not cfg.layer_k_eq_v(i)
+    q_dim, kv_dim = H * Dh, G * Dh
+    qn, kn = (Dh, Dh) if cfg.qk_norm == "head" else (q_dim, kv_dim)
+    qk = cfg.qk_norm != "none"
+
+    def q(prefix: str, experts: int = 0) -> None:
+        _linear(out, f"{prefix}.q", q_dim, D, cfg.qkv_bias, experts)
+        if cfg.attn_output_gate:
+            _linear(out, f"{prefix}.gate", q_dim, D, cfg.qkv_bias, experts)
+
+    def kv(prefix: str, experts: int = 0) -> None:
+        if owns_kv:
+            _linear(out, f"{prefix}.k", kv_dim, D, cfg.qkv_bias, experts)
+            if has_v:
+                _linear(out, f"{prefix}.v", kv_dim, D, cfg.qkv_bias, experts)
+
+    if E:
+        _router(out, f"{p}.attn_router", cfg.attn_router_kind, cfg, E)
+        if cfg.kv_mode == "expert":
+            q(f"{p}.attn_experts", E)
+            kv(f"{p}.attn_experts", E)
+            if qk:
+                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
+                if owns_kv:
+                    _norm(out, f"{p}.attn_experts.k_norm", cfg, kn, E)
+        else:  # shared KV: one K and V for all experts
+            kv(f"{p}.attn")
+            q(f"{p}.attn_experts", E)
+            if qk:
+                if owns_kv:
+                    _norm(out, f"{p}.attn.k_norm", cfg, kn)
+                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
+        _linear(out, f"{p}.attn_experts.o", D, q_dim, cfg.o_bias, E)
+    else:
+        q(f"{p}.attn")
+        kv(f"{p}.attn")
+        _linear(out, f"{p}.attn.o", D, q_dim, cfg.o_bias)
+        if qk:
+            _norm(out, f"{p}.attn.q_norm", cfg, qn)
+            if owns_kv:
+                _norm(out, f"{p}.attn.k_norm", cfg, kn)
+
+
 def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
-    D, F = cfg.d_model, cfg.ffn_hidden
+    D, F = cfg.d_model, cfg.layer_ffn_hidden(i)
     out: dict[str, Shape] = {}
     p = f"layers.{i}"
     if cfg.norm_position != "post":  # pre and sandwich
         _norm(out, f"{p}.attn_norm", cfg)
         if cfg.has_ffn_norm:
             _norm(out, f"{p}.ffn_norm", cfg)
-    E = cfg.attn_experts
-    qn, kn = qk_norm_widths(cfg)
-    qk = cfg.qk_norm != "none"
-    if E:
-        _router(out, f"{p}.attn_router", cfg.attn_router_kind, cfg, E)
-        if cfg.kv_mode == "expert":
-            _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
-            _linear(out, f"{p}.attn_experts.k", cfg.kv_dim, D, cfg.qkv_bias, E)
-            _linear(out, f"{p}.attn_experts.v", cfg.kv_dim, D, cfg.qkv_bias, E)
-            if qk:
-                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
-                _norm(out, f"{p}.attn_experts.k_norm", cfg, kn, E)
-        else:  # shared KV: one K and V for all experts
-            _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
-            _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
-            _linear(out, f"{p}.attn_experts.q", cfg.q_dim, D, cfg.qkv_bias, E)
-            if qk:
-                _norm(out, f"{p}.attn.k_norm", cfg, kn)
-                _norm(out, f"{p}.attn_experts.q_norm", cfg, qn, E)
-        _linear(out, f"{p}.attn_experts.o", D, cfg.q_dim, cfg.o_bias, E)
+    if cfg.is_linear_layer(i):
+        E = cfg.linear_experts
+        if E:
+            _router(out, f"{p}.attn_router", cfg.attn_router_kind, cfg, E)
+        group = f"{p}.linear_experts" if E else f"{p}.linear"
+        out.update((f"{group}.{name}", shape) for name, shape in linear_shapes(cfg, E).items())
     else:
-        _linear(out, f"{p}.attn.q", cfg.q_dim, D, cfg.qkv_bias)
-        _linear(out, f"{p}.attn.k", cfg.kv_dim, D, cfg.qkv_bias)
-        _linear(out, f"{p}.attn.v", cfg.kv_dim, D, cfg.qkv_bias)
-        _linear(out, f"{p}.attn.o", D, cfg.q_dim, cfg.o_bias)
-        if qk:
-            _norm(out, f"{p}.attn.q_norm", cfg, qn)
-            _norm(out, f"{p}.attn.k_norm", cfg, kn)
+        _attention_shapes(out, cfg, i)
     if cfg.norm_position != "pre":  # post and sandwich
         _norm(out, f"{p}.attn_post_norm", cfg)
     E = cfg.ffn_experts
@@ -138,7 +192,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
     _linear(out, f"{fp}.up", F, D, cfg.ffn_bias, E)
     _linear(out, f"{fp}.down", D, F, cfg.ffn_bias, E)
     if cfg.ffn_shared_hidden:
-        Fs = cfg.ffn_shared_hidden
+        Fs = cfg.layer_shared_hidden(i)
         if cfg.gated_ffn:
             _linear(out, f"{p}.ffn_shared.gate", Fs, D, cfg.ffn_bias)
         _linear(out, f"{p}.ffn_shared.up", Fs, D, cfg.ffn_bias)
@@ -146,12 +200,23 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Shape]:
         _linear(out, f"{p}.ffn_shared_gate", 1, D, False)
     if cfg.norm_position != "pre":
         _norm(out, f"{p}.ffn_post_norm", cfg)
+    if cfg.per_layer_dim:  # Gemma 4: gate [Dp, D], output projection [D, Dp], the norm of its output
+        _linear(out, f"{p}.ple.gate", cfg.per_layer_dim, D, False)
+        _linear(out, f"{p}.ple.out", D, cfg.per_layer_dim, False)
+        _norm(out, f"{p}.ple_norm", cfg)
+    if cfg.layer_scale:
+        out[f"{p}.layer_scale.weight"] = (1,)
     return out
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
     """All canonical tensors of a model, in file order."""
     out: dict[str, Shape] = {"embed.weight": (cfg.vocab_size, cfg.d_model)}
+    if cfg.per_layer_dim:  # Gemma 4's per-layer inputs: every layer's vectors in one row per token, packed
+        L, Dp = cfg.n_layers, cfg.per_layer_dim
+        out["ple_embed.weight"] = (cfg.per_layer_vocab or cfg.vocab_size, L * Dp)
+        out["ple_proj.weight"] = (L * Dp, cfg.d_model)
+        _norm(out, "ple_proj_norm", cfg, Dp)
     if cfg.position == "learned":
         out["pos_embed.weight"] = (cfg.max_positions, cfg.d_model)
     for i in range(cfg.n_layers):
@@ -169,11 +234,12 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, Shape]:
 GROUPS = ("embeddings", "attention", "attention_experts", "ffn", "ffn_experts", "routers", "norms")
 
 _GROUP_RULES = [
-    (re.compile(r"^(embed|pos_embed|lm_head)\."), "embeddings"),
-    (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm|attn_post_norm|ffn_post_norm|q_norm|k_norm)\."), "norms"),
+    (re.compile(r"^(embed|pos_embed|lm_head|ple_embed|ple_proj|ple_proj_norm)\.|\.ple\."), "embeddings"),
+    (re.compile(r"(^|\.)(attn_norm|ffn_norm|final_norm|attn_post_norm|ffn_post_norm|q_norm|k_norm|ple_norm|"
+                r"layer_scale)\."), "norms"),
     (re.compile(r"\.(attn_router|ffn_router|ffn_shared_gate)\."), "routers"),
-    (re.compile(r"\.attn_experts\."), "attention_experts"),
-    (re.compile(r"\.attn\."), "attention"),
+    (re.compile(r"\.(attn_experts|linear_experts)\."), "attention_experts"),
+    (re.compile(r"\.(attn|linear)\."), "attention"),
     (re.compile(r"\.ffn_experts\."), "ffn_experts"),
     (re.compile(r"\.(ffn|ffn_shared)\."), "ffn"),  # the shared expert runs on every token: dense FFN
 ]

@@ -66,7 +66,7 @@ class Model(Transformer):
             with torch.no_grad():
                 if name in routers:
                     p.copy_(init_tensor(routers[name], self.config, std, gen))
-                elif name.endswith("norm.weight"):
+                elif name.endswith(("norm.weight", "layer_scale.weight")):
                     p.fill_(1.0)
                 elif p.dim() == 1 or name.endswith(".bias"):
                     p.zero_()
@@ -123,7 +123,7 @@ class Model(Transformer):
         if attention_mask is not None and cache is None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, T)}")
         x, trace = self.hidden_states(self.embed_tokens(tokens), attention_mask=attention_mask, positions=positions,
-                                      input_pos=input_pos, cache=cache, routing=routing)
+                                      input_pos=input_pos, cache=cache, routing=routing, tokens=tokens)
         out = ModelOutput(logits=None, routing=trace)
         if targets is not None or cache is None:  # not while decoding: nothing would read them
             out.lb_loss, out.z_loss = router_losses(trace, x.device)

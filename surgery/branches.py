@@ -22,10 +22,16 @@ _SAMPLED_ROWS = 256  # rows per sampled matrix that enter the distance (evenly s
 
 
 def sampled_names(cfg: ModelConfig) -> list[str]:
-    """A few matrices spread over depth and over attention/FFN: enough to tell a branch from a stranger."""
+    """A few matrices spread over depth and over attention/FFN: enough to tell a branch from a stranger (the
+    token mixer's of each layer: its attention's, or a Gated DeltaNet layer's)."""
     L = cfg.n_layers
-    return list(dict.fromkeys(["layers.0.attn.q.weight", f"layers.{L // 2}.attn.o.weight",
-                               f"layers.{L // 2}.ffn.down.weight", f"layers.{L - 1}.ffn.up.weight"]))
+
+    def mixer(i: int, proj: str) -> str:
+        return f"layers.{i}.linear.{'qkv' if proj == 'q' else 'out'}.weight" if cfg.is_linear_layer(i) else \
+            f"layers.{i}.attn.{proj}.weight"
+
+    return list(dict.fromkeys([mixer(0, "q"), mixer(L // 2, "o"), f"layers.{L // 2}.ffn.down.weight",
+                               f"layers.{L - 1}.ffn.up.weight"]))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 and hashing started at launch, before the runtime is imported.
 
 Imports only the standard library, blake3 and the runtime's torch-free leaf modules (the one bounded JSON
-reader), so `cli/launch.py` can start hashing a merge's input files while the interpreter is still importing torch (seconds, and more on a cold page
+reader, the caches' trust rule), so `cli/launch.py` can start hashing a merge's input files while the interpreter is still importing torch (seconds, and more on a cold page
 cache). surgery/hashing.py (InputHasher) takes those digests over when the merge's plan names the
 same files, provably unchanged; see its docstring for the sources of a digest.
 """
@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import re
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -23,6 +22,7 @@ from typing import Iterable
 
 import blake3
 
+from bam_surgery.runtime.cache import cache_folder, find_entry, replace_entry
 from bam_surgery.runtime.errors import UserError
 from bam_surgery.runtime.jsonfile import read_json
 
@@ -89,25 +89,32 @@ def hash_workers(n_files: int, limit: int = 4) -> int:
 
 
 # ---- the digest cache --------------------------------------------------------------------------------
+DIRECTORY = "input-digests"  # below runtime.cache.cache_root()
+_ENTRY, _FILE = "hashes", "hashes.json"  # one mutable entry of the cache, rewritten by every merge that hashed
+
+
 def cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bam-surgery" / "hashes.json"
+    return cache_folder(DIRECTORY) / _ENTRY / _FILE
 
 
 class DigestCache:
-    """{resolved path: file key + BLAKE3}, one JSON file, written atomically; any I/O trouble makes
-    it a cache that misses (never an error)."""
+    """{resolved path: file key + BLAKE3}, one JSON file, the entry cache_root() / input-digests / hashes, trusted
+    only by runtime/cache.py's rule (private, never a link, verified against its DIGEST: a planted or changed
+    digest never reaches a provenance) and replaced as a whole; a cache that is not trusted, or any I/O trouble,
+    makes it a cache that misses (never an error)."""
 
-    def __init__(self, file: Path | None = None):
-        self.file = file or cache_file()
+    def __init__(self, directory: str | Path = DIRECTORY):
+        self.directory = directory
         self._lock = threading.Lock()
         self._new: dict[str, list] = {}
         self._entries: dict[str, list] = self._read()
 
     def _read(self) -> dict[str, list]:
-        """The cache file's entries; {} for a missing, unreadable or malformed one (runtime.jsonfile's bounds)."""
+        """The entry's digests; {} for a missing, untrusted, unreadable or malformed one (runtime.jsonfile's
+        bounds)."""
+        files = find_entry(self.directory, _ENTRY, [_FILE])
         try:
-            body = read_json(self.file, expect=dict)
+            body = read_json(files[0], expect=dict) if files else {}
         except (OSError, UserError):
             return {}
         entries = body.get("entries")
@@ -128,17 +135,13 @@ class DigestCache:
     def save(self) -> None:
         if not self._new:
             return
-        try:
-            entries = {**self._read(), **self._new}  # merged with what other runs wrote meanwhile
-            keep = sorted(entries.items(), key=lambda kv: kv[1][-1] if isinstance(kv[1], list) and kv[1] else 0)
-            body = json.dumps({"version": 1, "entries": dict(keep[-_CACHE_ENTRIES:])})
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".hashes.", dir=self.file.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(body)
-            os.replace(tmp, self.file)
-        except OSError:
-            pass
+        entries = {**self._read(), **self._new}  # merged with what other runs wrote meanwhile
+        keep = sorted(entries.items(), key=lambda kv: kv[1][-1] if isinstance(kv[1], list) and kv[1] else 0)
+        body = json.dumps({"version": 1, "entries": dict(keep[-_CACHE_ENTRIES:])})
+
+        def write(folder: Path) -> None:
+            (folder / _FILE).write_text(body, encoding="utf-8")
+        replace_entry(self.directory, _ENTRY, [_FILE], write)
 
 
 # ---- hashing started early ---------------------------------------------------------------------------

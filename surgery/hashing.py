@@ -6,8 +6,9 @@ Each input file gets a FileDigest: the algorithm, the hex digest, and how it was
     hf-blob   the file is a Hugging Face cache blob, which the cache names by the sha256 of its
               bytes (huggingface_hub checks that on download): sha256, read from the name, no I/O
     cache     hashed by an earlier run, and the file is provably the same one: the digest cache
-              ($XDG_CACHE_HOME/bam-surgery/hashes.json) is keyed by path, device, inode, size,
-              mtime_ns and ctime_ns (ctime changes on every write and cannot be set back)
+              ($BAM_SURGERY_CACHE/input-digests/hashes/hashes.json, under runtime/cache.py's trust rule) is
+              keyed by path, device, inode, size, mtime_ns and ctime_ns (ctime changes on every write and
+              cannot be set back)
     read      BLAKE3 of the file's bytes, computed now, in background threads while the merge
               reads the same files (blake3 releases the GIL; ~3 GB/s per core, against ~0.4-1.5
               GB/s for sha256), then stored in the cache. The `bam-surgery merge` command starts

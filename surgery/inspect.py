@@ -23,6 +23,9 @@ from .audit import Audit, audit_checkpoint, routing_label
 KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
               "activation", "norm", "position", "block", "tie_embeddings")
 MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "attn_experts", "attn_top_k", "kv_mode")
+# the hybrid layers' fields (Qwen3.5, Gemma 4), shown where a model has them
+HYBRID_FIELDS = ("linear_layers", "global_head_dim", "global_kv_heads", "kv_shared_layers", "per_layer_dim",
+                 "linear_experts")
 
 
 def describe_kind(cfg: ModelConfig) -> str:
@@ -41,12 +44,14 @@ def describe_kind(cfg: ModelConfig) -> str:
         parts.append(f"{cfg.attn_experts} attention experts, {routing}, {kv}")
     else:
         parts.append("dense attention")
+    if cfg.linear_experts:
+        parts.append(f"{cfg.linear_experts} Gated DeltaNet experts in each linear-attention layer")
     return "mixture: " + "; ".join(parts)
 
 
 def key_config(cfg: ModelConfig) -> dict[str, Any]:
     fields = KEY_FIELDS + (MIXTURE_FIELDS if cfg.is_mixture else ())
-    return {f: getattr(cfg, f) for f in fields}
+    return {**{f: getattr(cfg, f) for f in fields}, **{f: getattr(cfg, f) for f in HYBRID_FIELDS if getattr(cfg, f)}}
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ from .recipe import Recipe, dense_kind, mixture_config
 
 # Output names that are not dense names: expert tensors stacked from a dense tensor (and the routers:
 # runtime.layout.router_tensors).
-STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn)_experts\."
-                     r"(?P<rest>(q|k|v|o|q_norm|k_norm|gate|up|down)\.(weight|bias))$")
+STACKED = re.compile(r"^(?P<layer>layers\.\d+)\.(?P<group>attn|ffn|linear)_experts\."
+                     r"(?P<rest>(q|k|v|o|q_norm|k_norm|gate|up|down|qkv|z|b|a|out|conv|dt|a_log|norm)\.(weight|bias))$")
 SHARED = re.compile(r"^(?P<layer>layers\.\d+)\.ffn_shared(?P<gate>_gate)?\.(?P<rest>.+)$")  # the shared FFN expert
 
 
@@ -291,6 +291,7 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
                    for i, (r, label, name) in enumerate(zip(inputs, labels, names))]
     layout = check_inputs(plan_inputs)
     dense_cfg = inputs[0].config
+    _check_family_kinds(recipe, dense_cfg)
 
     seed_expert = options.resolved("seed_expert", recipe)
     members = tuple(range(0 if seed_expert else 1, len(inputs)))
@@ -325,6 +326,18 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
 
 
 
+def _check_family_kinds(recipe: Recipe, cfg: ModelConfig) -> None:
+    """A recipe merging a model with Gated DeltaNet layers or per-layer inputs says what becomes of them
+    (recipe.OPTIONAL_KINDS): a recipe written without them is refused for such a model, naming the field."""
+    needs = (("attn.linear", bool(cfg.linear_layers),
+              f"the seed has Gated DeltaNet layers ({ranges(cfg.linear_layers or [])}): stack (DeltaNet experts, each "
+              "with its own recurrent state, mixed by the attention router), mean or seed"),
+             ("ple", bool(cfg.per_layer_dim), "the seed has per-layer input embeddings: mean or seed"))
+    for kind, has, what in needs:
+        if has and kind not in recipe.tensors:
+            raise BamSurgeryError(f"recipe {recipe.name} ({recipe.path}): tensors.{kind}: missing; {what}")
+
+
 def _check_tensors_fit(cfg: ModelConfig) -> None:
     """The merge holds one output tensor at a time, in float32 while it is made: the largest must fit in
     memory (--router-hidden 2000000000 makes a 512 GB router), refused before anything is read."""
@@ -333,7 +346,8 @@ def _check_tensors_fit(cfg: ModelConfig) -> None:
 
 
 def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: WarmStart | None) -> None:
-    kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
+    kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts),
+                            (cfg.attn_router_kind, cfg.attn_experts or cfg.linear_experts)) if n}
     if warm_start is not None:
         if warm_start not in WARM_STARTS:
             raise BamSurgeryError(f"--router-init: unknown init {warm_start!r}; choose one of random, "
@@ -530,7 +544,7 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def _plan_header(plan: Plan) -> list[str]:
-    """format_plan's first lines: the recipe, the inputs, the output's experts and routing, the routers, the mean."""
+    """format_plan's first lines: the recipe, the inputs, the output's experts and routing, the routers, the means."""
     cfg, lines = plan.config, []
     lines.append(f"recipe   {plan.recipe.name} ({plan.recipe.path}): {plan.recipe.summary()}")
     for inp in plan.inputs:
@@ -550,12 +564,16 @@ def _plan_header(plan: Plan) -> list[str]:
         routing.append(f"attention experts {cfg.attn_experts} (kv {cfg.kv_mode}"
                        + (f", shared K/V by {plan.shared_kv_rule}" if cfg.kv_mode == "shared" else "") + "), "
                        + ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing"))
+    if cfg.linear_experts:
+        routing.append(f"Gated DeltaNet experts {cfg.linear_experts} in layers {ranges(cfg.linear_layers)}, "
+                       + ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing"))
     lines.append("output   " + ("; ".join(routing) or "dense") + f"; dtype {str(plan.dtype).removeprefix('torch.')}"
                  f"; alpha={cfg.lb_coef} beta={cfg.z_coef}")
-    if cfg.ffn_experts or cfg.attn_experts:
-        kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, cfg.attn_experts)) if n}
+    if cfg.ffn_experts or cfg.attn_experts or cfg.linear_experts:
+        attn = cfg.attn_experts or cfg.linear_experts
+        kinds = {k for k, n in ((cfg.ffn_router_kind, cfg.ffn_experts), (cfg.attn_router_kind, attn)) if n}
         kind = ("" if kinds == {"linear"} else f"kind FFN {cfg.ffn_router_kind}, attention {cfg.attn_router_kind}; "
-                if cfg.ffn_experts and cfg.attn_experts else f"kind {kinds.pop()}; ")
+                if cfg.ffn_experts and attn else f"kind {kinds.pop()}; ")
         warm = (f"; expert embeddings warm-started ({plan.warm_start['init']}, {plan.warm_start['tokens']:,} "
                 "calibration tokens)" if plan.warm_start else f"; expert embeddings from --router-init "
                 f"{plan.options.warm_start} (computed when the merge runs)" if plan.options.warm_start else "")

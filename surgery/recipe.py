@@ -41,7 +41,12 @@ SCHEMA_VERSION = 1
 # Weight and bias of a kind always share the op.
 KINDS = ("embed", "pos_embed", "attn_norm", "ffn_norm", "attn.q", "attn.k", "attn.v", "attn.o",
          "ffn.gate", "ffn.up", "ffn.down", "final_norm", "lm_head")
-ATTENTION_KINDS = ("attn.q", "attn.k", "attn.v", "attn.o")
+# Kinds only some architectures have, which a recipe must list only to merge one that has them (a recipe written
+# before them still merges everything else): a Gated DeltaNet layer's whole token mixer (Qwen3.5; stack: each
+# expert keeps its own DeltaNet and recurrent state, mixed by the layer's attention router), and Gemma 4's per-layer
+# inputs (their table, projection and norm, and each layer's gate, output projection and norm).
+OPTIONAL_KINDS = ("attn.linear", "ple")
+ATTENTION_KINDS = ("attn.q", "attn.k", "attn.v", "attn.o", "attn.linear")
 FFN_KINDS = ("ffn.gate", "ffn.up", "ffn.down")
 Op = Literal["stack", "mean", "seed"]  # a recipe's tensor ops
 RouterInit = Literal["normal", "zeros"]
@@ -60,6 +65,13 @@ _DENSE_NAME = re.compile(
     r"attn\.[qkvo]|ffn\.(?:gate|up|down))\.(?P<param>weight|bias)$")
 # tensors without a kind of their own: a QK-norm (attn.q_norm) and a post-norm (attn_post_norm, ffn_post_norm)
 _FOLLOWER = re.compile(r"^layers\.\d+\.(?:(?P<qk>attn\.[qk])_norm|(?P<post>attn|ffn)_post_norm)\.(?:weight|bias)$")
+# the newer families' tensors, by the kind they take the op of: the attention output gate its query's (Qwen3.5),
+# a Gated DeltaNet's tensors attn.linear, the per-layer inputs' ple, the block scale the norms' (Gemma 4)
+_FAMILY_KIND = [(re.compile(r"^layers\.\d+\.attn\.gate\.(?:weight|bias)$"), "attn.q"),
+                (re.compile(r"^layers\.\d+\.linear\.[a-z_]+\.(?:weight|bias)$"), "attn.linear"),
+                (re.compile(r"^(?:ple_embed|ple_proj|ple_proj_norm)\.weight$|^layers\.\d+\.(?:ple\.(?:gate|out)|ple_norm)"
+                            r"\.weight$"), "ple"),
+                (re.compile(r"^layers\.\d+\.layer_scale\.weight$"), "attn_norm")]
 
 
 def dense_kind(name: str) -> str:
@@ -73,6 +85,9 @@ def dense_kind(name: str) -> str:
     f = _FOLLOWER.match(name)
     if f:
         return f["qk"] or f"{f['post']}_norm"
+    for rx, kind in _FAMILY_KIND:
+        if rx.match(name):
+            return kind
     raise KeyError(f"{name}: not a canonical dense tensor name")
 
 
@@ -118,6 +133,11 @@ class Recipe:
         return self.tensors["attn.q"] == "stack"
 
     @property
+    def linear_experts(self) -> bool:
+        """A Gated DeltaNet layer becomes DeltaNet experts (tensors.attn.linear: stack)."""
+        return self.tensors.get("attn.linear") == "stack"
+
+    @property
     def kv_mode(self) -> KVMode:
         return "expert" if self.tensors["attn.k"] == "stack" else "shared"
 
@@ -141,6 +161,8 @@ class Recipe:
                          + (f", K/V {self.tensors['attn.k']})" if self.shared_kv else ")"))
         else:
             parts.append(f"attention {self.tensors['attn.q']}")
+        if "attn.linear" in self.tensors:
+            parts.append("Gated DeltaNet experts" if self.linear_experts else f"Gated DeltaNet {self.tensors['attn.linear']}")
         return ", ".join(parts)
 
 
@@ -211,10 +233,12 @@ def _validate_tensors(section: Any, fail) -> dict[str, str]:
         raise fail("tensors", f"required: a mapping from each tensor kind ({', '.join(KINDS)}) to an op "
                               f"({', '.join(OPS)})")
     for kind in section:
-        if kind not in KINDS:
-            raise fail(f"tensors.{kind}", f"unknown tensor kind; the kinds are {', '.join(KINDS)}")
+        if kind not in KINDS + OPTIONAL_KINDS:
+            raise fail(f"tensors.{kind}", f"unknown tensor kind; the kinds are {', '.join(KINDS + OPTIONAL_KINDS)}")
     tensors: dict[str, str] = {}
-    for kind in KINDS:
+    for kind in KINDS + OPTIONAL_KINDS:
+        if kind not in section and kind in OPTIONAL_KINDS:
+            continue
         if kind not in section:
             raise fail(f"tensors.{kind}", f"missing; every kind needs an op ({', '.join(OPS)}), "
                                           "even if the architecture has no such tensor")
@@ -278,9 +302,10 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
         parse_attention_routing(d["attention_routing"])
     except ValueError as e:
         raise fail("defaults.attention_routing", str(e)) from None
-    if "attention_routing" in section and tensors["attn.q"] != "stack" and section["attention_routing"] != "soft":
-        raise fail("defaults.attention_routing", "the recipe has no attention experts (tensors.attn.q is not "
-                                                 "stack); remove this field")
+    if ("attention_routing" in section and tensors["attn.q"] != "stack" and tensors.get("attn.linear") != "stack"
+            and section["attention_routing"] != "soft"):
+        raise fail("defaults.attention_routing", "the recipe has no attention experts (tensors.attn.q and "
+                                                 "attn.linear are not stack); remove this field")
     for key in ("lb_coef", "z_coef"):
         if not _is_finite_number(d[key]) or d[key] < 0:
             raise fail(f"defaults.{key}", f"must be a finite number >= 0, got {shown(d[key])}")
@@ -361,14 +386,18 @@ def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options
         raise ConfigError(f"dense_cfg: is already a mixture (ffn_experts={dense_cfg.ffn_experts}, "
                           f"attn_experts={dense_cfg.attn_experts}); merge takes dense inputs")
     n_ffn, n_attn, top_k, attn_k = _check_experts(recipe, n_inputs, options)
-    ffn_kind, attn_kind, hidden, temperature = _check_routers(recipe, options, n_ffn, n_attn)
+    n_linear = n_inputs if recipe.linear_experts and dense_cfg.linear_layers else 0
+    if attn_k is not None and not n_attn and n_linear and not 1 <= attn_k <= n_linear:
+        raise ConfigError(f"attn_top_k: top-{attn_k} routing needs between 1 and {n_linear} attention experts")
+    ffn_kind, attn_kind, hidden, temperature = _check_routers(recipe, options, n_ffn, n_attn or n_linear)
     # the config's `router` is the FFN routers' kind (or the attention routers' when there is no FFN mixture)
-    kind = ffn_kind if n_ffn else (attn_kind if n_attn else "linear")
+    routed = n_attn or n_linear  # attention experts of either kind (softmax, Gated DeltaNet)
+    kind = ffn_kind if n_ffn else (attn_kind if routed else "linear")
     temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
     G = _check_upcycling(recipe, dense_cfg, options, n_ffn)  # fine-grained: G experts of width F/G per coarse one
     return dict(ffn_experts=n_ffn * G, ffn_top_k=top_k * G if n_ffn else 1, ffn_hidden=dense_cfg.ffn_hidden // G,
-                attn_experts=n_attn, attn_top_k=attn_k if n_attn else None, router=kind,
-                attn_router=attn_kind if n_attn and attn_kind != kind else None, router_hidden=hidden,
+                attn_experts=n_attn, linear_experts=n_linear, attn_top_k=attn_k if routed else None, router=kind,
+                attn_router=attn_kind if routed and attn_kind != kind else None, router_hidden=hidden,
                 router_temperature=temperature_default if temperature is None else float(temperature))
 
 
@@ -408,7 +437,7 @@ def _check_experts(recipe: Recipe, n_inputs: int, options: MergeOptions) -> tupl
         attn_k = parse_attention_routing(options.resolved("attention_routing", recipe))
     except ValueError as e:
         raise ConfigError(f"attn_top_k: {e}") from None
-    if attn_k is not None and not recipe.attention_experts:
+    if attn_k is not None and not recipe.attention_experts and not recipe.linear_experts:
         raise ConfigError(f"attn_top_k: recipe {recipe.name} has no attention experts "
                           f"(attention is merged by {recipe.tensors['attn.q']}); only soft applies")
 

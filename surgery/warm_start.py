@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from bam_surgery.runtime import model_from_reader
 from bam_surgery.runtime.routers import ExpertEmbeddingRouter
 from bam_surgery.train.data import Domain, Source, open_source, parse_data_spec
-from bam_surgery.train.tokenize import cache_key, default_cache_dir, open_token_file, resolve_tokenizer
+from bam_surgery.train.tokenize import cached_tokens, resolve_tokenizer, token_cache_folder
 
 from .errors import BamSurgeryError
 from .plan import Plan
@@ -83,7 +83,7 @@ def calibration_windows(plan: Plan, calib: Calibration, domains: list[Domain], l
         raise BamSurgeryError(f"--calibration-tokens: must be >= 1, got {calib.tokens_per_domain}")
     cfg = plan.config
     tok = resolve_tokenizer(calib.tokenizer, plan.inputs[0].reader, cfg.vocab_size)
-    cache = Path(calib.token_cache) if calib.token_cache else default_cache_dir()
+    cache = token_cache_folder(calib.token_cache)
     T = min(MAX_WINDOW, cfg.max_positions)
     windows: list[Window] = []
     counts = []
@@ -103,13 +103,12 @@ def calibration_windows(plan: Plan, calib: Calibration, domains: list[Domain], l
 
 def first_tokens(source: Source, tok, cache: Path, n: int) -> np.ndarray:
     """The first n tokens of the source (fewer if it holds fewer), documents ended by EOS as in the token
-    cache: the cached split if train or an earlier merge tokenized it, else read from the start and
-    tokenized only until n tokens are in hand, so a calibration never reads (or decompresses) more of its
-    data than it uses. Nothing is cached: the cache holds whole splits."""
-    key = cache_key(source, tok)
-    meta_file, bin_file = Path(cache) / f"{key}.json", Path(cache) / f"{key}.bin"
-    if meta_file.is_file() and bin_file.is_file():
-        return open_token_file(meta_file, bin_file, source).tokens[:n]
+    cache: the cached split if train or eval tokenized it (a trusted entry, verified: train/tokenize.py), else
+    read from the start and tokenized only until n tokens are in hand, so a calibration never reads (or
+    decompresses) more of its data than it uses. Nothing is cached: the cache holds whole splits."""
+    cached = cached_tokens(source, tok, cache)
+    if cached is not None:
+        return cached.tokens[:n]
     eos = np.array([tok.eos_id], dtype=np.int64)
     parts: list[np.ndarray] = []
     have = 0
@@ -211,7 +210,7 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
 def _calibrated_routers(cfg) -> list[str]:
     """The expert_embedding routers of a mixture, in execution order."""
     return [f"layers.{i}.{group}_router" for i in range(cfg.n_layers)
-            for group, kind, E in (("attn", cfg.attn_router_kind, cfg.attn_experts),
+            for group, kind, E in (("attn", cfg.attn_router_kind, cfg.layer_attn_experts(i)),
                                    ("ffn", cfg.ffn_router_kind, cfg.ffn_experts))
             if E and kind == ExpertEmbeddingRouter.kind]
 

@@ -427,10 +427,74 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _private_digest_cache(tmp_path_factory, monkeypatch):
-    """Merges remember input digests under $XDG_CACHE_HOME/bam-surgery, and rebuilt files go under
-    $BAM_SURGERY_CACHE (runtime/cache.py): keep the tests' own there."""
+    """Every cache of the tool (input digests, tokens, rebuilt files) is under $BAM_SURGERY_CACHE
+    (runtime/cache.py), and libraries keep theirs under $XDG_CACHE_HOME: keep the tests' own there."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
     monkeypatch.setenv("BAM_SURGERY_CACHE", str(tmp_path_factory.getbasetemp() / "bam-surgery-cache"))
+
+
+# ---- a second user, for real (the caches' trust rule: runtime/cache.py, docs/safety.md) ----------------------------
+def other_uid() -> int:
+    import pwd
+    try:
+        return pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        return 65534
+
+
+def as_other_user(action) -> None:
+    """Run `action()` in a child process that has become another user (root only), and wait for it."""
+    import os
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the other user, act, leave without running any of the parent's cleanup
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(other_uid())
+            os.setuid(other_uid())
+            action()
+            code = 0
+        except BaseException as e:  # shown in the parent's captured output
+            print(f"the second user failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the second user's planting failed"
+
+
+@pytest.fixture
+def public_tmp():
+    """A folder both users can reach (pytest's own are private to root)."""
+    import os
+    import shutil
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="bam-surgery-two-users-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def shared_folder(public: Path) -> Path:
+    """A folder both users may write, sticky as /tmp is, inside `public`."""
+    import os
+    shared = public / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    return shared
+
+
+def plant_entry(entry: Path, files: dict[str, bytes]) -> None:
+    """A cache entry written as runtime/cache.py writes one, DIGEST included (the format is public), so only who
+    owns it and where it lies can tell it apart from ours."""
+    from bam_surgery.runtime import cache
+    entry.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (entry / name).write_bytes(data)
+    (entry / cache.DIGEST).write_text(cache._digest(files) + "\n")
+
+
+needs_root = pytest.mark.skipif(__import__("os").geteuid() != 0, reason="acting as a second user needs root "
+                                "(os.setuid in a forked child); the same rule runs against \"another\" uid without it")
 
 
 @pytest.fixture
@@ -639,6 +703,23 @@ FAMILY_CASES = {
     "olmo3": ("Olmo3Config", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                                   num_attention_heads=4, num_key_value_heads=2, sliding_window=5, pad_token_id=0,
                                   eos_token_id=2)),
+    # the families of 2026, their real configs' shapes scaled down: Qwen3.5 (Qwen3.5-9B: three Gated DeltaNet layers
+    # to one gated attention layer, 2 value heads per key head, head_dim 256 with a quarter rotated, base 10^7);
+    # Gemma 4 (E2B / 31B: global layers of twice the head size with one kv head and K = V, proportional RoPE over a
+    # quarter, the last layers reading earlier ones' K/V with double-wide MLPs, per-layer inputs, windows of 5 here)
+    "qwen3.5": ("Qwen3_5TextConfig", dict(HF_SMALL, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                          linear_value_head_dim=8, max_position_embeddings=262144,
+                                          rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                               partial_rotary_factor=0.25))),
+    "gemma4": ("Gemma4TextConfig", dict(HF_SMALL, num_hidden_layers=6, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                                        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                                        use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                                        vocab_size_per_layer_input=100, sliding_window=5,
+                                        final_logit_softcapping=30.0,
+                                        layer_types=["sliding_attention", "full_attention"] * 3)),
     # the families of 2026 read as records: Granite 3's multipliers with Llama 3's RoPE scaling and attention biases;
     # Ministral 3's YaRN and queries scaled by position (original length shrunk to 512: the scale and the RoPE
     # change inside the long-position test); EXAONE 4 with its sliding windows (three layers of four, RoPE only
@@ -666,7 +747,10 @@ FAMILY_CASES = {
 
 def random_hf_model(cls_name: str, kwargs: dict, seed: int = 0, **overrides):
     """A transformers model of config class `cls_name` with every parameter random (transformers initializes norms
-    to 1 and biases to 0; randomized, a dropped or misplaced norm or bias shows up in the logits), fp32, eval."""
+    to 1 and biases to 0; randomized, a dropped or misplaced norm or bias shows up in the logits), fp32, eval. Norm
+    weights the class initializes to 0 (the (1 + w) norms of Qwen3.5) move around 0, as in trained checkpoints:
+    around 1 they would double every such norm, and Qwen3.5's Gated DeltaNet layers then amplify float32
+    rounding past the tests' tolerance."""
     import transformers
 
     hf_cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
@@ -676,19 +760,22 @@ def random_hf_model(cls_name: str, kwargs: dict, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             r = torch.randn_like(p)
             if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.1 * r)
+                centre = 1.0 if name.endswith("weight") and not (cls_name == "Qwen3_5TextConfig" and bool((p == 0).all()))\
+                    else 0.0
+                p.copy_(centre + 0.1 * r)
             else:
                 p.copy_(r / p.shape[-1] ** 0.5 if "wte" not in name and "embed" not in name else r)
     return model
 
 
 def branch_state(state: dict[str, torch.Tensor], keep, seed: int) -> dict[str, torch.Tensor]:
-    """A specialist of a canonical dense state: its attention and FFN tensors moved by 10% of their spread, but those
-    `keep(name)` holds (the tensors a recipe averages or shares, kept equal to the seed's)."""
+    """A specialist of a canonical dense state: its attention (Gated DeltaNet included) and FFN tensors moved by 10% of
+    their spread, but those `keep(name)` holds (the tensors a recipe averages or shares, kept equal to the seed's)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in state.items():
-        moved = name.startswith("layers.") and (".attn." in name or ".ffn." in name) and not keep(name)
+        moved = name.startswith("layers.") and any(f".{m}." in name for m in ("attn", "ffn", "linear")) \
+            and not keep(name)
         out[name] = t + 0.1 * t.std() * torch.randn(t.shape, generator=gen) if moved else t.clone()
     return out
 

@@ -35,7 +35,7 @@ from .metrics import RoutingAccumulator, summarize_routing
 from .packing import eval_windows, window_inputs
 from .progress import ProgressLines
 from .provenance import expert_names, read_provenance
-from .tokenize import default_cache_dir, resolve_tokenizer, tokenize_source
+from .tokenize import resolve_tokenizer, token_cache_folder, tokenize_source
 
 
 @dataclass
@@ -221,7 +221,7 @@ def load_streams(data: str, tok, split: str = "val", text_field: str = "text",
                  token_cache: str | Path | None = None) -> dict[str, np.ndarray]:
     """{domain: token stream} of the `split` of each domain of a SPEC, through the token cache."""
     domains = parse_data_spec(data)
-    cache = Path(token_cache) if token_cache else default_cache_dir()
+    cache = token_cache_folder(token_cache)
     return {dom.name: tokenize_source(open_source(dom, split, text_field), tok, cache).tokens for dom in domains}
 
 

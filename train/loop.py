@@ -60,7 +60,7 @@ from .packing import MixtureSampler, micro_batches
 from .plot import PLOTS, plot_files, plot_run
 from .progress import ProgressLines
 from .provenance import PROVENANCE_KEY, TOKENIZER_KEY, chain, dumps, expert_names, read_provenance
-from .tokenize import BYTES, MODEL_SIDE_FILES, default_cache_dir, resolve_tokenizer, tokenize_source
+from .tokenize import BYTES, MODEL_SIDE_FILES, resolve_tokenizer, token_cache_folder, token_cache_note, tokenize_source
 
 Log = Callable[[str], None]
 RUN_LOCK = ".bam-surgery.lock"  # RUN/.bam-surgery.lock: held by the run writing RUN (runtime/locks.py)
@@ -382,17 +382,22 @@ class _Run:
         return "bf16" if p == "bf16" or (p == "auto" and self.d.device.type == "cuda") else "fp32"
 
     def _tokenized(self, domains: list[Domain], split: str) -> list:
-        """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then all open them."""
-        cache = Path(self.cfg.token_cache) if self.cfg.token_cache else default_cache_dir()
+        """Token files of each domain's split: rank 0 tokenizes (or finds the cache), then the others open them
+        (each verifies the entry; a cache not trusted: each tokenizes its own private copy)."""
+        cache = token_cache_folder(self.cfg.token_cache)
         sources = [open_source(dom, split, self.cfg.text_field) for dom in domains]
+        mine: list = []  # rank 0's, kept rather than verified again
 
         def prepare() -> None:
+            note = token_cache_note(cache)
+            if note:
+                self.log(f"note: {note}")
             for s in sources:
-                tf = tokenize_source(s, self.tok, cache)
+                mine.append(tf := tokenize_source(s, self.tok, cache))
                 self.log(f"data: {s.describe()}: {len(tf):,} tokens, {tf.documents:,} documents")
 
         dist_.on_main(self.d, prepare)
-        return sources, [tokenize_source(s, self.tok, cache) for s in sources]
+        return sources, mine or [tokenize_source(s, self.tok, cache) for s in sources]
 
     def _setup_data(self) -> None:
         cfg = self.cfg

@@ -10,19 +10,21 @@ The byte-level tokenizer maps text to its UTF-8 bytes (ids 1..255; NUL bytes are
 as end-of-text, so it needs vocab_size >= 256. A tokenizer whose vocabulary is larger than the
 model's is refused, naming both sizes.
 
-Token cache: each (source split, tokenizer) is tokenized once into `KEY.bin` (raw little-endian
-uint16, or uint32 for vocabularies over 65,536), documents in order, each followed by the EOS id,
-with `KEY.json` beside it; KEY is a sha256 of the data's content hash and the tokenizer's hash.
-Files are written under temporary names and renamed, the .json last: a present .json means a complete
-cache entry. Readers memory-map the .bin file.
+Token cache: each (source split, tokenizer) is tokenized once into the entry FOLDER / KEY (FOLDER: --token-cache,
+else $BAM_SURGERY_CACHE/tokens; KEY a sha256 of the data's content hash and the tokenizer's hash), holding
+`tokens.bin` (raw little-endian uint16, or uint32 for vocabularies over 65,536: documents in order, each followed
+by the EOS id) and `tokens.json` (its dtype and counts). The entry is runtime/cache.py's, trusted only by its one
+rule (docs/safety.md, "The caches"): private, never a link, verified against the DIGEST of its files on every use
+(a BLAKE3 read of tokens.bin: time linear in its size, far less than tokenizing), its .json agreeing with its .bin;
+anything else (a partial, corrupt, linked or planted entry) is tokenized again. A folder that is not trusted gets
+nothing written: the split is tokenized into a private temporary folder of the run (`token_cache_note` says so).
+Readers memory-map tokens.bin.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -34,7 +36,7 @@ from tqdm import tqdm
 from bam_surgery.converters.byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES,
                                                    TOKENIZER_KEY, unavailable_tokenizer, uses_byte_tokenizer)
 from bam_surgery.converters.hf.files import check_token_ids, side_file
-from bam_surgery.runtime.cache import cache_root
+from bam_surgery.runtime.cache import cache_root, cached_files, find_entry, untrusted_cache
 
 from bam_surgery.runtime.jsonfile import json_field, read_bounded, read_json
 
@@ -45,7 +47,8 @@ from .errors import TrainError
 if TYPE_CHECKING:
     from bam_surgery.runtime.reader import Reader
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: entries are runtime/cache.py's (FOLDER / KEY / tokens.bin, tokens.json, DIGEST)
+ENTRY_FILES = ("tokens.bin", "tokens.json")
 _BATCH_DOCS = 512
 
 
@@ -231,6 +234,21 @@ def default_cache_dir() -> Path:
     return cache_root() / "tokens"
 
 
+def token_cache_folder(token_cache: str | Path | None) -> Path:
+    """The token cache's folder: --token-cache DIR (absolute), else default_cache_dir()."""
+    return Path(token_cache).absolute() if token_cache else default_cache_dir()
+
+
+def token_cache_note(token_cache: str | Path | None) -> str | None:
+    """Why the token cache's folder is not trusted, as the note a command shows (None: it is)."""
+    folder = token_cache_folder(token_cache)
+    problem = untrusted_cache(folder)
+    if problem is None:
+        return None
+    return (f"token cache {folder} is not trusted ({problem}): tokenized into a private temporary folder of this run; "
+            "pass --token-cache a folder of your own (or set BAM_SURGERY_CACHE)")
+
+
 @dataclass
 class TokenFile:
     """One tokenized source split: `tokens` is a read-only memory map [N] (uint16 or uint32)."""
@@ -250,29 +268,47 @@ def cache_key(source: Source, tok: Tokenizer) -> str:
 
 
 def tokenize_source(source: Source, tok: Tokenizer, cache_dir: Path) -> TokenFile:
-    """The source split's tokens, from the cache or tokenized now (then cached)."""
-    cache_dir = Path(cache_dir)
+    """The source split's tokens, from the cache's trusted entry or tokenized now (then cached)."""
     key = cache_key(source, tok)
-    meta_file, bin_file = cache_dir / f"{key}.json", cache_dir / f"{key}.bin"
-    if not meta_file.is_file() or not bin_file.is_file():
-        _write_cache(source, tok, cache_dir, key)
-    return open_token_file(meta_file, bin_file, source)
+    files = cached_files(Path(cache_dir).absolute(), key, ENTRY_FILES,
+                         lambda folder: _write_tokens(source, tok, folder), f"{source.describe()}: the token cache",
+                         usable=_meta_of,
+                         hint="pass --token-cache a writable folder of your own")
+    assert not isinstance(files, str)
+    return _open_entry(files, source, key)
 
 
-def open_token_file(meta_file: Path, bin_file: Path, source: Source) -> TokenFile:
+def cached_tokens(source: Source, tok: Tokenizer, cache_dir: Path) -> TokenFile | None:
+    """The source split's tokens if the cache holds a trusted entry of them (nothing is written), else None."""
+    key = cache_key(source, tok)
+    files = find_entry(Path(cache_dir).absolute(), key, ENTRY_FILES, usable=_meta_of)
+    return None if files is None else _open_entry(files, source, key)
+
+
+def _meta_of(files: list[Path]) -> dict | None:
+    """The entry's tokens.json if it describes its tokens.bin (this version's fields, the size they give), else
+    None."""
+    bin_file, meta_file = files
     try:
         meta = read_json(meta_file, expect=dict, error=ValueError)
-        if not all(isinstance(meta.get(k), int) for k in ("tokens", "documents")):
-            raise ValueError("tokens and documents must be integers")
-        dtype = np.dtype(meta["dtype"])
-        if bin_file.stat().st_size != meta["tokens"] * dtype.itemsize:
-            raise ValueError("size does not match its .json")
-        tokens = np.memmap(bin_file, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TrainError(f"{bin_file}: unusable token cache entry ({e}); delete it to tokenize again") from None
+        counts = [meta.get(k) for k in ("tokens", "documents")]
+        if meta.get("version") != CACHE_VERSION or meta.get("dtype") not in ("<u2", "<u4") or \
+                not all(type(c) is int and c >= 0 for c in counts):
+            return None
+        return meta if bin_file.stat().st_size == meta["tokens"] * np.dtype(meta["dtype"]).itemsize else None
+    except (OSError, ValueError):
+        return None
+
+
+def _open_entry(files: list[Path], source: Source, key: str) -> TokenFile:
+    bin_file = files[0]
+    meta = _meta_of(files)
+    if meta is None:  # changed since it was verified: only this user can
+        raise TrainError(f"{bin_file}: the token cache entry changed while it was read; run again")
+    dtype = np.dtype(meta["dtype"])
     if meta["tokens"] <= meta["documents"]:  # only EOS tokens
         raise TrainError(f"{source.describe()}: no text (no documents, or only empty ones)")
-    return TokenFile(bin_file, tokens, meta["documents"], meta_file.stem)
+    return TokenFile(bin_file, np.memmap(bin_file, dtype=dtype, mode="r"), meta["documents"], key)
 
 
 def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -286,16 +322,14 @@ def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> None:
-    cache_dir.mkdir(parents=True, exist_ok=True)
+def _write_tokens(source: Source, tok: Tokenizer, folder: Path) -> None:
+    """The entry's files, written into the private folder `folder` (runtime/cache.py makes it the entry)."""
     dtype = np.dtype("<u2") if tok.vocab_size <= 1 << 16 else np.dtype("<u4")
     eos = np.array([tok.eos_id], dtype=dtype)
-    fd, tmp_bin = tempfile.mkstemp(prefix=f".{key}.", suffix=".bin.partial", dir=cache_dir)
     n_tokens = n_docs = 0
-
     bar = tqdm(desc=f"tokenizing {source.describe()}", unit=" docs", leave=False, disable=not sys.stderr.isatty())
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(folder / ENTRY_FILES[0], "wb") as f:
             for batch in _batches(source.documents(), _BATCH_DOCS):
                 bar.update(len(batch))
                 for ids in tok.encode_batch(batch):
@@ -305,17 +339,10 @@ def _write_cache(source: Source, tok: Tokenizer, cache_dir: Path, key: str) -> N
                     f.write(eos.tobytes())
                     n_tokens += len(ids) + 1
                     n_docs += 1
-        if n_docs == 0:
-            raise TrainError(f"{source.describe()}: no text (no documents, or only empty ones)")
-        meta = {"version": CACHE_VERSION, "dtype": dtype.str, "tokens": n_tokens, "documents": n_docs,
-                "source": source.describe(), "text_field": source.text_field, "tokenizer": tok.name,
-                "eos_id": tok.eos_id}
-        os.replace(tmp_bin, cache_dir / f"{key}.bin")
-        fd, tmp_json = tempfile.mkstemp(prefix=f".{key}.", suffix=".json.partial", dir=cache_dir)
-        with os.fdopen(fd, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp_json, cache_dir / f"{key}.json")
     finally:
         bar.close()
-        if os.path.exists(tmp_bin):
-            os.unlink(tmp_bin)
+    if n_docs == 0:
+        raise TrainError(f"{source.describe()}: no text (no documents, or only empty ones)")
+    meta = {"version": CACHE_VERSION, "dtype": dtype.str, "tokens": n_tokens, "documents": n_docs,
+            "source": source.describe(), "text_field": source.text_field, "tokenizer": tok.name, "eos_id": tok.eos_id}
+    (folder / ENTRY_FILES[1]).write_text(json.dumps(meta, indent=1), encoding="utf-8")

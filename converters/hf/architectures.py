@@ -90,7 +90,7 @@ def bind(arch: Architecture, cfg: ModelConfig) -> Binding:
         elif any(present):
             raise CapabilityError(f"{arch.model_type} table row {br.hf} -> {br.canonical} only partly "
                                      "applies to this config")
-        elif br.rule.tied_alias and cfg.tie_embeddings:
+        elif (br.rule.tied_alias and cfg.tie_embeddings) or br.rule.optional:
             b.optional_drops.update(br.hf)  # a stored copy of the tied embeddings; the model reuses embed
         else:
             for n in br.hf:

@@ -296,6 +296,8 @@ class Rope(Field):
         out["rope_theta"] = float(first("rope_theta", hf.get(self.legacy_theta_key), self.default_theta))
         out["scaled_rope"] = self._scaled(hf, named)
         frac = first("partial_rotary_factor", hf.get(self.legacy_fraction_key), self.default_fraction, 1.0)
+        if (out["scaled_rope"] or {}).get("rope_type") == "proportional":
+            frac = 1.0  # proportional RoPE keeps its partial_rotary_factor (rope_frequencies): every dim takes part
         if self.default_fraction is None:
             if float(frac) != 1.0:
                 raise CapabilityError(f"partial_rotary_factor={frac} is not supported by this architecture")
@@ -446,6 +448,7 @@ class SlidingWindow(Field):
     period: int = 0  # rule "period": the class default period (period_key overrides it)
     period_key: str | None = None
     layer_types: bool = False  # the family writes layer_types (and reads them)
+    last_global: bool = False  # the config class makes the last layer global whatever it is told (Gemma 4)
     rope_sliding_only: bool = False  # with a window, RoPE in the sliding layers only (EXAONE 4): nope_layers
     stage = 2  # after the layer count and the layers without RoPE (rule nope)
 
@@ -466,7 +469,7 @@ class SlidingWindow(Field):
             return
         if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
             raise ConfigError(f"{self.hf_key}: expected a positive integer, got {str(window)[:40]}")
-        sliding = self._sliding_layers(hf, n_layers, out)
+        sliding = [i for i in self._sliding_layers(hf, n_layers, out) if not (self.last_global and i == n_layers - 1)]
         out["attn_window"] = window if sliding else None
         out["attn_window_layers"] = None if not sliding or len(sliding) == n_layers else sliding
         if self.rope_sliding_only:
@@ -497,6 +500,9 @@ class SlidingWindow(Field):
         body: dict[str, Any] = {self.hf_key: cfg.attn_window}
         if self.enabled_key:
             body[self.enabled_key] = cfg.attn_window is not None
+        if self.last_global and cfg.n_layers - 1 in sliding:
+            raise CapabilityError(f"cannot export to {model_type}: its last layer is global (full attention), the "
+                                  "model's slides")
         if self.layer_types:
             body["layer_types"] = [SLIDING if i in sliding else FULL for i in range(cfg.n_layers)]
             if self.rule == "from":  # transformers derives nothing from it once layer_types is written
@@ -563,6 +569,154 @@ class Require(Field):
 
     def write(self, cfg, model_type):
         return {self.hf_key: self.value}
+
+
+LINEAR = "linear_attention"  # Qwen3.5's layer_types entry of a Gated DeltaNet layer
+
+
+@dataclass
+class LinearLayers(Field):
+    """Qwen3.5's Gated DeltaNet layers: config.json's layer_types (linear_attention or full_attention; default every
+    layer but each full_attention_interval-th, 4) and the linear_* sizes <-> linear_layers and linear_* (zeros
+    without such layers)."""
+
+    SIZES = {"linear_num_key_heads": ("linear_key_heads", 16), "linear_num_value_heads": ("linear_value_heads", 32),
+             "linear_key_head_dim": ("linear_key_dim", 128), "linear_value_head_dim": ("linear_value_dim", 128),
+             "linear_conv_kernel_dim": ("linear_conv", 4)}
+
+    stage = 1  # after the sizes
+
+    def __post_init__(self):
+        self.hf_keys = ("layer_types", "full_attention_interval", *self.SIZES)
+        self.canonical = ("linear_layers", *(ours for ours, _ in self.SIZES.values()))
+
+    def read(self, hf, out, notes):
+        n_layers = out.get("n_layers")
+        if not isinstance(n_layers, int) or n_layers <= 0:
+            return  # ModelConfig names the bad layer count
+        types = hf.get("layer_types")
+        if types is None:
+            interval = int(_value(hf, "full_attention_interval", 4))
+            if interval <= 0:
+                raise ConfigError(f"full_attention_interval: must be a positive integer, got {interval}")
+            types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in (LINEAR, FULL) for t in types):
+            raise ConfigError(f"layer_types: expected {n_layers} entries of {LINEAR} or {FULL}, got {str(types)[:60]}")
+        linear = [i for i, t in enumerate(types) if t == LINEAR]
+        out["linear_layers"] = linear or None
+        for key, (ours, default) in self.SIZES.items():
+            out[ours] = int(_value(hf, key, default)) if linear else 0
+
+    def write(self, cfg, model_type):
+        linear = set(cfg.linear_layers or ())
+        body = {"layer_types": [LINEAR if i in linear else FULL for i in range(cfg.n_layers)]}
+        body.update((key, getattr(cfg, ours) if linear else default) for key, (ours, default) in self.SIZES.items())
+        return body
+
+
+@dataclass
+class GlobalLayers(Field):
+    """Gemma 4's global (full_attention) layers: their head size and kv heads, as transformers 5 saves them
+    (per_layer_config: {layer: {head_dim, num_key_value_heads}}) or as hub configs give them (global_head_dim,
+    default 512; num_global_key_value_heads, which transformers applies only with attention_k_eq_v), and
+    attention_k_eq_v <-> global_head_dim and global_kv_heads (None where they equal head_dim and n_kv_heads),
+    global_k_eq_v."""
+
+    stage = 1  # after the sizes
+
+    def __post_init__(self):
+        self.hf_keys = ("per_layer_config", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v")
+        self.canonical = ("global_head_dim", "global_kv_heads", "global_k_eq_v")
+
+    def read(self, hf, out, notes):
+        k_eq_v = bool(_value(hf, "attention_k_eq_v", False))
+        entries = hf.get("per_layer_config") or {}
+        if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
+            raise ConfigError(f"per_layer_config: expected an object of per-layer objects, got {str(entries)[:60]}")
+        distinct = {json.dumps(e, sort_keys=True) for e in entries.values()}
+        if len(distinct) > 1 or any(set(e) - {"head_dim", "num_key_value_heads"} for e in entries.values()):
+            raise CapabilityError(f"per_layer_config: {str(entries)[:80]}: one head_dim and num_key_value_heads for "
+                                  "every global layer is supported")
+        entry = next(iter(entries.values()), {})
+        head_dim = entry.get("head_dim", _value(hf, "global_head_dim", 512))
+        kv = entry.get("num_key_value_heads", hf.get("num_global_key_value_heads") if k_eq_v else None)
+        out["global_head_dim"] = None if head_dim == out.get("head_dim") else head_dim
+        out["global_kv_heads"] = None if kv is None or kv == out.get("n_kv_heads") else kv
+        out["global_k_eq_v"] = k_eq_v
+
+    def write(self, cfg, model_type):
+        if cfg.global_kv_heads is not None and not cfg.global_k_eq_v:
+            raise CapabilityError(f"cannot export to {model_type}: it gives the global layers kv heads of their own "
+                                  "only with attention_k_eq_v; the model has global_kv_heads without K = V")
+        return {"global_head_dim": cfg.global_head_dim or cfg.head_dim, "attention_k_eq_v": cfg.global_k_eq_v,
+                "num_global_key_value_heads": cfg.global_kv_heads}
+
+
+@dataclass
+class KVSharing(Field):
+    """Gemma 4's num_kv_shared_layers (the last layers read the K/V of the last earlier layer of their type) and
+    use_double_wide_mlp (their MLP twice intermediate_size) <-> kv_shared_layers and kv_shared_ffn_hidden."""
+
+    stage = 1  # after the sizes
+
+    def __post_init__(self):
+        self.hf_keys, self.canonical = ("num_kv_shared_layers", "use_double_wide_mlp"), ("kv_shared_layers",
+                                                                                          "kv_shared_ffn_hidden")
+
+    def read(self, hf, out, notes):
+        n = int(_value(hf, "num_kv_shared_layers", 0))
+        out["kv_shared_layers"] = n
+        double = bool(_value(hf, "use_double_wide_mlp", False)) and n > 0
+        out["kv_shared_ffn_hidden"] = 2 * out["ffn_hidden"] if double and isinstance(out.get("ffn_hidden"), int) \
+            else None
+
+    def write(self, cfg, model_type):
+        if cfg.kv_shared_ffn_hidden not in (None, 2 * cfg.ffn_hidden):
+            raise CapabilityError(f"cannot export to {model_type}: its K/V-sharing layers' MLP is intermediate_size or "
+                                  f"twice it wide, the model's is {cfg.kv_shared_ffn_hidden}")
+        return {"num_kv_shared_layers": cfg.kv_shared_layers,
+                "use_double_wide_mlp": cfg.kv_shared_ffn_hidden is not None}
+
+
+@dataclass
+class PerLayerInputs(Field):
+    """Gemma 4's per-layer inputs: hidden_size_per_layer_input (default 256; 0: none) and vocab_size_per_layer_input
+    (default 262144) <-> per_layer_dim and per_layer_vocab (None where it equals vocab_size)."""
+
+    stage = 1  # after the sizes
+
+    def __post_init__(self):
+        self.hf_keys = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
+        self.canonical = ("per_layer_dim", "per_layer_vocab")
+
+    def read(self, hf, out, notes):
+        dim = int(_value(hf, "hidden_size_per_layer_input", 256))
+        vocab = _value(hf, "vocab_size_per_layer_input", 262144)
+        out["per_layer_dim"] = dim
+        out["per_layer_vocab"] = vocab if dim and vocab != out.get("vocab_size") else None
+
+    def write(self, cfg, model_type):
+        return {"hidden_size_per_layer_input": cfg.per_layer_dim,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab or cfg.vocab_size}
+
+
+@dataclass
+class ProportionalRope(LayerTypeRope):
+    """Gemma 4's RoPE per layer type: LayerTypeRope, with the class default where config.json has none (sliding:
+    plain, base 10000; full: proportional over a quarter of the pairs, base 1000000)."""
+
+    def read(self, hf, out, notes):
+        if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+            hf = {**hf, "rope_parameters": {
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}}
+        super().read(hf, out, notes)
+
+    def write(self, cfg, model_type):
+        """rope_parameters alone: transformers 4, which read rope_scaling, has no Gemma 4 (and 5 takes a
+        rope_scaling over rope_parameters)."""
+        body = super().write(cfg, model_type)
+        return {"rope_parameters": body["rope_parameters"]}
 
 
 class ConfigMap(Protocol):

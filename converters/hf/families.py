@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .config_map import (Activation, AttentionScale, DerivedEqual, FanOut, Field, InnerWidth, LayerTypeRope,
-                         NoRopeLayers, Nullable, ParallelResidual, Reciprocal, Require, Rope, Same, SlidingWindow,
-                         TemperedRope)
+import dataclasses
+
+from .config_map import (Activation, AttentionScale, DerivedEqual, FanOut, Field, ProportionalRope, GlobalLayers,
+                         InnerWidth, KVSharing, LayerTypeRope, LinearLayers, NoRopeLayers, Nullable, ParallelResidual,
+                         PerLayerInputs, Reciprocal, Require, Rope, Same, SlidingWindow, TemperedRope)
 from .family import Family, Fused, Gguf, Refused
-from .moe_family import TRUNK_FIELDS, AttentionBiasMoe, MoeConfigMap, RenormalizedMoe, SharedExpertMoe
-from .ops import CONV1D_SPLIT_QKV, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD, TRANSPOSE
-from .weights import Rows, lm_head, linear, moe_rows, qkv, w
+from .moe_family import TRUNK_FIELDS, AttentionBiasMoe, MoeConfigMap, RenormalizedMoe, SharedExpertMoe, TrunkMoe
+from .ops import (CONV1D_SPLIT_QKV, DEPTHWISE_CONV, SPLIT_GATE_UP, SPLIT_QKV, SPLIT_QKV_PER_HEAD, SPLIT_QUERY_GATE,
+                  TRANSPOSE)
+from .weights import Rows, WeightRule, lm_head, linear, moe_rows, qkv, w
 
 # tiny sizes of the docs' example configs (docs/families.md)
 SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -243,6 +246,71 @@ EXAONE4 = OLMO2.child(
 )
 
 
+# ---- the families of 2026: their own layers ------------------------------------------------------------
+# Qwen3.5 (text): Qwen3 with Gated DeltaNet layers (layer_types: linear_attention; linear_attn.* in place of self_attn),
+# a gated attention output (q_proj holds each head's query and gate), (1 + w) norms, partial rotary (a quarter of
+# each head by default), no sliding windows
+QWEN3_5_TEXT = QWEN3.child(
+    "qwen3_5_text", "Qwen3_5ForCausalLM", stands_for="Qwen3.5 (Gated DeltaNet in 3 of 4 layers, gated attention)",
+    traits=dict(norm_unit_offset=True, attn_output_gate=True, attn_window=None, attn_window_layers=None),
+    keys=(Same("num_key_value_heads", "n_kv_heads", 4), Same("head_dim", "head_dim", 256),
+          Rope(default_theta=10000.0, default_fraction=0.25), LinearLayers()),
+    rows=Rows(drop=("layers.{}.attn.q.",), add=(
+        *[w(f"model.layers.{{}}.self_attn.q_proj.{p}", (f"layers.{{}}.attn.q.{p}", f"layers.{{}}.attn.gate.{p}"),
+            SPLIT_QUERY_GATE) for p in ("weight", "bias")],
+        *[w(f"model.layers.{{}}.linear_attn.{hf}", f"layers.{{}}.linear.{ours}") for hf, ours in (
+            ("in_proj_qkv.weight", "qkv.weight"), ("in_proj_z.weight", "z.weight"), ("in_proj_b.weight", "b.weight"),
+            ("in_proj_a.weight", "a.weight"), ("dt_bias", "dt.bias"), ("A_log", "a_log.weight"),
+            ("norm.weight", "norm.weight"), ("out_proj.weight", "out.weight"))],
+        w("model.layers.{}.linear_attn.conv1d.weight", "layers.{}.linear.conv.weight", DEPTHWISE_CONV))),
+    # interleaved multi-section RoPE (text: every section the same position, so plain RoPE); (1 + w) norms stored as
+    # 1 + w but the DeltaNet's gated norm; attn_q holds each head's query and gate (gguf_table's LINEAR section)
+    gguf=Gguf("qwen35", biases=(), rope_scalings=(), partial_rotary=True, linear_attention=True,
+              fused=(Fused(("layers.{}.attn.q", "layers.{}.attn.gate"), "ATTN_Q", per_head=True),),
+              picks={"linear": True}),
+    example=dict(SIZES, model_type="qwen3_5_text", head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16),
+)
+
+_KV_ROWS = tuple(WeightRule(r.hf, r.canonical, r.op, optional=True) for r in qkv("model.layers.{}.self_attn")[2:])
+
+# Gemma 4 (text): Gemma 3's sandwich norms, GeGLU, scaled embeddings and sliding layers (the last layer always
+# global), with norms scaling by w, unscaled attention logits (scaling 1: attn_scale_dim 1), RMS-normed values, a
+# scalar per layer, the global layers' own head size, kv heads and K = V, proportional RoPE there, K/V shared by the
+# last layers (double-wide MLPs there), per-layer inputs. No k/v (or v) where a layer reads another's K/V (or K = V):
+# such tensors in a checkpoint are accepted and dropped. Its MoE block (enable_moe_block) is refused: its dense MLP
+# and routed experts run side by side with norms of their own, which no mixture here computes.
+GEMMA4_TEXT = GEMMA3_TEXT.child(
+    "gemma4_text", "Gemma4ForCausalLM",
+    stands_for="Gemma 4 E2B (per-layer inputs, shared K/V layers, global layers of their own head size)",
+    traits=dict(norm_unit_offset=False, attn_scale_dim=1, attn_softcap=None, v_norm=True, layer_scale=True),
+    keys=(Same("num_key_value_heads", "n_kv_heads", 4),
+          SlidingWindow("sliding_window", default=512, rule="period", period=6, layer_types=True, last_global=True),
+          ProportionalRope(default_theta=1000000.0, local_key=None), GlobalLayers(), KVSharing(), PerLayerInputs(),
+          Require("use_bidirectional_attention", None, "bidirectional attention is not modelled"),
+          Require("enable_moe_block", False, "Gemma 4's MoE block (a dense MLP beside routed experts, each with norms "
+                                             "of its own, and a router with its own norm and per-expert scales) is "
+                                             "not read")),
+    rows=Rows(drop=("layers.{}.attn.k.", "layers.{}.attn.v."), add=(
+        w("model.embed_tokens_per_layer.weight", "ple_embed.weight"),
+        w("model.per_layer_model_projection.weight", "ple_proj.weight"),
+        w("model.per_layer_projection_norm.weight", "ple_proj_norm.weight"),
+        *_KV_ROWS,
+        w("model.layers.{}.per_layer_input_gate.weight", "layers.{}.ple.gate.weight"),
+        w("model.layers.{}.per_layer_projection.weight", "layers.{}.ple.out.weight"),
+        w("model.layers.{}.post_per_layer_input_norm.weight", "layers.{}.ple_norm.weight"),
+        w("model.layers.{}.layer_scalar", "layers.{}.layer_scale.weight"))),
+    # the global layers' head size and kv heads, K = V, shared K/V layers, double-wide MLPs, per-layer inputs and
+    # proportional RoPE as rope_freqs (gguf_table's GEMMA4 section)
+    gguf=Gguf("gemma4", biases=(), rope_scalings=("proportional",), tied_only=True, final_softcap="optional",
+              windows="optional", window_rope="plain", tokenizer="gemma", per_layer_geometry=True, picks={"v_norm": True}),
+    example=dict(SIZES, model_type="gemma4_text", num_hidden_layers=6, head_dim=32, global_head_dim=64,
+                 num_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                 hidden_size_per_layer_input=16, sliding_window=512,
+                 layer_types=["sliding_attention", "full_attention"] * 3),
+)
+
+
 # ---- families of their own shape ----------------------------------------------------------------------
 GPT_NEOX = Family(
     "gpt_neox", "GPTNeoXForCausalLM", base_prefix="gpt_neox.", stands_for="Pythia (parallel, partial rotary)",
@@ -376,6 +444,11 @@ MIXTRAL = LLAMA.child(
     gguf=Gguf("llama", gate_norm="topk_softmax"),
 )
 
+# the always-on shared expert and its sigmoid gate (Qwen2-MoE, Qwen3.5-MoE)
+_SHARED_EXPERT_ROWS = (*[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{}}.ffn_shared.{p}.weight")
+                         for p in ("gate", "up", "down")],
+                       w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"))
+
 # Qwen2-MoE: the Llama names with q/k/v biases, a routed FFN (mlp.experts.{e}) and an always-on shared expert with
 # its sigmoid gate.
 QWEN2_MOE = QWEN2.child(
@@ -383,9 +456,7 @@ QWEN2_MOE = QWEN2.child(
     rows=Rows(drop=("layers.{}.attn.o", "layers.{}.ffn.", _ROTARY_BUFFER), add=(
         w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight"),
         *moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
-        *[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight", f"layers.{{}}.ffn_shared.{p}.weight")
-          for p in ("gate", "up", "down")],
-        w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"))),
+        *_SHARED_EXPERT_ROWS)),
     moe=_moe(SharedExpertMoe, {"ffn_hidden": "moe_intermediate_size", "ffn_experts": "num_experts",
                                "ffn_shared_hidden": "shared_expert_intermediate_size"}, {
         "vocab_size": 151936, "hidden_size": 2048, "moe_intermediate_size": 1408, "num_hidden_layers": 24,
@@ -426,21 +497,52 @@ FLEX_OLMO = OLMO2.child(
 )
 
 
+# Qwen3.5-MoE: Qwen3.5's trunk (its Gated DeltaNet and gated attention layers, read and written by the qwen3_5_text
+# record) with a sparse MoE block in every layer: softmax over all experts, the top-k renormalized, SwiGLU experts of
+# moe_intermediate_size and an always-on shared expert (zeros of width 1 for a mixture without one: native_moe.py)
+QWEN3_5_MOE = QWEN3_5_TEXT.child(
+    "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", stands_for="Qwen3.5-MoE", format="qwen3_5_moe",
+    summary="HF Qwen3.5-MoE directory, btx/btx-shared-expert/upcycle of Qwen3.5 inputs",
+    rows=Rows(drop=("layers.{}.ffn.",), add=(*moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+                                              *_SHARED_EXPERT_ROWS)),
+    moe=lambda f: TrunkMoe(f.hf_class, f.model_type, f.format_name, f.base.config, {
+        "moe_intermediate_size": ("ffn_hidden", 512), "num_experts": ("ffn_experts", 256),
+        "num_experts_per_tok": ("ffn_top_k", 8), "shared_expert_intermediate_size": ("ffn_shared_hidden", 512),
+        "router_aux_loss_coef": ("lb_coef", 0.001)}, {
+        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+        "num_key_value_heads": 2}),
+    gguf=dataclasses.replace(QWEN3_5_TEXT.gguf, name="qwen35moe", gate_norm="topk_softmax", expert_width=True,
+                             picks={"linear": True}),
+)
+
+
 # ---- the tables ------------------------------------------------------------------------------------------
 # every family read, in the order the tool lists them (dense first, then the native mixtures)
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, GPT_NEOX, GPT2, COHERE, PHI, QWEN3, PHI3, OLMO2, OLMO3, SMOLLM3,
-                                GEMMA2, GEMMA3_TEXT, GRANITE, MINISTRAL3, EXAONE4, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-                                FLEX_OLMO)
+                                GEMMA2, GEMMA3_TEXT, GRANITE, MINISTRAL3, EXAONE4, QWEN3_5_TEXT, GEMMA4_TEXT, MIXTRAL,
+                                QWEN2_MOE, QWEN3_MOE, FLEX_OLMO, QWEN3_5_MOE)
 NATIVE_MIXTURES: tuple[Family, ...] = tuple(f for f in FAMILIES if f.moe is not None)
 
 # Families users branch from that are read nowhere yet, with what stands in the way (one line, naming it)
 REFUSED: tuple[Refused, ...] = (
-    Refused("qwen3_5", "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not modelled"),
-    Refused("qwen3_5_text", "hybrid linear attention (Gated DeltaNet layers between the attention layers) is not "
-                            "modelled"),
-    Refused("qwen3_next", "hybrid linear attention (Gated DeltaNet layers) and its gated attention are not modelled"),
+    Refused("qwen3_5", "the multimodal Qwen3.5 (its vision tower) is not modelled; its text model (qwen3_5_text, "
+                       "Qwen3_5ForCausalLM) is"),
+    Refused("qwen3_next", "Qwen3-Next's fused in_proj_qkvz / in_proj_ba layout and its MoE layers are not read "
+                          "(Qwen3.5's Gated DeltaNet, qwen3_5_text, is)"),
+    Refused("gemma4", "the multimodal Gemma 4 (its vision and audio towers) is not modelled; its text model "
+                      "(gemma4_text, Gemma4ForCausalLM) is"),
     Refused("gemma3", "the multimodal Gemma 3 (its vision tower) is not modelled; its text model (gemma3_text) is"),
     Refused("llama4", "Llama 4's chunked attention, interleaved NoPE/MoE layers and QK L2-norm are not modelled"),
     Refused("phimoe", "PhiMoE's LayerNorms and its sparsemixer router (top-2 picks, each gated by a softmax over the "
                       "experts within a relative threshold of the best one) are not modelled"),
+)
+
+# Native mixture formats of a family's own that no mixture of ours computes the same function in (--format refuses
+# them in one line, saying why: converters/export.py REFUSED_FORMATS)
+REFUSED_NATIVE: tuple[Refused, ...] = (
+    Refused("gemma4_moe", "Gemma 4's MoE block runs a dense MLP beside its routed experts, RMS-normalizes the experts' "
+                          "summed output and the MLP's each with a norm of its own before adding them, and routes from "
+                          "its own scaled RMS norm of the residual with a scale per expert; a BTX of Gemma 4 models "
+                          "sums its experts' outputs as they are, with no MLP beside them, so it would compute another "
+                          "function there; --format hf writes it (the HF BAM model)"),
 )

@@ -32,11 +32,13 @@ from .weights import Rows, WeightRule
 
 @dataclass(frozen=True)
 class Fused:
-    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order."""
+    """One llama.cpp tensor holding several canonical ones stacked along their rows, in this order (per_head: head
+    by head, each head's rows of every part in turn: qwen35's attn_q, each head's query then its output gate)."""
 
     parts: tuple[str, ...]  # canonical prefixes ("layers.{}.attn.q", ...)
     member: str  # gguf.MODEL_TENSOR member
     suffixes: tuple[str, ...] = ("weight", "bias")
+    per_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,11 @@ class Gguf:
     # the family's QK-norm and norm position: {feature: value}
     picks: Mapping[str, Any] = field(default_factory=dict)
     moe_checks: str | None = None  # a mixture's FFN side is judged as this native format's (None: the record's own)
+    partial_rotary: bool = False  # rotates the first rope.dimension_count dims of each head (else all of them)
+    # the family's own layers, which gguf_table's sections read and write and the family's HF format judges
+    # (gguf_export.arch_column): Gated DeltaNet layers and gated attention (Qwen3.5: LINEAR), Gemma 4's per-layer geometry (GEMMA4)
+    linear_attention: bool = False
+    per_layer_geometry: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class Family:
     stands_for: str = ""  # the real model its example stands for (docs/families.md)
     example: Mapping[str, Any] | None = None
     summary: str = ""  # a native mixture format's --format help
+    format: str = ""  # a native mixture format's --format name, where it is not the model_type
     base_prefix: str = "model."  # prefix of the base model inside the *ForCausalLM
     alias_prefixes: Mapping[str, str] = field(default_factory=dict)  # other spellings of an HF prefix, read only
 
@@ -137,6 +145,11 @@ class Family:
         if "activation" in self.all_traits:
             return self.all_traits["activation"]
         return next(k for k in self.all_keys if "activation" in k.canonical).kinds[0]
+
+    @property
+    def format_name(self) -> str:
+        """A native mixture format's --format name: its own, else the model_type."""
+        return self.format or self.model_type
 
     @property
     def mixture(self) -> bool:

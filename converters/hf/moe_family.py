@@ -21,7 +21,7 @@ from bam_surgery.runtime.config import ConfigError, ModelConfig
 
 from ..base import CapabilityError
 from ..carry import SIZES, TRAINING, Carry, Column, anything, rule, values
-from .config_map import Rope, model_config, wrong_values
+from .config_map import ConfigSpec, Rope, model_config, wrong_values
 
 Problems = list[tuple[str, str]]  # (what the architecture needs, what the model has)
 
@@ -71,7 +71,7 @@ def trunk_rows(qk_norm: str = "none", norm_position: str = "pre",
         values("logit_scale", (1.0,), "unscaled logits", "logit_scale {}"),
         values("router", ("linear",), "linear routers", "router {}"),
         values("final_norm", (True,), "a final norm", "no final norm"),
-        *feature_rows(),
+        *feature_rows(), *hybrid_rows(),
         *anything(*SIZES, "rope_theta", "tie_embeddings", "ffn_top_k"),
         *anything("scaled_rope", shown="any (config_map.Rope)"),
         *anything("attn_window_layers", "window_rope_theta", shown="None (no window)"),
@@ -92,6 +92,30 @@ def feature_rows() -> tuple[Carry, ...]:
              "attention scaled by 1/sqrt(head_dim)", "attention scaled by 1/sqrt({})", "None, head_dim"),
         rule(("attn_softcap", "final_softcap"), lambda cfg: cfg.attn_softcap is None and cfg.final_softcap is None,
              "no soft-capping", "soft-capped logits", "None"),
+    )
+
+
+def hybrid_rows() -> tuple[Carry, ...]:
+    """Qwen3.5's and Gemma 4's features, which only their own formats carry: Gated DeltaNet layers, a gated attention
+    output, global layers of their own geometry, the value norm, K/V read from other layers, per-layer inputs and the
+    block scale."""
+    return (
+        rule("linear_layers", lambda cfg: not cfg.linear_layers, "softmax attention in every layer",
+             "Gated DeltaNet layers", "None"),
+        *anything("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv",
+                  "linear_experts", shown="0 (no Gated DeltaNet layers)"),
+        values("attn_output_gate", (False,), "an ungated attention output", "a gated attention output"),
+        rule(("global_head_dim", "global_kv_heads", "global_k_eq_v"),
+             lambda cfg: cfg.global_head_dim is None and cfg.global_kv_heads is None and not cfg.global_k_eq_v,
+             "one attention geometry in every layer", "global layers with their own head size, kv heads or K = V",
+             {"global_head_dim": "None", "global_kv_heads": "None", "global_k_eq_v": "False"}),
+        values("v_norm", (False,), "unnormed values", "RMS-normed values"),
+        rule(("kv_shared_layers", "kv_shared_ffn_hidden"), lambda cfg: not cfg.kv_shared_layers,
+             "K/V of its own in every layer", "layers reading earlier layers' K/V",
+             {"kv_shared_layers": "0", "kv_shared_ffn_hidden": "None"}),
+        rule(("per_layer_dim", "per_layer_vocab"), lambda cfg: not cfg.per_layer_dim, "no per-layer inputs",
+             "per-layer input embeddings", {"per_layer_dim": "0", "per_layer_vocab": "None"}),
+        values("layer_scale", (False,), "unscaled blocks", "a learned scale on each block's output"),
     )
 
 
@@ -203,6 +227,7 @@ class MoeConfigMap:
 
     qkv_bias_always = False  # the architecture always has q/k/v biases (zeros are written for a model without)
     shared_expert = False  # it has a shared expert beside the routed ones
+    zero_shared_expert = False  # ... always (zeros are written for a model without: TrunkMoe)
 
     @property
     def rope(self) -> Rope:
@@ -302,7 +327,7 @@ class RenormalizedMoe(MoeConfigMap):
 @dataclass(frozen=True)
 class SharedExpertMoe(MoeConfigMap):
     """A shared expert beside the routed ones (scaled by sigmoid(x . w)), q/k/v biases always (a model without them is
-    written with zeros: converters/native_moe.py's WithZeroQKVBias), the top-k renormalized when norm_topk_prob, every
+    written with zeros: converters/native_moe.py's with_zero_qkv_bias), the top-k renormalized when norm_topk_prob, every
     layer sparse, the sliding-window keys written off."""
 
     qkv_bias_always = shared_expert = True
@@ -350,3 +375,111 @@ class AttentionBiasMoe(MoeConfigMap):
             every_layer_sparse(hf, get)
         bias = bool(get("attention_bias"))
         return {"qkv_bias": bias, "o_bias": bias, **gate_norm_of(get)}
+
+
+def spec_rows(spec: ConfigSpec, target: str, named: Mapping[str, Carry] | None = None) -> tuple[Carry, ...]:
+    """What a dense family's HF format carries, as a column's rows (a format or a llama.cpp architecture built on that
+    family's trunk): each trait its record fixes at that value, and each config.json key it reads where writing the
+    model's values back gives the same config (the key's own refusal, in its words, where not). `named`: rows in a
+    column's own words for single fields, taken where they say the same (a trait of that value, a key's field)."""
+    named = named or {}
+    rows = [named[f] if f in named and named[f].allowed == (v,) else values(f, (v,), f"{f} {v!r} ({target})",
+                                                                             f"{f} {{}}")
+            for f, v in spec.fixed.items()]
+    for key in spec.fields:
+        if not key.canonical:
+            continue
+        if all(c in named for c in key.canonical):
+            rows += [named[c] for c in key.canonical]
+            continue
+
+        def reason(cfg, key=key) -> str | None:
+            try:
+                key.write(cfg, target)
+            except CapabilityError as e:
+                return str(e).removeprefix(f"cannot export to {target}: ")
+            return None
+
+        rows.append(rule(key.canonical, lambda cfg, reason=reason: reason(cfg) is None,
+                         lambda cfg, reason=reason: reason(cfg) or "", (lambda cfg, key=key: ", ".join(
+                             f"{c} {getattr(cfg, c)!r}" for c in key.canonical)), f"any ({target}'s {key.hf_keys[0]})"))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class TrunkMoe:
+    """config.json <-> ModelConfig for a family's own trunk (its dense record's config map, `trunk`: Qwen3.5's Gated
+    DeltaNet and gated attention layers) with a sparse MoE block in every layer: a linear router, the softmax over
+    all experts with the top-k renormalized to sum to 1, SwiGLU experts, and an always-on shared expert scaled by
+    sigmoid(x . w). A mixture without a shared expert is written with one of zeros (width 1), which adds exactly
+    nothing (converters/native_moe.py). The interface of MoeConfigMap."""
+
+    architecture: str  # config.json "architectures" entry
+    model_type: str
+    format: str  # the --format name
+    trunk: ConfigSpec
+    experts: Mapping[str, tuple[str, Any]]  # the MoE block's config.json key -> (canonical field, the class default)
+    defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) of the trunk's required keys
+
+    qkv_bias_always = False
+    shared_expert = True  # always: zeros where the mixture has none (zero_shared_expert)
+    zero_shared_expert = True
+
+    @property
+    def qk_norm(self) -> str:
+        return self.trunk.fixed.get("qk_norm", "none")
+
+    @property
+    def norm_position(self) -> str:
+        return self.trunk.fixed.get("norm_position", "pre")
+
+    @cached_property
+    def column(self) -> Column:
+        """The MoE block's rows, then the trunk's (spec_rows: what the dense family's format carries)."""
+        gates = rule("gate_norm", lambda cfg: cfg.ffn_experts < 2 or cfg.gate_norm == "topk_softmax"
+                     or cfg.ffn_top_k == cfg.ffn_experts,
+                     "top-k gates renormalized to sum to 1 (rebuild the mixture with --gate-norm topk_softmax)",
+                     lambda cfg: f"gate_norm {cfg.gate_norm} with top-{cfg.ffn_top_k} of {cfg.ffn_experts} experts",
+                     "topk_softmax (softmax with top-k = every expert)")
+        return Column(self.format, (
+            values("attn_experts", (0,), "dense attention", "{} attention experts"),
+            rule("ffn_experts", lambda cfg: cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)", ">= 2"),
+            values("linear_experts", (0,), "one Gated DeltaNet per linear layer", "{} DeltaNet experts"),
+            gates, values("router", ("linear",), "linear routers", "router {}"),
+            *anything("ffn_top_k"), *anything("ffn_shared_hidden", shown="any (zeros of width 1 for none)"),
+            *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)"),
+            *anything("router_hidden", "router_temperature", shown="any (linear routers)"),
+            *anything(*TRAINING, shown="any (training only)"),
+            *spec_rows(self.trunk, self.model_type, self.named())))
+
+    @staticmethod
+    def named() -> dict[str, Carry]:
+        """The Llama-family trunk's rows, in their words, for the fields the trunk fixes alike; SwiGLU experts."""
+        out = {r.fields[0]: r for r in trunk_rows() if len(r.fields) == 1 and r.allowed is not None}
+        return {**out, "activation": values("activation", ("swiglu",), "SwiGLU FFNs", "activation {}")}
+
+    def problems(self, cfg: ModelConfig) -> Problems:
+        return self.column.problems(cfg)
+
+    def check(self, cfg: ModelConfig, recipe: str | None = None) -> None:
+        raise_problems(self.problems(cfg), f"{self.format} export", recipe)
+
+    @staticmethod
+    def _trunk(cfg: ModelConfig) -> ModelConfig:
+        return cfg.replace(ffn_experts=0, ffn_top_k=1, ffn_shared_hidden=0, gate_norm="softmax", router="linear",
+                           attn_router=None)
+
+    def write(self, cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+        self.check(cfg)
+        body = self.trunk.write(self._trunk(cfg), self.model_type)
+        del body["intermediate_size"]  # no dense MLP
+        body.update((key, getattr(cfg, ours)) for key, (ours, _) in self.experts.items())
+        body["shared_expert_intermediate_size"] = cfg.ffn_shared_hidden or 1  # zeros when it has none
+        return {**body, "output_router_logits": False}
+
+    def read(self, hf: Mapping[str, Any], name: str | None = None) -> tuple[ModelConfig, list[str]]:
+        width = hf.get("moe_intermediate_size", self.experts["moe_intermediate_size"][1])
+        trunk, notes = self.trunk.read({**self.defaults, **hf, "intermediate_size": width}, name or "")
+        moe = {ours: hf.get(key, default) for key, (ours, default) in self.experts.items()}
+        fields = {**trunk.to_dict(), **moe, "gate_norm": "topk_softmax", "z_coef": 0.0, "name": name or ""}
+        return model_config(fields, {ours: key for key, (ours, _) in self.experts.items()}), notes

@@ -137,6 +137,43 @@ class SplitQKVPerHead(ReshapeOp):
         return [per_head.reshape((H * 3 * Dh,) + rest)]
 
 
+class SplitQueryGate(ReshapeOp):
+    """Qwen3.5's gated attention q_proj: rows per head (query, gate), [H, 2, Dh, ...] flattened <-> q [H*Dh, ...],
+    gate [H*Dh, ...] (transformers views the output as [..., H, 2*Dh] and chunks each head in two). Weights and
+    biases alike; the head size comes from the tensor (rows / 2H), so it holds for any layer's heads."""
+
+    name = "split_query_gate"
+
+    def forward(self, hf, cfg):
+        x, H = hf[0], cfg.n_heads
+        if x.shape[0] % (2 * H):
+            raise ValueError(f"q_proj has {x.shape[0]} rows, not a multiple of 2 * n_heads = {2 * H}")
+        rest = tuple(x.shape[1:])
+        per_head = x.reshape((H, 2, x.shape[0] // (2 * H)) + rest)
+        return [per_head[:, j].reshape((-1,) + rest) for j in range(2)]
+
+    def inverse(self, canonical, cfg):
+        H = cfg.n_heads
+        rest = tuple(canonical[0].shape[1:])
+        per_head = torch.stack([t.reshape((H, -1) + rest) for t in canonical], dim=1)  # [H, 2, Dh, ...]
+        return [per_head.reshape((-1,) + rest)]
+
+
+class DepthwiseConv(ReshapeOp):
+    """A depthwise Conv1d's weight [C, 1, K] <-> canonical [C, K] (Qwen3.5's Gated DeltaNet convolution)."""
+
+    name = "depthwise_conv"
+
+    def forward(self, hf, cfg):
+        x = hf[0]
+        if x.dim() != 3 or x.shape[1] != 1:
+            raise ValueError(f"a depthwise convolution's weight is [channels, 1, width], got {list(x.shape)}")
+        return [x.reshape(x.shape[0], x.shape[2])]
+
+    def inverse(self, canonical, cfg):
+        return [canonical[0][:, None, :]]
+
+
 class Stack(ReshapeOp):
     """E HF tensors [...] (one per expert, Mixtral's experts.{e}.w1) <-> one canonical tensor [E, ...].
 
@@ -179,3 +216,5 @@ SPLIT_QKV_PER_HEAD = SplitQKVPerHead()
 SPLIT_GATE_UP = SplitGateUp()
 CONV1D_SPLIT_QKV = Chain(TRANSPOSE, SPLIT_QKV)  # GPT-2 c_attn.weight [D, 3D] -> q, k, v [D, D]
 STACK = Stack()
+SPLIT_QUERY_GATE = SplitQueryGate()
+DEPTHWISE_CONV = DepthwiseConv()

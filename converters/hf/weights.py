@@ -19,6 +19,9 @@ class WeightRule:
     canonical: tuple[str, ...]  # canonical name templates; () = dropped on purpose
     op: ReshapeOp = IDENTITY
     tied_alias: bool = False  # the HF lm_head that duplicates tied embeddings: accepted, dropped, not written
+    # where the config has no use for it, an HF tensor some checkpoints still carry (Gemma 4's K/V projections in
+    # the layers that read another layer's): accepted there, dropped, not written
+    optional: bool = False
 
     @property
     def per_layer(self) -> bool:

@@ -10,6 +10,7 @@ The directory holds:
     blocks_bam.py                    the model math modeling_bam.py imports: runtime/blocks.py, byte for byte
     routers.py                       the router kinds blocks_bam.py imports: runtime/routers.py, byte for byte
     config_rules.py                  the properties both config classes derive: runtime/config_rules.py, byte for byte
+    deltanet.py                      the Gated DeltaNet's math blocks_bam.py imports: runtime/deltanet.py, byte for byte
     generation_config.json
     model.safetensors                one file, or, with max_shard_bytes,
     model-0000i-of-0000N.safetensors + model.safetensors.index.json
@@ -30,6 +31,7 @@ import torch
 
 from bam_surgery.runtime import blocks as runtime_blocks
 from bam_surgery.runtime import config_rules as runtime_config_rules
+from bam_surgery.runtime import deltanet as runtime_deltanet
 from bam_surgery.runtime import routers as runtime_routers
 from bam_surgery.runtime.config import PRESET_NOTES, PRESETS, ModelConfig
 from bam_surgery.runtime.dtypes import FLOAT_DTYPES, dtype_name, main_dtype
@@ -49,7 +51,7 @@ CODE_FILES = ("configuration_bam.py", "modeling_bam.py", "schema_bam.py")
 # every file of remote code in an export -> where it comes from (one copy of the model math: the runtime's)
 SHIPPED_FILES = {**{name: CODE_DIR / name for name in CODE_FILES},
                  "blocks_bam.py": Path(runtime_blocks.__file__), "routers.py": Path(runtime_routers.__file__),
-                 "config_rules.py": Path(runtime_config_rules.__file__)}
+                 "config_rules.py": Path(runtime_config_rules.__file__), "deltanet.py": Path(runtime_deltanet.__file__)}
 ARCHITECTURE = "BamForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_bam.BamConfig", "AutoModelForCausalLM": "modeling_bam.BamForCausalLM"}
 

@@ -41,6 +41,7 @@ from .routers import Router  # noqa: F401  (blocks_bam.py's import; named here s
 #                                            remote-code loader copies routers.py too, 4.x's included)
 from .config_rules import ConfigRules  # noqa: F401  (configuration_bam.py's imports, named here for the same
 from .schema_bam import MODEL_TYPE  # noqa: F401  reason)
+from .deltanet import CHUNK  # noqa: F401  (blocks_bam.py's import, named here for the same reason)
 
 # keyword arguments forward() takes besides its named ones (see its docstring); anything else is a TypeError
 EXTRA_KWARGS = frozenset({"cache_position", "num_items_in_batch", "output_attentions"})
@@ -48,15 +49,45 @@ EXTRA_KWARGS = frozenset({"cache_position", "num_items_in_batch", "output_attent
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+LINEAR_STATES = "bam_linear_states"  # the attribute of a transformers Cache holding Gated DeltaNet states
+
+
 class TransformersCache:
     """A transformers Cache seen through the blocks' cache protocol: update(layer, input_pos, k, v) appends
-    the new keys and values [B, heads, T, Dh] and returns every cached one [B, heads, S, Dh]."""
+    the new keys and values [B, heads, T, Dh] and returns every cached one [B, heads, S, Dh]; state(layer) and
+    write_state(layer, conv, rec), a Gated DeltaNet layer's states, kept on the Cache object itself (a dict by layer,
+    attribute LINEAR_STATES: a fixed size per sequence, replaced at every step; zeros before the first)."""
 
-    def __init__(self, cache: Cache):
-        self.cache = cache
+    def __init__(self, cache: Cache, cfg):
+        self.cache, self.cfg = cache, cfg
 
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.update(k, v, layer)
+
+    def state(self, layer: int) -> tuple[Tensor, Tensor]:
+        states = getattr(self.cache, LINEAR_STATES, {})
+        if layer not in states:
+            return linear_zeros(self.cfg, self._batch, self._device, self._dtype)
+        return states[layer]
+
+    def write_state(self, layer: int, conv: Tensor, rec: Tensor) -> None:
+        if not hasattr(self.cache, LINEAR_STATES):
+            setattr(self.cache, LINEAR_STATES, {})
+        getattr(self.cache, LINEAR_STATES)[layer] = (conv, rec)
+
+    def start(self, x: Tensor) -> "TransformersCache":
+        """The batch, device and dtype of a pass's hidden states x [B, T, D] (the zero states' shape)."""
+        self._batch, self._device, self._dtype = x.shape[0], x.device, x.dtype
+        return self
+
+
+def linear_zeros(cfg, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A Gated DeltaNet layer's states at a sequence's start: conv [B, E*C, K-1], rec [B, E*Hv, Dk, Dv] float32."""
+    E = cfg.linear_experts or 1
+    channels = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+    return (torch.zeros(batch, E * channels, cfg.linear_conv - 1, device=device, dtype=dtype),
+            torch.zeros(batch, E * cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim, device=device,
+                        dtype=torch.promote_types(dtype, torch.float32)))
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -87,7 +118,7 @@ class BamModel(Transformer):
                 ) -> tuple[Tensor, tuple[Tensor, ...] | None]:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         B, T, _ = x.shape
-        past = cache.get_seq_length() if cache is not None else 0
+        past = cache.get_seq_length(self.config.first_cached_layer) if cache is not None else 0
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected ({B}, {past + T}): "
                              "one entry per cached and new token (4D masks are not supported)")
@@ -95,8 +126,9 @@ class BamModel(Transformer):
             raise ValueError(f"position {past + T - 1} exceeds max_positions={self.config.max_positions}")
         hidden: list | None = [] if output_hidden_states else None
         x, _ = self.hidden_states(x, attention_mask=attention_mask, positions=position_ids,
-                                  input_pos=torch.arange(past, past + T, device=x.device),
-                                  cache=None if cache is None else TransformersCache(cache), all_hidden=hidden)
+                                  input_pos=torch.arange(past, past + T, device=x.device), tokens=input_ids,
+                                  cache=None if cache is None else TransformersCache(cache, self.config).start(x),
+                                  all_hidden=hidden)
         if hidden is not None:
             hidden[-1] = x
         return x, tuple(hidden) if hidden is not None else None
@@ -177,6 +209,15 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         return out if use_dict else out.to_tuple()
 
+    @staticmethod
+    def _reorder_cache(cache: Cache, beam_idx: Tensor) -> Cache:
+        """Beam search: the cache's rows (the Gated DeltaNet states too) follow the beams kept."""
+        cache.reorder_cache(beam_idx)
+        states = getattr(cache, LINEAR_STATES, {})
+        for layer, (conv, rec) in states.items():
+            states[layer] = (conv.index_select(0, beam_idx.to(conv.device)), rec.index_select(0, beam_idx.to(rec.device)))
+        return cache
+
     def _check_kwargs(self, kwargs: dict) -> None:
         unknown = sorted(set(kwargs) - EXTRA_KWARGS)
         if unknown:
@@ -197,7 +238,7 @@ class BamForCausalLM(BamPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = DynamicCache()
         if cache_position is not None:
-            past = cache.get_seq_length() if cache is not None else 0
+            past = cache.get_seq_length(self.config.first_cached_layer) if cache is not None else 0
             new = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
             if cache_position.numel() != new or (new and int(cache_position.reshape(-1)[0]) != past):
                 raise ValueError(f"cache_position {cache_position.tolist()} does not continue the cache: it holds "

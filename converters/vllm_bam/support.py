@@ -33,9 +33,16 @@ SUPPORTED: dict[str, tuple | None] = {
     "scaled_rope": (None,), "nope_layers": (None,), "qk_norm": ("none",), "norm_position": ("pre",),
     "norm_unit_offset": (False,), "scale_embeddings": (False,), "attn_window": (None,), "attn_window_layers": (None,),
     "window_rope_theta": (None,), "attn_scale_dim": (None,), "attn_softcap": (None,), "final_softcap": (None,),
+    # Qwen3.5's Gated DeltaNet layers and gated attention, Gemma 4's per-layer geometry, shared K/V layers and
+    # per-layer inputs: not in the vLLM model, refused at load (its native qwen3_5 / gemma4 models serve the
+    # native exports)
+    "linear_layers": (None,), "linear_key_heads": ANY, "linear_value_heads": ANY, "linear_key_dim": ANY,
+    "linear_value_dim": ANY, "linear_conv": ANY, "attn_output_gate": (False,), "global_head_dim": (None,),
+    "global_kv_heads": (None,), "global_k_eq_v": (False,), "v_norm": (False,), "kv_shared_layers": (0,),
+    "kv_shared_ffn_hidden": ANY, "per_layer_dim": (0,), "per_layer_vocab": ANY, "layer_scale": (False,),
     # ---- mixture ----
     "ffn_experts": ANY, "ffn_top_k": ANY, "gate_norm": ("softmax", "topk_softmax"), "ffn_shared_hidden": ANY,
-    "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"),
+    "attn_experts": ANY, "attn_top_k": ANY, "kv_mode": ("expert", "shared"), "linear_experts": (0,),
     "router": ("linear", "mlp", "attention", "expert_embedding", "key_store"),
     "attn_router": (None, "linear", "mlp", "attention", "expert_embedding"),
     "router_hidden": ANY, "router_temperature": ANY,

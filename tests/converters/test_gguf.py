@@ -91,6 +91,14 @@ GEMMA = dict(norm_position="sandwich", norm_unit_offset=True, scale_embeddings=T
 GEGLU_TOL = 5e-2
 
 
+# Qwen3.5 (conftest FAMILY_CASES "qwen3.5" as the HF reader maps it): Gated DeltaNet layers 0-2 (full_attention_interval
+# 4), two value heads per key head (llama.cpp's tiled order: gguf_table's LINEAR section), gated attention with a
+# quarter of each head rotated, (1 + w) norms; qwen35moe: a BTX of it with the seed's FFN as the shared expert
+QWEN35 = dict(n_layers=4, head_dim=32, rotary_fraction=0.25, rope_theta=1e7, qk_norm="head", norm_unit_offset=True,
+              attn_output_gate=True, linear_layers=[0, 1, 2], linear_key_heads=2, linear_value_heads=4,
+              linear_key_dim=16, linear_value_dim=16, linear_conv=4, max_positions=256)
+
+
 def family_config(family: str) -> ModelConfig:
     """A tiny model of each family llama.cpp has (FAMILIES), its features as the converters read them from the
     real configs (tests/conftest.py FAMILY_CASES), RoPE's original length short enough to pass it in a test."""
@@ -110,6 +118,16 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
     "smollm3": (dict(n_layers=4, nope_layers=[3], rope_theta=5e6), "smollm3"),
     "qwen3moe": (dict(qk_norm="head", head_dim=32, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
                  "qwen3moe"),
+    "qwen35": (QWEN35, "qwen35"),
+    # Gemma 4 (conftest FAMILY_CASES "gemma4"): windows of 5 in layers 0, 2, 4; global layers of head size 64, one kv
+    # head and K = V, proportional RoPE over a quarter; layers 4 and 5 read layers 2 and 3's K/V, their MLPs
+    # double-wide; per-layer inputs of 16; a final soft-cap
+    "gemma4": (dict(GEMMA, norm_unit_offset=False, n_layers=6, qk_norm="head", head_dim=32, attn_scale_dim=1,
+                    attn_window=5, attn_window_layers=[0, 2, 4], window_rope_theta=10000.0, rope_theta=1e6,
+                    max_positions=256, scaled_rope=dict(rope_type="proportional", partial_rotary_factor=0.25),
+                    global_head_dim=64, global_kv_heads=1, global_k_eq_v=True, v_norm=True, kv_shared_layers=2,
+                    kv_shared_ffn_hidden=256, per_layer_dim=16, layer_scale=True, final_softcap=30.0), "gemma4"),
+    "qwen35moe": (dict(QWEN35, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax", ffn_shared_hidden=96), "qwen35moe"),
     # Gemma (conftest FAMILY_CASES "gemma2" / "gemma3" as the HF reader maps them), windows of 5 tokens: gemma2's
     # layers 0 and 2 slide (llama.cpp's default pattern, no key), gemma3's too (not its default: the pattern array)
     "gemma2": (dict(GEMMA, n_layers=3, attn_softcap=5.0, final_softcap=3.0, attn_window=5, attn_window_layers=[0, 2]),
@@ -127,6 +145,18 @@ FAMILIES = {  # family: (config overrides, llama.cpp's architecture)
                      scaled_rope=LLAMA3, max_positions=256), "exaone4"),
     "exaone4-global": (dict(EXAONE4, tie_embeddings=True, rope_theta=1e6), "exaone4"),
 }
+
+
+def family_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """random_state, as a trained model of the family holds it: Qwen3.5's (1 + w) scales near 1 (random_state's
+    1 + N(1, 0.1) would double every norm), Gemma 4's QK-norm weights near 1/2 (its attention logits are not scaled
+    by 1/sqrt(head_dim): with weights near 1 every softmax is one-hot and float32 rounding decides it)."""
+    state = random_state(cfg, seed)
+    if cfg.linear_layers:
+        state = {n: v - 1.0 if n.endswith("norm.weight") and ".linear." not in n else v for n, v in state.items()}
+    if cfg.v_norm:
+        state = {n: v * 0.5 if n.endswith(("q_norm.weight", "k_norm.weight")) else v for n, v in state.items()}
+    return state
 
 
 def write(cfg: ModelConfig, state, out: Path, gguf_dtype: str | None = None, **options) -> Path:
@@ -205,9 +235,20 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
     def norm(name: str) -> np.ndarray:  # a (1 + w) norm is stored as 1 + w, which llama.cpp multiplies by
         return (state[name] + 1.0 if cfg.norm_unit_offset else state[name]).numpy()
 
-    if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2)
-        assert list(t["blk.1.attn_q_norm.weight"].shape) == [cfg.head_dim if cfg.qk_norm == "head" else cfg.q_dim]
-        assert np.array_equal(data("blk.1.attn_k_norm.weight"), norm("layers.1.attn.k_norm.weight"))
+    if cfg.qk_norm != "none":  # per head [Dh] (qwen3), over the full width [H*Dh] (olmo2); qwen35's attention: layer 3
+        a = 3 if cfg.linear_layers else 1
+        assert list(t[f"blk.{a}.attn_q_norm.weight"].shape) == [cfg.layer_head_dim(a) if cfg.qk_norm == "head"
+                                                                else cfg.q_dim]
+        assert np.array_equal(data(f"blk.{a}.attn_k_norm.weight"), norm(f"layers.{a}.attn.k_norm.weight"))
+    if cfg.linear_layers:  # gguf_table's LINEAR section: ssm_a = -exp(a_log), value heads tiled, the gate per head
+        assert f[f"{arch}.full_attention_interval"] == 4 and f[f"{arch}.ssm.time_step_rank"] == 4
+        assert f[f"{arch}.rope.dimension_count"] == 8 and f[f"{arch}.rope.dimension_sections"] == [11, 11, 10, 0]
+        a_log = state["layers.0.linear.a_log.weight"]
+        assert np.allclose(data("blk.0.ssm_a"), -torch.exp(a_log[[0, 2, 1, 3]]).numpy())
+        assert np.array_equal(data("blk.0.ssm_norm.weight"), state["layers.0.linear.norm.weight"].numpy())  # as w
+        q, gate = state["layers.3.attn.q.weight"], state["layers.3.attn.gate.weight"]
+        assert np.array_equal(data("blk.3.attn_q.weight")[32:64], gate[:32].numpy())  # head 0's gate after its query
+        assert np.array_equal(data("blk.3.attn_q.weight")[64:96], q[32:64].numpy())
     if cfg.norm_position == "sandwich":
         for ours, theirs in (("attn_norm", "attn_norm"), ("attn_post_norm", "post_attention_norm"),
                              ("ffn_norm", "ffn_norm"), ("ffn_post_norm", "post_ffw_norm")):
@@ -215,9 +256,19 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
         assert np.array_equal(data("output_norm.weight"), norm("final_norm.weight"))
         assert f[f"{arch}.attention.sliding_window"] == 5 and f[f"{arch}.rope.freq_base_swa"] == 10000.0
         # layers 0 and 2 slide: gemma2's default (every other layer, no key), not gemma3's (five of six)
-        assert f.get(f"{arch}.attention.sliding_window_pattern") == (None if arch == "gemma2" else [True, False, True])
+        assert f.get(f"{arch}.attention.sliding_window_pattern") == (
+            None if arch == "gemma2" else [True, False] * 3 if arch == "gemma4" else [True, False, True])
         assert (f.get(f"{arch}.attn_logit_softcapping"), f.get(f"{arch}.final_logit_softcapping")) == (
-            (5.0, 3.0) if arch == "gemma2" else (None, None))
+            (5.0, 3.0) if arch == "gemma2" else (None, 30.0) if arch == "gemma4" else (None, None))
+    if arch == "gemma4":  # gguf_table's GEMMA4 section: the global layers' geometry, per-layer arrays, rope_freqs
+        assert (f["gemma4.attention.key_length"], f["gemma4.attention.key_length_swa"]) == (64, 32)
+        assert f["gemma4.attention.head_count_kv"] == [2, 1] * 3 and f["gemma4.attention.shared_kv_layers"] == 2
+        assert f["gemma4.feed_forward_length"] == [128] * 4 + [256] * 2
+        assert (f["gemma4.rope.dimension_count"], f["gemma4.rope.dimension_count_swa"]) == (64, 32)
+        assert np.array_equal(data("rope_freqs.weight"), np.float32([1.0] * 8 + [1e30] * 24))
+        assert "blk.1.attn_v.weight" not in t and "blk.4.attn_k.weight" not in t  # K = V; K/V of layer 2
+        assert np.array_equal(data("blk.3.layer_output_scale.weight"), state["layers.3.layer_scale.weight"].numpy())
+        assert np.array_equal(data("per_layer_token_embd.weight"), state["ple_embed.weight"].numpy())
     if cfg.norm_position == "post":
         assert np.array_equal(data("blk.1.post_attention_norm.weight"), state["layers.1.attn_post_norm.weight"].numpy())
         assert np.array_equal(data("blk.1.post_ffw_norm.weight"), state["layers.1.ffn_post_norm.weight"].numpy())
@@ -244,7 +295,7 @@ def test_family_architecture_tensors_and_keys(tmp_path, family):
         assert f[f"{arch}.rope.scaling.factor"] == 4.0 and f[f"{arch}.rope.scaling.original_context_length"] == 32
         scale = cfg.scaled_rope.get("attention_factor", 0.1 * math.log(4) + 1)
         assert math.isclose(f[f"{arch}.rope.scaling.attn_factor"], scale / (0.1 * math.log(4) + 1), rel_tol=1e-6)
-    assert ("rope_freqs.weight" in t) == (kind == "llama3")
+    assert ("rope_freqs.weight" in t) == (kind in ("llama3", "proportional"))  # Gemma 4's: its GEMMA4 section
     assert ModelConfig.from_dict(json.loads(f["bam_surgery.config"])) == cfg
 
 
@@ -870,13 +921,14 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
     transformers) when the sequence does: equal within a context of 256, and past it on a prompt longer than 256;
     a short prompt in the long context differs, and equals the runtime with the long factors in place of the short."""
     cfg = family_config(family)
-    ckpt = save_checkpoint(random_state(cfg, 7), cfg, tmp_path / "m.safetensors")
+    ckpt = save_checkpoint(family_state(cfg, 7), cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model = load_model(ckpt)
     if family != "phi3":
         tol = GEGLU_TOL if cfg.activation == "geglu_tanh" else F32_TOL  # llama.cpp's f16 GELU table (GEGLU_TOL)
-        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, 60), tol)
-        print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over 60 positions")
+        n = 80 if cfg.linear_layers else 60  # Qwen3.5: past the delta rule's chunk of 64 tokens
+        diff = check_against_runtime(llama(llama_cpp, tmp_path / "m.gguf"), model, random_prompt(cfg, n), tol)
+        print(f"\n{family} ({FAMILIES[family][1]}): max|dlogit| f32 {diff:.2e} over {n} positions")
         return
     short_ctx = llama(llama_cpp, tmp_path / "m.gguf", n_ctx=256)
     diff_short = check_against_runtime(short_ctx, model, random_prompt(cfg, 40), F32_TOL)
@@ -895,15 +947,18 @@ def test_llama_cpp_families(llama_cpp, tmp_path, family, one_thread):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4"])
 def test_llama_cpp_gemma_exact_but_the_gelu_table(llama_cpp, tmp_path, family, one_thread):
-    """Gemma without its FFNs' output (ffn.down zeroed, so llama.cpp's f16 GELU table adds nothing): everything else
-    (sliding windows and their pattern, the sliding layers' RoPE base beside gemma3's scaled global RoPE, soft-caps,
-    (1 + w) sandwich norms, scaled embeddings, the attention scale, QK-norm) within F32_TOL of the runtime on 60 tokens,
-    12 times the window, prefilled at once and decoded a token at a time from the cache; the windows matter there
-    (the runtime without them is far off)."""
+    """Gemma without its FFNs' output (ffn.down zeroed, and Gemma 4's per-layer inputs' output projection, so
+    llama.cpp's f16 GELU table adds nothing): everything else (sliding windows and their pattern, the sliding layers'
+    RoPE base beside gemma3's scaled global RoPE, soft-caps, (1 + w) sandwich norms, scaled embeddings, the attention
+    scale, QK-norm; Gemma 4's global layers of their own geometry with K = V and proportional RoPE, the layers reading
+    earlier layers' K/V, the value norm, the block scale) within F32_TOL of the runtime on 60 tokens, 12 times the
+    window, prefilled at once and decoded a token at a time from the cache; the windows matter there (the runtime
+    without them is far off)."""
     cfg = family_config(family)
-    state = {k: torch.zeros_like(v) if ".ffn.down." in k else v for k, v in random_state(cfg, 7).items()}
+    state = {k: torch.zeros_like(v) if ".ffn.down." in k or ".ple.out." in k else v
+             for k, v in family_state(cfg, 7).items()}
     ckpt = save_checkpoint(state, cfg, tmp_path / "m.safetensors")
     run_cli("export-gguf", ckpt, "--out", tmp_path / "m.gguf")
     model, prompt = load_model(ckpt), random_prompt(cfg, 60)
@@ -916,7 +971,8 @@ def test_llama_cpp_gemma_exact_but_the_gelu_table(llama_cpp, tmp_path, family, o
         llm.eval([token])
     decoded = float(np.abs(np.array(llm.scores[:60], dtype=np.float64) - want).max())
     assert decoded <= F32_TOL, decoded
-    unwindowed = Model(cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None))
+    unwindowed = Model(cfg.replace(attn_window=10**6) if cfg.global_head_dim else  # Gemma 4: its window layers stay
+                       cfg.replace(attn_window=None, attn_window_layers=None, window_rope_theta=None))
     unwindowed.load_state_dict(model.state_dict())
     off = float(np.abs(llama_logits(llm, prompt) - runtime_logits(unwindowed.eval(), prompt)).max())
     assert off > 100 * F32_TOL, off

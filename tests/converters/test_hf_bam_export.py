@@ -84,6 +84,26 @@ VARIANTS = {
                            attn_experts=2, ffn_experts=2, ffn_top_k=1,
                            scaled_rope=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                             high_freq_factor=4.0, original_max_position_embeddings=16)),
+    # the families of 2026: Qwen3.5's Gated DeltaNet layers as DeltaNet experts (recipe bam) and dense (btx) beside
+    # its gated attention; Gemma 4's global layers (their own head size, one kv head, K = V, proportional RoPE), the
+    # last two layers reading the first two's K/V (double-wide MLPs there), per-layer inputs, shared K/V experts
+    "qwen3_5_bam": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, head_dim=16,
+                        rotary_fraction=0.25, qk_norm="head", norm_unit_offset=True, attn_output_gate=True,
+                        linear_layers=[0], linear_key_heads=2, linear_value_heads=4, linear_key_dim=8,
+                        linear_value_dim=8, linear_conv=4, attn_experts=2, linear_experts=2, ffn_experts=2,
+                        ffn_top_k=1),
+    "qwen3_5_btx": dict(block="sequential", norm="rmsnorm", activation="swiglu", n_kv_heads=2, head_dim=16,
+                        rotary_fraction=0.25, qk_norm="head", norm_unit_offset=True, attn_output_gate=True,
+                        linear_layers=[1], linear_key_heads=2, linear_value_heads=2, linear_key_dim=8,
+                        linear_value_dim=16, linear_conv=3, ffn_experts=3, ffn_top_k=2, gate_norm="topk_softmax"),
+    "gemma4_shared_kv": dict(n_layers=4, block="sequential", norm="rmsnorm", activation="geglu_tanh", n_kv_heads=2,
+                             head_dim=8, qk_norm="head", norm_position="sandwich", scale_embeddings=True,
+                             attn_scale_dim=1, attn_window=3, attn_window_layers=[0, 2], window_rope_theta=100.0,
+                             scaled_rope=dict(rope_type="proportional", partial_rotary_factor=0.25),
+                             global_head_dim=16, global_kv_heads=1, global_k_eq_v=True, v_norm=True,
+                             kv_shared_layers=2, kv_shared_ffn_hidden=96, per_layer_dim=4, layer_scale=True,
+                             final_softcap=30.0, tie_embeddings=True, attn_experts=2, kv_mode="shared",
+                             ffn_experts=2, ffn_top_k=1),
     # the families of 2026: Granite's multipliers and attention scale with Ministral 3's queries scaled by position
     # (every 4 positions: generation crosses two periods); EXAONE 4's post-norms and per-head QK-norm with RoPE in
     # its sliding layer only
@@ -99,7 +119,7 @@ VARIANTS = {
 
 def random_model(variant: str, seed: int) -> Model:
     """Random weights large enough for spread-out logits; routers scaled up so routing is far from uniform."""
-    model = Model(ModelConfig(**BASE, **VARIANTS[variant], name=variant))
+    model = Model(ModelConfig(**{**BASE, **VARIANTS[variant]}, name=variant))
     model.reset_parameters(std=0.2, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
@@ -193,7 +213,8 @@ def test_generate_with_cache_matches_runtime(exported, variant):
 
 
 @pytest.mark.parametrize("variant", ["bam_expert_kv", "topk_attention", "sequential_learned", "btx", "olmo2_shared_kv",
-                                     "phi3_longrope", "gemma3_window", "gemma2_softcap", "granite_ministral3"])
+                                     "phi3_longrope", "gemma3_window", "gemma2_softcap", "qwen3_5_bam",
+                                     "gemma4_shared_kv", "granite_ministral3"])
 def test_left_padded_batch(exported, variant):
     model, _, hf = exported(variant)
     gen = torch.Generator().manual_seed(5)

@@ -22,7 +22,8 @@ from bam_surgery.runtime.model import Model  # noqa: E402
 START = {"llama3.2": 8180, "llama-linear": 500, "llama-dynamic": 50, "llama-yarn": 32760, "llama-longrope": 4090,
          "qwen3": 40950, "qwen3-yarn": 32760, "phi3": 4090, "phi4-mini": 4000, "olmo2": 4000, "smollm3": 65000,
          "mistral-window": 0, "qwen2-window": 0, "phi3-window": 0, "gemma2": 0, "gemma3": 100, "olmo3": 0,
-         "granite": 8180, "ministral3": 505, "exaone4": 8180, "exaone4-global": 0}
+         "qwen3.5": 262100, "gemma4": 130000, "granite": 8180, "ministral3": 505, "exaone4": 8180,
+         "exaone4-global": 0}
 LENGTH = 16
 
 
@@ -86,6 +87,7 @@ def test_scaled_rope_really_differs_from_plain_past_the_original(saved):
     assert diff > 1e-2
 
 
+# Qwen3.5 and Gemma 4: test_hf_2026.py, past the delta rule's chunk
 @pytest.mark.parametrize("case", ["phi3", "llama3.2", "qwen3", "olmo2", "smollm3", "gemma2", "gemma3", "olmo3",
                                   "mistral-window", "granite", "ministral3", "exaone4"])
 def test_greedy_generation_equals_transformers(tmp_path, case):

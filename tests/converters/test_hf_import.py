@@ -248,8 +248,8 @@ def test_unknown_model_type_is_a_capability_error(saved, tmp_path):
 @pytest.mark.parametrize("case,change,message", [
     ("cohere", dict(use_qk_norm=True), r"use_qk_norm=True is not supported"),
     ("phi", dict(qk_layernorm=True), r"qk_layernorm=True is not supported"),
-    ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 8.0}),
-     r"rope_parameters: rope_type='proportional' is not supported \(supported: default, linear, dynamic, yarn"),
+    ("llama", dict(rope_parameters={"rope_type": "axial", "rope_theta": 1e4, "factor": 8.0}),
+     r"rope_parameters: rope_type='axial' is not supported \(supported: default, linear, dynamic, yarn"),
     ("llama", dict(rope_scaling={"type": "xpos", "factor": 2.0}), r"rope_scaling: rope_type='xpos' is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx=True"),
     ("llama", dict(hidden_act="gelu"), r"gated FFN is supported only with SiLU"),
@@ -284,10 +284,11 @@ CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qw
                 "gpt_neox": "GPTNeoXConfig", "gpt2": "GPT2Config", "cohere": "CohereConfig", "phi": "PhiConfig",
                 "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
                 "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo3": "Olmo3Config",
-                "granite": "GraniteConfig", "ministral3": "Ministral3Config", "exaone4": "Exaone4Config"}
+                "qwen3_5_text": "Qwen3_5TextConfig", "gemma4_text": "Gemma4TextConfig", "granite": "GraniteConfig",
+                "ministral3": "Ministral3Config", "exaone4": "Exaone4Config"}
 DENSE_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {
     "name", "ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k", "kv_mode", "router",
-    "attn_router", "router_hidden", "router_temperature", "key_store_alpha", "key_store_beta", "key_store_delta",
+    "attn_router", "router_hidden", "router_temperature", "linear_experts", "key_store_alpha", "key_store_beta", "key_store_delta",
     "key_store_theta_percentile", "key_store_ema_decay",
     "lb_coef", "z_coef"}
 

@@ -31,7 +31,7 @@ def test_every_column_names_real_fields_and_the_table_covers_every_field():
         assert col.read() <= set(FIELDS), (col.target, col.read() - set(FIELDS))
     rows = table()
     assert list(rows) == FIELDS
-    targets = ["runtime", "hf", *[f.model_type for f in NATIVE_MIXTURES], "gguf", "onnx", "vllm"]
+    targets = ["runtime", "hf", *[f.format_name for f in NATIVE_MIXTURES], "gguf", "onnx", "vllm"]
     assert all(list(cells) == targets for cells in rows.values())
 
 
@@ -59,15 +59,15 @@ def test_native_format_refusals_are_their_columns_rows():
     for f in NATIVE_MIXTURES:
         problems = f.config.column.problems(cfg)
         with pytest.raises(CapabilityError) as e:
-            check_export(f.model_type, cfg, recipe="r")
-        assert str(e.value).startswith(f"{f.model_type} export needs " + " and ".join(n for n, _ in problems))
+            check_export(f.format_name, cfg, recipe="r")
+        assert str(e.value).startswith(f"{f.format_name} export needs " + " and ".join(n for n, _ in problems))
         assert "SwiGLU FFNs" in str(e.value) and "interleaved RoPE" in str(e.value)
 
 
 def test_every_native_mixture_and_gguf_row_comes_from_a_record():
     from bam_surgery.converters.gguf_table import ARCHS
 
-    assert [f.model_type for f in NATIVE_MIXTURES] == ["mixtral", "qwen2_moe", "qwen3_moe", "flex_olmo"]
+    assert [f.format_name for f in NATIVE_MIXTURES] == ["mixtral", "qwen2_moe", "qwen3_moe", "flex_olmo", "qwen3_5_moe"]
     owners = {f.gguf.name for f in FAMILIES if f.gguf}
     assert set(ARCHS) == owners
     for row in ARCHS.values():

@@ -1,4 +1,4 @@
-"""Issue 42, cause 8: the tokenizer cache (runtime/cache.py; docs/safety.md, "The tokenizer cache") cannot be poisoned
+"""Issue 42, cause 8: the tokenizer cache (runtime/cache.py; docs/safety.md, "The caches") cannot be poisoned
 or wedged. The campaign's attack: with a cache two users share, one planted the entry of a GGUF's tokenizer (its
 key is a predictable digest) with a chat template of their own, and the other's `convert --format hf` wrote it into
 the export. Here:
@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import random_state, run_cli
+from conftest import as_other_user, needs_root, other_uid, plant_entry, random_state, run_cli
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.gguf_file import parse_gguf
 from bam_surgery.converters.gguf_tokenizer import DIRECTORY, _input_key
 from bam_surgery.runtime import cache
-from bam_surgery.runtime.cache import DIGEST, cached_build
+from bam_surgery.runtime.cache import cached_build
 
 gguf = pytest.importorskip("gguf")
 from test_gguf import llama_config, write_bpe  # noqa: E402
@@ -62,57 +59,12 @@ def planted_files(model: Path) -> dict[str, str]:
 
 
 def plant(entry: Path, files: dict[str, str]) -> None:
-    """The entry written with a DIGEST of its files (the format is public), so only who owns it and where it lies
-    can tell it apart from ours."""
-    entry.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (entry / name).write_text(text)
-    (entry / DIGEST).write_text(cache._digest({n: t.encode() for n, t in files.items()}) + "\n")
+    plant_entry(entry, {name: text.encode() for name, text in files.items()})
 
 
 def exported_template(tmp_path: Path, model: Path, out: str = "hf") -> str:
     run_cli("convert", model, "--format", "hf", "--out", tmp_path / out)
     return json.loads((tmp_path / out / "tokenizer_config.json").read_text())["chat_template"]
-
-
-# ---- a second user, for real ------------------------------------------------------------------------------
-def other_uid() -> int:
-    try:
-        return pwd.getpwnam("nobody").pw_uid
-    except KeyError:
-        return 65534
-
-
-def as_other_user(action) -> None:
-    """Run `action()` in a child process that has become another user (root only), and wait for it."""
-    pid = os.fork()
-    if pid == 0:  # the child: drop to the other user, act, leave without running any of the parent's cleanup
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(other_uid())
-            os.setuid(other_uid())
-            action()
-            code = 0
-        except BaseException as e:  # shown in the parent's captured output
-            print(f"the second user failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the second user's planting failed"
-
-
-@pytest.fixture
-def public_tmp():
-    """A folder both users can reach (pytest's own are private to root)."""
-    folder = Path(tempfile.mkdtemp(prefix="bam-surgery-two-users-"))
-    os.chmod(folder, 0o755)
-    yield folder
-    shutil.rmtree(folder)
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root (os.setuid in a "
-                                "forked child); test_planted_by_another_uid runs the same rule without it")
 
 
 @needs_root

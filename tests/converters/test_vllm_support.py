@@ -40,6 +40,14 @@ def test_a_field_the_vllm_model_does_not_list_is_served_at_its_default_only(monk
     (dict(scaled_rope=dict(rope_type="linear", factor=2.0)), "scaled_rope={'rope_type': 'linear'"),
     (dict(attn_window=4), "attn_window=4"),
     (dict(norm_position="sandwich", norm_unit_offset=True), "norm_position='sandwich'"),
+    # the families of 2026: Qwen3.5's Gated DeltaNet layers (as DeltaNet experts too) and gated attention, Gemma 4's
+    # per-layer geometry, shared K/V layers and per-layer inputs
+    (dict(linear_layers=[0], linear_key_heads=1, linear_value_heads=2, linear_key_dim=4, linear_value_dim=4,
+          linear_conv=4, linear_experts=2, attn_experts=2), "linear_layers=[0]"),
+    (dict(attn_output_gate=True), "attn_output_gate=True"),
+    (dict(global_head_dim=16, global_kv_heads=2, attn_window=4, attn_window_layers=[0], window_rope_theta=1e4),
+     "global_head_dim=16"),
+    (dict(n_layers=4, kv_shared_layers=2, per_layer_dim=4, v_norm=True, layer_scale=True), "kv_shared_layers=2"),
 ])
 def test_the_newer_families_features_are_refused_until_implemented(overrides, needle):
     with pytest.raises(CapabilityError, match=re.escape(needle)):

@@ -16,10 +16,14 @@ def test_the_families_table_is_current():
 
 
 def test_every_family_and_recipe_is_carried_by_the_runtime_formats():
-    """canonical, hf and onnx carry every architecture and every recipe (the runtime's own model math)."""
+    """canonical and hf carry every architecture and every recipe (the runtime's own model math), onnx every one but
+    the families whose layers it refuses in one line (Qwen3.5's Gated DeltaNet, Gemma 4's per-layer caches)."""
     cells = _generator().cells()
     for (family, row), verdicts in cells.items():
         for fmt in ("canonical", "hf", "onnx"):
+            if fmt == "onnx" and family in ("qwen3_5_text", "gemma4_text"):
+                assert verdicts[fmt].startswith("onnx export of "), (family, row, verdicts[fmt])
+                continue
             assert verdicts[fmt] is None, (family, row, fmt, verdicts[fmt])
 
 

@@ -31,10 +31,12 @@ LAYER_DIRS = ORDER + ("recipes",)
 # runtime/routers.py as routers.py next to it, which blocks_bam.py imports)
 STANDALONE = {Path("converters/hf_bam/modeling_bam.py"), Path("converters/hf_bam/configuration_bam.py"),
               Path("converters/hf_bam/schema_bam.py"),
-              Path("runtime/blocks.py"), Path("runtime/routers.py"), Path("runtime/config_rules.py")}
+              Path("runtime/blocks.py"), Path("runtime/routers.py"), Path("runtime/config_rules.py"),
+              Path("runtime/deltanet.py")}
 SHIPPED_AS = {Path("converters/hf_bam/blocks_bam.py"): Path("runtime/blocks.py"),
               Path("converters/hf_bam/routers.py"): Path("runtime/routers.py"),
-              Path("converters/hf_bam/config_rules.py"): Path("runtime/config_rules.py")}
+              Path("converters/hf_bam/config_rules.py"): Path("runtime/config_rules.py"),
+              Path("converters/hf_bam/deltanet.py"): Path("runtime/deltanet.py")}
 
 def _modules(layer: str, root: Path = ROOT) -> list[Path]:
     d = root / layer
@@ -171,7 +173,8 @@ def test_every_layer_imports_downward_only():
     assert not problems, "\n".join(problems)
 
 def test_runtime_imports_torch_and_co_only():
-    third_party_ok = {"torch", "numpy", "safetensors", "tqdm"}
+    # blake3: the caches' DIGEST (runtime/cache.py), verified on every use at memory speed; an install requirement
+    third_party_ok = {"torch", "numpy", "safetensors", "tqdm", "blake3"}
     problems = []
     for path in _modules("runtime"):
         for line, module, _ in _imports(path):

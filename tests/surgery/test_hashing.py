@@ -64,6 +64,19 @@ def test_a_corrupt_digest_cache_is_only_a_miss(tmp_path, inputs):
     assert json.loads(hashing.cache_file().read_text())["version"] == 1
 
 
+def test_a_changed_digest_cache_is_not_trusted(tmp_path, inputs):
+    """One digest of the cache changed (valid JSON still: a bit flipped on disk, an edit): the entry no longer
+    matches its DIGEST, so nothing in it is used and the provenance carries the file's own digest."""
+    merge("--seed", inputs[0], "--experts", inputs[1], "--out", tmp_path / "a.safetensors")
+    body = json.loads(hashing.cache_file().read_text())
+    entry = body["entries"][str(inputs[1].resolve())]
+    entry[6] = ("1" if entry[6][0] == "0" else "0") + entry[6][1:]
+    hashing.cache_file().write_text(json.dumps(body))
+    merge("--seed", inputs[0], "--experts", inputs[1], "--out", tmp_path / "b.safetensors")
+    files = [f for i in provenance(tmp_path / "b.safetensors")["inputs"] for f in i["files"]]
+    assert [f["digest"] for f in files] == [f"blake3:{blake3.blake3(p.read_bytes()).hexdigest()}" for p in inputs[:2]]
+
+
 def test_hugging_face_cache_blobs_give_their_sha256_without_reading(tmp_path, monkeypatch):
     """A hub snapshot: files are links to blobs named by the sha256 of their bytes."""
     repo = tmp_path / "hub" / "models--org--seed"
@@ -163,7 +176,7 @@ def test_the_command_hashes_at_launch_and_fails_fast_with_one_line(tmp_path, inp
     import subprocess
     import sys
 
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "BAM_SURGERY_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "mix.safetensors"
     cmd = [sys.executable, "-m", "bam_surgery", "merge", "--quiet", "--seed", str(inputs[0]), "--experts",
            f"{inputs[1]},{inputs[2]}", "--out", str(out)]

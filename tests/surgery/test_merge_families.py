@@ -33,14 +33,19 @@ KEEP = {
 }
 
 
+def family_folders(tmp_path_factory, families, keep: dict) -> dict:
+    """family -> recipe -> [seed, specialist, specialist] folders in the family's HF format, the specialists keeping
+    equal to the seed what keep[recipe] holds (test_merge_2026.py takes this too)."""
+    out = {}
+    for family in families:
+        root = tmp_path_factory.mktemp(family)
+        out[family] = {recipe: hf_specialists(root / recipe, family, keep=k) for recipe, k in keep.items()}
+    return out
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """family -> recipe -> [seed, specialist, specialist] folders in the family's HF format."""
-    out = {}
-    for family in FAMILIES:
-        root = tmp_path_factory.mktemp(family)
-        out[family] = {recipe: hf_specialists(root / recipe, family, keep=keep) for recipe, keep in KEEP.items()}
-    return out
+    return family_folders(tmp_path_factory, FAMILIES, KEEP)
 
 
 def hf_logits(folder, tokens):
@@ -54,6 +59,19 @@ def mix_logits(mix, tokens, routing):
         return mix(tokens, routing=routing).logits
 
 
+def merged_with_references(dirs, tmp_path, recipe: str, tokens_of):
+    """(the merge of dirs by recipe, its tokens = tokens_of(vocab), transformers' logits of each member on them,
+    whether the recipe's routed experts are the specialists alone: btx-shared-expert, whose seed is its shared
+    expert)."""
+    out = tmp_path / "mix.safetensors"
+    merge_family(dirs, out, "--recipe", recipe)
+    mix = load_model(out)
+    tokens = tokens_of(mix.config.vocab_size)
+    want = [hf_logits(d, tokens) for d in dirs]
+    shared = recipe == "btx-shared-expert"
+    return mix, tokens, want[1:] if shared else want, shared
+
+
 def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
 
@@ -62,14 +80,7 @@ def _tokens(vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("recipe", list(KEEP))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forced_routing_reproduces_each_specialist(families, tmp_path, family, recipe):
-    dirs = families[family][recipe]
-    out = tmp_path / "mix.safetensors"
-    merge_family(dirs, out, "--recipe", recipe)
-    mix = load_model(out)
-    tokens = _tokens(mix.config.vocab_size)
-    want = [hf_logits(d, tokens) for d in dirs]
-    shared = recipe == "btx-shared-expert"  # its routed experts are the specialists; the seed is the shared one
-    members = want[1:] if shared else want
+    mix, tokens, members, shared = merged_with_references(families[family][recipe], tmp_path, recipe, _tokens)
     for i, ref in enumerate(members):
         routing = ForcedRouting(expert=i, shared_gate=0.0 if shared else None)
         assert max_diff(mix_logits(mix, tokens, routing), ref) <= TOL, (family, recipe, i)

@@ -147,7 +147,8 @@ def test_byte_tokenizer_and_cache(tmp_path):
     tf = tokenize_source(src, ByteTokenizer(), tmp_path / "cache")
     assert tf.tokens.tolist() == [97, 98, 0, 0xC3, 0xA9, 99, 0]  # NUL dropped, EOS 0 after each document
     assert isinstance(tf.tokens, np.memmap) and tf.documents == 2
-    entry = tmp_path / "cache" / f"{tf.key}.bin"
+    entry = tmp_path / "cache" / tf.key / "tokens.bin"
+    assert tf.path == entry
     stamp = entry.stat().st_mtime_ns
     assert tokenize_source(src, ByteTokenizer(), tmp_path / "cache").tokens.tolist() == tf.tokens.tolist()
     assert entry.stat().st_mtime_ns == stamp  # read from the cache, not written again
