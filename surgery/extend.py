@@ -106,6 +106,9 @@ def check_extension(mixture: PlanInput, specialists: Sequence[PlanInput], option
     mix = mixture.reader.config
     if not mix.is_mixture:
         raise InputError(f"{mixture.label}: a dense model; extend adds experts to a mixture (merge makes one)")
+    if mix.linear_experts:
+        raise BamSurgeryError(f"{mixture.label}: has {mix.linear_experts} linear-attention (Gated DeltaNet) experts; "
+                              "extend appends FFN and softmax-attention experts only (merge the specialists anew)")
     kinds = {k for k, n in ((mix.ffn_router_kind, mix.ffn_experts), (mix.attn_router_kind, mix.attn_experts)) if n}
     if KeyStoreRouter.kind in kinds:
         raise BamSurgeryError(f"{mixture.label}: key_store routers are not extended (their keys and usage move by "

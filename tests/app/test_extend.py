@@ -53,6 +53,11 @@ def trained_mixture(tmp_path: Path, family, recipe: str, **options) -> Path:
                            metadata={PROVENANCE_KEY: json.dumps(prov)})
 
 
+def _random_state(cfg) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {n: 0.02 * torch.randn(shape, generator=gen) for n, shape in tensor_shapes(cfg).items()}
+
+
 def _logits(model, x, routing=None):
     with torch.no_grad():
         return model(x, routing=routing).logits
@@ -219,6 +224,10 @@ def test_bad_inputs_are_one_line(tmp_path, family):
     assert "no domain named 'math'" in line
     line = cli_error_line("extend", trained, "--experts", family[3], "--router-init", "prompts", "--out", out)
     assert "--router-prompts" in line
+    hybrid = CFG.replace(head_dim=16, linear_layers=[0], linear_key_heads=2, linear_value_heads=4, linear_key_dim=8,
+                         linear_value_dim=8, linear_conv=4, attn_experts=2, linear_experts=2, ffn_experts=2)
+    hybrid_mix = save_checkpoint(_random_state(hybrid), hybrid, tmp_path / "hybrid.safetensors")  # a Qwen3.5 BAM
+    assert "Gated DeltaNet" in cli_error_line("extend", hybrid_mix, "--experts", family[3], "--out", out)
     (tmp_path / "mlp").mkdir()
     mlp = trained_mixture(tmp_path / "mlp", family, "btx", router="mlp")
     assert "linear routers" in cli_error_line("extend", mlp, "--experts", family[3], "--router-init", "prompts",
