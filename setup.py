@@ -38,7 +38,7 @@ setup(
     # declares its range, converters/hf_bam/schema_bam.py).
     install_requires=["torch>=2.4", "numpy", "click>=8.1", "tqdm", "blake3>=0.4",
                       "huggingface_hub>=0.24", "PyYAML>=6", "tokenizers>=0.19", "datasets", "pyarrow", "matplotlib",
-                      "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1", "gguf>=0.19"],
+                      "onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1", "gguf>=0.19", "jinja2>=3.1.6"],
     extras_require={"test": ["transformers==5.23.0", "safetensors", "pytest>=8", "hypothesis"]},
     # vllm.general_plugins: vLLM, where installed, calls this in its processes to serve HF BAM exports
     # (converters/vllm_bam/); bam-surgery itself never imports vLLM

@@ -140,11 +140,13 @@ def routing_stats(checkpoint: str | Path, data: str, **options: Any):
 
 
 @one_line_errors
-def generate(checkpoint: str | Path, prompt: str | None = None, **options: Any):
-    """`bam-surgery generate`: continue `prompt` (or tokens=[ids]) with `checkpoint`. options: tokenizer,
-    max_new_tokens, temperature, top_p, seed, device, dtype, reporter. Returns a Generation (text, tokens,
-    seconds)."""
-    return generate_use_case.generate(str(checkpoint), prompt, **options)
+def generate(checkpoint: str | Path | Loaded, prompt: str | None = None, **options: Any):
+    """`bam-surgery generate`: continue `prompt` (or tokens=[ids], or chat="message" with system= through the chat
+    template) with `checkpoint`: a path or hub id, or a model load() returned (run where it was loaded, with its
+    tokenizer). options: tokenizer, chat_template, max_new_tokens, temperature, top_p, seed, device, dtype,
+    reporter. Returns a Generation (text, tokens, prefill_seconds, decode_seconds, speeds())."""
+    return generate_use_case.generate(checkpoint if isinstance(checkpoint, Loaded) else str(checkpoint), prompt,
+                                      **options)
 
 
 @one_line_errors

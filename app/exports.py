@@ -18,7 +18,8 @@ GGUF file, a train run's checkpoint, a merge's seed), what travels with the weig
                         tokenizer.ggml.* ids
     byte tokenizer      converters/byte_tokenizer.py:uses_byte_tokenizer (the one rule): the canonical format
                         keeps its metadata key, the GGUF embeds its vocabulary, the ONNX folder a tokenizer.json
-    card                a merge's model card (README.md of the HF formats)
+    card                README.md of the HF formats: a merge's model card, else a card of the conversion (what the
+                        model is, its source and the merge and training records it carries, config, load)
 
 The formats themselves (converters/export.py's table) write what they are given; a format that cannot carry
 what the source has says so in one line (a GGUF without a byte-level BPE, a binary tokenizer.model in a single
@@ -40,7 +41,8 @@ from bam_surgery.converters.onnx_genai import byte_tokenizer_files
 from bam_surgery.runtime.output_path import check_output_path
 from bam_surgery.runtime.reader import Reader
 from bam_surgery.runtime.sizes import parse_size
-from bam_surgery.surgery.card import check_tokenizers, generation_config, model_card, tokenizer_files
+from bam_surgery.surgery.card import (HF_FORMATS, check_tokenizers, conversion_card, generation_config, model_card,
+                                      tokenizer_files)
 from bam_surgery.surgery.errors import BamSurgeryError
 
 from .inputs import open_input
@@ -57,11 +59,11 @@ class ExportInputs:
     files: tuple[Path, ...] = ()  # copied into the export by name (never generation_config.json: see generation)
     generation: Mapping[str, Any] | None = None  # generation_config.json's entries
     byte_tokenizer: bool = False  # the model reads UTF-8 bytes (train's byte tokenizer)
-    model_card: str | None = None  # a merge's card
+    model_card: str | None = None  # README.md: a merge's card, or the conversion's
 
 
 def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None = None,
-                  warn: Callable[[str], None] | None = None) -> ExportInputs:
+                  warn: Callable[[str], None] | None = None, source: str | None = None) -> ExportInputs:
     """The side files, generation config, byte-tokenizer fact and card of an export of `reader` in format `fmt`;
     of a merge (`plan`), the seed's (the specialists' tokenizers checked against it, a differing one warned)."""
     if plan is not None:
@@ -69,7 +71,8 @@ def export_inputs(reader: Reader, fmt: str, *, plan=None, out: str | Path | None
         files = check_tokenizers(plan, warn or (lambda msg: None))
         card = model_card(plan, fmt, str(out)) if fmt != "canonical" else None
     else:
-        seed, files, card = reader, tokenizer_files(reader), None
+        seed, files = reader, tokenizer_files(reader)
+        card = conversion_card(reader, fmt, str(out), source) if fmt in HF_FORMATS and out is not None else None
     says_bytes = reader.metadata.get(TOKENIZER_KEY) == BYTES or seed.metadata.get(TOKENIZER_KEY) == BYTES
     missing = unavailable_tokenizer(seed.metadata)
     if missing is not None and warn is not None and fmt != "canonical":  # the canonical format keeps the fact
@@ -146,7 +149,7 @@ def write_export(reader: Reader, out: Path, fmt: str, request: ExportRequest = E
     reporter = reporter or Reporter()
     recipe = plan.recipe.name if plan is not None else None
     warnings: list[str] = []  # said once the output is written: a format that refuses says one line only
-    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warnings.append)
+    inputs = export_inputs(reader, fmt, plan=plan, out=out, warn=warnings.append, source=source)
     with tempfile.TemporaryDirectory(prefix="bam-surgery-tokenizer-") as scratch:
         options = ExportOptions(
             tokenizer_files=inputs.files + _byte_tokenizer_files(fmt, inputs, Path(scratch)),

@@ -23,9 +23,12 @@ from bam_surgery.runtime.loading import model_from_reader
 from bam_surgery.runtime.model import Model
 from bam_surgery.surgery.card import generation_config
 from bam_surgery.surgery.errors import BamSurgeryError
+from bam_surgery.train.errors import TrainError
+from bam_surgery.train.tokenize import HFTokenizer, checkpoint_tokenizer, resolve_tokenizer
 
-from .generate import DTYPES, encode_prompt, find_tokenizer, run_device
 from .inputs import open_input, resolved_input
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -75,4 +78,47 @@ def load(checkpoint: str, *, tokenizer: str | None = None, device: str = "cpu", 
     return Loaded(model, tok, spec, generation)
 
 
-__all__ = ["Loaded", "load"]
+def run_device(text: str):
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise BamSurgeryError(f"--device: unknown device {text!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BamSurgeryError(f"--device {text}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise BamSurgeryError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def find_tokenizer(option: str | None, reader, vocab_size: int, eos, needed: bool):
+    """The tokenizer by train.tokenize.resolve_tokenizer's rules (--tokenizer PATH|bytes, the checkpoint's own,
+    bytes for vocabularies of at most 512); None when only token ids are given (--tokens) and no tokenizer
+    was asked for or carried and the byte fallback does not apply: the output is then printed as ids."""
+    # generate stops at the generation config's eos; the tokenizer's own end-of-text id (its document separator
+    # in training) is not used here, so a tokenizer that has none is not refused for it
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    try:
+        return resolve_tokenizer(option, reader, vocab_size, eos_id=eos if isinstance(eos, int) else 0)
+    except TrainError:
+        if needed or option is not None or checkpoint_tokenizer(reader) is not None:
+            raise
+        return None
+
+
+def encode_prompt(tok, prompt: str) -> list[int]:
+    """The prompt's ids. An HF tokenizer adds its special tokens (a BOS), as transformers' generate expects;
+    training encodes documents without them (train.tokenize.HFTokenizer.encode_batch)."""
+    if isinstance(tok, HFTokenizer):
+        try:
+            return tok.tok.encode(prompt).ids
+        except Exception as e:  # the tokenizers library raises a bare Exception, e.g. a Unigram model without
+            # unk_id meeting a character outside its vocabulary ("Encountered an unknown token but `unk_id` is missing")
+            reason = " ".join(str(e).split())[:200]
+            raise BamSurgeryError(f"{tok.name}: cannot encode --prompt with this tokenizer ({reason})") from None
+    return [int(i) for i in tok.encode_batch([prompt])[0]]
+
+
+__all__ = ["DTYPES", "Loaded", "encode_prompt", "find_tokenizer", "load", "run_device"]

@@ -4,11 +4,15 @@ declaration of app/generate.py:generate, the use case, which holds the checks, t
 
     bam-surgery generate mix.safetensors --prompt "def fib(n):" --max-new-tokens 40
     bam-surgery generate mix/ --tokens 1,2,3 --temperature 0.8 --top-p 0.95 --seed 1
+    bam-surgery generate model.gguf --chat "What is BAM?" --system "Answer briefly."
 
 The tokenizer is found as train, eval and merge find theirs (train.tokenize.resolve_tokenizer): --tokenizer
 (a tokenizer.json, a folder holding one, or `bytes`), else the checkpoint's own, else the byte-level tokenizer
-for vocabularies of at most 512. Prints the continuation on stdout (text, decoded with that tokenizer; token
-ids, comma-separated, when --tokens is given and no tokenizer applies) and one summary line on stderr. Every
+for vocabularies of at most 512. --chat renders a user turn (after --system's) through the checkpoint's own chat
+template, or --chat-template FILE's, as transformers' apply_chat_template(add_generation_prompt=True) does
+(train/chat.py). Prints the continuation on stdout (text, decoded with that tokenizer; token ids, comma-separated,
+when --tokens is given and no tokenizer applies) and one summary line on stderr: the prefill (the prompt's forward
+pass and the first token) and the decoding of the other tokens timed apart. Every
 bad input (option value, device, checkpoint, tokenizer) is one `bam-surgery: error:` line with exit status 2.
 """
 from __future__ import annotations
@@ -18,7 +22,8 @@ import sys
 
 import click
 
-from bam_surgery.app.generate import DTYPES, generate
+from bam_surgery.app.generate import generate
+from bam_surgery.app.load import DTYPES
 
 from .options import CommandReporter
 
@@ -32,6 +37,13 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 @click.option("--prompt", metavar="TEXT", help="Text to continue; encoded with the tokenizer (see --tokenizer).")
 @click.option("--tokens", metavar="ID,ID,...",
               help="Token ids to continue instead of --prompt, comma-separated, e.g. 1,2,3.")
+@click.option("--chat", metavar="TEXT", help="A user message instead of --prompt, rendered through the checkpoint's chat "
+                                           "template with the assistant's turn opened (as transformers' "
+                                           "apply_chat_template(add_generation_prompt=True)).")
+@click.option("--system", metavar="TEXT", help="A system message before --chat's.")
+@click.option("--chat-template", metavar="FILE",
+              help="A Jinja chat template for --chat (default: the one beside the tokenizer: chat_template.jinja, "
+                   "or tokenizer_config.json's chat_template).")
 @click.option("--tokenizer", metavar="PATH|bytes",
               help="Tokenizer of --prompt and of the printed text: a tokenizer.json, a folder holding one, or bytes "
                    "(default: the checkpoint's own; bytes for vocabularies of at most 512).")
@@ -47,18 +59,19 @@ _TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
               help="Where the model runs: cpu, cuda or cuda:N.")
 @click.option("--dtype", default=None, metavar="|".join(DTYPES),
               help="Weight dtype for the run. Default: float32 on cpu, the checkpoint's own on cuda.")
-def generate_cmd(checkpoint, prompt, tokens, tokenizer, max_new_tokens, temperature, top_p, seed, device,
-                 dtype) -> None:
+def generate_cmd(checkpoint, prompt, tokens, chat, system, chat_template, tokenizer, max_new_tokens, temperature,
+                 top_p, seed, device, dtype) -> None:
     """Continue a prompt with a checkpoint (greedy, or sampled with --temperature)."""
-    out = generate(checkpoint, prompt, tokens=tokens, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+    out = generate(checkpoint, prompt, tokens=tokens, chat=chat, system=system, chat_template=chat_template,
+                   tokenizer=tokenizer, max_new_tokens=max_new_tokens,
                    temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
                    reporter=CommandReporter())
     if out.text is not None:
         click.echo(_for_terminal(out.text) if sys.stdout.isatty() else out.text)
     else:
         click.echo(",".join(str(i) for i in out.tokens))
-    click.echo(f"{len(out.tokens)} new tokens after {out.prompt_tokens} prompt tokens in {out.seconds:.2f} s "
-               f"({out.tokens_per_second:.1f} tokens/s, {out.device}, {out.dtype})", err=True)
+    click.echo(f"{len(out.tokens)} new tokens after {out.prompt_tokens} prompt tokens: {out.speeds()} "
+               f"({out.device}, {out.dtype})", err=True)
 
 
 def _for_terminal(text: str) -> str:

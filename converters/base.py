@@ -69,6 +69,15 @@ class Exporter(ABC):
     def check(self, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
         """Raise CapabilityError if the format cannot express this config (no I/O)."""
 
+    def carries(self, cfg: ModelConfig, *, architecture: str | None = None) -> bool:
+        """Whether the format carries this model with some choice of its options (named in other formats'
+        refusals)."""
+        try:
+            self.check(cfg, architecture=architecture)
+        except ConfigError:  # CapabilityError, or a dense architecture's config map refusing a value
+            return False
+        return True
+
     @abstractmethod
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         """Check (again, with the reader's tensors) and write `out` atomically; return it."""

@@ -12,8 +12,9 @@ options)`, plus one line in `exporters()`.
 Formats:
     canonical   our own safetensors (file or directory); a merge writes it itself (surgery.execute),
                 with its provenance
-    mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models)
-    qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures with a shared expert: recipe btx-shared-expert)
+    mixtral     HF Mixtral directory (FFN-expert mixtures of Llama/Mistral-family models, no biases)
+    qwen2_moe   HF Qwen2-MoE directory (FFN-expert mixtures of Llama/Mistral/Qwen2-family models, q/k/v biases too;
+                a shared expert, or an all-zero one for a mixture without)
     qwen3_moe   HF Qwen3-MoE directory (FFN-expert mixtures of Qwen3 models: per-head QK-norm)
     flex_olmo   HF FlexOlmo directory (FFN-expert mixtures of OLMo 2 models: post-norms, full-width QK-norm)
     qwen3_5_moe HF Qwen3.5-MoE directory (FFN-expert mixtures of Qwen3.5 models: Gated DeltaNet layers, a shared
@@ -26,6 +27,9 @@ Formats:
 
 Refused (`REFUSED_FORMATS`): a native format no mixture of ours computes the same function in; asking for one is a
 one-line CapabilityError saying why.
+
+A format's refusal (`check_export`, `export`) ends with the formats that do carry the model (`carriers`: every
+format's own check, from the config alone), so no refusal sends the user to a format that refuses too.
 """
 from __future__ import annotations
 
@@ -96,9 +100,24 @@ def exporter(fmt: str) -> Exporter:
     return table[fmt]
 
 
+def carriers(cfg: ModelConfig, *, architecture: str | None = None) -> list[str]:
+    """The formats besides canonical (which carries every model) that carry `cfg`, in the table's order."""
+    return [name for name, chosen in exporters().items()
+            if name != "canonical" and chosen.carries(cfg, architecture=architecture)]
+
+
 def check_export(fmt: str, cfg: ModelConfig, *, recipe: str | None = None, architecture: str | None = None) -> None:
-    """Refuse, in one line, a model the format cannot express, before any tensor is read."""
-    exporter(fmt).check(cfg, recipe=recipe, architecture=architecture)
+    """Refuse, in one line, a model the format cannot express, before any tensor is read; the line ends with the
+    formats that do carry it."""
+    chosen = exporter(fmt)
+    try:
+        chosen.check(cfg, recipe=recipe, architecture=architecture)
+    except CapabilityError as e:
+        others = [name for name in carriers(cfg, architecture=architecture) if name != fmt]
+        where = (f"--format {others[0]} carries it" if len(others) == 1 else
+                 f"the {', '.join(others[:-1])} or {others[-1]} formats carry it" if others else
+                 "only the canonical format carries it (the bundled runtime)")
+        raise CapabilityError(f"{e}; {where}") from None
 
 
 def export(reader: Reader, out: str | os.PathLike, fmt: str, options: ExportOptions | None = None,
@@ -112,8 +131,9 @@ def export(reader: Reader, out: str | os.PathLike, fmt: str, options: ExportOpti
     own = {k: v for k, v in fields.items() if k not in common}
     if own:
         options = replace(options, own=replace(chosen.own(options), **own))
-    chosen.check(reader.config, recipe=options.recipe, architecture=getattr(chosen.own(options), "architecture", None))
+    check_export(fmt, reader.config, recipe=options.recipe,
+                 architecture=getattr(chosen.own(options), "architecture", None))
     return chosen.write(reader, Path(out), options)
 
 
-__all__ = ["REFUSED_FORMATS", "CapabilityError", "Exporter", "ExportOptions", "check_export", "export", "exporter", "exporters"]
+__all__ = ["REFUSED_FORMATS", "CapabilityError", "Exporter", "ExportOptions", "carriers", "check_export", "export", "exporter", "exporters"]

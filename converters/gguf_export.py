@@ -32,14 +32,18 @@ first, whose failures are the refusal.
              gemma4   Gemma 4: what the HF gemma4_text format carries, with proportional RoPE and tied embeddings
                       (gguf_table's GEMMA4 section)
            A (1 + w) RMSNorm (Gemma's) is written as 1 + w, in every architecture: llama.cpp multiplies by it.
-  mixture  exactly what the `mixtral` format takes (its record's config map, hf/moe_family.py): FFN experts of
+  mixture  the FFN experts the `mixtral` format takes (its record's config map, hf/moe_family.py): FFN experts of
            that shape, linear routers, top-k gates renormalized (gate_norm topk_softmax): the `llama` architecture
-           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral; with a per-head
-           QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which renormalizes the top-k too (Qwen3-MoE's norm_topk_prob;
-           softmax gates refused, unless top-k is every expert) and reads expert_feed_forward_length.
+           with expert_count / expert_used_count, as llama.cpp's convert_hf_to_gguf.py writes Mixtral, with the q/k/v
+           and o biases llama.cpp's llama adds when the file has them (a BTX of Qwen2 models: the record's
+           Gguf.moe_biases); with softmax gates (the paper's top-1), which llama's graph would renormalize, `qwen2moe`
+           with an all-zero shared expert (below); with a per-head QK-norm (BTX mixtures of Qwen3) `qwen3moe`, which
+           renormalizes the top-k too (Qwen3-MoE's norm_topk_prob; softmax gates refused, unless top-k is every expert)
+           and reads expert_feed_forward_length.
   shared   a mixture with a shared FFN expert (recipe btx-shared-expert): what the `qwen2_moe` format takes
            (hf/moe_family.py SharedExpertMoe) and llama.cpp's `qwen2moe` architecture computes:
-           routed experts as above, plus the shared expert scaled by sigmoid(x . w); expert_count,
+           routed experts as above, plus the shared expert scaled by sigmoid(x . w); a mixture without one is written
+           with converters/native_moe.py's all-zero shared expert, which adds exactly 0; expert_count,
            expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length. Its graph takes the
            gates p_i of the softmax over all experts and never renormalizes the top-k (expert_weights_norm is not
            read for qwen2moe), so gate_norm softmax, the recipe's default, is written and topk_softmax refused (unless
@@ -120,19 +124,16 @@ from .hf.files import side_file
 from .byte_tokenizer import (BYTE_FALLBACK_MAX_VOCAB, BYTE_VOCAB, BYTES, EOS_CANDIDATES, TOKENIZER_KEY,
                              byte_symbols, unavailable_tokenizer, uses_byte_tokenizer)
 from .hf.architectures import ARCHITECTURES
-from .hf.families import NATIVE_MIXTURES
 from .carry import SIZES, TRAINING, Carry, Column, anything, rule, values
-from .hf.moe_family import bias_row, hybrid_rows, raise_problems, spec_rows
+from .hf.moe_family import BIASES, bias_row, hybrid_rows, raise_problems, spec_rows
 from .gguf_tokenizer import PRE_TOKENIZERS, pre_tokenizer_name
 from .gguf_table import (ARCHS, attn_scale_dim, fused_of, geometry_keys, gguf_module, hparams, is_norm, join_heads,
                          linear_interval, linear_keys, linear_tensor, nope_layers, pattern_layers, rope_heads,
                          rope_pairs, rope_scaling, sliding_layers, tensor_layout, tensor_names, window_keys)
-from .native_moe import WithZeros, as_held
-from .onnx_export import COLUMN as ONNX
+from .native_moe import as_held, zeros_note
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 SUFFIX = ".gguf"
-CARRIED_BY = "canonical, hf or onnx"  # the formats that carry what llama.cpp cannot run
 EOS_TEXT = "<|endoftext|>"
 
 # ---- what llama.cpp can run ----------------------------------------------------------------------------
@@ -227,11 +228,14 @@ def arch_column(arch: str) -> Column:
                          shown="any (no experts)")
     else:
         judge = ARCHITECTURES[row.moe_checks].config.column
+        decides = _ROW_DECIDES | (set(BIASES) if row.moe_biases is not None else set())
         lifted = [Carry(r.fields, (lambda r: lambda cfg: r.ok(_plain(row, cfg)))(r),
                         (lambda r: lambda cfg: r.needs_text(_plain(row, cfg)))(r),
                         (lambda r: lambda cfg: r.has_text(_plain(row, cfg)))(r), r.shown, r.allowed)
-                  for r in judge.rows if not set(r.fields) & _ROW_DECIDES]
-        rows += _when(True, [*lifted, _gates(row)], "mixture" if row.hf_dense else "")
+                  for r in judge.rows if not set(r.fields) & decides]
+        biases = [] if row.moe_biases is None else [
+            bias_row(row.moe_biases, f"no biases but on {' and '.join(row.moe_biases)} (llama.cpp's {arch})")]
+        rows += _when(True, [*lifted, *biases, _gates(row)], "mixture" if row.hf_dense else "")
     if row.hf_dense is not None:
         rows += _when(False, [r for r in _dense_rows(row) if not set(r.fields) & set(row.carries)],
                       "dense" if row.gate_norm else "")
@@ -405,14 +409,9 @@ def _rope_rows(row) -> list[Carry]:
 
 
 def check_gguf(cfg: ModelConfig, recipe: str | None = None) -> None:
-    """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes."""
-    problems = gguf_problems(cfg)
-    if problems:
-        carried = CARRIED_BY if not ONNX.problems(cfg) else "canonical or hf"  # the ONNX export's column
-        natives = [f.format_name for f in NATIVE_MIXTURES if f.config.shared_expert and not f.config.problems(cfg)]
-        if cfg.ffn_shared_hidden and natives:  # a native shared-expert format takes it
-            carried = f"canonical, hf, {', '.join(natives)}" + (" or onnx" if not ONNX.problems(cfg) else "")
-        raise_problems(problems, "gguf export (llama.cpp)", recipe, f"; the {carried} formats carry it")
+    """Raise CapabilityError (one line) if llama.cpp cannot compute exactly what this model computes
+    (converters/export.py:check_export adds the formats that carry it)."""
+    raise_problems(gguf_problems(cfg), "gguf export (llama.cpp)", recipe)
 
 
 def parse_gguf_dtype(text: str) -> str:
@@ -750,14 +749,13 @@ def card_entries(reader: Reader, out: Path, options: ExportOptions, arch: str, v
     cfg = reader.config
     prov = _provenance(reader)
     layout = ARCHITECTURES[ARCHS[arch].hf_mixture].stands_for if cfg.ffn_experts else ""
+    zeros = zeros_note(reader)
     if cfg.ffn_shared_hidden:
         renormalized = ARCHS[arch].gate_norm == "topk_softmax"
-        zeros = ("; a zero shared expert (the mixture has none)" if ARCHS[arch].zero_shared_expert else
-                 "; q/k/v biases written as zeros")
         kind = (f"FFN-expert mixture with a shared expert ({cfg.ffn_experts} routed experts, top-{cfg.ffn_top_k}, "
                 f"gates {'renormalized over the top-k' if renormalized else 'from the softmax over all experts'}; a shared "
                 f"expert of {cfg.ffn_shared_hidden} hidden units on every token, scaled by sigmoid(x . w); "
-                f"{layout}'s layout{zeros if isinstance(reader, WithZeros) else ''})")
+                f"{layout}'s layout{'; ' + zeros if zeros else ''})")
     elif cfg.ffn_experts:
         kind = (f"FFN-expert mixture ({cfg.ffn_experts} experts, top-{cfg.ffn_top_k}, gates renormalized over the "
                 f"top-k, {layout}'s layout)")

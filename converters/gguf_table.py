@@ -248,7 +248,7 @@ def _rows(families: tuple[Family, ...]) -> dict[str, GGUFArch]:
             rows[g.name] = GGUFArch(**spelling, hf_dense=f.model_type, **traits)
             continue
         mixture = dict(gate_norm=g.gate_norm, expert_width=g.expert_width, hf_mixture=f.model_type,
-                       moe_checks=g.moe_checks or f.model_type,
+                       moe_checks=g.moe_checks or f.model_type, moe_biases=g.moe_biases,
                        shared_expert=f.config.shared_expert, qkv_bias_always=f.config.qkv_bias_always,
                        zero_shared_expert=f.config.zero_shared_expert)
         rows[g.name] = (replace(rows[g.name], **mixture) if g.name in rows

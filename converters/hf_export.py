@@ -47,6 +47,13 @@ class HFExporter(Exporter):
         arch = lookup_architecture(architecture)
         arch.config.write(cfg, arch.model_type)
 
+    def carries(self, cfg: ModelConfig, *, architecture: str | None = None) -> bool:
+        """A dense model: when some dense architecture writes it (--architecture)."""
+        if cfg.is_mixture or architecture:
+            return super().carries(cfg, architecture=architecture)
+        return any(super(HFExporter, self).carries(cfg, architecture=m)
+                   for m, a in ARCHITECTURES.items() if not a.mixture)
+
     def write(self, reader: Reader, out: Path, options: ExportOptions) -> Path:
         own = self.own(options)
         if reader.config.is_mixture:

@@ -3,8 +3,13 @@ architecture, loaded with no remote code, one exporter per record of converters/
 weight table, its config map's capability check; the folder as hf/writer.py:export_native_mixture writes it).
 
 A format whose architecture always has a tensor the model lacks holds it as zeros (`WithZeros`, a reader view), so
-the architecture computes exactly the same function: q/k/v biases (a shared-expert mixture's `qwen2_moe`:
-`with_zero_qkv_bias`), a shared expert (`qwen3_5_moe`, which always has one: `with_zero_shared_expert`, width 1).
+the architecture computes exactly the same function: q/k/v biases (`qwen2_moe`: `with_zero_qkv_bias`), a shared
+expert (`qwen2_moe` and `qwen3_5_moe` always compute one: `with_zero_shared_expert`, ZERO_SHARED_HIDDEN wide).
+transformers' Qwen2MoeSparseMoeBlock adds sigmoid(x . w) * shared_expert(x) unconditionally and llama.cpp's qwen2moe
+reads a width of 0 as the FFN's width, so a mixture without a shared expert (a BTX of Qwen2 models, which Mixtral
+cannot carry for their q/k/v biases) gets one whose weights are all zero: its down projection being zero, its output
+is exactly 0 for every token whatever its gate (1/2 for a zero gate weight; llama.cpp's gate, computed as silu(y) / y,
+is kept off 0 / 0 by the GGUF export's SHEXP_GATE_EPS), and adding 0 leaves the routed experts' output bit for bit.
 """
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ from bam_surgery.runtime.reader import Reader
 from .base import CastOptions, ExportOptions, Exporter
 from .hf.family import Family
 from .hf.writer import export_native_mixture
+
+# The width of the all-zero shared expert a mixture without one is written with: any width computes 0; 32 keeps its
+# down projection's rows one q8_0 block wide in GGUF and splits over vLLM's tensor-parallel ranks (up to 32).
+ZERO_SHARED_HIDDEN = 32
 
 _QKV_WEIGHT = re.compile(r"^(layers\.\d+\.attn\.[qkv])\.weight$")
 
@@ -39,6 +48,10 @@ class WithZeros(Reader):
         for name, (_, _, after) in self._added.items():
             follows.setdefault(after, []).append(name)
         return [m for n in self.inner.names() for m in (n, *follows.get(n, ()))]
+
+    def names_added(self) -> list[str]:
+        """The tensors this view adds as zeros."""
+        return list(self._added)
 
     def __contains__(self, name: str) -> bool:
         return name in self.inner or name in self._added
@@ -76,15 +89,17 @@ def with_zero_qkv_bias(inner: Reader) -> WithZeros:
 
 
 def with_zero_shared_expert(inner: Reader) -> WithZeros:
-    """A mixture seen with a shared expert of width 1, every weight zero (its output is exactly 0)."""
-    cfg, dtype = inner.config, inner.dtype("embed.weight")
+    """A mixture seen with a shared expert of ZERO_SHARED_HIDDEN hidden units, every weight zero (its output is
+    exactly 0)."""
+    cfg, dtype, width = inner.config, inner.dtype("embed.weight"), ZERO_SHARED_HIDDEN
     added = {}
     for i in range(cfg.n_layers):
         after = f"layers.{i}.ffn_experts.down.weight"
-        for name, shape in (("gate", (1, cfg.d_model)), ("up", (1, cfg.d_model)), ("down", (cfg.d_model, 1))):
+        for name, shape in (("gate", (width, cfg.d_model)), ("up", (width, cfg.d_model)),
+                            ("down", (cfg.d_model, width))):
             added[f"layers.{i}.ffn_shared.{name}.weight"] = (shape, dtype, after)
         added[f"layers.{i}.ffn_shared_gate.weight"] = ((1, cfg.d_model), dtype, after)
-    return WithZeros(inner, cfg.replace(ffn_shared_hidden=1), added)
+    return WithZeros(inner, cfg.replace(ffn_shared_hidden=width), added)
 
 
 def as_held(reader: Reader, qkv_bias_always: bool, zero_shared_expert: bool) -> Reader:
@@ -95,6 +110,21 @@ def as_held(reader: Reader, qkv_bias_always: bool, zero_shared_expert: bool) -> 
     if zero_shared_expert and not reader.config.ffn_shared_hidden:
         reader = with_zero_shared_expert(reader)
     return reader
+
+
+def zeros_note(reader: Reader) -> str:
+    """For model cards: what as_held's views added as zeros ('' for none)."""
+    added: list[str] = []
+    while isinstance(reader, WithZeros):
+        added += reader.names_added()
+        reader = reader.inner
+    parts = []
+    if any(n.endswith(".bias") for n in added):
+        parts.append("q/k/v biases written as zeros")
+    if any(".ffn_shared" in n for n in added):
+        parts.append(f"a shared expert of {ZERO_SHARED_HIDDEN} hidden units written as zeros (it adds exactly 0: "
+                     "the mixture has none)")
+    return "; ".join(parts)
 
 
 class NativeMixtureExporter(Exporter):

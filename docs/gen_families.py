@@ -27,31 +27,38 @@ def families() -> dict[str, tuple[str, dict]]:
     return {f.model_type: (f.stands_for, dict(f.example)) for f in FAMILIES if f.example is not None}
 
 
+def models() -> dict[tuple[str, str], tuple]:
+    """(family, recipe or 'dense') -> (its ModelConfig, the recipe's name or None)."""
+    from bam_surgery.converters.hf.architectures import ARCHITECTURES
+    from bam_surgery.surgery.recipe import available_recipes, load_recipe, mixture_config
+
+    out: dict[tuple[str, str], tuple] = {}
+    for family, (_, hf) in families().items():
+        dense, _notes = ARCHITECTURES[family].config.read(hf, family)
+        out[family, "dense"] = (dense, None)
+        for name in available_recipes():
+            recipe = load_recipe(name)
+            experts = min(max(2, recipe.min_experts), recipe.max_experts if recipe.max_experts is not None else 2)
+            out[family, name] = (mixture_config(recipe, dense, experts + recipe.defaults["seed_expert"]), name)
+    return out
+
+
 def cells() -> dict[tuple[str, str], dict[str, str | None]]:
     """(family, recipe or 'dense') -> format -> None (carried) or the format's refusal."""
     from bam_surgery.converters.base import CapabilityError
     from bam_surgery.converters.export import check_export, exporters
-    from bam_surgery.converters.hf.architectures import ARCHITECTURES
-    from bam_surgery.surgery.recipe import available_recipes, load_recipe, mixture_config
 
     out: dict[tuple[str, str], dict[str, str | None]] = {}
-    for family, (_, hf) in families().items():
-        dense, _notes = ARCHITECTURES[family].config.read(hf, family)
-        models = {"dense": (dense, None)}
-        for name in available_recipes():
-            recipe = load_recipe(name)
-            experts = min(max(2, recipe.min_experts), recipe.max_experts if recipe.max_experts is not None else 2)
-            models[name] = (mixture_config(recipe, dense, experts + recipe.defaults["seed_expert"]), name)
-        for row, (cfg, recipe) in models.items():
-            verdicts: dict[str, str | None] = {}
-            for fmt in exporters():
-                try:
-                    check_export(fmt, cfg, recipe=recipe, architecture=family)
-                    verdicts[fmt] = None
-                except CapabilityError as e:
-                    verdicts[fmt] = str(e)
-            verdicts[VLLM] = _vllm(cfg) if cfg.is_mixture else DENSE
-            out[family, row] = verdicts
+    for (family, row), (cfg, recipe) in models().items():
+        verdicts: dict[str, str | None] = {}
+        for fmt in exporters():
+            try:
+                check_export(fmt, cfg, recipe=recipe, architecture=family)
+                verdicts[fmt] = None
+            except CapabilityError as e:
+                verdicts[fmt] = str(e)
+        verdicts[VLLM] = _vllm(cfg) if cfg.is_mixture else DENSE
+        out[family, row] = verdicts
     return out
 
 

@@ -15,6 +15,7 @@ is left alone.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -48,7 +49,8 @@ def decode_step(model: Model, cache, token: Tensor, input_pos: Tensor, attention
 @torch.no_grad()
 def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             attention_mask: Tensor | None = None, pad_token_id: int | None = None, compile: bool = False) -> Tensor:
+             attention_mask: Tensor | None = None, pad_token_id: int | None = None, compile: bool = False,
+             timings: dict[str, float] | None = None) -> Tensor:
     """Continue prompts tokens [B, T] by up to max_new_tokens tokens each; returns the new tokens [B, n].
 
     temperature     0: greedy (argmax); > 0: sample from softmax(logits / temperature)
@@ -58,6 +60,8 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
     pad_token_id    fills a row's slots after its eos (default: the eos id)
     attention_mask  [B, T] 1 token, 0 padding: batched prompts of different lengths, padded on the left
     compile         run the decode step through torch.compile ("reduce-overhead" on CUDA)
+    timings         a dict given receives prefill_s (the prompt's forward pass and the first token) and decode_s
+                    (every later token), in seconds, the device synchronized at both ends
     n is max_new_tokens unless every row emitted eos earlier. The model runs in whatever mode and autocast
     state the caller set; the cache takes the autocast dtype if autocast is on, else the weights' dtype.
     """
@@ -71,10 +75,8 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     fill = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     uniform = _uniforms(B, device, temperature, seed)
-    if torch.is_autocast_enabled(device.type):
-        cache = model.new_cache(B, max_len, dtype=torch.get_autocast_dtype(device.type))
-    else:
-        cache = model.new_cache(B, max_len)
+    autocast = torch.is_autocast_enabled(device.type)  # the cache takes the autocast dtype, else the weights'
+    cache = model.new_cache(B, max_len, dtype=torch.get_autocast_dtype(device.type) if autocast else None)
     step: Callable[..., Tensor] = decode_step
     if compile:  # whole-graph whenever the expert kernel needs no host sync (see blocks.expert_kernel)
         step = torch.compile(decode_step, mode="reduce-overhead" if device.type == "cuda" else None)
@@ -82,9 +84,11 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
     refill_at = _longrope_refill(model.config, T)
     if not max_new_tokens:
         return out
+    clock = _Clock(device, timings)
     logits = model(tokens, attention_mask=mask, input_pos=torch.arange(T, device=device), cache=cache,
                    logits_to_keep=1).logits[:, -1]
     token = sample_next(logits, temperature, top_p, uniform())
+    clock.lap("prefill_s")
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for i in range(max_new_tokens):
         if eos is not None:
@@ -92,6 +96,7 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
             done = done | torch.isin(token, eos)
         out[:, i] = token
         if i == max_new_tokens - 1 or (eos is not None and bool(done.all())):
+            clock.lap("decode_s")
             return out[:, :i + 1]
         pos = torch.tensor([T + i], device=device)
         if T + i == refill_at:  # the sequence passes longrope's original length: every key with long factors
@@ -102,6 +107,25 @@ def generate(model: Model, tokens: Tensor, max_new_tokens: int, *, temperature: 
             continue
         token = step(model, cache, token[:, None], pos, mask, temperature, top_p, uniform()).clone()
     return out
+
+
+class _Clock:
+    """generate's timings: seconds between laps (the device synchronized), written into `into` when given."""
+
+    def __init__(self, device: torch.device, into: dict[str, float] | None):
+        self.device, self.into = device, into
+        self.last = self._now() if into is not None else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.into is not None:
+            now = self._now()
+            self.into[name] = now - self.last
+            self.last = now
 
 
 def _longrope_refill(cfg, prompt_len: int) -> int | None:

@@ -1,28 +1,37 @@
-"""Model cards (README.md) for exported directories, and tokenizer checks across inputs."""
+"""Model cards (README.md) for exported directories (a merge's: `model_card`; any other export's, e.g. `convert
+--format hf`: `conversion_card`), and tokenizer checks across inputs."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
 
+from bam_surgery import __version__
+from bam_surgery.converters.hf.architectures import ARCHITECTURES
+from bam_surgery.converters.hf.families import NATIVE_MIXTURES
 from bam_surgery.converters.hf.files import GENERATION_CONFIG, check_token_ids, side_file
 from bam_surgery.converters.hf.writer import TOKEN_ID_KEYS
 from bam_surgery.converters.hf_bam import schema_bam
+from bam_surgery.runtime.config import ModelConfig
 from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.runtime.reader import Reader
+from bam_surgery.runtime.text import render_table
 from bam_surgery.train.data import file_sha256
 
 from .audit import audit
 from .errors import InputError
-from .inspect import render_audit
+from .inspect import describe_kind, key_config, parse_provenance, render_audit
 from .plan import Plan
 
 # Files whose content defines the token <-> id mapping (the rest: special tokens, chat templates).
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
 
+# the native HF mixture formats (converters/hf/families.py NATIVE_MIXTURES: mixtral, qwen2_moe, ...): format -> class
+NATIVE = {f.model_type: f.hf_class for f in NATIVE_MIXTURES}
+HF_FORMATS = ("hf", *NATIVE)  # the formats whose folder carries the card as README.md
 LOAD_SNIPPETS = {
-    "mixtral": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(\"{out}\")   # MixtralForCausalLM\n"
-                "tokenizer = AutoTokenizer.from_pretrained(\"{out}\")"),
+    "native": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+               "model = AutoModelForCausalLM.from_pretrained(\"{out}\")   # {hf_class}, no remote code\n"
+               "tokenizer = AutoTokenizer.from_pretrained(\"{out}\")"),
     "hf-mixture": ("from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                    "model = AutoModelForCausalLM.from_pretrained(\"{out}\", trust_remote_code=True)\n"
                    "tokenizer = AutoTokenizer.from_pretrained(\"{out}\", trust_remote_code=True)\n"
@@ -32,7 +41,7 @@ LOAD_SNIPPETS = {
 }
 _TESTED = ", ".join(schema_bam.TRANSFORMERS_TESTED)
 REQUIRES = {
-    "mixtral": f"transformers' own MixtralForCausalLM; checked with transformers {_TESTED}.",
+    "native": f"transformers' own {{hf_class}} (vLLM serves it too); checked with transformers {_TESTED}.",
     "hf-mixture": (f"transformers {schema_bam.TRANSFORMERS_RANGE} (checked with {_TESTED}); the remote code refuses "
                    "an older one at load time, in one line. It imports only torch and transformers."),
 }
@@ -92,11 +101,75 @@ def _untrained_note(cfg) -> str:
             "its output, so perplexity before training is far above the dense models' (expected).")
 
 
+def _load(fmt: str, cfg: ModelConfig, out: str) -> str:
+    """The card's Load section: how transformers loads the folder, and what it needs."""
+    key = "native" if fmt in NATIVE else ("hf-mixture" if cfg.is_mixture else "hf-dense")
+    text = f"```python\n{LOAD_SNIPPETS[key].format(out=out, hf_class=NATIVE.get(fmt))}\n```\n"
+    return text + ("" if key not in REQUIRES else "\nRequires " + REQUIRES[key].format(hf_class=NATIVE.get(fmt)) + "\n")
+
+
+def format_note(fmt: str, cfg: ModelConfig) -> str:
+    """What a native format writes beyond the model's own tensors: the q/k/v biases or shared expert its architecture
+    always has, as zeros that add nothing (converters/native_moe.py)."""
+    if fmt not in NATIVE:
+        return ""
+    arch = ARCHITECTURES[fmt].config
+    zeros = [what for what, missing in (("q/k/v biases", arch.qkv_bias_always and not cfg.qkv_bias),
+                                         ("a shared expert", arch.shared_expert and not cfg.ffn_shared_hidden))
+             if missing]
+    return (f" {ARCHITECTURES[fmt].stands_for}'s layout has {' and '.join(zeros)}, which this model has "
+            "not: written as zeros, which add exactly nothing, so the folder computes the model's own function."
+            if zeros else "")
+
+
+def conversion_card(reader: Reader, fmt: str, out: str, source: str | None = None) -> str:
+    """README.md of an export that is not a merge's (convert, export of a trained run): what the model is, where it
+    came from (the source, and the merge and training records it carries), its config, parameters and how to load
+    it."""
+    cfg = reader.config
+    prov = parse_provenance(dict(reader.metadata))
+    made = ""
+    if prov is not None and prov.fields is not None and prov.recipe:
+        names = ", ".join(f"{i.get('name', '?')} (`{i.get('path', i.get('spec', '?'))}`)" for i in prov.inputs)
+        made = f" Merged by bam-surgery with recipe **{prov.recipe}** from {names or 'its inputs'}"
+        made += f", then trained in {len(prov.training)} run(s)." if prov.training else "."
+    kind = "mixture-of-experts" if cfg.is_mixture else "dense"
+    rows = [(k, "-" if v is None else v) for k, v in key_config(cfg).items()]
+    exact = audit(cfg, "exact")
+    return f"""---
+library_name: transformers
+tags: [bam-surgery, {kind}]
+---
+# {Path(out).name}
+
+Written by **bam-surgery** {__version__} as the `{fmt}` format from
+`{source or reader.path or 'a checkpoint'}`.{made}{format_note(fmt, cfg)}
+
+Model: {describe_kind(cfg)}.
+
+## Config
+
+```
+{render_table(("field", "value"), rows, left=2)}
+```
+
+## Parameters
+
+```
+{render_audit(exact, "this model")}
+```
+
+Total {exact.total:,}, active per token {exact.active:,}.
+
+## Load
+
+{_load(fmt, cfg, out)}"""
+
+
 def model_card(plan: Plan, fmt: str, out: str) -> str:
     cfg = plan.config
     inputs = "\n".join(f"| {i.index} | {i.name} | {i.role} | `{i.label}` |" for i in plan.inputs)
     opts = "\n".join(f"- `{k}`: {v}" for k, v in plan.resolved_options().items())
-    key = "mixtral" if fmt == "mixtral" else ("hf-mixture" if cfg.is_mixture else "hf-dense")
     exact, paper = audit(cfg, "exact"), audit(cfg, "paper")
     return f"""---
 library_name: transformers
@@ -110,7 +183,7 @@ checkpoints: {cfg.ffn_experts} FFN experts (top-{cfg.ffn_top_k}, gates `{cfg.gat
 {cfg.attn_experts} attention experts ({"dense attention" if not cfg.attn_experts else
 ("soft routing" if cfg.attn_top_k is None else f"top-{cfg.attn_top_k} routing") + f", KV {cfg.kv_mode}"}).
 Routers are randomly initialized: train the mixture before use (loss: NLL + {cfg.lb_coef} * load balancing
-+ {cfg.z_coef} * router z-loss; `bam-surgery train`).{_untrained_note(cfg)}
++ {cfg.z_coef} * router z-loss; `bam-surgery train`).{_untrained_note(cfg)}{format_note(fmt, cfg)}
 
 ## Inputs
 
@@ -133,7 +206,4 @@ paper): total {paper.total:,}, active {paper.active:,}.
 
 ## Load
 
-```python
-{LOAD_SNIPPETS[key].format(out=out)}
-```
-{"" if key not in REQUIRES else chr(10) + "Requires " + REQUIRES[key] + chr(10)}"""
+{_load(fmt, cfg, out)}"""

@@ -5,6 +5,8 @@ counts shown by `inspect` and `count-params` are the same numbers.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +21,19 @@ from bam_surgery.runtime.text import render_table
 
 from .audit import Audit, audit_checkpoint, routing_label
 
-# The config fields a reader wants first; the JSON output carries the whole config.
+# The config fields a reader wants first (inspect's table, the model cards); the JSON output carries the whole config.
 KEY_FIELDS = ("name", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
-              "activation", "norm", "position", "block", "tie_embeddings")
-MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "attn_experts", "attn_top_k", "kv_mode")
+              "activation", "norm", "norm_eps", "norm_position", "qk_norm", "position", "max_positions", "block",
+              "qkv_bias", "o_bias", "ffn_bias", "lm_head_bias", "tie_embeddings")
+ROPE_FIELDS = ("rope_theta", "rotary_fraction", "rope_interleaved", "scaled_rope", "nope_layers")
+# shown where they differ from the default (the features of Gemma, Cohere, Granite, Ministral 3 and the windowed
+# families)
+OPTIONAL_FIELDS = ("norm_bias", "norm_unit_offset", "scale_embeddings", "attn_window", "attn_window_layers",
+                   "window_rope_theta", "attn_scale_dim", "attn_softcap", "final_softcap", "logit_scale",
+                   "embedding_multiplier", "residual_multiplier", "attn_scale", "attn_temperature",
+                   "attn_temperature_length", "final_norm")
+MIXTURE_FIELDS = ("ffn_experts", "ffn_top_k", "gate_norm", "ffn_shared_hidden", "attn_experts", "attn_top_k",
+                  "kv_mode", "router", "attn_router", "lb_coef", "z_coef")
 # the hybrid layers' fields (Qwen3.5, Gemma 4), shown where a model has them
 HYBRID_FIELDS = ("linear_layers", "global_head_dim", "global_kv_heads", "kv_shared_layers", "per_layer_dim",
                  "linear_experts")
@@ -50,8 +61,15 @@ def describe_kind(cfg: ModelConfig) -> str:
 
 
 def key_config(cfg: ModelConfig) -> dict[str, Any]:
-    fields = KEY_FIELDS + (MIXTURE_FIELDS if cfg.is_mixture else ())
-    return {**{f: getattr(cfg, f) for f in fields}, **{f: getattr(cfg, f) for f in HYBRID_FIELDS if getattr(cfg, f)}}
+    """The config's fields as inspect shows them: the key ones, RoPE's where the model has RoPE, the optional ones
+    that differ from their default, the mixture's."""
+    default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = [*KEY_FIELDS, *(ROPE_FIELDS if cfg.position == "rope" else ()),
+              *(f for f in OPTIONAL_FIELDS + HYBRID_FIELDS if getattr(cfg, f) != default[f]),
+              *(MIXTURE_FIELDS if cfg.is_mixture else ())]
+    out = {f: getattr(cfg, f) for f in fields}
+    out["n_kv_heads"], out["head_dim"] = cfg.n_kv_heads or cfg.n_heads, cfg.head_dim or cfg.d_model // cfg.n_heads
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,13 @@ def inspect_checkpoint(reader: Reader) -> Inspection:
 def _show(field: str, value: Any) -> str:
     if field == "attn_top_k" and value is None:
         return "soft (every expert)"
-    return str(value)
+    if field == "attn_router" and value is None:
+        return "as router"
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def render_inspection(ins: Inspection) -> str:

@@ -29,6 +29,8 @@ def model_card(cfg: ModelConfig, run: dict[str, Any], step: int, tokens: int, lo
               f"{run['world_size']} process(es), strategy {run['strategy']}",
               "- Data: " + ", ".join(f"{d['domain']} {d['weight']:.3g}" for d in run["data"]),
               f"- Tokenizer: {run['tokenizer']['name']}"]
+    if run["tokenizer"].get("eos_reason"):
+        lines.append(f"- Document separator: {run['tokenizer']['eos_reason']}")
     if loss is not None:
         lines.append(f"- Training loss at this step: {loss:.4f}")
     if last_eval:

@@ -156,4 +156,6 @@ def read_run_info(path: Path) -> dict[str, Any]:
     for key in ("name", "fingerprint"):
         if json_field(body["tokenizer"], key, str, f"{where}: tokenizer", error=TrainError) is None:
             raise TrainError(f"{where}: field 'tokenizer.{key}' is missing")
+    json_field(body["tokenizer"], "eos_id", int, f"{where}: tokenizer", error=TrainError)  # the run's separator
+    json_field(body["tokenizer"], "eos_reason", str, f"{where}: tokenizer", error=TrainError)
     return body

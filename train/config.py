@@ -74,7 +74,8 @@ class TrainConfig:
                                        "byte-level tokenizer). Default: the checkpoint's own, else bytes for "
                                        "vocabularies of at most 512 tokens.")
     eos_id: int | None = knob(None, "Token id put between documents. Default: the tokenizer's end-of-text token "
-                                    "(0 for bytes).")
+                                    "(<|endoftext|>, <|end_of_text|>, <eos> or </s>; an instruct model's declared "
+                                    "eos is its chat end-of-turn, not used), else its declared eos (0 for bytes).")
     token_cache: str | None = knob(None, "Folder of the tokenized-data cache. Default: $BAM_SURGERY_CACHE/tokens, "
                                          "else ~/.cache/bam-surgery/tokens.")
     seq_len: int | None = knob(None, "Tokens per training sequence. Default: the model's max_positions.")

@@ -59,14 +59,16 @@ class EvalReport:
     seq_len: int
     domains: dict[str, DomainResult]
     experts: dict[str, list[str]] = field(default_factory=dict)
+    separator: str = ""  # the document separator and why (tokenize: eos_reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "seq_len": self.seq_len,
-                "experts": self.experts, "domains": {n: d.to_dict() for n, d in self.domains.items()}}
+        return {"checkpoint": self.checkpoint, "tokenizer": self.tokenizer, "separator": self.separator,
+                "seq_len": self.seq_len, "experts": self.experts, "domains": {n: d.to_dict() for n, d in self.domains.items()}}
 
     def table(self) -> str:
         """The report as `bam-surgery eval` prints it: the domains' loss and perplexity, and the routing means."""
-        out = [f"checkpoint  {self.checkpoint}", f"tokenizer   {self.tokenizer}, windows of {self.seq_len}", ""]
+        out = [f"checkpoint  {self.checkpoint}", f"tokenizer   {self.tokenizer}, windows of {self.seq_len}",
+               *([f"separator   {self.separator}"] if self.separator else []), ""]
         rows = [(n, r.tokens, f"{r.loss:.4f}", f"{r.perplexity:.3f}") for n, r in self.domains.items()]
         out.append(render_table(("domain", "tokens", "loss", "perplexity"), rows))
         for kind, title, key in (("ffn", "FFN experts: share of tokens", "share"),
@@ -247,4 +249,5 @@ def evaluate(checkpoint: str, data: str, *, tokenizer: str | None = None, eos_id
     streams = load_streams(data, loaded.tokenizer, split, text_field, token_cache)
     results = evaluate_streams(loaded.model, streams, T, batch_size, max_tokens, dev, precision, routing,
                                loaded.expert_names, progress=progress, bos_id=loaded.tokenizer.bos_id)
-    return EvalReport(loaded.spec, loaded.tokenizer.name, T, results, loaded.expert_names)
+    return EvalReport(loaded.spec, loaded.tokenizer.name, T, results, loaded.expert_names,
+                      loaded.tokenizer.eos_reason)

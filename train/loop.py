@@ -315,7 +315,12 @@ class _Run:
 
     def _setup_tokenizer(self) -> None:
         cfg = self.cfg
-        self.tok = resolve_tokenizer(cfg.tokenizer, self.init_reader, self.model_config.vocab_size, cfg.eos_id)
+        # a resumed run keeps the document separator it started with (run.json), whatever rule chose it
+        kept = self.run_info["tokenizer"].get("eos_id") if self.resume and cfg.eos_id is None else None
+        self.tok = resolve_tokenizer(cfg.tokenizer, self.init_reader, self.model_config.vocab_size,
+                                     cfg.eos_id if kept is None else kept)
+        if kept is not None:
+            self.tok.eos_reason = self.run_info["tokenizer"].get("eos_reason") or f"id {kept}: the run's own"
         # each checkpoint carries the tokenizer's files, and the init checkpoint's chat template and generation
         # config where the tokenizer's folder has none (the byte tokenizer, --tokenizer from elsewhere)
         names = {f.name for f in self.tok.files}
@@ -468,7 +473,7 @@ class _Run:
             "model": self.model_config.to_dict(),
             "experts": self.experts,
             "tokenizer": {"name": self.tok.name, "fingerprint": self.tok.fingerprint, "eos_id": self.tok.eos_id,
-                          "vocab_size": self.tok.vocab_size},
+                          "eos_reason": self.tok.eos_reason, "vocab_size": self.tok.vocab_size},
             "data": data(self.domains, self.sources),
             "eval_data": data([Domain(s.name, s.spec, 0.0) for s in self.eval_sources], self.eval_sources),
             "seq_len": self.seq_len, "world_size": self.d.world, "strategy": self.d.strategy,

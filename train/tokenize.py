@@ -10,6 +10,18 @@ The byte-level tokenizer maps text to its UTF-8 bytes (ids 1..255; NUL bytes are
 as end-of-text, so it needs vocab_size >= 256. A tokenizer whose vocabulary is larger than the
 model's is refused, naming both sizes.
 
+The document separator (`eos_id`: the token put after every document in training and evaluation), first match:
+  1. --eos-id;
+  2. the tokenizer's declared eos (tokenizer_config.json's eos_token, else the model config's eos_token_id) when
+     it is an end-of-text token (END_OF_TEXT: <|endoftext|>, <|end_of_text|>, <eos>, </s>);
+  3. else the vocabulary's end-of-text token, the first of END_OF_TEXT it holds: an instruct model declares its
+     chat end-of-turn as eos (SmolLM2-Instruct and Qwen2.5-Instruct <|im_end|>, Llama 3 Instruct <|eot_id|>,
+     Gemma-it <end_of_turn>), while its pretraining put the end-of-text token between documents (<|endoftext|>,
+     <|end_of_text|>, <eos>), which the vocabulary still holds; continued pre-training on raw documents keeps it;
+  4. else the declared eos (a vocabulary without an end-of-text token), else the first of EOS_CANDIDATES.
+`eos_reason` says which rule chose it; a train run records both in run.json and its model card, and a resumed run
+keeps the separator it started with.
+
 Token cache: each (source split, tokenizer) is tokenized once into the entry FOLDER / KEY (FOLDER: --token-cache,
 else $BAM_SURGERY_CACHE/tokens; KEY a sha256 of the data's content hash and the tokenizer's hash), holding
 `tokens.bin` (raw little-endian uint16, or uint32 for vocabularies over 65,536: documents in order, each followed
@@ -50,6 +62,7 @@ if TYPE_CHECKING:
 CACHE_VERSION = 2  # 2: entries are runtime/cache.py's (FOLDER / KEY / tokens.bin, tokens.json, DIGEST)
 ENTRY_FILES = ("tokens.bin", "tokens.json")
 _BATCH_DOCS = 512
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "<eos>", "</s>")  # the end-of-text tokens of pretraining
 
 
 class ByteTokenizer:
@@ -62,6 +75,7 @@ class ByteTokenizer:
 
     def __init__(self, eos_id: int | None = None):
         self.eos_id = 0 if eos_id is None else eos_id
+        self.eos_reason = "the byte tokenizer's end of text (id 0)" if eos_id is None else f"--eos-id {eos_id}"
 
     @property
     def fingerprint(self) -> str:
@@ -98,7 +112,8 @@ class HFTokenizer:
         # tokens, chat template and the model's generation config (where generate stops: the eos of the seed)
         siblings = (side_file(path.parent, n) for n in CARRIED_SIBLINGS)
         self.files = (path, *(p for p in siblings if p is not None and p.is_file()))
-        self.eos_id = eos_id if eos_id is not None else self._find_eos(fallback_eos)
+        self.eos_id, self.eos_reason = (eos_id, f"--eos-id {eos_id}") if eos_id is not None else \
+            self._separator(fallback_eos)
         self.bos_id = self._find_bos()
         self._digest = file_sha256(path)
 
@@ -119,7 +134,9 @@ class HFTokenizer:
                 return full[k - 1] if k else None
         return None
 
-    def _find_eos(self, fallback: int | None) -> int:
+    def _declared_eos(self, fallback: int | None) -> tuple[int | None, str]:
+        """The eos the tokenizer declares: (id, where) from tokenizer_config.json's eos_token, else the model
+        config's eos_token_id (`fallback`), else (None, '')."""
         cfg_file = self.path.parent / "tokenizer_config.json"
         if cfg_file.is_file():
             where = str(cfg_file)
@@ -128,12 +145,29 @@ class HFTokenizer:
             if isinstance(eos, dict):
                 eos = json_field(eos, "content", str, f"{where}: eos_token", error=TrainError)
             if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
-                return self.tok.token_to_id(eos)
+                return self.tok.token_to_id(eos), "tokenizer_config.json's eos_token"
         if fallback is not None:
-            return fallback
+            return fallback, "the model config's eos_token_id"
+        return None, ""
+
+    def _separator(self, fallback: int | None) -> tuple[int, str]:
+        """The document separator and why (the module docstring's rule)."""
+        declared, where = self._declared_eos(fallback)
+        spelled = self.tok.id_to_token(declared) if declared is not None else None
+        if spelled in END_OF_TEXT:
+            return declared, f"{spelled} (id {declared}): {where}, an end-of-text token"
+        for text in END_OF_TEXT:
+            found = self.tok.token_to_id(text)
+            if found is not None:
+                why = f"{text} (id {found}): the vocabulary's end-of-text token"
+                if declared is not None:
+                    why += f", not {where} {spelled or declared} (id {declared}), a chat end-of-turn"
+                return found, why
+        if declared is not None:
+            return declared, f"{spelled or 'token'} (id {declared}): {where} (the vocabulary has no end-of-text token)"
         for cand in EOS_CANDIDATES:
             if self.tok.token_to_id(cand) is not None:
-                return self.tok.token_to_id(cand)
+                return self.tok.token_to_id(cand), f"{cand} (id {self.tok.token_to_id(cand)}): no eos declared"
         raise TrainError(f"{self.path}: no end-of-text token found (tokenizer_config.json eos_token, or one of "
                          f"{', '.join(EOS_CANDIDATES)}); pass --eos-id")
 

@@ -415,16 +415,11 @@ PHI = Family(
 
 
 # ---- the native mixture formats: a family's trunk with FFN experts ------------------------------------
-def _natives() -> list[MoeConfigMap]:
-    """Every native mixture format's config map (a format's refusal names the one that carries the model)."""
-    return [f.config for f in NATIVE_MIXTURES]
-
-
 def _moe(kind: type[MoeConfigMap], experts: Mapping[str, str], defaults: Mapping[str, Any], **more: Any):
     """A native mixture's config map from its record: the trunk keys and the record's expert keys, its trunk."""
     def build(f: Family) -> MoeConfigMap:
         return kind(f.hf_class, f.model_type, {**TRUNK_FIELDS, **experts}, defaults, f.all_traits["qk_norm"],
-                    f.all_traits["norm_position"], _natives, **more)
+                    f.all_traits["norm_position"], **more)
     return build
 
 
@@ -441,7 +436,8 @@ MIXTRAL = LLAMA.child(
         "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32, "tie_word_embeddings": False,
         "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
         "hidden_act": "silu", "rope_theta": 1e6, "head_dim": None, "num_key_value_heads": None}),
-    gguf=Gguf("llama", gate_norm="topk_softmax"),
+    # llama.cpp's llama adds q/k/v and o biases to a mixture's attention as to a dense model's (a BTX of Qwen2 models)
+    gguf=Gguf("llama", gate_norm="topk_softmax", moe_biases=("q/k/v", "o")),
 )
 
 # the always-on shared expert and its sigmoid gate (Qwen2-MoE, Qwen3.5-MoE)
@@ -450,9 +446,10 @@ _SHARED_EXPERT_ROWS = (*[w(f"model.layers.{{}}.mlp.shared_expert.{p}_proj.weight
                        w("model.layers.{}.mlp.shared_expert_gate.weight", "layers.{}.ffn_shared_gate.weight"))
 
 # Qwen2-MoE: the Llama names with q/k/v biases, a routed FFN (mlp.experts.{e}) and an always-on shared expert with
-# its sigmoid gate.
+# its sigmoid gate; a mixture without biases or a shared expert (a BTX of Qwen2 models) is written with zeros there.
 QWEN2_MOE = QWEN2.child(
-    "qwen2_moe", "Qwen2MoeForCausalLM", stands_for="Qwen2-MoE", summary="HF Qwen2-MoE directory, btx-shared-expert of Llama-family inputs",
+    "qwen2_moe", "Qwen2MoeForCausalLM", stands_for="Qwen2-MoE",
+    summary="HF Qwen2-MoE directory, btx/upcycle/btx-shared-expert of Llama/Qwen2-family inputs (q/k/v biases too)",
     rows=Rows(drop=("layers.{}.attn.o", "layers.{}.ffn.", _ROTARY_BUFFER), add=(
         w("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attn.o.weight"),
         *moe_rows("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
@@ -499,7 +496,7 @@ FLEX_OLMO = OLMO2.child(
 
 # Qwen3.5-MoE: Qwen3.5's trunk (its Gated DeltaNet and gated attention layers, read and written by the qwen3_5_text
 # record) with a sparse MoE block in every layer: softmax over all experts, the top-k renormalized, SwiGLU experts of
-# moe_intermediate_size and an always-on shared expert (zeros of width 1 for a mixture without one: native_moe.py)
+# moe_intermediate_size and an always-on shared expert (all zeros for a mixture without one: native_moe.py)
 QWEN3_5_MOE = QWEN3_5_TEXT.child(
     "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", stands_for="Qwen3.5-MoE", format="qwen3_5_moe",
     summary="HF Qwen3.5-MoE directory, btx/btx-shared-expert/upcycle of Qwen3.5 inputs",

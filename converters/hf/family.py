@@ -76,6 +76,7 @@ class Gguf:
     # the family's QK-norm and norm position: {feature: value}
     picks: Mapping[str, Any] = field(default_factory=dict)
     moe_checks: str | None = None  # a mixture's FFN side is judged as this native format's (None: the record's own)
+    moe_biases: tuple[str, ...] | None = None  # a mixture's: the biases its graph adds (None: as moe_checks judges)
     partial_rotary: bool = False  # rotates the first rope.dimension_count dims of each head (else all of them)
     # the family's own layers, which gguf_table's sections read and write and the family's HF format judges
     # (gguf_export.arch_column): Gated DeltaNet layers and gated attention (Qwen3.5: LINEAR), Gemma 4's per-layer geometry (GEMMA4)

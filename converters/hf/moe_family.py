@@ -7,15 +7,15 @@ router, a final norm and an unscaled head. They differ in the trunk's norms (the
 norm_position: norms before the sublayers or after them, no QK-norm, a per-head or a full-width one) and in how they
 gate, which biases they hold and whether they have a shared expert:
   RenormalizedMoe   top-k gates always renormalized, no biases, no shared expert
-  SharedExpertMoe   a shared expert beside the routed ones, q/k/v biases always (zeros for a model without), the top-k
-                    renormalized when norm_topk_prob
+  SharedExpertMoe   a shared expert beside the routed ones and q/k/v biases, always (zeros for a model without either:
+                    converters/native_moe.py), the top-k renormalized when norm_topk_prob
   AttentionBiasMoe  q/k/v and o biases together (attention_bias), the top-k renormalized when norm_topk_prob
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from bam_surgery.runtime.config import ConfigError, ModelConfig
 
@@ -45,15 +45,9 @@ def _trunk_text(qk_norm: str, norm_position: str, other_position: str) -> str:
     return qk if norm_position == other_position else f"{qk} and {_NORM_POSITIONS[norm_position]}"
 
 
-def trunk_rows(qk_norm: str = "none", norm_position: str = "pre",
-               trunks: Mapping[tuple[str, str], str] | None = None) -> tuple[Carry, ...]:
-    """What the Llama-family mixture trunk with this QK-norm and norm position carries (the column's rows); a model
-    whose trunk another format has is told to use it (`trunks`: (qk_norm, norm_position) -> that format)."""
-    def has_trunk(cfg) -> str:
-        elsewhere = (trunks or {}).get((cfg.qk_norm, cfg.norm_position))
-        hint = f" (use --format {elsewhere})" if elsewhere else ""
-        return _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position) + hint
-
+def trunk_rows(qk_norm: str = "none", norm_position: str = "pre") -> tuple[Carry, ...]:
+    """What the Llama-family mixture trunk with this QK-norm and norm position carries (the column's rows). Which
+    formats do carry a model refused here, converters/export.py:check_export adds to the refusal."""
     return (
         values("activation", ("swiglu",), "SwiGLU FFNs", "activation {}"),
         values("attn_experts", (0,), "dense attention", "{} attention experts"),
@@ -62,7 +56,8 @@ def trunk_rows(qk_norm: str = "none", norm_position: str = "pre",
         values("norm_bias", (False,), "norms without bias", "norm biases"),
         values("block", ("sequential",), "sequential blocks", "block {}"),
         rule(("qk_norm", "norm_position"), lambda cfg: (cfg.qk_norm, cfg.norm_position) == (qk_norm, norm_position),
-             lambda cfg: _trunk_text(qk_norm, norm_position, cfg.norm_position), has_trunk,
+             lambda cfg: _trunk_text(qk_norm, norm_position, cfg.norm_position),
+             lambda cfg: _trunk_text(cfg.qk_norm, cfg.norm_position, norm_position),
              {"qk_norm": qk_norm, "norm_position": norm_position}),
         values("position", ("rope",), "RoPE", "position {}"),
         rule("nope_layers", lambda cfg: not cfg.nope_layers, "RoPE in every layer", "no RoPE in layers {}", "None"),
@@ -119,9 +114,9 @@ def hybrid_rows() -> tuple[Carry, ...]:
     )
 
 
-def shared_expert_row(shared: str) -> Carry:
-    """No shared FFN expert (the format `shared` carries one)."""
-    return values("ffn_shared_hidden", (0,), f"no shared expert (--format {shared} carries one)", "a shared FFN expert")
+def shared_expert_row() -> Carry:
+    """No shared FFN expert."""
+    return values("ffn_shared_hidden", (0,), "no shared expert", "a shared FFN expert")
 
 
 BIASES = ("qkv_bias", "o_bias", "ffn_bias", "lm_head_bias")
@@ -222,30 +217,21 @@ class MoeConfigMap:
     defaults: Mapping[str, Any]  # the config class's defaults (transformers 5.23) for keys a config.json may omit
     qk_norm: str = "none"  # the trunk
     norm_position: str = "pre"
-    natives: Callable[[], Sequence[MoeConfigMap]] = tuple  # every native format's map (a refusal names the others)
     typed_keys: tuple[str, ...] = ()  # config.json keys whose wrong type read_fields would trip on
 
     qkv_bias_always = False  # the architecture always has q/k/v biases (zeros are written for a model without)
     shared_expert = False  # it has a shared expert beside the routed ones
-    zero_shared_expert = False  # ... always (zeros are written for a model without: TrunkMoe)
+    zero_shared_expert = False  # ... always (zeros are written for a model without: SharedExpertMoe, TrunkMoe)
 
     @property
     def rope(self) -> Rope:
         """RoPE as every HF family reads and writes it, with this architecture's default base."""
         return Rope(default_theta=float(self.defaults["rope_theta"]))
 
-    def trunks(self) -> dict[tuple[str, str], str]:
-        """(qk_norm, norm_position) -> the native format without a shared expert that carries that trunk."""
-        out: dict[tuple[str, str], str] = {}
-        for m in self.natives():
-            if not m.shared_expert:
-                out.setdefault((m.qk_norm, m.norm_position), m.model_type)
-        return out
-
     @cached_property
     def column(self) -> Column:
         """What the format carries (converters/carry.py): the trunk's rows, then its own."""
-        return Column(self.model_type, trunk_rows(self.qk_norm, self.norm_position, self.trunks()) + self.own_rows())
+        return Column(self.model_type, trunk_rows(self.qk_norm, self.norm_position) + self.own_rows())
 
     def own_rows(self) -> tuple[Carry, ...]:
         """How the format gates and which biases it holds (a subclass's)."""
@@ -301,7 +287,6 @@ class RenormalizedMoe(MoeConfigMap):
     (written as none) and router jitter."""
 
     def own_rows(self) -> tuple[Carry, ...]:
-        shared = next(m.model_type for m in self.natives() if m.shared_expert)
         # the top-k probabilities renormalized to sum to 1; plain softmax gates agree only when every expert is
         # selected (then the top-k probabilities already sum to 1)
         gates = rule("gate_norm", lambda cfg: cfg.ffn_experts < 2 or cfg.gate_norm == "topk_softmax"
@@ -311,7 +296,7 @@ class RenormalizedMoe(MoeConfigMap):
                                  f"whose gates p_i do not sum to 1, so {self.display}'s outputs would differ (rebuild "
                                  "the mixture with --gate-norm topk_softmax; in a recipe or pipeline, gate_norm: "
                                  "topk_softmax)", "topk_softmax (softmax with top-k = every expert)")
-        return shared_expert_row(shared), bias_row((), "bias-free projections"), gates
+        return shared_expert_row(), bias_row((), "bias-free projections"), gates
 
     @property
     def display(self) -> str:
@@ -326,17 +311,15 @@ class RenormalizedMoe(MoeConfigMap):
 
 @dataclass(frozen=True)
 class SharedExpertMoe(MoeConfigMap):
-    """A shared expert beside the routed ones (scaled by sigmoid(x . w)), q/k/v biases always (a model without them is
-    written with zeros: converters/native_moe.py's with_zero_qkv_bias), the top-k renormalized when norm_topk_prob, every
-    layer sparse, the sliding-window keys written off."""
+    """A shared expert beside the routed ones (scaled by sigmoid(x . w)) and q/k/v biases, always: a model without
+    either is written with zeros that add exactly nothing (converters/native_moe.py), so every Llama/Qwen2-family FFN
+    mixture has this format, a BTX of Qwen2 models (q/k/v biases, no shared expert) among them; the top-k
+    renormalized when norm_topk_prob, every layer sparse, the sliding-window keys written off."""
 
-    qkv_bias_always = shared_expert = True
+    qkv_bias_always = shared_expert = zero_shared_expert = True
 
     def own_rows(self) -> tuple[Carry, ...]:
-        plain = self.trunks().get((self.qk_norm, self.norm_position))
-        return (rule("ffn_shared_hidden", lambda cfg: cfg.ffn_shared_hidden > 0,
-                     f"a shared expert (recipe btx-shared-expert; without one use --format {plain})",
-                     "no shared expert", "> 0"),
+        return (*anything("ffn_shared_hidden", shown="any (an all-zero one where the model has none)"),
                 bias_row(("q/k/v",), "no biases but on q/k/v"),
                 *anything("gate_norm", shown="any (norm_topk_prob)"))
 
@@ -361,8 +344,7 @@ class AttentionBiasMoe(MoeConfigMap):
     sparse: bool = False
 
     def own_rows(self) -> tuple[Carry, ...]:
-        shared = next(m.model_type for m in self.natives() if m.shared_expert)
-        return (shared_expert_row(shared), *attention_bias_rows(), *anything("gate_norm", shown="any (norm_topk_prob)"))
+        return (shared_expert_row(), *attention_bias_rows(), *anything("gate_norm", shown="any (norm_topk_prob)"))
 
     def entries(self, cfg: ModelConfig) -> dict[str, Any]:
         out = {"attention_bias": cfg.qkv_bias, "norm_topk_prob": cfg.gate_norm == "topk_softmax"}
@@ -411,7 +393,7 @@ class TrunkMoe:
     """config.json <-> ModelConfig for a family's own trunk (its dense record's config map, `trunk`: Qwen3.5's Gated
     DeltaNet and gated attention layers) with a sparse MoE block in every layer: a linear router, the softmax over
     all experts with the top-k renormalized to sum to 1, SwiGLU experts, and an always-on shared expert scaled by
-    sigmoid(x . w). A mixture without a shared expert is written with one of zeros (width 1), which adds exactly
+    sigmoid(x . w). A mixture without a shared expert is written with one of zeros (ZERO_SHARED_HIDDEN wide), which adds exactly
     nothing (converters/native_moe.py). The interface of MoeConfigMap."""
 
     architecture: str  # config.json "architectures" entry
@@ -446,7 +428,7 @@ class TrunkMoe:
             rule("ffn_experts", lambda cfg: cfg.ffn_experts >= 2, "FFN experts", "a dense FFN (ffn_experts=0)", ">= 2"),
             values("linear_experts", (0,), "one Gated DeltaNet per linear layer", "{} DeltaNet experts"),
             gates, values("router", ("linear",), "linear routers", "router {}"),
-            *anything("ffn_top_k"), *anything("ffn_shared_hidden", shown="any (zeros of width 1 for none)"),
+            *anything("ffn_top_k"), *anything("ffn_shared_hidden", shown="any (an all-zero one where the model has none)"),
             *anything("attn_top_k", "kv_mode", "attn_router", shown="any (no attention experts)"),
             *anything("router_hidden", "router_temperature", shown="any (linear routers)"),
             *anything(*TRAINING, shown="any (training only)"),

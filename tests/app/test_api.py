@@ -66,6 +66,27 @@ def test_options_are_checked_by_name(tmp_path):
         bs.export_onnx("seed", tmp_path / "x", dtype="fp8")
 
 
+def test_generate_takes_a_loaded_model(tmp_path, one_thread):
+    """generate(load(x)) runs the model load() built, with its tokenizer (no second load from x): the same tokens and
+    text as generate(x); a device or dtype other than the loaded model's is refused in one line."""
+    hf_llama_family(tmp_path, LLAMA, ("seed",))
+    path = str(tmp_path / "seed")
+    loaded = bs.load(path)
+    by_path = bs.generate(path, "def add(a, b):", max_new_tokens=6)
+    by_model = bs.generate(loaded, "def add(a, b):", max_new_tokens=6)
+    assert by_model.tokens == by_path.tokens and len(by_model.tokens) == 6 and by_model.text == by_path.text
+    assert by_model.prompt_tokens == len(loaded.encode("def add(a, b):")) == by_path.prompt_tokens
+    assert by_model.prefill_seconds > 0 and by_model.decode_seconds > 0 and by_model.decode_tokens_per_second > 0
+    assert "prefill 14 tokens in" in by_model.speeds() and ", decode 5 tokens in" in by_model.speeds()
+    again = bs.generate(loaded, tokens=[5, 6, 7], max_new_tokens=1)
+    assert again.tokens == bs.generate(path, tokens=[5, 6, 7], max_new_tokens=1).tokens
+    assert again.decode_tokens_per_second is None and ", decode" not in again.speeds()
+    with pytest.raises(bs.UserError, match="^--dtype bfloat16: the loaded model's weights are float32; load it with "):
+        bs.generate(loaded, "x", dtype="bfloat16")
+    with pytest.raises(bs.UserError, match="^no chat template travels with this model's tokenizer"):
+        bs.generate(loaded, chat="hi")
+
+
 @pytest.mark.slow
 def test_the_documented_session_runs(tmp_path, monkeypatch, one_thread):
     """docs/api.md's Python blocks, run in order in a folder holding what the page says; then the CLI's merge of

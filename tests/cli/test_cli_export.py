@@ -254,6 +254,22 @@ def test_btx_softmax_gates_refused_for_mixtral(family, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("fmt", ["hf", "qwen2_moe"])
+def test_convert_of_a_merged_checkpoint_writes_a_model_card(family, tmp_path, fmt):
+    """Every HF export carries README.md: `convert mix --format hf` (HF BAM) and a native format name the merge's
+    recipe and inputs from the checkpoint's provenance, the config's numbers and how to load the folder."""
+    dirs, _ = family
+    merge(dirs, tmp_path / "mix.safetensors", "--recipe", "bam" if fmt == "hf" else "btx", "--quiet")
+    run_cli("convert", tmp_path / "mix.safetensors", "--format", fmt, "--out", tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    recipe = "bam" if fmt == "hf" else "btx"
+    assert card.startswith("---\nlibrary_name: transformers\ntags: [bam-surgery, mixture-of-experts]\n---\n# out\n")
+    assert f"recipe **{recipe}**" in card and f"`{dirs['code']}`" in card and "## Config" in card
+    assert ("trust_remote_code=True" in card) == (fmt == "hf")
+    if fmt == "qwen2_moe":
+        assert "Qwen2MoeForCausalLM, no remote code" in card and "a shared expert, which this model has not" in card
+
+
 # ---- 5. tokenizers across inputs --------------------------------------------------------------------
 def test_differing_tokenizer_warns_and_differing_vocab_refuses(family, tmp_path):
     dirs, models = family
@@ -316,6 +332,9 @@ def test_convert_hf_to_hf_keeps_tokenizer(family, tmp_path):
     run_cli("convert", dirs["code"], "--out", out, "--format", "hf")  # architecture from the input
     for name in TOKENIZER_NAMES:
         assert (out / name).read_bytes() == (dirs["code"] / name).read_bytes(), name
+    card = (out / "README.md").read_text()
+    assert f"as the `hf` format from\n`{dirs['code']}`" in card and "LlamaForCausalLM" not in card
+    assert "| rope_theta " in card or "rope_theta" in card
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     x = tokens(5)
     assert torch.equal(logits(reloaded, x), logits(models["code"], x))

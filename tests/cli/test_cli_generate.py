@@ -183,8 +183,8 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, tmp_path):
         ((ckpt, "--tokens", "1", "--max-new-tokens", "-3"), "--max-new-tokens: '-3' is not an integer >= 0"),
         ((ckpt, "--tokens", "1", "--temperature", "hot"), "--temperature: 'hot' is not a number >= 0"),
         ((ckpt, "--tokens", "1", "--top-p", "0"), "--top-p: '0' is not a number in (0, 1]"),
-        ((ckpt,), "exactly one of --prompt TEXT and --tokens"),
-        ((ckpt, "--prompt", "w5", "--tokens", "5"), "exactly one of --prompt TEXT and --tokens"),
+        ((ckpt,), "exactly one of --prompt TEXT, --tokens"),
+        ((ckpt, "--prompt", "w5", "--tokens", "5"), "exactly one of --prompt TEXT, --tokens"),
         # no tokenizer carried, and the byte fallback does not fit a vocabulary of 64
         ((root / "lone" / "mix.safetensors", "--prompt", "w5"), "tokenizer bytes has 256 tokens"),
         ((ckpt, "--prompt", "w5", "--tokenizer", "bytes"), "tokenizer bytes has 256 tokens"),

@@ -50,6 +50,7 @@ RUN_JSON = {
     "init-list": ({"init": [1]}, "field 'init' must be an object"),
     "experts-str": ({"experts": "ab"}, "field 'experts' must be an object"),
     "tokenizer-fingerprint": ({"tokenizer": {"name": "x", "fingerprint": 5}}, "field 'fingerprint' must be a string"),
+    "tokenizer-eos": ({"tokenizer": {"name": "x", "fingerprint": "y", "eos_id": "0"}}, "field 'eos_id' must be an integer"),
     "deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     "deep-64": (b'{"init": ' + b"[" * 100 + b"]" * 100 + b"}", "nested more than 64 deep"),
 }
@@ -207,3 +208,19 @@ def test_a_run_folder_with_what_the_tool_did_not_write_is_not_touched(finished, 
     line = error_line_of(again(finished, run, code=2))
     assert "run folder exists" in line, line
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_the_document_separator_is_recorded_and_kept_on_resume(finished, tmp_path):
+    """run.json and the model card say which token separated the documents and why; a resumed run keeps its own
+    separator (here one the rule would not choose today) rather than the rule's."""
+    from conftest import run_cli
+
+    info = json.loads((finished / "run.json").read_text())
+    assert (info["tokenizer"]["eos_id"], info["tokenizer"]["eos_reason"]) == (0, "the byte tokenizer's end of text (id 0)")
+    card = finished / "checkpoints" / "step-00000002" / "README.md"
+    assert "- Document separator: the byte tokenizer's end of text (id 0)" in card.read_text()
+    run = copy_of(finished, tmp_path)
+    info["tokenizer"].update(eos_id=5, eos_reason="--eos-id 5", fingerprint="bytes-v1-eos5")
+    (run / "run.json").write_text(json.dumps(info))
+    run_cli("train", "--out", run, "--resume", "--steps", 3)
+    assert json.loads((run / "run.json").read_text())["tokenizer"]["eos_id"] == 5

@@ -15,7 +15,8 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
   chat tokens in it; the file has no chat template (neither tokenizer has one), Gemma's turn format encodes alike,
   and the rebuilt generation config stops at <eos> and <end_of_turn>;
 * generate: `bam-surgery generate model.gguf --prompt CHAT` greedy-continues Gemma's chat turn with the tokens of
-  transformers' generate on its GGUF-loaded model;
+  transformers' generate on its GGUF-loaded model; `--chat` is refused in one line (no chat template travels with
+  the file) and, given Gemma 3's template (--chat-template FILE), train/chat.py renders apply_chat_template's ids;
 * a merge: recipe bam (default gates) of the seed with itself as two more experts reproduces the seed
   (IDENTITY_TOL): attention experts, (1 + w) norms, sliding windows and all.
 """
@@ -29,7 +30,7 @@ import torch
 
 from bam_surgery.converters import open_checkpoint
 from bam_surgery.runtime import load_model, model_from_reader
-from conftest import run_cli
+from conftest import GEMMA3_CHAT_TEMPLATE as GEMMA3_TEMPLATE, run_cli
 # transformers_gguf: the SmolLM2 module's fixture, here over this module's `seed` (the Gemma GGUF)
 from test_real_seed import _need, assert_logits_equal, sample_text, transformers_gguf  # noqa: F401 (a fixture)
 
@@ -120,6 +121,32 @@ def test_chat_turn_and_generation_config(transformers_gguf, rebuilt):
     assert generation == {"bos_token_id": tok.bos_token_id, "eos_token_id": [tok.eos_token_id, end_of_turn],
                           "pad_token_id": tok.pad_token_id}
     assert hf.generation_config.eos_token_id in (tok.eos_token_id, [tok.eos_token_id])
+
+
+def test_chat_without_a_template_is_refused_and_a_template_file_gives_transformers_ids(seed, transformers_gguf,
+                                                                                      rebuilt, tmp_path):
+    """The GGUF carries no chat template: `generate --chat` says so in one line and what to do; with
+    --chat-template FILE (Gemma 3's), the prompt is apply_chat_template's ids (the same template given to
+    transformers' GGUF tokenizer) and the turn format written out above (CHAT_PROMPT)."""
+    from bam_surgery.train.chat import chat_messages, chat_prompt_ids, template_file
+    from bam_surgery.train.tokenize import HFTokenizer
+
+    tok, _ = transformers_gguf
+    result = run_cli("generate", seed, "--chat", "What is the capital of France?", code=2)
+    line = result.stderr.strip()
+    assert line.startswith("bam-surgery: error: no chat template travels with this model's tokenizer") and \
+        "--chat-template FILE" in line and "\n" not in line, line
+    (tmp_path / "gemma3.jinja").write_text(GEMMA3_TEMPLATE)
+    mine = HFTokenizer(rebuilt["tokenizer.json"])
+    for messages in (chat_messages("What is the capital of France?"),
+                     chat_messages("  Capital of Peru?  ", "Answer in one word."),
+                     chat_messages("café 日本語 🦙 <end_of_turn> inside")):
+        expected = list(tok.apply_chat_template(messages, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+        assert chat_prompt_ids(mine, messages, template_file(tmp_path / "gemma3.jinja")) == expected, messages
+    # the turn format test_generate_greedy_equals_transformers continues (with BOS), so --chat continues it alike
+    assert chat_prompt_ids(mine, chat_messages("What is the capital of France?"), (GEMMA3_TEMPLATE, "t")) == \
+        tok(CHAT_PROMPT).input_ids
 
 
 def test_generate_greedy_equals_transformers(seed, transformers_gguf, rebuilt):

@@ -10,7 +10,7 @@ BAM_COMPAT_STAGE=1 makes a missing package a failure; skipped elsewhere. Nothing
   gguf_file=...)) on a mixed code / prose / law sample within LOGIT_TOL; both dequantize Q4_1 to f32, so what is left
   is f32 rounding over 30 layers;
 * the tokenizer: the rebuilt tokenizer.json encodes the sample to transformers' GGUF tokenizer's ids, and the chat
-  template renders the same text;
+  template renders the same text; `generate --chat` (train/chat.py) gives apply_chat_template's ids;
 * `convert model.gguf --format hf`: transformers loads the folder and greedy-continues "The capital of France is" with
   the runtime's tokens (runtime.generation.generate), through the tokenizer files the folder carries;
 * count-params, inspect and merge take the .gguf path; a merge of the seed with two specialists (the seed with
@@ -153,6 +153,36 @@ def test_tokenizer_and_chat_template_equal_transformers(transformers_gguf, ours)
             tok.apply_chat_template(messages, tokenize=False, **kw)
     generation = json.loads(files["generation_config.json"].read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+
+
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Peru?"}],
+         [{"role": "user", "content": "  café 日本語 🦙\n<|im_end|> inside  "}]]
+
+
+def test_chat_prompt_ids_equal_transformers(seed, transformers_gguf, ours):
+    """train/chat.py renders SmolLM2's own chat template (the GGUF's tokenizer.chat_template, carried in the rebuilt
+    tokenizer_config.json) to apply_chat_template(add_generation_prompt=True)'s ids, and `generate --chat --system`
+    continues exactly those ids."""
+    from bam_surgery.train.chat import chat_prompt_ids
+    from bam_surgery.train.tokenize import HFTokenizer
+
+    tok, _ = transformers_gguf
+    model, files = ours
+    mine = HFTokenizer(files["tokenizer.json"])
+    for messages in CHATS:
+        expected = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"])
+        assert chat_prompt_ids(mine, messages) == expected, messages
+    messages = CHATS[1]
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"])
+    result = run_cli("generate", seed, "--system", messages[0]["content"], "--chat", messages[1]["content"],
+                     "--max-new-tokens", 6)
+    new = generate(model, torch.tensor([ids]), 6, eos_token_id=tok.eos_token_id)[0].tolist()
+    assert result.stdout == tok.decode(new) + "\n"
+    assert result.stderr.startswith(f"{len(new)} new tokens after {len(ids)} prompt tokens: prefill")
+    print(f"\nSmolLM2 --chat: {len(ids)} prompt ids equal to transformers', answer {tok.decode(new)!r}")
 
 
 def test_demo_real_chat_prompt_is_smollm2s_template(transformers_gguf):

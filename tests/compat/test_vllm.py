@@ -3,8 +3,8 @@ kind's export, on vLLM's CPU backend.
 
 Run by `make test-compat` in .venv-compat/vllm (requirements-vllm.txt; there BAM_COMPAT_STAGE=1 makes a missing
 vllm a failure, not a skip). HF BAM exports go through this package's plugin (converters/vllm_bam/, found by
-vLLM through the entry point alone: no remote code, no flag); the Mixtral, Qwen2-MoE and dense (Llama) exports
-through vLLM's own models. Each kind's server is started once (loading takes about a minute on a loaded 2-core
+vLLM through the entry point alone: no remote code, no flag); the Mixtral, Qwen2-MoE (a shared-expert mixture, and
+a BTX of Qwen2 models with its all-zero shared expert) and dense (Llama) exports through vLLM's own models. Each kind's server is started once (loading takes about a minute on a loaded 2-core
 machine) on 127.0.0.1 and answers
   - one /v1/completions request with a batch of token-id prompts of different lengths: the greedy tokens equal
     runtime.generate's, and each chosen token's logprob is within LOGPROB_TOL of the runtime's log-softmax;
@@ -59,6 +59,8 @@ KINDS = {
     "btx-bam": ("hf", BTX),
     "shared-expert-qwen2-moe": ("qwen2_moe", SHARED),
     "shared-expert-bam": ("hf", dict(SHARED, router="mlp")),
+    # a BTX of Qwen2 models (q/k/v biases, which Mixtral cannot carry) as Qwen2-MoE with an all-zero shared expert
+    "btx-qwen2-qwen2-moe": ("qwen2_moe", dict(BTX, qkv_bias=True)),
     # the native formats of the newer families: Qwen3-MoE (per-head QK-norm, YaRN) and FlexOlmo (OLMo 2's post-norms
     # and full-width QK-norm), which vLLM runs with its own model classes
     "btx-qwen3-moe": ("qwen3_moe", dict(BTX, qk_norm="head",

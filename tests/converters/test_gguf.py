@@ -530,7 +530,8 @@ def test_canonical_folder_carries_its_tokenizer(tmp_path):
     (dict(block="parallel"), "block parallel"),
     (dict(rotary_fraction=0.5), "rotary_fraction 0.5"),
     (dict(position="learned"), "position learned"),
-    (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax"), "gate_norm softmax"),
+    # softmax gates go to qwen2moe (a zero shared expert), which needs n_heads * head_dim = d_model: llama's refusal
+    (dict(ffn_experts=3, ffn_top_k=1, gate_norm="softmax", head_dim=24), "gate_norm softmax"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", router="mlp"), "router mlp"),
     (dict(ffn_experts=2, gate_norm="topk_softmax", ffn_shared_hidden=32), "--gate-norm softmax"),
     (dict(ffn_experts=2, ffn_shared_hidden=32, head_dim=24), "4 heads of 24 in d_model 64"),
@@ -543,7 +544,8 @@ def test_capability_refused_from_config_alone(overrides, needle):
         check_export("gguf", cfg, recipe="bam")
     message = str(e.value)
     assert needle in message and "\n" not in message
-    assert "canonical, hf or onnx formats" in message or "canonical, hf, qwen2_moe or onnx formats" in message
+    assert message.endswith(("; the hf or onnx formats carry it", "; the qwen2_moe, hf or onnx formats carry it",
+                             "; --format onnx carries it")), message
 
 
 def test_a_logit_scale_goes_to_granite():
@@ -575,7 +577,7 @@ def test_refusal_reads_no_tensor(tmp_path):
 def test_bam_mixture_refused_in_one_line(tmp_path):
     paths = seed_and_experts(tmp_path, llama_config())
     line = error_line(merge_family(paths, tmp_path / "bam.gguf", "--format", "gguf", code=2), "attention experts",
-                      "recipe bam", "canonical, hf or onnx")
+                      "recipe bam", "; the hf or onnx formats carry it")
     assert "llama.cpp" in line
     merge_family(paths, tmp_path / "bam.safetensors")
     cli_error_line("export-gguf", tmp_path / "bam.safetensors", "--out", tmp_path / "b.gguf")
@@ -796,6 +798,35 @@ def test_llama_cpp_btx_mixture(llama_cpp, tmp_path, one_thread):
     assert chosen.unique().numel() == 3
     diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, prompt, F32_TOL)
     print(f"\nbtx mixture: max|dlogit| f32 {diff:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # BTX's top-2 renormalized gates: llama.cpp's llama (Mixtral's graph), which adds the q/k/v biases of a Qwen2 model
+    # (and an o bias)
+    ("llama", dict(qkv_bias=True, o_bias=True), ("--gate-norm", "topk_softmax", "--ffn-top-k", "2")),
+    # the paper's top-1 softmax gates, which llama's graph would renormalize: qwen2moe with an all-zero shared expert
+    ("qwen2moe", dict(qkv_bias=True), ("--gate-norm", "softmax", "--ffn-top-k", "1")),
+], ids=["topk-softmax-llama", "softmax-qwen2moe"])
+def test_llama_cpp_btx_of_qwen2_models(llama_cpp, tmp_path, case, one_thread):
+    """A BTX of Qwen2-shaped models (q/k/v biases) runs in llama.cpp with the runtime's logits and greedy tokens."""
+    arch, shape, gates = case
+    paths = seed_and_experts(tmp_path, llama_config(**shape))
+    btx = ("--recipe", "btx", *gates, "--router-std", "0.5")
+    merge_family(paths, tmp_path / "btx.gguf", *btx, "--format", "gguf")
+    merge_family(paths, tmp_path / "btx.safetensors", *btx)
+    f = fields(tmp_path / "btx.gguf")
+    assert f["general.architecture"] == arch and "blk.0.attn_q.bias" in tensors(tmp_path / "btx.gguf")
+    if arch == "qwen2moe":
+        assert "shared expert of 32 hidden units written as zeros" in f["general.description"]
+        assert not tensors(tmp_path / "btx.gguf")["blk.1.ffn_down_shexp.weight"].data.any()
+    model = load_model(tmp_path / "btx.safetensors")
+    prompt = list(range(40, 60))
+    with torch.no_grad():  # the routers spread tokens over all experts
+        chosen = next(iter(model(torch.tensor([prompt])).routing.values())).topk
+    assert chosen.unique().numel() >= 2
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "btx.gguf"), model, prompt, F32_TOL)
+    print(f"\nbtx of qwen2 models as {arch}: max|dlogit| f32 {diff:.2e}")
 
 
 @pytest.fixture(scope="module")

@@ -165,8 +165,9 @@ def qwen_specialists(tmp_path_factory):
 def test_qwen3_5_moe_computes_the_mixture(qwen_specialists, tmp_path, recipe):
     """A BTX of Qwen3.5 (and with the seed as the shared expert) as Qwen3_5MoeForCausalLM: transformers' logits
     equal the runtime's on the canonical merge, in one pass and through its cache; read back, the same mixture (a
-    BTX without a shared expert gains a zero one of width 1)."""
+    BTX without a shared expert gains an all-zero one)."""
     from conftest import load_hf_native, merge_family
+    from bam_surgery.converters.native_moe import ZERO_SHARED_HIDDEN
     from bam_surgery.runtime import load_model
 
     args = ("--recipe", recipe, "--ffn-top-k", "2", "--gate-norm", "topk_softmax")
@@ -184,7 +185,7 @@ def test_qwen3_5_moe_computes_the_mixture(qwen_specialists, tmp_path, recipe):
             got = ours(x[:, a:b], input_pos=torch.arange(a, b), cache=cache).logits
             assert (got - ref).abs().max().item() <= TOL, (a, b)
     with open_checkpoint(str(tmp_path / "native")) as back, open_checkpoint(str(tmp_path / "mix.safetensors")) as mix:
-        shared = mix.config.ffn_shared_hidden or 1
+        shared = mix.config.ffn_shared_hidden or ZERO_SHARED_HIDDEN
         assert back.config.replace(name="") == mix.config.replace(ffn_shared_hidden=shared, name="", z_coef=0.0)
         for n in mix.names():
             assert torch.equal(back.get(n), mix.get(n)), n

@@ -139,19 +139,21 @@ def test_refusals_are_one_line(specialists, tmp_path):
                               ",".join(map(str, specialists[case][1:])), "--out", out, "--format", fmt, *args)
 
     line = refused("llama3.2", "qwen3_moe", *BTX)
-    assert "qwen3_moe export needs a per-head QK-norm; recipe btx has no QK-norm (use --format mixtral)" in line
+    assert ("qwen3_moe export needs a per-head QK-norm; recipe btx has no QK-norm; the mixtral, qwen2_moe, hf, onnx "
+            "or gguf formats carry it") in line
     line = refused("qwen3", "flex_olmo", *BTX)
     assert ("flex_olmo export needs a full-width QK-norm and norms after attention and FFN; recipe btx has a per-head "
-            "QK-norm and norms before attention and FFN (use --format qwen3_moe)") in line
+            "QK-norm and norms before attention and FFN; the qwen3_moe, hf, onnx or gguf formats carry it") in line
     line = refused("qwen3", "qwen3_moe", "--recipe", "bam", "--router", "mlp")
     assert "dense attention and linear routers" in line and "attention experts, router mlp" in line
-    assert "no shared expert (--format qwen2_moe carries one)" in refused("qwen3", "qwen3_moe", "--recipe",
-                                                                         "btx-shared-expert")
+    assert refused("qwen3", "qwen3_moe", "--recipe", "btx-shared-expert").endswith(
+        "needs no shared expert; recipe btx-shared-expert has a shared FFN expert; the hf or onnx formats carry it")
     line = refused("qwen3", "mixtral", *BTX, "--gate-norm", "topk_softmax")
-    assert "mixtral export needs no QK-norm; recipe btx has a per-head QK-norm (use --format qwen3_moe)" in line
+    assert ("mixtral export needs no QK-norm; recipe btx has a per-head QK-norm; the qwen3_moe, hf, onnx or gguf "
+            "formats carry it") in line
     line = refused("olmo2", "mixtral", *BTX, "--gate-norm", "topk_softmax")
     assert ("needs no QK-norm and norms before attention and FFN; recipe btx has a full-width QK-norm and norms after "
-            "attention and FFN (use --format flex_olmo)") in line
+            "attention and FFN; the flex_olmo, hf or onnx formats carry it") in line
     line = refused("smollm3", "qwen2_moe", "--recipe", "btx-shared-expert")
     assert "RoPE in every layer" in line and "no RoPE in layers [3]" in line
     line = refused("qwen3", "phimoe", *BTX)

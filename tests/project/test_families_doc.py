@@ -1,4 +1,5 @@
-"""docs/families.md, the families x recipes x formats table, is what docs/gen_families.py computes from the code
+"""docs/families.md, the families x recipes x formats table, and docs/deploy.md's per-family table of routes are what
+docs/gen_families.py and docs/gen_deploy.py compute from the code
 today (each family's config map, each recipe's mixture config, each format's own capability check), and its
 verdicts hold where they matter most: every family's seed exports as its own HF architecture, every mixture as
 HF BAM, and a refusal is the format's one line."""
@@ -36,3 +37,18 @@ def test_the_table_covers_every_readable_architecture_and_recipe():
     assert set(gen.families()) == dense
     rows = {row for _, row in gen.cells()}
     assert rows == {"dense", *available_recipes()}
+
+
+def test_the_deploy_table_is_current():
+    """docs/deploy.md's per-family table (docs/gen_deploy.py, from the same verdicts)."""
+    assert_doc_current(doc_generator("gen_deploy"))
+
+
+def test_every_btx_of_a_llama_or_qwen2_family_has_a_native_route_to_every_client():
+    """Issue 41: a BTX (and an upcycling) of Qwen2 models (q/k/v biases) reaches transformers and vLLM natively and
+    llama.cpp; so does one of Llama models."""
+    routes = doc_generator("gen_deploy").routes()
+    for family in ("llama", "qwen2"):
+        for recipe in ("btx", "upcycle"):
+            hf, vllm, gguf = routes[family, recipe]
+            assert "`qwen2_moe`" in hf and "vLLM's own model" in vllm and gguf.startswith("`gguf`"), (family, recipe)

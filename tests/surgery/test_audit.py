@@ -16,7 +16,7 @@ from bam_surgery.runtime.checkpoint import save_checkpoint
 from bam_surgery.runtime.config import ModelConfig, preset
 from bam_surgery.runtime.layout import GROUPS, tensor_group, tensor_shapes
 from bam_surgery.surgery.audit import PAPER_DEVIATIONS, audit, audit_checkpoint
-from bam_surgery.surgery.inspect import inspect_checkpoint
+from bam_surgery.surgery.inspect import inspect_checkpoint, key_config
 
 SMALL = preset("paper-small")
 LARGE = preset("paper-large")
@@ -425,6 +425,11 @@ def test_inspect_table_and_json(tiny_ckpt):
     line = next(x for x in tensors_section.splitlines() if x.strip().startswith("ffn_experts "))
     assert line.split()[1:] == ["6", "196,608", "49,152", "393,216", "bfloat16"]
     assert "ok: every tensor name and shape matches" in text
+    config = {ln.split()[0]: ln.split()[1:] for ln in text.split("\nconfig\n")[1].split("\n\n")[0].splitlines()[2:]}
+    for field in ("rope_theta", "norm_eps", "qkv_bias", "o_bias", "max_positions", "qk_norm", "scaled_rope", "lb_coef"):
+        shown = " ".join(config[field])
+        value = getattr(TINY_BAM, field)
+        assert shown == ("-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)), field
 
     res = invoke(inspect_cmd, [tiny_ckpt, "--json"])
     out = json.loads(res.output)
@@ -435,6 +440,18 @@ def test_inspect_table_and_json(tiny_ckpt):
     assert out["bytes"] == 2 * expert_params + 4 * (out["params"] - expert_params)  # bf16 experts, f32 rest
     assert out["groups"]["embeddings"] == {"tensors": 2, "params": 2 * 256 * 64, "active": 2 * 256 * 64,
                                            "bytes": 4 * 2 * 256 * 64, "dtypes": ["float32"]}
+
+
+def test_inspect_shows_a_familys_own_numbers_where_they_are_not_the_default():
+    """Granite's multipliers and attention scale, Ministral 3's attention temperature: in the table where the model
+    has them, absent where it has not."""
+    plain = TINY_BAM.replace(attn_experts=0, kv_mode="expert", attn_top_k=None)
+    granite = plain.replace(embedding_multiplier=12.0, residual_multiplier=0.22, attn_scale=0.0625)
+    shown = key_config(granite)
+    assert (shown["embedding_multiplier"], shown["residual_multiplier"], shown["attn_scale"]) == (12.0, 0.22, 0.0625)
+    assert "attn_temperature" not in shown and "embedding_multiplier" not in key_config(plain)
+    tempered = key_config(plain.replace(attn_temperature=0.1, attn_temperature_length=512))
+    assert (tempered["attn_temperature"], tempered["attn_temperature_length"]) == (0.1, 512)
 
 
 def test_inspect_sharded_directory_without_provenance(tmp_path):

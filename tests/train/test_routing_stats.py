@@ -163,7 +163,7 @@ def test_tables_json_and_plots(tmp_path, merged, data, cache):
         ["0", "1", "mean"]
 
     body = json.loads(run(*args, "--json").output)
-    assert set(body) == {"checkpoint", "compare", "tokenizer", "seq_len", "experts", "domains"}
+    assert set(body) == {"checkpoint", "compare", "tokenizer", "separator", "seq_len", "experts", "domains"}
     assert body["experts"] == {"ffn": ["seed", "code", "law"], "attn": ["seed", "code", "law"]}
     assert body["compare"] is None and set(body["domains"]) == {"code", "law"}
     code = body["domains"]["code"]

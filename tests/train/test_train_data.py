@@ -170,6 +170,36 @@ def test_hf_tokenizer_eos_and_vocabulary_checks(tmp_path):
         resolve_tokenizer("bytes", None, vocab_size=64)
 
 
+@pytest.mark.parametrize("specials, declared, fallback, expected, reason", [
+    # an instruct model declares its chat end-of-turn; documents get the end-of-text token its pretraining used
+    (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|endoftext|>",
+     "<|endoftext|> (id 1): the vocabulary's end-of-text token, not tokenizer_config.json's eos_token <|im_end|> "
+     "(id 3), a chat end-of-turn"),
+    (["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], "<|eot_id|>", None, "<|end_of_text|>", "(id 2)"),
+    (["<bos>", "<eos>", "<end_of_turn>"], "<end_of_turn>", None, "<eos>", "not tokenizer_config.json's eos_token"),
+    # a base model: its declared eos is the end-of-text token
+    (["<|endoftext|>", "</s>"], "</s>", None, "</s>", "</s> (id 2): tokenizer_config.json's eos_token, an end-of-text"),
+    # no end-of-text token in the vocabulary: the declared eos, whatever it is
+    (["<|im_start|>", "<|im_end|>"], "<|im_end|>", None, "<|im_end|>", "(the vocabulary has no end-of-text token)"),
+    # no tokenizer_config.json eos_token: the model config's eos_token_id, by the same rule
+    (["<|endoftext|>", "<|im_end|>"], None, 2, "<|endoftext|>", "not the model config's eos_token_id <|im_end|>"),
+])
+def test_document_separator_rule(tmp_path, specials, declared, fallback, expected, reason):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *specials, "hello"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": declared} if declared else {}))
+    chosen = HFTokenizer(tmp_path / "tokenizer.json", fallback_eos=fallback)
+    assert chosen.eos_id == vocab[expected] and reason in chosen.eos_reason, chosen.eos_reason
+    forced = HFTokenizer(tmp_path / "tokenizer.json", eos_id=vocab["hello"])
+    assert (forced.eos_id, forced.eos_reason) == (vocab["hello"], f"--eos-id {vocab['hello']}")
+    assert forced.fingerprint != chosen.fingerprint  # the token cache keys on the separator
+
+
 def test_tokenizer_defaults(tmp_path):
     assert isinstance(resolve_tokenizer(None, None, vocab_size=256), ByteTokenizer)
     with pytest.raises(TrainError, match="no tokenizer found for a model with vocab_size 32000"):
