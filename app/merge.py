@@ -6,9 +6,11 @@
 
 Walk: the request's own checks (before any checkpoint is opened), the inputs opened (headers only), the
 plan compiled (surgery/plan.py) and the format's capability checked from its config, the warm start
-(surgery/warm_start.py, with --router-init domain-mean|profile), then OUT checked once (the OUT policy and
+(surgery/warm_start.py, with --router-init domain-mean|profile) and the routers from prompts (surgery/prompts.py,
+with --router-prompts: the file read before any checkpoint is opened), then OUT checked once (the OUT policy and
 the branch check) and written: canonical by surgery/execute.py (with the seed's side files), any other format
-through app/exports.py from a PlanReader (no intermediate canonical file). A dry run stops after the plan and returns it unwritten.
+through app/exports.py from a PlanReader (no intermediate canonical file). A dry run stops after the plan and
+returns it unwritten.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from bam_surgery.surgery.options import MergeOptions
 from bam_surgery.surgery.inspect import render_audit
 from bam_surgery.surgery.plan import Plan, compile_plan, format_plan
 from bam_surgery.surgery.plan_reader import PlanReader
+from bam_surgery.surgery.prompts import check_prompts, prompt_start, read_prompt_file
 from bam_surgery.surgery.recipe import Recipe, load_recipe
 
 from .exports import ExportRequest, carried_files, check_format_out, export_inputs, write_export
@@ -64,13 +67,18 @@ def merge(inputs: Sequence[MergeInput], out: str | os.PathLike | None, *, recipe
     reporter = reporter or Reporter()
     the_recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # before any checkpoint is opened
     shard_bytes = check_request(out, options, fmt, max_shard_size, dry_run)
+    prompts = read_prompt_file(options.router_prompts) if options.router_prompts else None
     names = input_names([spec for _, spec in inputs], [name for name, _ in inputs])
     with ExitStack() as opened:
         readers = [opened.enter_context(open_input(spec, allow_pickle)) for _, spec in inputs]
         plan = compile_plan(the_recipe, readers, options, names=names)
         check_export(fmt, plan.config, recipe=the_recipe.name)  # from the plan's config, before any read
+        if prompts is not None:
+            check_prompts(plan, prompts)
         if options.warm_start and not dry_run:  # a stage before the streamed merge: reads inputs and data
             plan = _warm_start(plan, options, reporter.log)
+        if prompts is not None and not dry_run:  # likewise: runs the prompts through the merged model
+            plan = prompt_start(plan, prompts, options.tokenizer, reporter.log)
         if dry_run:
             return MergeResult(plan, None, audit_checkpoint(PlanReader(plan, hash_inputs=False)))
         out = Path(out)

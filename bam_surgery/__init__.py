@@ -6,6 +6,7 @@ both (app/api.py over app/):
     import bam_surgery as bs
     m = bs.load("seed.gguf")                                   # any checkpoint: model and tokenizer
     bs.merge("seed/", ["code=code/", "law=law/"], "mix.safetensors", ffn_top_k=1)
+    bs.extend("run/", ["math=math/"], "mix-plus-math/")          # specialists added to a trained mixture
     bs.convert("mix.safetensors", "mix-hf", "hf")              # export_onnx, export_gguf
     bs.train_model(init="mix.safetensors", data="code=data/domains/code", out="run", steps=20)
     bs.evaluate("run", "code=data/domains/code"); bs.generate("run", "def fib(n):")
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it (loaded when the name is first used: PEP 562)
 _API = {name: "bam_surgery.app.api" for name in (
-    "load", "merge", "convert", "export_onnx", "export_gguf", "train_model", "evaluate", "routing_stats", "generate",
+    "load", "merge", "extend", "convert", "export_onnx", "export_gguf", "train_model", "evaluate", "routing_stats", "generate",
     "count_params", "inspect", "formats")}
 _API.update(UserError="bam_surgery.app.errors", Reporter="bam_surgery.app.reporter", Quiet="bam_surgery.app.reporter")
 

@@ -57,10 +57,12 @@ def _summary_of(folder: Path) -> dict[str, Any]:
             "models": models, "stages": stages, "provenance": rep.get("provenance", {}),
             "shape": {"vocab_size": model.get("vocab_size"), "d_model": model.get("d_model"),
                       "seq_len": rep["seq_len"], "dense_flops_per_token": dense_fpt,
-                      "flops_per_token": rep["compute"]["flops_per_token"]}}
+                      "flops_per_token": rep["compute"]["flops_per_token"],
+                      **({"throughput": rep["compute"]["throughput"], "steps": rep["compute"]["steps"],
+                          "reference": rep["compute"]["reference"]} if rep["compute"].get("throughput") else {})}}
 
 
-def summarize(folders: list[Path]) -> dict[str, Any]:
+def summarize(folders: list[Path], note: str | None = None) -> dict[str, Any]:
     reps = [json.loads((f / "report.json").read_text(encoding="utf-8")) for f in folders]
     names = {r["pipeline"] for r in reps}
     if len(names) != 1:
@@ -69,7 +71,7 @@ def summarize(folders: list[Path]) -> dict[str, Any]:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"two folders hold the same seed: {seeds}")
     runs = sorted((_summary_of(f) for f in folders), key=lambda r: r["seed"])
-    return {"pipeline": names.pop(), "runs": runs}
+    return {"pipeline": names.pop(), "runs": runs, **({"note": note} if note else {})}
 
 
 # ---- claims --------------------------------------------------------------------------------------------
@@ -95,17 +97,27 @@ def _avg(run: dict, mid: str, col: str = "average") -> float:
     return m["average_perplexity"] if col == "average" else m["perplexity"][col]
 
 
-def _cm(run: dict, name: str) -> str:
-    """The compute-matched run of a mixture (its data-matched run where the two are one)."""
+def _cm(run: dict, name: str, setting: str = "cm") -> str:
+    """The compute-matched (or time-matched: setting tm) run of a mixture (its data-matched run where the two are
+    one)."""
     ids = _models(run)
-    return f"cm-{name}" if f"cm-{name}" in ids else f"dm-{name}"
+    return f"{setting}-{name}" if f"{setting}-{name}" in ids else f"dm-{name}"
 
 
 def _dense(run: dict, setting: str) -> str | None:
     ids = _models(run)
-    if setting == "cm" and "dense-cm" in ids:
-        return "dense-cm"
+    if setting != "dm" and f"dense-{setting}" in ids:
+        return f"dense-{setting}"
     return "dense-dm" if "dense-dm" in ids else None
+
+
+def _has(run: dict, setting: str) -> bool:
+    """Did the run train in `setting` (data-matched, compute-matched, time-matched)?"""
+    return any(setting in (m["settings"] or []) for m in run["models"])
+
+
+def _timed(run: dict) -> bool:
+    return _has(run, "time-matched")
 
 
 def claims(runs: list[dict]) -> list[tuple[str, str, str, list[float]]]:
@@ -133,6 +145,11 @@ def claims(runs: list[dict]) -> list[tuple[str, str, str, list[float]]]:
                                                        for r in runs]))
     add("BAM beats BTX, DM", "dm-bam", "dm-btx")
     add("BAM beats BTX, CM", _cm(first, "bam"), _cm(first, "btx"))
+    if _timed(first):
+        add("BAM beats BTX, TM", _cm(first, "bam", "tm"), _cm(first, "btx", "tm"))
+    add("Drop-Upcycling (r 0.5) beats upcycling, DM", "dm-drop-upcycle", "dm-upcycle")
+    add("fine-grained upcycling (G 4) beats upcycling, DM", "dm-fine-grained", "dm-upcycle")
+    add("fine-grained upcycling beats Drop-Upcycling, DM", "dm-fine-grained", "dm-drop-upcycle")
     add("BAM shared KV beats BTX, DM", "dm-bam-shared-kv", "dm-btx")
     add("BAM shared KV beats BTX, CM", _cm(first, "bam-shared-kv"), _cm(first, "btx"))
     add("expert KV beats shared KV, DM", "dm-bam", "dm-bam-shared-kv")
@@ -142,12 +159,13 @@ def claims(runs: list[dict]) -> list[tuple[str, str, str, list[float]]]:
     for k in (1, 2):
         add(f"soft beats top-{k} attention, DM", "dm-bam", f"dm-bam-top{k}")
         add(f"soft beats top-{k} attention, CM", _cm(first, "bam"), _cm(first, f"bam-top{k}"))
-    for setting, label in (("dm", "DM"), ("cm", "CM")):
+    for setting, label, name in (("dm", "DM", "data-matched"), ("cm", "CM", "compute-matched"),
+                                 ("tm", "TM", "time-matched")):
         dense = _dense(first, setting)
-        if dense is None:
+        if dense is None or not _has(first, name):
             continue
         for mix in mixes:
-            mid = f"dm-{mix}" if setting == "dm" else _cm(first, mix)
+            mid = f"dm-{mix}" if setting == "dm" else _cm(first, mix, setting)
             add(f"{mix} beats the dense baseline, {label}", mid, dense)
     return out
 
@@ -187,8 +205,9 @@ def render(summary: dict[str, Any]) -> str:
     cols = runs[0]["domains"] + ["average"]
     order = [m["id"] for m in runs[0]["models"] if all(m["id"] in _models(r) for r in runs)]
     labels = {m["id"]: m["label"] for m in runs[0]["models"]}
+    tm = ", TM: time-matched" if _timed(runs[0]) else ""
     out = [f"**`{name}`, seeds {seeds}.** Perplexity on held-out text, mean ± sample standard deviation over the "
-           "seeds (DM: data-matched, CM: compute-matched; `A = B`: one run is both):", ""]
+           f"seeds (DM: data-matched, CM: compute-matched{tm}; `A = B`: one run is both):", ""]
     out += _table(["model", *cols], [[labels[i], *(_ms([_avg(r, i, c) for r in runs]) for c in cols)] for i in order])
     out += ["", "Average perplexity per seed:", ""]
     out += _table(["model", *(f"seed {r['seed']}" for r in runs)],
@@ -202,8 +221,22 @@ def render(summary: dict[str, Any]) -> str:
                      ", ".join(f"{d:+.3f}" for d in diffs), _ms(diffs), "n/a" if t is None else f"{t:+.2f}",
                      f"**{v}**"])
     out += _table(["claim", "compared", "d per seed", "mean ± sd", "t", "verdict"], rows, right_from=3)
-    out += ["", *_shape_lines(runs[0], name), "", *_cost_lines(runs)]
+    out += ["", *_shape_lines(runs[0], name), *_time_lines(runs[0]), "", *_cost_lines(runs, summary.get("note"))]
     return "\n".join(out)
+
+
+def _time_lines(run: dict) -> list[str]:
+    """Time matching's throughputs and the steps they give (a pipeline with time-matched runs)."""
+    shape = run["shape"]
+    if "throughput" not in shape:
+        return []
+    tps, steps, ref = shape["throughput"]["tokens_per_s"], shape["steps"], shape["reference"]
+    rows = [[n, f"{tps[n]:,.0f}", f"{tps[n] / tps[ref]:.3f}",
+             *(f"{steps[n].get(s, '-')}" for s in ("data-matched", "compute-matched", "time-matched"))]
+            for n in steps]
+    return ["", f"Time matching: training tokens/s from {' '.join(shape['throughput']['source'].split())}; each "
+            "mixture's steps in each setting:", "",
+            *_table(["mixture", "tokens/s", "/ reference", "DM steps", "CM steps", "TM steps"], rows)]
 
 
 def _shape_lines(run: dict, name: str) -> list[str]:
@@ -223,7 +256,7 @@ def _shape_lines(run: dict, name: str) -> list[str]:
             *_table(["", f"`{name}`", "paper-small"], rows)]
 
 
-def _cost_lines(runs: list[dict]) -> list[str]:
+def _cost_lines(runs: list[dict], note: str | None = None) -> list[str]:
     stages = list(runs[0]["stages"])
     rows = [[s, *(f"{r['stages'][s]['cpu_s'] / 60:,.1f} / {r['stages'][s]['wall_s'] / 60:,.1f}" for r in runs)]
             for s in stages]
@@ -231,8 +264,8 @@ def _cost_lines(runs: list[dict]) -> list[str]:
                             f"{sum(v['wall_s'] for v in r['stages'].values()) / 60:,.1f}" for r in runs)])
     commits = sorted({c for r in runs for v in r["stages"].values() for c in v.get("commits", [])})
     machines = sorted({r["provenance"].get("machine", "n/a") for r in runs})
-    return ["Cost per stage, CPU minutes / wall minutes (one thread per pipeline; two pipelines ran at once on "
-            "the 2-core machine):", "",
+    how = note or "one thread per pipeline; two pipelines ran at once on the 2-core machine"
+    return [f"Cost per stage, CPU minutes / wall minutes ({how}):", "",
             *_table(["stage", *(f"seed {r['seed']}" for r in runs)], rows),
             "", f"Commit(s): {', '.join(commits) or 'n/a'}. Machine: {'; '.join(machines)}."]
 
@@ -262,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("summarize", help="reduce pipeline folders (one per seed) to one summary JSON")
     s.add_argument("folders", nargs="+", type=Path)
     s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--note", help="how the runs ran, for the cost table's title (default: two pipelines at once "
+                                  "on the 2-core machine)")
     r = sub.add_parser("render", help="print the markdown tables of a summary")
     r.add_argument("summary", type=Path)
     w = sub.add_parser("write-doc", help="replace the doc's generated blocks with the summaries' tables")
@@ -269,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("summaries", nargs="+", type=Path)
     args = ap.parse_args(argv)
     if args.cmd == "summarize":
-        summary = summarize(args.folders)
+        summary = summarize(args.folders, args.note)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.out} ({summary['pipeline']}, seeds {[r['seed'] for r in summary['runs']]})",

@@ -241,6 +241,9 @@ cli.add_command(routing_stats_cmd)
 from .pipeline import pipeline_cmd  # noqa: E402
 
 cli.add_command(pipeline_cmd)
+from .extend import extend_cmd  # noqa: E402
+
+cli.add_command(extend_cmd)
 
 
 class Terminated(KeyboardInterrupt):

@@ -36,7 +36,7 @@ FLOPS_DEFINITION = ("training FLOPs per token = 6 x active matmul parameters (FF
                     "attention experts all, top-k attention experts k/E, the LM head included, embedding lookups "
                     "not) + 12 x layers x seq_len x query width x attention experts a token runs "
                     "(bam_surgery.train.metrics.flops_per_token)")
-SETTING_LABEL = {"data-matched": "DM", "compute-matched": "CM"}
+SETTING_LABEL = {"data-matched": "DM", "compute-matched": "CM", "time-matched": "TM"}
 
 
 # ---- collecting -------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def _model_rows(run: "PipelineRun") -> list[dict[str, Any]]:
         })
 
     add("seed", "seed (dense)", "seed", None, None, "seed" if spec.seed_init is None else None)
-    for d in spec.domains:
+    for d in run.branched():
         add(f"branch-{d}", f"{d} specialist", "specialist", None, None, f"branch-{d}")
     for mix in spec.mixtures:
         add(f"mix-{mix.name}", f"{mix.name} (untrained)", "untrained", mix, "untrained", None)
@@ -145,7 +145,8 @@ def collect(run: "PipelineRun") -> dict[str, Any]:
         "compute": {"definition": FLOPS_DEFINITION, "reference": spec.compute_reference,
                     "reference_flops_per_token": ref.flops_per_token if ref else None,
                     "flops_per_token": {m.name: m.flops_per_token for m in spec.mixtures},
-                    "steps": {m.name: {s: spec.train_steps(m, s) for s in spec.settings} for m in spec.mixtures}},
+                    "steps": {m.name: {s: spec.train_steps(m, s) for s in spec.settings} for m in spec.mixtures},
+                    **({"throughput": spec.throughput} if spec.throughput else {})},
         "models": rows, "attention_routing": routing, "stages": stages, "provenance": provenance(),
     }
 
@@ -206,7 +207,9 @@ def _parameters_section(rep: dict[str, Any]) -> list[str]:
     out = ["## Parameters and training compute", "",
            f"Total and active parameters from the audit of each checkpoint (exact convention, "
            f"`bam-surgery count-params`). Compute matching: {rep['compute']['definition']}; every compute-matched "
-           f"mixture gets the FLOPs of `{rep['compute']['reference']}`'s data-matched run.", ""]
+           f"mixture gets the FLOPs of `{rep['compute']['reference']}`'s data-matched run."
+           + (f" Time matching: every time-matched run gets that run's training time at the throughputs of "
+              f"{rep['compute']['throughput']['source']}." if rep["compute"].get("throughput") else ""), ""]
     prow = []
     for m in rep["models"]:
         t = m["training"]

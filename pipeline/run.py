@@ -11,7 +11,7 @@ equivalent command line:
     seed     train the dense seed on general text (or link the given checkpoint)      runs/seed, models/seed
     branch   one continued-pretraining run per domain from the seed                  runs/branch-D, models/D
     mix      every mixture of stages.mix, from the seed and the specialists          mixes/M.safetensors
-    train    mixture training, data-matched and compute-matched                      runs/dm-M, runs/cm-M
+    train    mixture training, data-, compute- and time-matched                      runs/dm-M, cm-M, tm-M
              (and the dense baselines: the seed trained on the same data)            runs/dense-dm, dense-cm
     eval     every model on each domain's held-out text (and the general text)       eval/MODEL.json
     report   report.md, report.json, plots/*.png                                     (report.py)
@@ -164,7 +164,7 @@ class PipelineRun:
         spec, out = self.spec, {}
         if spec.seed_init is None:
             out["seed"] = seed_config(spec, str(self.runs / "seed"), str(self.configs / "seed-model.json"))
-        for d in spec.domains:
+        for d in self.branched():
             out[f"branch-{d}"] = branch_config(spec, d, self.seed_checkpoint(), str(self.runs / f"branch-{d}"))
         for setting, name in spec.dense_runs():
             out[name] = train_config(spec, None, setting, self.seed_checkpoint(), str(self.runs / name))
@@ -173,11 +173,15 @@ class PipelineRun:
             out[name] = train_config(spec, mix, setting, str(self.mix_file(mix)), str(self.runs / name))
         return out
 
+    def branched(self) -> list[str]:
+        """The domains with a specialist (none without a branch stage)."""
+        return list(self.spec.domains) if self.spec.branches else []
+
     def eval_models(self) -> dict[str, str]:
         """model id -> checkpoint evaluated: the seed, the specialists, every mixture untrained and trained."""
         spec, cfgs = self.spec, self.train_configs()
         out = {"seed": self.seed_checkpoint()}
-        out.update({f"branch-{d}": str(self.models / d) for d in spec.domains})
+        out.update({f"branch-{d}": str(self.models / d) for d in self.branched()})
         out.update({f"mix-{m.name}": str(self.mix_file(m)) for m in spec.mixtures})
         for _, name in spec.dense_runs():
             out[name] = str(self.final_checkpoint(name, cfgs[name].steps))
@@ -201,7 +205,7 @@ class PipelineRun:
             target = spec.seed_init
         units.append(self._link_unit("seed", self._seed_link_name(), target))
         # branch
-        for d in spec.domains:
+        for d in self.branched():
             name = f"branch-{d}"
             units.append(self._train_unit("branch", name, cfgs[name]))
             units.append(self._link_unit("branch", d, os.path.relpath(self.final_checkpoint(name, cfgs[name].steps),
@@ -249,9 +253,15 @@ class PipelineRun:
         return Unit("eval", f"eval-{model}", [cmd], out.is_file, lambda: self._eval(ckpt, out))
 
     # ---- the command lines -------------------------------------------------------------------------
+    def merge_inputs(self, mix: Mixture) -> list[str]:
+        """The seed and the specialists (a recipe that takes no experts, upcycle: the seed alone)."""
+        experts = [str(self.models / d) for d in self.spec.domains] if mix.recipe.max_experts != 0 else []
+        return [self.seed_checkpoint(), *experts]
+
     def merge_args(self, mix: Mixture) -> list[str]:
-        args = ["bam-surgery", "merge", "--seed", self.seed_checkpoint(), "--experts",
-                ",".join(str(self.models / d) for d in self.spec.domains), "--recipe", mix.recipe_spec]
+        seed, *experts = self.merge_inputs(mix)
+        args = ["bam-surgery", "merge", "--seed", seed, *(["--experts", ",".join(experts)] if experts else []),
+                "--recipe", mix.recipe_spec]
         return args + command_args(mix.given) + ["--out", str(self.mix_file(mix))]
 
     def eval_args(self, ckpt: str) -> list[str]:
@@ -309,9 +319,8 @@ class PipelineRun:
         return {"tokens": 0, "file": str(path), "sha256": file_sha256(path)}
 
     def _merge(self, mix: Mixture) -> dict[str, Any]:
-        specs = [self.seed_checkpoint(), *(str(self.models / d) for d in self.spec.domains)]
-        path = merge([(None, s) for s in specs], self.mix_file(mix), recipe=mix.recipe, options=mix.options,
-                     reporter=UnitReporter(lambda m: self.log(f"  {m}"))).path
+        path = merge([(None, s) for s in self.merge_inputs(mix)], self.mix_file(mix), recipe=mix.recipe,
+                     options=mix.options, reporter=UnitReporter(lambda m: self.log(f"  {m}"))).path
         return {"tokens": 0, "file": str(path), "bytes": path.stat().st_size}
 
     def _eval(self, ckpt: str, out: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from bam_surgery.converters import open_checkpoint
 from bam_surgery.converters.yamlfile import read_yaml, shown
 from bam_surgery.runtime.config import PRESETS, ConfigError, ModelConfig, preset
 from bam_surgery.runtime.errors import UserError, printable
+from bam_surgery.runtime.jsonfile import read_json
 from bam_surgery.surgery.errors import BamSurgeryError
 from bam_surgery.surgery.options import PIPELINE_OPTIONS, MergeOptions
 from bam_surgery.surgery.recipe import load_recipe, mixture_config
@@ -39,7 +40,7 @@ from bam_surgery.train.errors import TrainError
 from bam_surgery.train.metrics import flops_per_token
 from bam_surgery.train.tokenize import checkpoint_tokenizer
 
-from .spec import (SCHEMA_VERSION, SETTINGS, STAGE_FIELDS, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
+from .spec import (DENSE, SCHEMA_VERSION, SETTINGS, STAGE_FIELDS, Mixture, PipelineError, PipelineSpec, branch_config, resolved_doc,
                    seed_config, train_config)
 
 TRAINED_TOKENIZER = "(trained by the tokenizer stage: DIR/tokenizer/tokenizer.json)"  # PipelineRun sets the path
@@ -149,17 +150,20 @@ class _Validator:
             self.typed(threads, "threads", (int,), lambda v: 1 <= v <= MAX_THREADS, f"in [1, {MAX_THREADS}]")
         data = self.data(doc["data"])
         knobs = self.knobs(doc.get("knobs"), "knobs")
-        stages = self.mapping(doc["stages"], "stages", STAGE_FIELDS, required=("seed", "branch", "mix", "train"))
+        stages = self.mapping(doc["stages"], "stages", STAGE_FIELDS, required=("seed", "mix", "train"))
         seed_init, seed_model, seed_knobs, dense = self.seed_stage(stages["seed"], data, knobs)
         seq_len = data["seq_len"] if data["seq_len"] is not None else dense.max_positions
         if seq_len > dense.max_positions:
             self.fail("data.seq_len", f"{seq_len} exceeds the seed's max_positions ({dense.max_positions})")
         bpe = self.bpe(data["tokenizer"], dense, seed_init)
         tokenizer = TRAINED_TOKENIZER if bpe else self.tokenizer(data["tokenizer"], dense, seed_init)
-        b_share, lr_scale, b_knobs = self.branch_stage(stages["branch"], seed_init, {**knobs, **seed_knobs})
-        mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len)
+        branches = "branch" in stages  # without one: no specialists, every mixture from the seed alone (upcycle)
+        b_share, lr_scale, b_knobs = self.branch_stage(stages["branch"], seed_init, {**knobs, **seed_knobs}) \
+            if branches else (0.0, None, {})
+        mixtures = self.mix_stage(stages["mix"], dense, len(data["domains"]), seed, seq_len, branches)
         t_share, settings, ref, tolerance, dense_baseline, t_knobs = self.train_stage(stages["train"],
                                                                                       [m.name for m in mixtures])
+        throughput = self.throughput(stages["train"], settings, [m.name for m in mixtures], dense_baseline)
         ev = self.mapping(stages.get("eval"), "stages.eval", ("max_tokens", "batch_size"))
         max_tokens = self.typed(ev.get("max_tokens", 0), "stages.eval.max_tokens", (int,), lambda v: v >= 0, ">= 0")
         batch = self.typed(ev.get("batch_size", 8), "stages.eval.batch_size", (int,), lambda v: v >= 1, ">= 1")
@@ -173,7 +177,8 @@ class _Validator:
             branch_lr_scale=lr_scale, branch_knobs=b_knobs, mixtures=mixtures, train_general_share=t_share,
             settings=settings, compute_reference=ref, compute_tolerance=tolerance, train_knobs=t_knobs,
             eval_max_tokens=max_tokens, eval_batch_size=batch, report_attention_routing=routing,
-            report_baseline=baseline, bpe=bpe, dense_baseline=dense_baseline)
+            report_baseline=baseline, bpe=bpe, dense_baseline=dense_baseline, throughput=throughput,
+            branches=branches)
         self.check_runs(spec)
         spec.doc = resolved_doc(spec, doc)
         return spec
@@ -199,18 +204,48 @@ class _Validator:
     def train_stage(self, value: Any, names: list[str]) -> tuple[float, list[str], str | None, float, bool, dict]:
         """(general share, settings, compute reference, compute tolerance, dense baseline, knobs)."""
         train = self.mapping(value, "stages.train", ("general_share", "settings", "compute_reference",
-                                                     "compute_tolerance", "dense_baseline", "knobs"))
+                                                     "compute_tolerance", "dense_baseline", "throughput", "knobs"))
         share = self.share(train.get("general_share", 0.25), "stages.train.general_share")
-        settings = self.settings(train.get("settings", list(SETTINGS)))
+        settings = self.settings(train.get("settings", ["data-matched", "compute-matched"]))
         ref = train.get("compute_reference")
         if ref is not None and ref not in names:
             self.fail("stages.train.compute_reference",
                       f"{shown(ref)} is not a mixture of stages.mix ({', '.join(names)})")
-        ref = ref or (names[0] if "compute-matched" in settings else None)
+        ref = ref or (names[0] if {"compute-matched", "time-matched"} & set(settings) else None)
         tolerance = float(self.typed(train.get("compute_tolerance", 0.01), "stages.train.compute_tolerance",
                                      (float, int), lambda v: 0 <= v < 1, "in [0, 1)"))
         dense = self.typed(train.get("dense_baseline", False), "stages.train.dense_baseline", (bool,))
         return share, settings, ref, tolerance, dense, self.knobs(train.get("knobs"), "stages.train.knobs")
+
+    def throughput(self, train: dict[str, Any], settings: list[str], names: list[str], dense: bool
+                   ) -> dict[str, Any] | None:
+        """stages.train.throughput (time-matched): a JSON file benchmarks/throughput.py wrote, or {source,
+        tokens_per_s: {NAME: tokens/s}} given; a number for every mixture (and `dense` with the dense baseline)."""
+        where = "stages.train.throughput"
+        value = train.get("throughput")
+        if "time-matched" not in settings:
+            if value is not None:
+                self.fail(where, "only the time-matched setting reads it (add time-matched to stages.train.settings)")
+            return None
+        if value is None:
+            self.fail(where, "required by time-matched: each mixture's training tokens per second on the device "
+                      "matched (python -m benchmarks.throughput PIPELINE --device DEVICE writes them), or given")
+        if isinstance(value, str):  # a path as the data's are: from the working folder
+            path = Path(value).expanduser()
+            if not path.is_file():
+                self.fail(where, f"{value}: no such file")
+            value = read_json(path, expect=dict, error=PipelineError)
+        t = self.mapping(value, where, ("source", "device", "tokens_per_s"), required=("source", "tokens_per_s"))
+        source = self.typed(t["source"], f"{where}.source", (str,), lambda v: bool(v.strip()), "where the numbers come "
+                            "from (device, how measured)")
+        tps = self.mapping(t["tokens_per_s"], f"{where}.tokens_per_s", None)
+        needed = names + ([DENSE] if dense else [])
+        for n in needed:
+            if n not in tps:
+                self.fail(f"{where}.tokens_per_s", f"no number for {n} (it needs one for each of {', '.join(needed)})")
+        out = {n: float(self.typed(tps[n], f"{where}.tokens_per_s.{n}", (int, float),
+                                   lambda v: math.isfinite(v) and v > 0, "> 0")) for n in needed}
+        return {"source": source, **({"device": str(t["device"])} if "device" in t else {}), "tokens_per_s": out}
 
     def report_stage(self, value: Any, mixtures: list[Mixture], ref: str | None) -> tuple[list[str], str]:
         """(the attention-routing comparison's mixtures, its baseline)."""
@@ -368,7 +403,8 @@ class _Validator:
             self.fail("data.tokenizer", f"{tok}: no tokenizer.json there")
         return str(path)
 
-    def mix_stage(self, value: Any, dense: ModelConfig, n_domains: int, seed: int, seq_len: int) -> list[Mixture]:
+    def mix_stage(self, value: Any, dense: ModelConfig, n_domains: int, seed: int, seq_len: int,
+                  branches: bool = True) -> list[Mixture]:
         m = self.mapping(value, "stages.mix", ("mixtures",), required=("mixtures",))
         entries = m["mixtures"]
         if not isinstance(entries, list) or not entries:
@@ -386,15 +422,18 @@ class _Validator:
                 recipe = load_recipe(recipe_spec)
             except BamSurgeryError as err:
                 self.fail(f"{where}.recipe", " ".join(str(err).split()))
-            if recipe.max_experts == 0:
-                self.fail(f"{where}.recipe", f"recipe {recipe.name} takes no experts; a pipeline mixes specialists")
+            if not branches and recipe.max_experts != 0:
+                self.fail(f"{where}.recipe", f"recipe {recipe.name} mixes specialists: give stages.branch (or a "
+                          "recipe that takes none, e.g. upcycle)")
             if "/" in recipe_spec or recipe_spec.endswith((".yaml", ".yml")):
                 recipe_spec = str(Path(recipe_spec).resolve())
             given = {k: self.merge_option(k, e[k], f"{where}.{k}") for k in MERGE_OPTIONS if k in e}
             given.setdefault("router_seed", seed)
             try:
                 options = MergeOptions(**{k: (tuple(v) if k == "weights" else v) for k, v in given.items()})
-                n_members = n_domains + (1 if options.resolved("seed_expert", recipe) else 0)
+                # a recipe that takes no experts (upcycle) is made from the seed alone
+                n_members = (n_domains if recipe.max_experts != 0 else 0) + (
+                    1 if options.resolved("seed_expert", recipe) else 0)
                 if options.weights is not None and len(options.weights) != n_members:
                     self.fail(f"{where}.weights", f"{len(options.weights)} weights for {n_members} mixture members")
                 cfg = mixture_config(recipe, dense, n_members, options)
@@ -436,7 +475,8 @@ class _Validator:
     def check_runs(self, spec: PipelineSpec) -> None:
         """Every training run's TrainConfig, as train() will check it; the batch divides evenly."""
         for field_, cfg in (("stages.seed.knobs", seed_config(spec, "x") if spec.seed_init is None else None),
-                            ("stages.branch.knobs", branch_config(spec, next(iter(spec.domains)), "x", "x")),
+                            ("stages.branch.knobs", branch_config(spec, next(iter(spec.domains)), "x", "x")
+                             if spec.branches else None),
                             ("stages.train.knobs", train_config(spec, spec.mixtures[0], "data-matched", "x", "x"))):
             if cfg is None:
                 continue

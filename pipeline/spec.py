@@ -15,6 +15,11 @@ top-k / E, soft attention experts all) + 12 x layers x seq_len x query width x a
 Every run has the same tokens per step, so equal FLOPs means steps in inverse ratio of F. A mixture whose F
 is within `compute_tolerance` (1%) of the reference's is not trained twice: its data-matched run is its
 compute-matched run. The paper matched TPU-core-days (wall time); FLOPs are the deterministic stand-in.
+
+Time-matched training (`time-matched`, beside or instead of compute-matched) gives every mixture the reference's
+training time on a device: steps = round(steps_ref * T / T_ref), T the model's training throughput (tokens per
+second) in `stages.train.throughput` (measured by benchmarks/throughput.py on the device a user names, or given
+with its source). The same tolerance makes one run serve both settings.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ SCHEMA_VERSION = 1
 STAGES = ("tokenizer", "seed", "branch", "mix", "train", "eval", "report")
 STAGE_FIELDS = STAGES[1:]  # the YAML's stages: mapping (the tokenizer stage is data.tokenizer: {bpe: ...})
 DENSE = "dense"  # the dense baselines' units: dense-dm, dense-cm (the seed continued on the mixture data)
-SETTINGS = {"data-matched": "dm", "compute-matched": "cm"}
+SETTINGS = {"data-matched": "dm", "compute-matched": "cm", "time-matched": "tm"}
 
 
 class PipelineError(BamSurgeryError):
@@ -85,13 +90,15 @@ class PipelineSpec:
     report_attention_routing: list[str]
     report_baseline: str | None
     bpe: dict[str, int] | None = None  # a tokenizer trained by the pipeline: {vocab_size, min_frequency}
+    throughput: dict[str, Any] | None = None  # time-matched: {source, tokens_per_s: {mixture or dense: T}}
+    branches: bool = True  # a branch stage (no stages.branch: no specialists, mixtures from the seed alone)
     dense_baseline: bool = False  # train the seed on the mixture data too (dense-dm, dense-cm)
     doc: dict[str, Any] = field(default_factory=dict)  # the resolved YAML document
 
     # -- derived --------------------------------------------------------------------------------
     def stage_names(self) -> list[str]:
         """The stages this pipeline runs, in order: the tokenizer stage only when it trains one."""
-        return [s for s in STAGES if s != "tokenizer" or self.bpe]
+        return [s for s in STAGES if (s != "tokenizer" or self.bpe) and (s != "branch" or self.branches)]
 
     @property
     def dense_flops_per_token(self) -> float:
@@ -108,65 +115,74 @@ class PipelineSpec:
         return next(m for m in self.mixtures if m.name == name)
 
     def train_steps(self, mix: Mixture, setting: str) -> int:
-        """Mixture-training steps (matched_steps at the mixture's FLOPs per token)."""
-        return self.matched_steps(mix.flops_per_token, setting)
+        """Mixture-training steps (matched_steps of the mixture)."""
+        return self.matched_steps(mix.name, setting)
 
-    def matched_steps(self, flops_per_token: float, setting: str) -> int:
-        """Training steps of a mixture-training run (a mixture's, or the dense baseline's) whose model has these
-        FLOPs per token: the knob for data-matched; FLOPs-matched to the reference for compute-matched (at
-        least 1)."""
+    def flops_of(self, key: str) -> float:
+        """Training FLOPs per token of a mixture (by name) or of the dense model (DENSE)."""
+        return self.dense_flops_per_token if key == DENSE else self.mixture(key).flops_per_token
+
+    def _step_scale(self, key: str, setting: str) -> float:
+        """steps_ref times this is the model's matched steps: the reference's FLOPs per token over the model's
+        (compute-matched), the model's throughput over the reference's (time-matched)."""
+        if setting == "time-matched":
+            tps = self.throughput["tokens_per_s"]
+            return tps[key] / tps[self.compute_reference]
+        return self.mixture(self.compute_reference).flops_per_token / self.flops_of(key)
+
+    def matched_steps(self, key: str, setting: str) -> int:
+        """Training steps of a mixture-training run (a mixture's by name, or the dense baseline's: DENSE): the knob
+        for data-matched; matched to the reference's FLOPs (compute-matched) or time (time-matched), at least 1."""
         steps = self.mixture_steps
-        if setting == "data-matched" or self.trained_once(flops_per_token):
+        if setting == "data-matched" or self.trained_once(key, setting):
             return steps
-        ref = self.mixture(self.compute_reference)
-        return max(1, round(steps * ref.flops_per_token / flops_per_token))
+        return max(1, round(steps * self._step_scale(key, setting)))
 
     @property
     def mixture_steps(self) -> int:
         """The data-matched mixture-training steps."""
         return {**self.knobs, **self.train_knobs}.get("steps", TrainConfig().steps)
 
-    def trained_once(self, flops_per_token: float) -> bool:
-        """A model whose FLOPs per token are within compute_tolerance of the reference's (the reference itself;
-        BTX with more experts at top-1; top-1 attention routing; the dense baseline beside BTX) has its
-        data-matched run as its compute-matched run: it is trained once."""
-        if "data-matched" not in self.settings or "compute-matched" not in self.settings:
+    def trained_once(self, key: str, setting: str) -> bool:
+        """A model whose cost per token (FLOPs compute-matched, time time-matched) is within compute_tolerance of the
+        reference's (the reference itself; BTX with more experts at top-1; top-1 attention routing; the dense
+        baseline beside BTX) has its data-matched run as its run of `setting`: it is trained once."""
+        if setting == "data-matched" or "data-matched" not in self.settings or setting not in self.settings:
             return False
-        ref = self.mixture(self.compute_reference)
-        return abs(flops_per_token / ref.flops_per_token - 1) <= self.compute_tolerance
-
-    def same_as_data_matched(self, mix: Mixture) -> bool:
-        return self.trained_once(mix.flops_per_token)
+        if setting == "time-matched":
+            return abs(1 / self._step_scale(key, setting) - 1) <= self.compute_tolerance
+        return abs(self.flops_of(key) / self.mixture(self.compute_reference).flops_per_token - 1) \
+            <= self.compute_tolerance
 
     def trained_mixtures(self) -> list[tuple[str, Mixture]]:
         """(setting, mixture) of every distinct mixture-training run, data-matched ones first."""
         return [(setting, mix) for setting in self.settings for mix in self.mixtures
-                if not (setting == "compute-matched" and self.same_as_data_matched(mix))]
+                if not self.trained_once(mix.name, setting)]
 
     def dense_runs(self) -> list[tuple[str, str]]:
         """(setting, unit) of every distinct dense-baseline run: dense-dm trains the seed on the mixture data
-        for the data-matched mixtures' tokens; dense-cm for the compute reference's FLOPs, unless the dense
-        model is trained once (trained_once: then dense-dm is both)."""
+        for the data-matched mixtures' tokens; dense-cm (dense-tm) for the compute reference's FLOPs (time), unless
+        the dense model is trained once (trained_once: then dense-dm is both)."""
         if not self.dense_baseline:
             return []
         return [(setting, self.dense_unit(setting)) for setting in self.settings
-                if not (setting == "compute-matched" and self.trained_once(self.dense_flops_per_token))]
+                if not self.trained_once(DENSE, setting)]
 
     def dense_unit(self, setting: str) -> str:
-        """The dense baseline's run of a setting: dense-dm or dense-cm."""
-        return f"{DENSE}-{SETTINGS[self._run_setting(self.dense_flops_per_token, setting)]}"
+        """The dense baseline's run of a setting: dense-dm, dense-cm or dense-tm."""
+        return f"{DENSE}-{SETTINGS[self._run_setting(DENSE, setting)]}"
 
     def dense_steps(self, setting: str) -> int:
-        """A dense baseline's steps (matched_steps at the dense model's FLOPs per token)."""
-        return self.matched_steps(self.dense_flops_per_token, setting)
+        """A dense baseline's steps (matched_steps of the dense model)."""
+        return self.matched_steps(DENSE, setting)
 
     def unit_name(self, setting: str, mix: Mixture) -> str:
-        """The run of (setting, mixture): dm-NAME or cm-NAME."""
-        return f"{SETTINGS[self._run_setting(mix.flops_per_token, setting)]}-{mix.name}"
+        """The run of (setting, mixture): dm-NAME, cm-NAME or tm-NAME."""
+        return f"{SETTINGS[self._run_setting(mix.name, setting)]}-{mix.name}"
 
-    def _run_setting(self, flops_per_token: float, setting: str) -> str:
-        """The setting whose run serves `setting`: data-matched for a compute-matched model trained once."""
-        return "data-matched" if setting == "compute-matched" and self.trained_once(flops_per_token) else setting
+    def _run_setting(self, key: str, setting: str) -> str:
+        """The setting whose run serves `setting`: data-matched for a model trained once."""
+        return "data-matched" if self.trained_once(key, setting) else setting
 
     def data_spec(self, weights: dict[str, float]) -> str:
         """A train SPEC over the named sources ('general' or a domain) with these weights (0 left out)."""
@@ -225,11 +241,13 @@ def resolved_doc(spec: PipelineSpec, doc: dict[str, Any]) -> dict[str, Any]:
         "knobs": dict(spec.knobs),
         "stages": {
             "seed": seed_stage,
-            "branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)},
+            **({"branch": {"general_share": spec.branch_general_share, "knobs": dict(spec.branch_knobs)}}
+               if spec.branches else {}),
             "mix": {"mixtures": [{"name": m.name, "recipe": m.recipe_spec, **m.given} for m in spec.mixtures]},
             "train": {"general_share": spec.train_general_share, "settings": list(spec.settings),
                       "compute_reference": spec.compute_reference, "compute_tolerance": spec.compute_tolerance,
-                      **({"dense_baseline": True} if spec.dense_baseline else {}), "knobs": dict(spec.train_knobs)},
+                      **({"dense_baseline": True} if spec.dense_baseline else {}),
+                      **({"throughput": spec.throughput} if spec.throughput else {}), "knobs": dict(spec.train_knobs)},
             "eval": {"max_tokens": spec.eval_max_tokens, "batch_size": spec.eval_batch_size},
             "report": {"attention_routing": list(spec.report_attention_routing), "baseline": spec.report_baseline},
         },

@@ -37,6 +37,8 @@ class Sources(Protocol):
 
 
 def _stack(t: TensorOp, io: Sources) -> torch.Tensor:  # out [E, *shape]: slot e from source e
+    if t.drop is not None or any(s.is_part for s in t.sources):
+        return _stack_parts(t, io)
     out = io.empty(t.shape, t.dtype)
     first_slot: dict[Source, int] = {}  # a source used by several slots (the seed's FFN copies) is read once
     for e, s in enumerate(t.sources):
@@ -51,6 +53,56 @@ def _stack(t: TensorOp, io: Sources) -> torch.Tensor:  # out [E, *shape]: slot e
             io.release(x)
             first_slot[s] = e
     return out
+
+
+def _stack_parts(t: TensorOp, io: Sources) -> torch.Tensor:
+    """A stack whose slots are parts of their sources (an expert row, a fine-grained share, scaled) or have
+    Drop-Upcycling's dimensions re-initialized: each source tensor read once while consecutive slots use it, each
+    slot made in float32 and cast."""
+    out = io.empty(t.shape, t.dtype)
+    held: tuple[Source, torch.Tensor] | None = None
+    for e, s in enumerate(t.sources):
+        if held is None or held[0] != s.whole:
+            if held is not None:
+                io.release(held[1])
+            held = (s.whole, io.read(s.whole))
+        part = held[1] if s.row is None else held[1][s.row]
+        if s.shard is not None:
+            axis, g, n = s.shard
+            width = part.shape[axis] // n
+            part = part.narrow(axis, g * width, width)
+        if t.drop is None and s.scale == 1.0:
+            out[e].copy_(part)
+            continue
+        slot = part.to(torch.float32, copy=True)
+        if t.drop is not None:
+            _reinitialize(slot, t.drop.ratio, t.drop.axis, t.drop.subsets[e], t.drop.values[e])
+        if s.scale != 1.0:
+            slot.mul_(s.scale)
+        out[e].copy_(slot)
+    if held is not None:
+        io.release(held[1])
+    return out
+
+
+def drop_subset(n: int, ratio: float, seed: int) -> torch.Tensor:
+    """Drop-Upcycling's re-initialized dimensions of one expert: floor(ratio * n) of its n intermediate dimensions,
+    drawn without replacement (sorted)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=gen)[:int(ratio * n)].sort().values
+
+
+def _reinitialize(slot: torch.Tensor, ratio: float, axis: int, subset_seed: int, values_seed: int) -> None:
+    """In place: the subset's dimensions along `axis` drawn from normal(mean, std) of the values they replace (the
+    paper's statistics, as its released conversion computes them: over the re-initialized part of the matrix)."""
+    idx = drop_subset(slot.shape[axis], ratio, subset_seed)
+    if not idx.numel():
+        return
+    old = slot.index_select(axis, idx)
+    mean = old.mean()
+    std = old.std() if old.numel() > 1 else torch.zeros(())
+    gen = torch.Generator().manual_seed(values_seed)
+    slot.index_copy_(axis, idx, torch.randn(old.shape, generator=gen) * std + mean)
 
 
 _CHUNK = 1 << 18  # elements a mean converts to float32 at a time (1 MiB, stays in cache)
@@ -100,15 +152,21 @@ def _copy(t: TensorOp, io: Sources) -> torch.Tensor:
     return out
 
 
-def _normal(t: TensorOp, io: Sources) -> torch.Tensor:  # generator seeded per tensor (plan.router_rng_seed)
+def _drawn(t: TensorOp) -> torch.Tensor:
+    """normal(0, 1) of the op's shape from its seeded generator; with `repeat`, each row drawn once and repeated
+    (fine-grained upcycling's virtual groups)."""
     gen = torch.Generator().manual_seed(t.rng_seed)
-    return (torch.randn(t.shape, generator=gen, dtype=torch.float32) * t.std).to(t.dtype)
+    shape = (t.shape[0] // t.repeat, *t.shape[1:])
+    rows = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return rows if t.repeat == 1 else rows.repeat_interleave(t.repeat, dim=0)
+
+
+def _normal(t: TensorOp, io: Sources) -> torch.Tensor:  # generator seeded per tensor (plan.router_rng_seed)
+    return (_drawn(t) * t.std).to(t.dtype)
 
 
 def _unit_rows(t: TensorOp, io: Sources) -> torch.Tensor:  # normal rows scaled to unit norm (key-store keys)
-    gen = torch.Generator().manual_seed(t.rng_seed)
-    rows = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-    return torch.nn.functional.normalize(rows, dim=-1).to(t.dtype)
+    return torch.nn.functional.normalize(_drawn(t), dim=-1).to(t.dtype)
 
 
 def _zeros(t: TensorOp, io: Sources) -> torch.Tensor:

@@ -18,7 +18,7 @@ option is one field here:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from bam_surgery.runtime.config import GATE_NORMS, MAX_EXPERTS, ROUTERS, GateNorm, Router
@@ -81,6 +81,23 @@ class MergeOptions:
         recipe="defaults.extra_ffn_experts",
         help="Add N FFN experts initialized from the seed's FFN (paper, Table 6: BTX with 5-8 experts; "
              "for upcycle, the number of copies besides the seed's own slot).")
+    drop_ratio: float | None = merge_option(
+        None, "--drop-ratio", metavar="R", bounds=(0, 1), recipe="defaults.drop_ratio", yaml=(float, int),
+        help="Drop-Upcycling (Nakamura et al., ICLR 2025): in every FFN expert, re-initialize a random share R of "
+             "its intermediate dimensions (the same rows of gate and up, the same columns of down; a different "
+             "subset per expert) from a normal with the mean and std of the source values they replace; 0 keeps "
+             "exact copies (default: the recipe's, 0; the paper's best over long training is 0.5).")
+    drop_seed: int = merge_option(
+        0, "--drop-seed", metavar="N", show_default=True, yaml=(int,),
+        help="Seed of --drop-ratio's subsets and values: each expert's generator is seeded from N, its layer and "
+             "its slot, so results do not depend on order.")
+    ffn_granularity: int | None = merge_option(
+        None, "--ffn-granularity", counts=True, metavar="G", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_granularity",
+        yaml=(int,),
+        help="Fine-grained upcycling (He et al. 2024): each FFN expert split along its intermediate dimension into "
+             "G experts of 1/G its width; G times the FFN experts, each token routed to G x top-k of them, router "
+             "rows in virtual groups and down projections scaled so that the fresh mixture computes what the "
+             "coarse one does (default: the recipe's, 1).")
     seed_expert: bool | None = merge_option(
         None, "--seed-expert/--no-seed-expert", recipe="defaults.seed_expert", yaml=(bool,),
         help="Whether the seed joins the mixture as expert 0 (default: yes). Without it the seed is "
@@ -125,6 +142,13 @@ class MergeOptions:
         help="Expert embeddings of expert_embedding routers: random, or the mean router-input state of each "
              "expert's calibration domain (domain-mean) or of the tokens its dense model predicts best "
              "(profile); the warm starts need --calibration.")
+    router_prompts: str | None = merge_option(
+        None, "--router-prompts", metavar="FILE", yaml=(str,),
+        help="Linear routers (FFN and attention) initialized from prompts: a YAML file in mergekit-moe's shape "
+             "(gate_mode: hidden | hidden_avg | cheap_embed, experts: [{source_model, positive_prompts, "
+             "negative_prompts}], one per FFN expert in order); each expert's row is the mean router-input state "
+             "(hidden) or token embedding (cheap_embed) of its positive prompts minus that of its negative ones, "
+             "unit length (docs/routers.md). Tokenized by --tokenizer.")
     calibration: str | None = merge_option(
         None, "--calibration", metavar="SPEC",
         help="Calibration data for --router-init domain-mean|profile, a data SPEC as train takes it "
@@ -135,8 +159,8 @@ class MergeOptions:
         help="Calibration tokens per domain (the first N of its train split).")
     tokenizer: str | None = merge_option(
         None, "--tokenizer", metavar="PATH|bytes",
-        help="Tokenizer of the calibration text (default: the seed's tokenizer.json, or bytes for "
-             "vocabularies of at most 512).")
+        help="Tokenizer of the calibration text and the router prompts (default: the seed's tokenizer.json, or "
+             "bytes for vocabularies of at most 512).")
     token_cache: str | None = merge_option(
         None, "--token-cache", metavar="DIR",
         help="Token cache folder of the calibration data (default: ~/.cache/bam-surgery/tokens).")
@@ -164,6 +188,49 @@ class MergeOptions:
 FIELDS = {f.name: f for f in dataclasses.fields(MergeOptions)}
 # the options a pipeline's mixture may set (the fields with YAML types), with those types
 PIPELINE_OPTIONS: dict[str, tuple[type, ...]] = {n: f.metadata["yaml"] for n, f in FIELDS.items() if f.metadata["yaml"]}
+
+
+ExtendInit = Literal["random", "prompts", "domain"]  # extend --router-init: how the new experts' router rows start
+EXTEND_INITS = get_args(ExtendInit)
+
+
+def _as_in_merge(name: str, help: str | None = None) -> Any:
+    """A field of ExtendOptions declared as MergeOptions declares it (its flag, default, bounds), with its own help
+    sentence where the meaning differs."""
+    f = FIELDS[name]
+    return field(default=f.default, metadata={**f.metadata, "recipe": None, "yaml": None,
+                                              **({"help": help} if help else {})})
+
+
+@dataclass(frozen=True)
+class ExtendOptions:
+    """Every option of `bam-surgery extend` (surgery/extend.py) that is not an input or the output: how the new
+    experts' router rows start. Declared like MergeOptions, so the command's flags come from the fields."""
+
+    router_init: ExtendInit = merge_option(
+        "random", "--router-init", choices=EXTEND_INITS, show_default=True,
+        help="The new experts' router rows: random (normal(0, --router-std)), prompts (linear routers: "
+             "--router-prompts, one entry per new expert) or domain (linear routers: --calibration, a domain named "
+             "like each new expert and at least one other); prompts and domain rows are scaled to the mean norm of "
+             "the router's trained rows.")
+    router_prompts: str | None = _as_in_merge(
+        "router_prompts", "For --router-init prompts: a YAML file in mergekit-moe's shape (gate_mode hidden | "
+                          "hidden_avg | hidden_last | cheap_embed), experts: one entry per new expert, in --experts "
+                          "order, source_model naming it.")
+    calibration: str | None = _as_in_merge(
+        "calibration", "For --router-init domain: a data SPEC as train takes it (NAME=SOURCE,...), a domain named "
+                       "like each new expert and at least one other (e.g. general).")
+    calibration_tokens: int = _as_in_merge("calibration_tokens")
+    tokenizer: str | None = _as_in_merge(
+        "tokenizer", "Tokenizer of the prompts and the calibration text (default: the mixture's tokenizer.json, or "
+                     "bytes for vocabularies of at most 512).")
+    token_cache: str | None = _as_in_merge("token_cache")
+    router_std: float = merge_option(
+        0.02, "--router-std", metavar="X", bounds=(0, None), show_default=True,
+        help="--router-init random: the new rows are normal(0, X) (expert embeddings normal(0, 1)).")
+    router_seed: int = _as_in_merge(
+        "router_seed", "Seed of the new random rows; each router's generator is seeded from N and its tensor name.")
+    allow_nonfinite: bool = _as_in_merge("allow_nonfinite", "Extend even if an input holds NaN or Inf values.")
 
 
 def recipe_value(recipe: Recipe, key: str) -> Any:

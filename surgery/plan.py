@@ -65,7 +65,43 @@ PLAN_OPS = get_args(PlanOp)
 @dataclass(frozen=True)
 class Source:
     input: int  # index into Plan.inputs (0 = seed)
-    name: str  # canonical dense tensor name in that input
+    name: str  # canonical tensor name in that input (dense; a stacked one with `row`)
+    row: int | None = None  # a stacked source tensor [E, ...]: its expert `row` (extend: a trained mixture's expert)
+    shard: tuple[int, int, int] | None = None  # (axis, g, G): the g-th of G equal parts along axis (fine-grained)
+    scale: float = 1.0  # the part times this (fine-grained upcycling's weight scaling of the down projection)
+
+    @property
+    def whole(self) -> "Source":
+        """The tensor read from the input (this source's part is cut from it)."""
+        return Source(self.input, self.name) if self.is_part else self
+
+    @property
+    def is_part(self) -> bool:
+        return self.row is not None or self.shard is not None or self.scale != 1.0
+
+    def part(self) -> dict[str, Any]:
+        """How the part is cut (provenance): only what differs from the whole tensor."""
+        out: dict[str, Any] = {}
+        if self.row is not None:
+            out["row"] = self.row
+        if self.shard is not None:
+            out["shard"] = list(self.shard[1:])
+        if self.scale != 1.0:
+            out["scale"] = self.scale
+        return out
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Drop-Upcycling of a stacked FFN tensor (Nakamura et al., ICLR 2025): in each slot e, the intermediate
+    dimensions subset(e) (a share `ratio` of them, the same for the slot's gate, up and down) along `axis` are
+    re-initialized from normal(mean, std) of the source values they replace. Generators: subsets[e] seeds slot e's
+    subset (shared by its tensors), values[e] this tensor's new values."""
+
+    ratio: float
+    axis: int  # the intermediate axis of a slot's tensor: gate/up rows (0), down columns (1)
+    subsets: tuple[int, ...]
+    values: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -79,6 +115,8 @@ class TensorOp:
     std: float = 0.0  # normal
     rng_seed: int = 0  # normal
     value: float = 0.0  # full
+    repeat: int = 1  # normal / unit_rows: each row drawn once and repeated this many times (virtual groups)
+    drop: Drop | None = None  # stack: Drop-Upcycling's re-initialized dimensions
 
     @property
     def nbytes(self) -> int:
@@ -94,12 +132,18 @@ class TensorOp:
                 rec["inputs"] = [s.input for s in self.sources]
             else:
                 rec["sources"] = [[s.input, s.name] for s in self.sources]
+            if any(s.is_part for s in self.sources):
+                rec["parts"] = [s.part() for s in self.sources]
         if self.op == "mean":
             rec["weights"] = list(self.weights)
         if self.op == "normal":
             rec["std"], rec["seed"] = self.std, self.rng_seed
         if self.op == "unit_rows":
             rec["seed"] = self.rng_seed
+        if self.repeat != 1:
+            rec["repeat"] = self.repeat
+        if self.drop is not None:
+            rec["drop"] = {"ratio": self.drop.ratio, "axis": self.drop.axis}
         if self.op == "full":
             rec["value"] = self.value
         return rec
@@ -108,7 +152,7 @@ class TensorOp:
 @dataclass
 class PlanInput:
     index: int
-    role: Literal["seed", "expert"]
+    role: Literal["seed", "expert", "mixture"]  # mixture: the trained mixture extend adds to (surgery/extend.py)
     label: str  # where it was read from (path)
     reader: Reader
     name: str = ""  # unique identifier: "seed", "code", ... (surgery.names)
@@ -120,7 +164,7 @@ class Plan:
     options: MergeOptions
     inputs: list[PlanInput]
     members: tuple[int, ...]  # input index of attention/FFN expert e, e < len(members)
-    ffn_slots: tuple[int, ...]  # input index of each FFN expert (members, then seed copies)
+    ffn_slots: tuple[int, ...]  # input index of each coarse FFN expert (members, then seed copies)
     weights: tuple[float, ...]  # normalized mean weight per member
     dense_config: ModelConfig
     config: ModelConfig
@@ -130,9 +174,20 @@ class Plan:
     tensors: list[TensorOp] = field(default_factory=list)
     calibrated: dict[str, torch.Tensor] = field(default_factory=dict)  # op calibrated: name -> tensor
     warm_start: dict[str, Any] | None = None  # how `calibrated` was made (surgery/warm_start.py), for provenance
+    router_prompts: dict[str, Any] | None = None  # the linear routers from prompts (surgery/prompts.py)
 
     def __post_init__(self) -> None:
         self._by_name = {t.name: t for t in self.tensors}
+
+    @property
+    def granularity(self) -> int:
+        """Fine-grained experts per coarse FFN expert (1: coarse)."""
+        return self.config.ffn_experts // len(self.ffn_slots) if self.ffn_slots else 1
+
+    @property
+    def ffn_expert_inputs(self) -> tuple[int, ...]:
+        """Input index of each FFN expert of the output: a coarse slot's G fine-grained experts side by side."""
+        return tuple(i for i in self.ffn_slots for _ in range(self.granularity))
 
     def __getitem__(self, name: str) -> TensorOp:
         return self._by_name[name]
@@ -151,7 +206,33 @@ class Plan:
                     dtype=str(self.dtype).removeprefix("torch."), router_seed=self.options.router_seed,
                     router_std=self.router_std, router_init=self.recipe.router_init,
                     shared_kv_rule=self.shared_kv_rule,
-                    **({"router_warm_start": self.warm_start} if self.warm_start else {}))
+                    **({"router_warm_start": self.warm_start} if self.warm_start else {}),
+                    **({"router_prompts": self.router_prompts} if self.router_prompts else {}),
+                    **self.upcycling_options())
+
+    def upcycling_options(self) -> dict[str, Any]:
+        """Drop-Upcycling's and fine-grained upcycling's options, where they are in use (so a merge without them
+        records what it always did)."""
+        out: dict[str, Any] = {}
+        ratio = float(self.options.resolved("drop_ratio", self.recipe)) if self.config.ffn_experts else 0.0
+        if ratio:
+            out.update(drop_ratio=ratio, drop_seed=self.options.drop_seed)
+        if self.granularity > 1:
+            out.update(ffn_granularity=self.granularity, ffn_scale=ffn_scale(self.config, self.granularity))
+        return out
+
+
+def ffn_scale(cfg: ModelConfig, granularity: int) -> float:
+    """Fine-grained upcycling's weight scaling (He et al. 2024): the factor on each fine-grained expert's down
+    projection that makes a fresh mixture compute its coarse experts. A token picks G x k experts; with virtual-group
+    router rows they are k whole groups, each expert of a group at the same gate. top-k-then-softmax (topk_softmax):
+    a group's G gates sum to its coarse gate, each 1/G of it, so G. softmax-then-top-k (softmax): the k groups' mass
+    is k/N of a uniform router's (N coarse experts), each expert 1/(N G), so N G / k."""
+    if granularity == 1:
+        return 1.0
+    if cfg.gate_norm == "topk_softmax":
+        return float(granularity)
+    return cfg.ffn_experts / (cfg.ffn_top_k / granularity)
 
 
 def input_label(reader: Reader, index: int) -> str:
@@ -232,7 +313,8 @@ def compile_plan(recipe: Recipe, inputs: Sequence[Reader], options: MergeOptions
                               f"value {torch.finfo(dtype).max:.4g}): the routers would hold Inf")
     _check_router_init(recipe, out_cfg, options.warm_start)
     _check_tensors_fit(out_cfg)
-    ffn_slots = members + (0,) * (out_cfg.ffn_experts - len(members)) if out_cfg.ffn_experts else ()
+    n_ffn = out_cfg.ffn_experts // options.resolved("ffn_granularity", recipe)  # coarse FFN experts
+    ffn_slots = members + (0,) * (n_ffn - len(members)) if out_cfg.ffn_experts else ()
     shared_rule = options.resolved("shared_kv_rule", recipe) if recipe.shared_kv else None
     choices = Plan(recipe, options, plan_inputs, members, ffn_slots, weights, dense_cfg, out_cfg,
                    dtype, router_std, shared_rule)  # everything but the tensors
@@ -280,20 +362,34 @@ def _check_router_init(recipe: Recipe, cfg: ModelConfig, warm_start: WarmStart |
                                       "its logits are read from to zero; use routers.init normal")
 
 
+def per_expert_router_tensors(kind: str, cfg: ModelConfig, n_experts: int) -> set[str]:
+    """The tensors of a router kind that hold one row per expert (their leading dimension grows with E)."""
+    more = {t.name: t.shape for t in router_class(kind).tensors(cfg, n_experts + 1)}
+    return {t.name for t in router_class(kind).tensors(cfg, n_experts) if more[t.name] != t.shape}
+
+
 def _router_op(plan: Plan, name: str, spec: RouterTensor) -> TensorOp:
-    """A router tensor, made as its kind's definition says (runtime/routers.py)."""
+    """A router tensor, made as its kind's definition says (runtime/routers.py). Fine-grained upcycling: an FFN
+    router's per-expert rows are drawn once per coarse expert and repeated over its G experts (He et al.'s virtual
+    groups: the G parts of one FFN always score alike, so top-(G k) routing picks k whole FFNs)."""
     dtype, init = plan.dtype, spec.init
+    repeat = 1
+    if plan.granularity > 1 and ".ffn_router." in name:
+        cfg = plan.config
+        if spec.name in per_expert_router_tensors(cfg.ffn_router_kind, cfg, cfg.ffn_experts):
+            repeat = plan.granularity
     if init == "logits":
         init = "zeros" if plan.recipe.router_init == "zeros" else "normal"
     if init in ("normal", "unit"):
         return TensorOp(name, "normal", spec.shape, dtype, std=plan.router_std if init == "normal" else 1.0,
-                        rng_seed=router_rng_seed(plan.options.router_seed, name))
+                        rng_seed=router_rng_seed(plan.options.router_seed, name), repeat=repeat)
     if init == "zeros":
         return TensorOp(name, "zeros", spec.shape, dtype)
     if init == "log_temperature":
         return TensorOp(name, "full", spec.shape, dtype, value=math.log(plan.config.router_temperature))
     if init == "unit_rows":  # random unit directions (a key store's keys)
-        return TensorOp(name, "unit_rows", spec.shape, dtype, rng_seed=router_rng_seed(plan.options.router_seed, name))
+        return TensorOp(name, "unit_rows", spec.shape, dtype, rng_seed=router_rng_seed(plan.options.router_seed, name),
+                        repeat=repeat)
     if init == "fair_share":  # 1/E everywhere (a key store's usage EMA)
         return TensorOp(name, "full", spec.shape, dtype, value=1.0 / spec.shape[-1])
     raise AssertionError(f"{name}: router init {init!r} has no plan op")
@@ -348,10 +444,12 @@ def _tensor_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape:
     src = f"{stacked['layer']}.{stacked['group']}.{stacked['rest']}" if stacked else name
     kind = dense_kind(src)
     op = plan.recipe.op(kind, plan.shared_kv_rule)
-    if stacked:
-        slots = plan.ffn_slots if stacked["group"] == "ffn" else members
-        t = TensorOp(name, "stack", shape, dtype, tuple(Source(i, src) for i in slots))
-        expected = (len(slots), *layout[src])
+    if stacked and stacked["group"] == "ffn":
+        t = _ffn_stack(plan, name, src, shape)
+        expected = (len(plan.ffn_expert_inputs), *part_shape(layout[src], intermediate_axis(src), plan.granularity))
+    elif stacked:
+        t = TensorOp(name, "stack", shape, dtype, tuple(Source(i, src) for i in members))
+        expected = (len(members), *layout[src])
     elif op == "stack":  # cannot happen: mixture_config stacks exactly the recipe's stacked kinds
         raise AssertionError(f"{name}: recipe stacks {kind} but the output layout does not")
     elif op == "seed" or len(members) == 1:
@@ -363,6 +461,56 @@ def _tensor_op(plan: Plan, layout: dict[str, tuple[int, ...]], name: str, shape:
     if tuple(expected) != tuple(shape):
         raise AssertionError(f"{name}: planned shape {expected} != layout shape {shape}")
     return t
+
+
+def part_shape(shape: tuple[int, ...], axis: int | None, granularity: int) -> tuple[int, ...]:
+    """A dense FFN tensor's shape as each of its `granularity` parts along `axis` holds it."""
+    if axis is None:
+        return tuple(shape)
+    return tuple(n // granularity if a == axis else n for a, n in enumerate(shape))
+
+
+def intermediate_axis(dense_name: str) -> int | None:
+    """The FFN intermediate dimension of a dense FFN tensor: rows of gate and up (weights and biases), columns of
+    down's weight; None for down's bias [D]."""
+    if dense_name.endswith("down.bias"):
+        return None
+    return 1 if dense_name.endswith("down.weight") else 0
+
+
+def ffn_part(i: int, src: str, g: int, granularity: int, scale: float, row: int | None = None) -> Source:
+    """Source of one FFN expert: expert `row` of input i's tensor (or its dense tensor), its g-th of `granularity`
+    parts along the intermediate axis; the down projection times `scale` (down's bias times scale / granularity:
+    each of a group's experts adds it at 1/G of the group's gate)."""
+    axis = intermediate_axis(src)
+    if granularity == 1:
+        return Source(i, src, row)
+    if axis is None:
+        return Source(i, src, row, None, scale / granularity)
+    return Source(i, src, row, (axis, g, granularity), scale if src.endswith("down.weight") else 1.0)
+
+
+def _ffn_stack(plan: Plan, name: str, src: str, shape: tuple[int, ...]) -> TensorOp:
+    """A stacked FFN tensor: one slot per FFN expert (fine-grained: G parts of each coarse slot's FFN, scaled),
+    with Drop-Upcycling's re-initialized dimensions."""
+    G, scale = plan.granularity, ffn_scale(plan.config, plan.granularity)
+    sources = tuple(ffn_part(i, src, g, G, scale) for i in plan.ffn_slots for g in range(G))
+    return TensorOp(name, "stack", shape, plan.dtype, sources, drop=drop_spec(plan, name, src, len(sources)))
+
+
+def drop_spec(plan: Plan, name: str, src: str, n_slots: int, first_slot: int = 0) -> Drop | None:
+    """Drop-Upcycling of an FFN tensor's slots first_slot.. (None: --drop-ratio 0, or down's bias, which has no
+    intermediate dimension). A slot's subset is seeded from --drop-seed, its layer and its slot alone, so its gate,
+    up and down share it; its values from the tensor's name and the slot."""
+    ratio = float(plan.options.resolved("drop_ratio", plan.recipe))
+    axis = intermediate_axis(src)
+    if not ratio or axis is None:
+        return None
+    layer = name.split(".ffn_experts.")[0]
+    seed = plan.options.drop_seed
+    slots = range(first_slot, first_slot + n_slots)
+    return Drop(ratio, axis, tuple(router_rng_seed(seed, f"{layer}.ffn_experts/{e}") for e in slots),
+                tuple(router_rng_seed(seed, f"{name}/{e}") for e in slots))
 
 
 def _mean_weights(weights: Sequence[float] | None, inputs: list[PlanInput], members: tuple[int, ...]
@@ -405,7 +553,12 @@ def _plan_header(plan: Plan) -> list[str]:
     extra = len(plan.ffn_slots) - len(plan.members) if cfg.ffn_experts else 0
     routing = []
     if cfg.ffn_experts:
+        G, up = plan.granularity, plan.upcycling_options()
         routing.append(f"FFN experts {cfg.ffn_experts}" + (f" ({extra} copied from the seed)" if extra else "")
+                       + (f", fine-grained: {G} per FFN of width {cfg.ffn_hidden}, down x{up['ffn_scale']:g}"
+                          if G > 1 else "")
+                       + (f", Drop-Upcycling {up['drop_ratio']:g} (--drop-seed {up['drop_seed']})"
+                          if "drop_ratio" in up else "")
                        + f", top-{cfg.ffn_top_k} {cfg.gate_norm}")
     if cfg.attn_experts:
         routing.append(f"attention experts {cfg.attn_experts} (kv {cfg.kv_mode}"
@@ -424,6 +577,9 @@ def _plan_header(plan: Plan) -> list[str]:
         warm = (f"; expert embeddings warm-started ({plan.warm_start['init']}, {plan.warm_start['tokens']:,} "
                 "calibration tokens)" if plan.warm_start else f"; expert embeddings from --router-init "
                 f"{plan.options.warm_start} (computed when the merge runs)" if plan.options.warm_start else "")
+        if plan.options.router_prompts:
+            warm += f"; linear routers from --router-prompts {plan.options.router_prompts}" + (
+                "" if plan.router_prompts else " (computed when the merge runs)")
         lines.append(f"routers  {kind}{plan.recipe.router_init}" + (f"(0, {plan.router_std})" if plan.recipe.router_init
                      == "normal" else "") + f", seeded per tensor from --router-seed {plan.options.router_seed}"
                      + warm)

@@ -148,9 +148,9 @@ class PlanReader(Reader):
 
 
 def _may_make_nonfinite(plan: Plan, t) -> bool:
-    """Ops whose output can hold Inf/NaN although every input is finite: a random init, a mean,
-    and any cast to a narrower dtype (bfloat16 inputs written as float16). A stack or copy in the
+    """Ops whose output can hold Inf/NaN although every input is finite: a random init, a mean, a scaled or
+    re-initialized stack, and any cast to a narrower dtype (bfloat16 inputs written as float16). A stack or copy in the
     inputs' own dtype cannot."""
-    if t.op in ("normal", "mean"):
+    if t.op in ("normal", "mean") or t.drop is not None or any(s.scale != 1.0 for s in t.sources):
         return True
     return any(plan.inputs[s.input].reader.dtype(s.name) != t.dtype for s in t.sources)

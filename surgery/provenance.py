@@ -41,23 +41,34 @@ def plan_input_files(plan: Plan) -> list[Path]:
 HOW = {"read": "bytes", "cache": "bytes", "hf-blob": "hf-blob"}  # FileDigest.source -> provenance "how"
 
 
-def provenance(plan: Plan, digests: dict[Path, FileDigest] | None) -> dict[str, Any]:
-    """The provenance record; digests maps each input file to its FileDigest (None: not hashed)."""
-    inputs = []
-    for inp in plan.inputs:
+def input_records(inputs, digests: dict[Path, FileDigest] | None, expert_of=lambda index: None
+                  ) -> list[dict[str, Any]]:
+    """Each input's record: name, role, path, expert slot (expert_of its index), digest and files (digests: each
+    input file's FileDigest; None: not hashed)."""
+    records = []
+    for inp in inputs:
         files = []
         for f in input_files(inp.reader):
             d = digests.get(f) if digests is not None else None
             files.append({"name": f.name, "bytes": f.stat().st_size, "digest": d.text if d else None,
                           "how": HOW[d.source] if d else None})
-        inputs.append({"index": inp.index, "name": inp.name, "role": inp.role, "path": inp.label,
-                       "expert": plan.members.index(inp.index) if inp.index in plan.members else None,
-                       "digest": input_digest(files), "files": files})
+        records.append({"index": inp.index, "name": inp.name, "role": inp.role, "path": inp.label,
+                        "expert": expert_of(inp.index), "digest": input_digest(files), "files": files})
+    return records
+
+
+def tool_record() -> dict[str, str]:
+    return {"name": "bam-surgery", "version": tool_version()}
+
+
+def provenance(plan: Plan, digests: dict[Path, FileDigest] | None) -> dict[str, Any]:
+    """The provenance record; digests maps each input file to its FileDigest (None: not hashed)."""
     return {
-        "tool": {"name": "bam-surgery", "version": tool_version()},
+        "tool": tool_record(),
         "recipe": {"name": plan.recipe.name, "file": plan.recipe.path, "text": plan.recipe.text},
         "options": plan.resolved_options(),
-        "inputs": inputs,
+        "inputs": input_records(plan.inputs, digests,
+                                lambda i: plan.members.index(i) if i in plan.members else None),
         "tensors": {t.name: t.provenance() for t in plan.tensors},
     }
 

@@ -56,7 +56,8 @@ SHARED_EXPERTS = get_args(SharedExpert)
 
 # Built-in defaults for fields a recipe leaves out of `defaults:`.
 DEFAULTS: dict[str, Any] = dict(seed_expert=True, extra_ffn_experts=0, ffn_top_k=1, gate_norm="softmax",
-                                attention_routing="soft", lb_coef=0.01, z_coef=0.001)
+                                attention_routing="soft", lb_coef=0.01, z_coef=0.001, drop_ratio=0.0,
+                                ffn_granularity=1)
 TOP_LEVEL = ("schema", "name", "description", "experts", "defaults", "routers", "tensors", "shared_expert")
 
 _DENSE_NAME = re.compile(
@@ -309,6 +310,15 @@ def _validate_defaults(section: Any, fail, tensors: dict[str, str]) -> dict[str,
         if not _is_finite_number(d[key]) or d[key] < 0:
             raise fail(f"defaults.{key}", f"must be a finite number >= 0, got {shown(d[key])}")
         d[key] = float(d[key])
+    if not _is_finite_number(d["drop_ratio"]) or not 0 <= d["drop_ratio"] <= 1:
+        raise fail("defaults.drop_ratio", f"must be a number from 0 to 1, got {shown(d['drop_ratio'])}")
+    d["drop_ratio"] = float(d["drop_ratio"])
+    if not _is_int(d["ffn_granularity"]) or not 1 <= d["ffn_granularity"] <= MAX_EXPERTS:
+        raise fail("defaults.ffn_granularity", f"must be an integer >= 1 and <= {MAX_EXPERTS}, got "
+                                               f"{shown(d['ffn_granularity'])}")
+    for key in ("drop_ratio", "ffn_granularity"):
+        if key in section and d[key] != DEFAULTS[key] and tensors["ffn.up"] != "stack":
+            raise fail(f"defaults.{key}", "needs FFN experts (tensors.ffn.*: stack)")
     return d
 
 
@@ -384,10 +394,33 @@ def check_mixture(recipe: Recipe, dense_cfg: ModelConfig, n_inputs: int, options
     routed = n_attn or n_linear  # attention experts of either kind (softmax, Gated DeltaNet)
     kind = ffn_kind if n_ffn else (attn_kind if routed else "linear")
     temperature_default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["router_temperature"]
-    return dict(ffn_experts=n_ffn, ffn_top_k=top_k if n_ffn else 1, attn_experts=n_attn, linear_experts=n_linear,
-                attn_top_k=attn_k if routed else None, router=kind,
+    G = _check_upcycling(recipe, dense_cfg, options, n_ffn)  # fine-grained: G experts of width F/G per coarse one
+    return dict(ffn_experts=n_ffn * G, ffn_top_k=top_k * G if n_ffn else 1, ffn_hidden=dense_cfg.ffn_hidden // G,
+                attn_experts=n_attn, linear_experts=n_linear, attn_top_k=attn_k if routed else None, router=kind,
                 attn_router=attn_kind if routed and attn_kind != kind else None, router_hidden=hidden,
                 router_temperature=temperature_default if temperature is None else float(temperature))
+
+
+def _check_upcycling(recipe: Recipe, dense_cfg: ModelConfig, options: MergeOptions, n_ffn: int) -> int:
+    """Drop-Upcycling's ratio and fine-grained upcycling's granularity against the FFN experts; the granularity."""
+    drop, granularity = options.resolved("drop_ratio", recipe), options.resolved("ffn_granularity", recipe)
+    if not _is_finite_number(drop) or not 0 <= drop <= 1:
+        raise ConfigError(f"drop_ratio: must be a number from 0 to 1, got {shown(drop)}")
+    if not _is_int(granularity) or not 1 <= granularity <= MAX_EXPERTS:
+        raise ConfigError(f"ffn_granularity: must be an integer from 1 to {MAX_EXPERTS}, got {shown(granularity)}")
+    for fld, value, default in (("drop_ratio", options.drop_ratio, 0), ("ffn_granularity", options.ffn_granularity, 1)):
+        if value not in (None, default) and not n_ffn:
+            raise ConfigError(f"{fld}: recipe {recipe.name} has no FFN experts (tensors.ffn.*: "
+                              f"{recipe.tensors['ffn.up']})")
+    if granularity > 1:
+        F = dense_cfg.ffn_hidden
+        if F % granularity:
+            raise ConfigError(f"ffn_granularity: the FFN width {F} is not divisible by {granularity}; each fine-grained "
+                              "expert is an equal share of it")
+        if n_ffn * granularity > MAX_EXPERTS:
+            raise ConfigError(f"ffn_granularity: {n_ffn} FFN experts split {granularity} ways make "
+                              f"{n_ffn * granularity}, past the limit of {MAX_EXPERTS}")
+    return granularity
 
 
 def _check_experts(recipe: Recipe, n_inputs: int, options: MergeOptions) -> tuple[int, int, int, int | None]:

@@ -137,7 +137,7 @@ def batches(windows: list[Window]) -> Iterator[list[Window]]:
 
 def expert_inputs(plan: Plan, router: str) -> tuple[int, ...]:
     """Input index of each expert slot of a router (layers.{i}.ffn_router or layers.{i}.attn_router)."""
-    return plan.ffn_slots if router.endswith("ffn_router") else plan.members
+    return plan.ffn_expert_inputs if router.endswith("ffn_router") else plan.members
 
 
 @torch.no_grad()
@@ -190,7 +190,7 @@ def warm_start(plan: Plan, calib: Calibration, log: Log | None = None) -> Plan:
     modules = model.routers()
     for name in routers:
         router = modules[name]
-        sums, counts = _group_means(model, router, windows, labels_of[name], n_groups, plan.config.d_model)
+        sums, counts = group_means(model, router, windows, labels_of[name], n_groups, plan.config.d_model)
         slots = expert_inputs(plan, name)
         empty = [plan.inputs[i].name for i in slots if counts[group_of_input[i]] == 0]
         if empty:
@@ -246,7 +246,7 @@ def _profile_labels(plan: Plan, windows, routers: list[str], log: Log
     return labels_of, {i: i for i in inputs}
 
 
-def _group_means(model, router, windows, labels: torch.Tensor, n_groups: int, D: int
+def group_means(model, router, windows, labels: torch.Tensor, n_groups: int, D: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum [G, D] float64, count [G]) of the router's input states per group (labels: one per position, in
     window order); each forward stops at the router (_Captured)."""

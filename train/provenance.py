@@ -7,8 +7,9 @@ options, inputs, tensors) and appends its own record to the list under "training
 gets a record with "training" and "experts" only.
 
 Expert names, first match: the record's "experts"; else the merge inputs (input with "expert": e
-names expert e: its "name", else its path's file stem); else "expert{e}". FFN experts beyond the
-merge's members (copies of the seed's FFN, --extra-ffn-experts) are "expert{e}".
+names expert e: its "name", else its path's file stem; a fine-grained merge's G experts of slot e are
+"NAME.0" .. "NAME.{G-1}"); else "expert{e}". FFN experts beyond the merge's members (copies of the seed's FFN,
+--extra-ffn-experts) are "expert{e}".
 """
 from __future__ import annotations
 
@@ -46,18 +47,22 @@ def expert_names(provenance: dict[str, Any] | None, cfg: ModelConfig) -> dict[st
     """{"ffn": [E_ffn names], "attn": [E_attn names]} (lists empty for dense parts)."""
     prov = provenance or {}
     given = prov.get("experts")
+    options = prov.get("options") if isinstance(prov.get("options"), dict) else {}
+    fine = options.get("ffn_granularity", 1)  # a fine-grained merge: FFN expert e is part e % G of slot e // G
+    fine = fine if isinstance(fine, int) and not isinstance(fine, bool) and fine > 0 else 1
     out: dict[str, list[str]] = {}
     for kind, n in (("ffn", cfg.ffn_experts), ("attn", cfg.attn_experts)):
+        G = fine if kind == "ffn" and n % fine == 0 else 1
         names = [f"expert{e}" for e in range(n)]
         if isinstance(given, dict) and isinstance(given.get(kind), list) and len(given[kind]) == n:
             names = [str(x) for x in given[kind]]
         else:
             for inp in provenance_inputs(prov):
                 e = inp.get("expert")
-                if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < n:
+                if isinstance(e, int) and not isinstance(e, bool) and 0 <= e * G < n:
                     label = inp.get("name") or (_stem(inp["path"]) if inp.get("path") else None)
                     if label:
-                        names[e] = str(label)
+                        names[e * G:(e + 1) * G] = [str(label)] if G == 1 else [f"{label}.{g}" for g in range(G)]
         out[kind] = _unique(names)
     return out
 

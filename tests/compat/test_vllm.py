@@ -124,7 +124,27 @@ KINDS = {
                                      logit_scale=0.5, final_softcap=4.0, attn_softcap=20.0, attn_window=6,
                                      attn_window_layers=[1], window_rope_theta=100.0, nope_layers=[0],
                                      scaled_rope=dict(rope_type="linear", factor=2.0), attn_scale_dim=32)),
+    # a merge, not random weights: a fine-grained upcycle of a dense Llama (16 experts of a quarter of the FFN width,
+    # 8 per token) through the plugin's fused-MoE layer, which must compute the dense seed (MERGED)
+    "fine-grained-upcycle": ("hf", LLAMA),
 }
+MERGED = {"fine-grained-upcycle": ("upcycle", dict(ffn_granularity=4, router_std=0.5))}  # recipe, merge options
+
+
+def merged_model(kind: str, seed: int, folder: Path) -> Model:
+    """The merge of MERGED[kind] from a random dense seed, checked to give the seed's greedy tokens (a fresh
+    upcycle computes its dense seed, so vLLM must give the seed's tokens too)."""
+    from bam_surgery.app.merge import merge
+    from bam_surgery.surgery.options import MergeOptions
+
+    dense = random_model(kind, seed)
+    save_model(dense, folder / "dense.safetensors")
+    recipe, options = MERGED[kind]
+    merge([(None, str(folder / "dense.safetensors"))], folder / "mix.safetensors", recipe=recipe,
+          options=MergeOptions(**options))
+    model = load_model(folder / "mix.safetensors").eval()
+    assert [runtime_reference(model, p)[0] for p in PROMPTS] == [runtime_reference(dense, p)[0] for p in PROMPTS]
+    return model
 
 # the families (conftest.FAMILY_CASES) at head size 64, the word tokenizer's vocabulary, and RoPE thresholds the
 # prompts pass: Llama 3's scaling and YaRN from 32 tokens on; longrope's original length is 48, the longest a
@@ -243,8 +263,9 @@ def models(tokenizer_files, tmp_path_factory) -> dict[str, dict]:
     """name -> {"dir": the export, "max_len", "expected": the runtime's (tokens, logprobs) per prompt, "text": the
     runtime's tokens for TEXT_PROMPT}, for every kind and every family's merges."""
     out = {}
-    built = [(kind, KINDS[kind][0], lambda kind=kind: random_model(kind, seed=list(KINDS).index(kind)))
-             for kind in KINDS]
+    built = [(kind, KINDS[kind][0], lambda kind=kind: merged_model(
+        kind, list(KINDS).index(kind), tmp_path_factory.mktemp(kind)) if kind in MERGED else random_model(
+        kind, seed=list(KINDS).index(kind))) for kind in KINDS]
     built += [(name, "hf", lambda case=case, recipe=recipe, name=name: family_mixture(
         case, recipe, tmp_path_factory.mktemp(name.replace("/", "-"))))
               for name, (case, recipe) in family_models().items()]

@@ -1028,6 +1028,25 @@ def test_llama_cpp_btx_of_a_family(llama_cpp, tmp_path, family, one_thread):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_llama_cpp_fine_grained_upcycle_is_the_dense_seed(llama_cpp, tmp_path, family, one_thread):
+    """merge --recipe upcycle --ffn-granularity 4 --format gguf: llama.cpp runs 16 experts of a quarter of the FFN
+    width, 8 per token (qwen3moe reads expert_feed_forward_length, the Mixtral-shaped llama its feed_forward_length),
+    and the fresh mixture's logits and greedy tokens are the dense seed's."""
+    cfg = family_config(family)
+    seed = save_checkpoint(random_state(cfg, 4), cfg, tmp_path / "seed.safetensors")
+    up = ("--recipe", "upcycle", "--ffn-granularity", "4", "--router-std", "0.5")
+    merge_family([seed], tmp_path / "fine.gguf", *up, "--format", "gguf")
+    keys = fields(tmp_path / "fine.gguf")
+    arch = keys["general.architecture"]
+    width = keys.get(f"{arch}.expert_feed_forward_length", keys[f"{arch}.feed_forward_length"])
+    assert (width, keys[f"{arch}.expert_count"], keys[f"{arch}.expert_used_count"]) == (cfg.ffn_hidden // 4, 16, 8)
+    diff = check_against_runtime(llama(llama_cpp, tmp_path / "fine.gguf"), load_model(seed), random_prompt(cfg, 40),
+                                 F32_TOL)
+    print(f"\nfine-grained upcycle of {family} ({arch}): max|dlogit| against the dense seed {diff:.2e}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("pre, regex, ignore_merges", [
     ("llama-bpe", gt.LLAMA3_REGEX, True), ("qwen2", gt.QWEN2_REGEX, False)])
 def test_llama_cpp_split_pre_tokenizers_encode_like_tokenizers(llama_cpp, tmp_path, pre, regex, ignore_merges):

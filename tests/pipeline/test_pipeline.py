@@ -304,7 +304,7 @@ def test_domain_without_held_out_split_and_bad_yaml(corpus, tmp_path):
     result = run_cli("pipeline", tmp_path / "broken.yaml", "--out", tmp_path / "out", code=2)
     assert result.stderr.startswith("bam-surgery: error: ") and "not valid YAML" in result.stderr
     result = run_cli("pipeline", "no-such-pipeline", "--out", tmp_path / "out", code=2)
-    assert "choose one of paper-shape, paper-small, tiny" in result.stderr
+    assert "choose one of paper-shape, paper-shape-time, paper-small, tiny, tiny-upcycling" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -366,7 +366,12 @@ def test_a_full_disk_leaves_no_partial_file(corpus, tmp_path, monkeypatch):
 # ---- the shipped pipelines -------------------------------------------------------------------------
 def test_shipped_pipelines_validate(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the shipped pipelines' data paths are relative to the repository root
-    assert shipped_pipelines() == ["paper-shape", "paper-small", "tiny"]
+    assert shipped_pipelines() == ["paper-shape", "paper-shape-time", "paper-small", "tiny", "tiny-upcycling"]
+    timed = load_pipeline("paper-shape-time", check_data=False)  # BAM gets BTX's time at the H200's throughputs
+    assert {s: timed.train_steps(timed.mixture("bam"), s) for s in timed.settings} == {
+        "data-matched": 200, "compute-matched": 140, "time-matched": 169}
+    upcycling = load_pipeline("tiny-upcycling", check_data=False)
+    assert [m.config.ffn_experts for m in upcycling.mixtures] == [4, 4, 16]
     tiny = load_pipeline("tiny")  # the repository's corpus is there
     assert tiny.domains.keys() == {"code", "law", "math"} and tiny.tokenizer == "bytes"
     assert [m.name for m in tiny.mixtures][:3] == ["btx", "bam", "bam-shared-kv"]
@@ -382,6 +387,43 @@ def test_shipped_pipelines_validate(tmp_path, monkeypatch):
     assert "bam-surgery train --config" in result.stdout and "total training FLOPs" in result.stdout
     assert not (tmp_path / "plan").exists()
     assert PipelineRun(tiny, tmp_path / "x").units()[-1].name == "report"
+
+
+def test_time_matched_runs_and_upcycle_mixtures(corpus, tmp_path):
+    """time-matched: steps times the model's throughput over the reference's (a model within the tolerance is
+    trained once); the throughputs given or in a JSON file (benchmarks/throughput.py's); an upcycle mixture is made
+    from the seed alone."""
+    doc = micro_doc(corpus, tmp_path / "tokens")
+    doc["stages"]["mix"]["mixtures"].append({"name": "up", "recipe": "upcycle", "ffn_granularity": 2})
+    tps = {"btx": 100.0, "bam": 80.0, "bam-shared-kv": 90.0, "bam-top1": 100.5, "btx-total": 50.0, "up": 70.0}
+    doc["stages"]["train"].update(settings=["data-matched", "compute-matched", "time-matched"],
+                                  throughput={"source": "given for the test", "tokens_per_s": tps})
+    spec = load_pipeline(str(write_doc(doc, tmp_path / "timed.yaml")))
+    assert [spec.train_steps(spec.mixture(n), "time-matched") for n in ("btx", "bam", "btx-total", "up")] == \
+        [12, round(12 * 0.8), 6, round(12 * 0.7)]
+    assert spec.unit_name("time-matched", spec.mixture("bam-top1")) == "dm-bam-top1"  # within 1%: trained once
+    run = PipelineRun(spec, tmp_path / "out")
+    names = [u.name for u in run.units()]
+    assert "tm-bam" in names and "tm-bam-top1" not in names and "tm-btx" not in names
+    up = spec.mixture("up")
+    assert "--experts" not in run.merge_args(up) and up.config.ffn_experts == 8
+    (tmp_path / "tps.json").write_text(json.dumps({"source": "given for the test", "tokens_per_s": tps}))
+    doc["stages"]["train"]["throughput"] = str(tmp_path / "tps.json")
+    again = load_pipeline(str(write_doc(doc, tmp_path / "file.yaml")))
+    assert again.throughput == spec.throughput and again.doc["stages"]["train"]["throughput"] == spec.throughput
+    sys.path.insert(0, str(ROOT))  # the benchmark's file is what the pipeline reads
+    from benchmarks import throughput
+    throughput.main([str(tmp_path / "timed.yaml"), "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "b.json")])
+    doc["stages"]["train"]["throughput"] = str(tmp_path / "b.json")
+    measured = load_pipeline(str(write_doc(doc, tmp_path / "measured.yaml")))
+    assert measured.throughput["tokens_per_s"].keys() == tps.keys() and "cpu" in measured.throughput["source"]
+    del tps["up"]
+    doc["stages"]["train"]["throughput"] = {"source": "given", "tokens_per_s": tps}
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "bad.yaml"), "--out", tmp_path / "o", code=2).stderr
+    assert "stages.train.throughput.tokens_per_s: no number for up" in err
+    doc["stages"]["train"]["settings"] = ["data-matched"]
+    err = run_cli("pipeline", write_doc(doc, tmp_path / "bad.yaml"), "--out", tmp_path / "o", code=2).stderr
+    assert "stages.train.throughput: only the time-matched setting reads it" in err
 
 
 def test_docs_state_what_the_code_computes(tmp_path, monkeypatch):

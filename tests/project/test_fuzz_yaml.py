@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the YAML loaders (hypothesis; issue 20): recipes, training configs and
-pipeline files, read through converters/yamlfile.py. Inputs are built from YAML's own pieces (anchors,
+"""Property-based fuzzing of the YAML loaders (hypothesis; issue 20): recipes, training configs, pipeline files
+and merge --router-prompts files, read through converters/yamlfile.py. Inputs are built from YAML's own pieces (anchors,
 aliases, merge keys, tags, brackets, long digit runs) and from the shipped files with fields replaced;
 each loader may only succeed or raise a user error whose message is one short line. Bounded like
 tests/project/test_fuzz.py (150 examples each, no deadline, small bounds so a loaded machine stays fast).
@@ -16,6 +16,7 @@ from test_fuzz import FUZZ, json_values
 from bam_surgery.converters.yamlfile import parse_yaml
 from bam_surgery.runtime.errors import UserError, one_line
 from bam_surgery.pipeline.schema import load_pipeline
+from bam_surgery.surgery.prompts import read_prompt_file
 from bam_surgery.surgery.recipe import parse_recipe
 from bam_surgery.train.config import TrainConfig
 
@@ -91,3 +92,19 @@ def test_pipelines(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("pipeline") / "p.yaml"
     path.write_text(text, encoding="utf-8")
     clean(lambda: load_pipeline(str(path), check_data=False))
+
+
+PROMPTS = {"base_model": "seed", "gate_mode": "hidden", "experts_per_token": 2,
+           "experts": [{"source_model": "seed", "positive_prompts": ["a b"]},
+                       {"source_model": "code", "positive_prompts": ["def f():"], "negative_prompts": ["the court"]}]}
+
+
+@FUZZ
+@given(st.one_of(yaml_texts, near(PROMPTS), st.tuples(st.sampled_from(["source_model", "positive_prompts",
+                                                                       "negative_prompts", "noise_scale"]),
+                                                      json_values)
+       .map(lambda kv: yaml.safe_dump({**PROMPTS, "experts": [{**PROMPTS["experts"][1], kv[0]: kv[1]}]}))))
+def test_router_prompt_files(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("prompts") / "p.yaml"
+    path.write_text(text, encoding="utf-8")
+    clean(lambda: read_prompt_file(str(path)))
