@@ -39,8 +39,28 @@ def options_from(cls, given: Mapping[str, Any], what: str, only: Sequence[str] |
     values = {}
     for name, value in given.items():
         parse = fields[name].metadata.get("parse")
-        values[name] = parse(value) if parse is not None and isinstance(value, str) else value
+        if isinstance(value, str):
+            value = parse(value) if parse is not None else _scalar_text(value, fields[name], what)
+        values[name] = value
     return cls(**values)
+
+
+_SCALARS = {"int": int, "float": float}
+_BOOLS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+
+
+def _scalar_text(value: str, field: dataclasses.Field, what: str) -> Any:
+    """A number or yes/no option given as its flag's text, read as the flag reads it (`router_seed="1"` is 1)."""
+    kind = str(field.type).replace(" | None", "").replace("Optional[", "").rstrip("]").strip()
+    try:
+        if kind in _SCALARS:
+            return _SCALARS[kind](value)
+        if kind == "bool":
+            return _BOOLS[value.strip().lower()]
+    except (ValueError, KeyError):
+        expected = {"int": "an integer", "float": "a number", "bool": "yes or no"}[kind]
+        raise UsageError(f"{what}: option {field.name}={value!r} is not {expected}") from None
+    return value
 
 
 @one_line_errors

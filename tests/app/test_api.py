@@ -66,6 +66,20 @@ def test_options_are_checked_by_name(tmp_path):
         bs.export_onnx("seed", tmp_path / "x", dtype="fp8")
 
 
+def test_options_given_as_text_are_read_as_their_flags_read_them():
+    """A number or yes/no option given as text is the flag's value (router_seed="7" is 7, not a string that would seed
+    another generator), and text that is not one is refused in one line."""
+    from bam_surgery.app.api import options_from
+    from bam_surgery.surgery.options import MergeOptions
+
+    opts = options_from(MergeOptions, {"router_seed": "7", "ffn_granularity": "4", "seed_expert": "no",
+                                       "router_temperature": "0.5"}, "merge")
+    assert opts == options_from(MergeOptions, {"router_seed": 7, "ffn_granularity": 4, "seed_expert": False,
+                                               "router_temperature": 0.5}, "merge")
+    with pytest.raises(bs.UserError, match="merge: option router_seed='seven' is not an integer"):
+        options_from(MergeOptions, {"router_seed": "seven"}, "merge")
+
+
 def test_generate_takes_a_loaded_model(tmp_path, one_thread):
     """generate(load(x)) runs the model load() built, with its tokenizer (no second load from x): the same tokens and
     text as generate(x); a device or dtype other than the loaded model's is refused in one line."""
