@@ -671,6 +671,9 @@ class Block(nn.Module):
         self.is_linear = cfg.is_linear_layer(index)
         self.kv_source = cfg.kv_source(index)
         self.owns_kv, self.k_eq_v = self.kv_source == index, cfg.layer_k_eq_v(index)
+        # whether a later layer reads this one's K/V: only then is it kept in the pass's shared_kv (a block that
+        # writes there unread would change its state per layer, and a compiled block would recompile per layer)
+        self.kv_read = any(cfg.kv_source(j) == index for j in range(index + 1, cfg.n_layers))
         self._build_mixer(cfg, D, H, Dh, G)
         self.gated = cfg.activation in GATED
         F_ = cfg.layer_ffn_hidden(index)
@@ -698,7 +701,7 @@ class Block(nn.Module):
     def _build_mixer(self, cfg, D: int, H: int, Dh: int, G: int) -> None:
         """The token mixer's modules: a Gated DeltaNet (or its experts and their router), or the attention's
         projections (dense, expert K/V or shared K/V) with their QK-norms, owned like the projection."""
-        Ea = cfg.layer_attn_experts(self.index)
+        Ea = self.n_attn_experts = cfg.layer_attn_experts(self.index)  # read once: forward is the same for every layer
         self.expert_kv = bool(Ea) and cfg.kv_mode == "expert" and not self.is_linear
         self.kv_heads = (Ea if self.expert_kv else 1) * G  # heads this block caches (or reads from kv_source)
         if self.is_linear:
@@ -761,7 +764,7 @@ class Block(nn.Module):
     # -- routing ---------------------------------------------------------------------------
     def _route(self, kind: str, x: Tensor, step: ForwardPass) -> Routing:
         cfg = self.cfg
-        E, top_k = ((cfg.layer_attn_experts(self.index), cfg.attn_top_k) if kind == "attn"
+        E, top_k = ((self.n_attn_experts, cfg.attn_top_k) if kind == "attn"
                     else (cfg.ffn_experts, cfg.ffn_top_k))
         router = self.attn_router if kind == "attn" else self.ffn_router
         r = route(router, x, E, top_k, cfg.gate_norm, step.forced.gates(kind, E) if step.forced else None)
@@ -937,7 +940,8 @@ class Block(nn.Module):
         cfg, E = self.cfg, self.cfg.attn_experts
         if self.owns_kv:
             k, v = self._cache(*self.keys_values(x, step), step)
-            step.shared_kv[self.index] = (k, v)
+            if self.kv_read:
+                step.shared_kv[self.index] = (k, v)
         else:
             k, v = self._shared(step)
         if not E:
@@ -1016,7 +1020,8 @@ class Block(nn.Module):
             k, v = self._cache(k, self._v_norm(v).transpose(1, 2), step)
             if step.prefill_from_zero:  # the slots past the prompt are causally hidden anyway
                 k, v = k[:, :, :T], v[:, :, :T]
-            step.shared_kv[self.index] = (k, v)
+            if self.kv_read:
+                step.shared_kv[self.index] = (k, v)
         else:
             k, v = self._shared(step)
         y = attend(q, k, v, step.mask(k.shape[2], self.window), self.scale, cfg.attn_softcap)  # [B, E*H, T, Dh]
