@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.inference import (CASES, ENGINES, SIZES, Case, Setting, _met, _percent, by_device_name, machine,
-                                  peak_tflops, skip_reason)
+                                  peak_tflops, skip_reason, table_head)
 
 ORDER = ["dense fused", "bam-expert-kv fused", "bam-expert-kv reference", "Mixtral (transformers)", "btx fused",
          "HF BAM export expert KV (transformers)", "JetMoE MoA top-4 (transformers)", "bam-shared-kv fused",
@@ -289,10 +289,10 @@ def _limit(r: Row, hbm: Optional[float]) -> Optional[float]:
 
 def table(rows: list[Row], peak: Optional[float], hbm: Optional[float]) -> str:
     db = next((r.decode_batch for r in rows if r.decode_batch), 0)
-    out = ["| case | prefill tok/s | prefill MFU | train tok/s | train MFU | train compiled tok/s | compiled MFU | "
-           f"compile s | decode b1 tok/s | b1 of bandwidth limit | decode b{db} tok/s | generate b1 tok/s | decode | "
-           "KV bytes/token | peak GiB | s | notes |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|"]
+    out = table_head("case", "prefill tok/s:", "prefill MFU:", "train tok/s:", "train MFU:", "train compiled tok/s:",
+                     "compiled MFU:", "compile s:", "decode b1 tok/s:", "b1 of bandwidth limit:",
+                     f"decode b{db} tok/s:", "generate b1 tok/s:", "decode", "KV bytes/token:", "peak GiB", "s:",
+                     "notes")
     for r in rows:
         if r.skipped:
             out.append(f"| {r.case} | skipped: {r.skipped} |")

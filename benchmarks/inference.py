@@ -615,12 +615,18 @@ def _gib(r: Result) -> str:
     return " / ".join("-" if p is None else f"{p / 2**30:.1f}" for p in parts)
 
 
+def table_head(*columns: str) -> list[str]:
+    """A markdown table's header and rule; a column named with a trailing ':' holds numbers (right-aligned, as
+    markdown's `---:` says)."""
+    return ["| " + " | ".join(c.rstrip(":") for c in columns) + " |",
+            "|" + "|".join("---:" if c.endswith(":") else "---" for c in columns) + "|"]
+
+
 def table(results: list[Result], peak: Optional[float] = None) -> str:
     decode_batch = next((r.decode_batch for r in results if r.decode_batch), 4)
-    rows = ["| case | prefill tok/s | prefill GFLOP/s | prefill MFU | train tok/s | train GFLOP/s | train MFU | "
-            f"decode b1 tok/s | decode b{decode_batch} tok/s | generate b1 tok/s | decode | KV bytes/token | "
-            "GFLOP/token | peak GiB | load |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    rows = table_head("case", "prefill tok/s:", "prefill GFLOP/s:", "prefill MFU:", "train tok/s:", "train GFLOP/s:",
+                      "train MFU:", "decode b1 tok/s:", f"decode b{decode_batch} tok/s:", "generate b1 tok/s:",
+                      "decode", "KV bytes/token:", "GFLOP/token:", "peak GiB:", "load:")
     for r in results:
         if r.skipped:
             rows.append(f"| {r.case} | skipped: {r.skipped} |")

@@ -28,8 +28,8 @@ from bam_surgery.app.errors import OptionError
 from bam_surgery.app.exports import convert as app_convert
 from bam_surgery.app.exports import format_options
 
-from .options import (ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, CommandReporter, command_options, format_option,
-                      option, options_of)
+from .options import (ALLOW_PICKLE, OUT_FORCE, CommandReporter, Writing, command_options, format_option, option,
+                      options_of)
 
 CKPT = click.argument("checkpoint", metavar="CKPT")
 GGUF_SUFFIX = ".gguf"
@@ -46,9 +46,7 @@ class ConvertArgs:
         "Output format (from any input: canonical file or directory, HF directory, hub id, Mixtral or HF BAM "
         "export)."))
     hf: Any = options_of(format_options("hf"))  # --architecture
-    max_shard_size: str | None = option(MAX_SHARD_SIZE)
-    force: bool = option(OUT_FORCE)
-    allow_pickle: bool = option(ALLOW_PICKLE)
+    writing: Writing = options_of(Writing)  # --max-shard-size, --force, --allow-pickle
     quiet: bool = option("--quiet", "-q", is_flag=True, help="No summary line (convert draws no progress bar).")
 
 
@@ -61,8 +59,7 @@ def convert(args: ConvertArgs) -> None:
     (docs/deploy.md, "What every export carries"); a format that cannot carry them says so in one line.
     """
     app_convert(args.checkpoint, args.out, args.fmt, own=args.hf if args.fmt == "hf" else None,
-                max_shard_size=args.max_shard_size, force=args.force, allow_pickle=args.allow_pickle,
-                reporter=CommandReporter(log=False))
+                **args.writing.keywords(), reporter=CommandReporter(log=False))
     if not args.quiet:
         click.echo(f"wrote {args.out} ({args.fmt})", err=True)
 

@@ -9,7 +9,7 @@ from bam_surgery.app.extend import extend
 from bam_surgery.surgery.options import ExtendOptions
 from bam_surgery.surgery.specs import split_specs
 
-from .options import ALLOW_PICKLE, MAX_SHARD_SIZE, OUT_FORCE, CommandReporter, command_options, option, options_of
+from .options import CommandReporter, Writing, command_options, option, options_of
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,7 @@ class ExtendArgs:
                       help="Output path: a name ending in .safetensors writes one file, anything else a directory of "
                            "shards (canonical; `convert` exports it).")
     options: ExtendOptions = options_of(ExtendOptions)
-    max_shard_size: str | None = option(MAX_SHARD_SIZE)
-    force: bool = option(OUT_FORCE)
-    allow_pickle: bool = option(ALLOW_PICKLE)
+    writing: Writing = options_of(Writing)  # --max-shard-size, --force, --allow-pickle
     quiet: bool = option("--quiet", "-q", is_flag=True, help="No progress lines and no summary line.")
 
 
@@ -43,8 +41,7 @@ def extend_cmd(args: ExtendArgs) -> None:
     experts to a trained mixture", has the identities and the rules for the new rows.
     """
     result = extend(args.mixture, split_specs(args.experts), args.out, options=args.options,
-                    max_shard_size=args.max_shard_size, force=args.force, allow_pickle=args.allow_pickle,
-                    reporter=CommandReporter(log=not args.quiet))
+                    **args.writing.keywords(), reporter=CommandReporter(log=not args.quiet))
     if not args.quiet:
         before, cfg = result.extension.before, result.extension.config
         click.echo(f"wrote {result.path}: {before.ffn_experts} -> {cfg.ffn_experts} FFN experts, "

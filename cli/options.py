@@ -19,15 +19,28 @@ import click
 from bam_surgery.app.errors import one_line
 from bam_surgery.app.exports import REFUSED_FORMATS, formats
 from bam_surgery.app.reporter import Reporter
+from bam_surgery.runtime.options import declared
 
 FORMATS = formats()  # converters.export's table, in order
 
-MAX_SHARD_SIZE = click.option("--max-shard-size", metavar="SIZE",
-                              help="Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).")
-OUT_FORCE = click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-ALLOW_PICKLE = click.option("--allow-pickle", is_flag=True,
-                            help="Also read pickle (.bin) weights of Hugging Face inputs (torch.load with "
+
+
+@dataclasses.dataclass(frozen=True)
+class Writing:
+    """How a command that reads checkpoints writes its one output: the flags convert and extend take as one group
+    (`options_of(Writing)`), and merge and the export commands one by one (MAX_SHARD_SIZE, OUT_FORCE,
+    ALLOW_PICKLE below, made from these fields). keywords(): the app functions' keywords of the same names."""
+
+    max_shard_size: str | None = declared(
+        None, "--max-shard-size", "Largest shard of a directory output, e.g. 2GB, 500MB, 1GiB (default: one shard).",
+        metavar="SIZE")
+    force: bool = declared(False, "--force", "Replace OUT if it exists.")
+    allow_pickle: bool = declared(
+        False, "--allow-pickle", "Also read pickle (.bin) weights of Hugging Face inputs (torch.load with "
                                  "weights_only=True).")
+
+    def keywords(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def option(*decls, **attrs):
@@ -105,6 +118,9 @@ def flag_option(f: dataclasses.Field):
     elif f.type == "bool":
         attrs["is_flag"] = True
     return click.option(m["flag"], f.name, **{k: v for k, v in attrs.items() if v is not None or k == "default"})
+
+
+MAX_SHARD_SIZE, OUT_FORCE, ALLOW_PICKLE = (flag_option(f) for f in dataclasses.fields(Writing))
 
 
 def _parsed(f: dataclasses.Field, value):

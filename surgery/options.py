@@ -45,6 +45,13 @@ def merge_option(default: Any, flag: str, help: str, *, recipe: str | None = Non
     return declared(default, flag, help, recipe=recipe, yaml=yaml, counts=counts, **flag_attrs)
 
 
+def seed_option(flag: str, what: str) -> Any:
+    """A MergeOptions field seeding one of the merge's random draws, 0 by default: `what` is drawn from a generator
+    per tensor seeded from N and the tensor's own place, so results do not depend on order."""
+    return merge_option(0, flag, f"Seed of {what}, so results do not depend on order.", metavar="N",
+                        show_default=True, yaml=(int,))
+
+
 def parse_weights(text: str | None) -> tuple[float, ...] | None:
     """--weights W0,W1,... as numbers."""
     if text is None:
@@ -87,10 +94,9 @@ class MergeOptions:
              "its intermediate dimensions (the same rows of gate and up, the same columns of down; a different "
              "subset per expert) from a normal with the mean and std of the source values they replace; 0 keeps "
              "exact copies (default: the recipe's, 0; the paper's best over long training is 0.5).")
-    drop_seed: int = merge_option(
-        0, "--drop-seed", metavar="N", show_default=True, yaml=(int,),
-        help="Seed of --drop-ratio's subsets and values: each expert's generator is seeded from N, its layer and "
-             "its slot, so results do not depend on order.")
+    drop_seed: int = seed_option(
+        "--drop-seed", "--drop-ratio's subsets and values: each expert's generator is seeded from N, its layer and "
+                       "its slot")
     ffn_granularity: int | None = merge_option(
         None, "--ffn-granularity", counts=True, metavar="G", bounds=(1, MAX_EXPERTS), recipe="defaults.ffn_granularity",
         yaml=(int,),
@@ -110,10 +116,8 @@ class MergeOptions:
         None, "--shared-kv-rule", choices=SHARED_KV_RULES, recipe="tensors.attn.k", yaml=(str,),
         help="For shared-KV recipes: make the one K/V projection by averaging the inputs' (mean) or by "
              "copying the seed's (seed). Default: the recipe's (mean for bam-shared-kv).")
-    router_seed: int = merge_option(
-        0, "--router-seed", metavar="N", show_default=True, yaml=(int,),
-        help="Seed of the random router init; each router's generator is seeded from N and its tensor "
-             "name, so results do not depend on order.")
+    router_seed: int = seed_option(
+        "--router-seed", "the random router init; each router's generator is seeded from N and its tensor name")
     router_std: float | None = merge_option(
         None, "--router-std", metavar="X", bounds=(0, None), recipe="routers.std", yaml=(float, int),
         help="Routers are initialized from normal(0, X) (default: the recipe's, 0.02).")
