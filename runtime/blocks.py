@@ -195,6 +195,52 @@ class Norm(nn.Module):
         return (xf * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
 
 
+# ---- linear maps ------------------------------------------------------------------------------
+# A CPU BLAS runs a linear map of a few rows (a decoding step, a short prompt) on one thread: a matrix-vector
+# product reads the weight at one core's memory bandwidth. `linear` runs it instead as one bmm over row blocks
+# of the weight, one block per thread, which torch spreads over its threads (2.2x the decoding rate of a 135M
+# model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there.
+ROW_BLOCK_ROWS = 128
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows outside autograd, autocast, compile
+    and export, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
+    by the BLAS in its own order (equal to F.linear's within float rounding)."""
+    blocks = _row_blocks(x, weight)
+    if blocks < 2:
+        return F.linear(x, weight, bias)
+    n_out, n_in = weight.shape
+    rows = x.reshape(-1, n_in)
+    M, w = rows.shape[0], weight.view(blocks, n_out // blocks, n_in)
+    if M <= 4:  # [out/b, in] @ [in, M] per block: the fastest for a handful of rows
+        y = torch.bmm(w, rows.t().expand(blocks, n_in, M)).view(n_out, M).t()
+    else:  # [M, in] @ [in, out/b] per block, as F.linear computes each row
+        y = torch.bmm(rows.expand(blocks, M, n_in), w.transpose(1, 2)).transpose(0, 1).reshape(M, n_out)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def _row_blocks(x: Tensor, weight: Tensor) -> int:
+    """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
+    if (x.device.type != "cpu" or x.dtype != weight.dtype or weight.dim() != 2 or not weight.is_contiguous()
+            or x.numel() > ROW_BLOCK_ROWS * weight.shape[1] or x.numel() == 0
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch.onnx.is_in_onnx_export()):
+        return 1
+    n_out = weight.shape[0]
+    return next((b for b in range(min(torch.get_num_threads(), n_out), 1, -1) if n_out % b == 0), 1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `linear` (the same parameters and state dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class StackedLinear(nn.Module):
     """E independent linear maps stored as one tensor: weight [E, out, in], bias [E, out]."""
 
@@ -205,13 +251,13 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: Tensor, e: int) -> Tensor:
         """Expert e alone: [..., in] -> [..., out]."""
-        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+        return linear(x, self.weight[e], None if self.bias is None else self.bias[e])
 
     def all_experts(self, x: Tensor) -> Tensor:
         """Every expert on every token in one matmul: [..., in] -> [..., E*out], expert-major."""
         E, n_out, n_in = self.weight.shape
         bias = None if self.bias is None else self.bias.reshape(E * n_out)
-        return F.linear(x, self.weight.reshape(E * n_out, n_in), bias)
+        return linear(x, self.weight.reshape(E * n_out, n_in), bias)
 
 
 class Projections(nn.Module):
@@ -220,7 +266,7 @@ class Projections(nn.Module):
     def __init__(self, specs: dict[str, tuple[int, int, bool]], n_experts: int = 0):
         super().__init__()
         for name, (n_in, n_out, bias) in specs.items():
-            mod = StackedLinear(n_experts, n_in, n_out, bias) if n_experts else nn.Linear(n_in, n_out, bias=bias)
+            mod = StackedLinear(n_experts, n_in, n_out, bias) if n_experts else Linear(n_in, n_out, bias=bias)
             self.add_module(name, mod)
 
     def proj(self, name: str, x: Tensor, e: Optional[int]) -> Tensor:
@@ -443,7 +489,7 @@ def _attend_graph(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
 
 # ---- FFN experts: grouped matmuls over assignments sorted by expert -----------------------
-ExpertKernel = Literal["grouped", "gather", "padded"]  # grouped_linear's kernels
+ExpertKernel = Literal["grouped", "gather", "padded", "loop"]  # grouped_linear's kernels
 EXPERT_KERNELS = get_args(ExpertKernel)
 # What a forward may force: one of those, or "dense" (every expert on every token, times its gate)
 FFNKernel = Literal[ExpertKernel, "dense"]
@@ -456,8 +502,14 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
     gather   each assignment gathers its expert's weight matrix: for a handful of tokens (decoding), static
              shapes, no synchronisation; copies at most 2x the layer's expert weights.
     padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
-             matmul: one host synchronisation per layer (to read C), none per expert."""
+             matmul: one host synchronisation per layer (to read C), none per expert.
+    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the CPU
+             outside autograd and compile, where _grouped_mm runs each expert's product on one thread and a
+             host synchronisation costs nothing (2x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
     dtype = _matmul_dtype(x)
+    if (x.device.type == "cpu" and not torch.is_grad_enabled() and not _autocast_on("cpu")
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
+        return "loop"
     if hasattr(torch, "_grouped_mm"):
         on_cpu = x.device.type == "cpu"
         on_hopper = (x.device.type == "cuda" and dtype == torch.bfloat16
@@ -485,6 +537,12 @@ def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tenso
         y = torch._grouped_mm(xs.to(dtype), W.to(dtype).transpose(-2, -1), offs=ends.to(torch.int32))
     elif kernel == "gather":
         y = torch.bmm(xs[:, None, :], W[expert].transpose(1, 2))[:, 0]  # [A, 1, in] @ [A, in, out]
+    elif kernel == "loop":
+        y = xs.new_empty(xs.shape[0], W.shape[1])
+        bounds = [0, *ends.tolist()]
+        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if end > start:
+                y[start:end] = linear(xs[start:end], W[e])
     else:
         E, A = W.shape[0], xs.shape[0]
         capacity = int(counts.max())  # the one host synchronisation of this kernel

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, load_balancing_loss, route,  # noqa: F401
+from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, linear, load_balancing_loss, route,  # noqa: F401
                      router_losses, z_loss)
 from .config import ModelConfig
 from .layout import router_tensors
@@ -96,7 +96,7 @@ class Model(Transformer):
 
     def head(self, x: Tensor) -> Tensor:
         """Logits [..., V] of final-normed hidden states x [..., D]."""
-        return self.output_logits(F.linear(x, self.head_weight, getattr(self, "lm_head_bias", None)))
+        return self.output_logits(linear(x, self.head_weight, getattr(self, "lm_head_bias", None)))
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None, routing: ForcedRouting | None = None, *,
                 attention_mask: Tensor | None = None, positions: Tensor | None = None,

@@ -191,8 +191,9 @@ def test_logits_to_keep():
     cfg = tiny_config(ffn_experts=3, attn_experts=3)
     model = build_model(cfg, random_state(cfg, 2))
     tokens = tokens_for(cfg, 2)
-    with torch.no_grad():
-        assert torch.equal(model(tokens, logits_to_keep=2).logits, model(tokens).logits[:, -2:])
+    with torch.no_grad():  # the same positions' logits; a BLAS may sum a product of 2 rows in another order than
+        # one of all T rows (blocks.linear), so they agree to float rounding, not bit for bit
+        assert max_diff(model(tokens, logits_to_keep=2).logits, model(tokens).logits[:, -2:]) < 1e-5
 
 
 def test_bad_impl_and_shapes_are_refused():
