@@ -26,7 +26,8 @@ threads (and OMP_NUM_THREADS), one at a time:
               `export-gguf --dtype f32` of it (f32 weights and KV cache: the runtime's arithmetic); same prompt,
               same number of tokens, same threads; the greedy tokens are compared with the runtime's. The
               notes give prefill (the prompt over the time to the first new token) and decode (the other new
-              tokens over the rest) apart.
+              tokens over the rest) apart. `generate ours (F.linear)` runs the path before CPU row blocks
+              (every linear map by F.linear, FFN experts by the grouped kernel) for the gain in the same run.
               llama.cpp has no attention experts: the mixture's llama.cpp rows are "not carried".
 
 Writes results.json (command, commit, machine, load average per case, every row) and results.md to --out
@@ -55,7 +56,8 @@ SIZES = {  # steps, skip, seq_len, micro_batch, eval_tokens (per domain), new_to
     "smoke": dict(steps=2, skip=1, seq_len=16, micro_batch=1, eval_tokens=32, new_tokens=2, repeat=1),
 }
 CASES = ("train ours", "train ours --compile on", "train ours --precision bf16", "train transformers", "eval ours",
-         "eval transformers", "generate ours", "generate llama.cpp q4_1 (original)", "generate llama.cpp f32")
+         "eval transformers", "generate ours", "generate ours (F.linear)", "generate llama.cpp q4_1 (original)",
+         "generate llama.cpp f32")
 # the train cases' TrainConfig changes: the default (fp32, fused AdamW), blocks compiled (inductor), bf16 autocast
 TRAIN_VARIANTS = {"train ours": {}, "train ours --compile on": {"compile": "on"},
                   "train ours --precision bf16": {"precision": "bf16"}}
@@ -226,6 +228,11 @@ def generate_ours(a, paths, work: Path) -> dict:
 
     with open_checkpoint(str(paths["ckpt"])) as reader:
         model = model_from_reader(reader, "cpu", torch.float32)
+    if a.case == "generate ours (F.linear)":  # the path before row blocks: the BLAS's own products, grouped experts
+        from bam_surgery.runtime import blocks
+
+        blocks._row_blocks = lambda x, weight: 1
+        model.expert_kernel = "grouped"
     ids = torch.tensor([tokenizer_of(paths["ckpt"]).encode_batch([PROMPT])[0].tolist()])
     tokens = []
     wall = timed(lambda: tokens.append(generate(model, ids, a.new_tokens)[0].tolist()), a.repeat)
@@ -281,7 +288,8 @@ def run_case(a) -> dict:
             cli("export-gguf", a.ckpt, "--out", str(exported), "--dtype", "f32")
         return generate_llama(a, exported, "f32")
     runner = {**{c: train_ours for c in TRAIN_VARIANTS}, "train transformers": train_transformers,
-              "eval ours": eval_ours, "eval transformers": eval_transformers, "generate ours": generate_ours}[a.case]
+              "eval ours": eval_ours, "eval transformers": eval_transformers, "generate ours": generate_ours,
+              "generate ours (F.linear)": generate_ours}[a.case]
     return runner(a, paths, work)
 
 
