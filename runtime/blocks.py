@@ -190,9 +190,11 @@ class Norm(nn.Module):
                 return F.layer_norm(x, self.shape, weight, bias, self.eps)
             y = F.layer_norm(x, self.shape, None, None, self.eps) * weight
             return y if bias is None else y + bias
-        xf = x.float()
+        f32 = x.dtype == torch.float32 and weight.dtype == torch.float32  # no casts to dispatch (decoding's cost)
+        xf = x if f32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
+        y = xf * (1.0 + weight.float() if self.unit_offset else weight if f32 else weight.float())
+        return y if f32 else y.to(x.dtype)
 
 
 # ---- linear maps ------------------------------------------------------------------------------
@@ -205,15 +207,15 @@ ROW_BLOCK_ROWS = 128
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows outside autograd, autocast, compile
-    and export, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
+    and tracing, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
     by the BLAS in its own order (equal to F.linear's within float rounding)."""
     blocks = _row_blocks(x, weight)
     if blocks < 2:
         return F.linear(x, weight, bias)
     n_out, n_in = weight.shape
-    rows = x.reshape(-1, n_in)
-    M, w = rows.shape[0], weight.view(blocks, n_out // blocks, n_in)
-    if M <= 4:  # [out/b, in] @ [in, M] per block: the fastest for a handful of rows
+    M, w = x.numel() // n_in, weight.view(blocks, n_out // blocks, n_in)
+    rows = x.reshape(M, n_in)
+    if M <= 4:  # [out/b, in] @ [in, M] per block (x transposed: a [in, 1] column of stride 1 takes a slow path)
         y = torch.bmm(w, rows.t().expand(blocks, n_in, M)).view(n_out, M).t()
     else:  # [M, in] @ [in, out/b] per block, as F.linear computes each row
         y = torch.bmm(rows.expand(blocks, M, n_in), w.transpose(1, 2)).transpose(0, 1).reshape(M, n_out)
@@ -223,15 +225,17 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 def _row_blocks(x: Tensor, weight: Tensor) -> int:
-    """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
-    if (x.device.type != "cpu" or x.dtype != weight.dtype or weight.dim() != 2 or not weight.is_contiguous()
-            or x.numel() > ROW_BLOCK_ROWS * weight.shape[1] or x.numel() == 0
+    """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above. (TorchScript's ONNX
+    export traces; torch.export and the dynamo ONNX export compile.)"""
+    if (x.device.type != "cpu" or x.numel() > ROW_BLOCK_ROWS * weight.shape[-1] or x.dtype != weight.dtype
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or torch.onnx.is_in_onnx_export()):
+            or weight.dim() != 2 or not weight.is_contiguous() or x.numel() == 0
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return 1
-    n_out = weight.shape[0]
-    return next((b for b in range(min(torch.get_num_threads(), n_out), 1, -1) if n_out % b == 0), 1)
+    threads, n_out = torch.get_num_threads(), weight.shape[0]
+    if n_out % threads == 0:
+        return threads
+    return next((b for b in range(min(threads, n_out) - 1, 1, -1) if n_out % b == 0), 1)
 
 
 class Linear(nn.Linear):
@@ -399,13 +403,15 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     (a cos - b sin, b cos + a sin), for half-split pairs (i, i + rot/2) (Llama/NeoX) or interleaved pairs
     (2i, 2i+1) (GPT-J/Cohere). swap(x) puts each element's partner in its place."""
     dim = cos.shape[-1]
-    rot = (x if dim == x.shape[-1] else x[..., :dim]).float()
+    rot = x if dim == x.shape[-1] else x[..., :dim]
+    rot = rot if rot.dtype == torch.float32 else rot.float()
     # flip, not slices and cat: one copy forward and backward (slicing's backward zero-fills whole tensors)
     if interleaved:
         swapped = rot.unflatten(-1, (dim // 2, 2)).flip(-1).flatten(-2)
     else:
         swapped = rot.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
-    out = (rot * cos).addcmul_(swapped, sin).to(x.dtype)  # in place: one pass less over [B, T, heads, rot]
+    out = (rot * cos).addcmul_(swapped, sin)  # in place: one pass less over [B, T, heads, rot]
+    out = out if out.dtype == x.dtype else out.to(x.dtype)
     return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
 
 
