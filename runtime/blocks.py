@@ -200,7 +200,7 @@ class Norm(nn.Module):
 # ---- linear maps ------------------------------------------------------------------------------
 # A CPU BLAS runs a linear map of a few rows (a decoding step, a short prompt) on one thread: a matrix-vector
 # product reads the weight at one core's memory bandwidth. `linear` runs it instead as one bmm over row blocks
-# of the weight, one block per thread, which torch spreads over its threads (2.2x the decoding rate of a 135M
+# of the weight, one block per thread, which torch spreads over its threads (1.9x the decoding rate of a 135M
 # model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there.
 ROW_BLOCK_ROWS = 128
 
@@ -511,7 +511,7 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
              matmul: one host synchronisation per layer (to read C), none per expert.
     loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the CPU
              outside autograd and compile, where _grouped_mm runs each expert's product on one thread and a
-             host synchronisation costs nothing (2x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
+             host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
     dtype = _matmul_dtype(x)
     if (x.device.type == "cpu" and not torch.is_grad_enabled() and not _autocast_on("cpu")
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
