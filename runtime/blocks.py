@@ -1221,6 +1221,33 @@ class ModelKVCache(nn.Module):
 
 
 # ---- the trunk ------------------------------------------------------------------------------
+class _EmbeddingRows(torch.autograd.Function):
+    """Input embeddings weight[tokens] whose backward adds the gradient's rows into weight.grad in place (index_add_)
+    rather than handing autograd a dense [V, D] gradient (zeros filled, the rows added, then the whole added to the
+    tied head's gradient: three passes over V x D per step). The weight goes in detached, so its own gradient (the
+    tied head's) is accumulated into weight.grad whenever it is ready, before this, the first operation's, backward;
+    `anchor` (an empty tensor that requires grad) makes autograd run this backward at all. In whatever order the two
+    arrive, weight.grad ends as their sum. Hooks on the weight see only the head's part: single-process training only.
+    The embedding module comes in as a plain argument: a tensor argument would tie this backward into the weight's
+    accumulation, which would then wait for it."""
+
+    @staticmethod
+    def forward(ctx, tokens: Tensor, embed: nn.Embedding, anchor: Tensor) -> Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.embed = embed
+        return F.embedding(tokens, embed.weight.detach())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (tokens,) = ctx.saved_tensors
+        weight = ctx.embed.weight
+        with torch.no_grad():
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.index_add_(0, tokens.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(weight.grad.dtype))
+        return None, None, None
+
+
 class Transformer(nn.Module):
     """Embeddings, blocks and the final norm (canonical names embed, pos_embed, layers.{i}.*, final_norm): the
     part the runtime's Model and the HF export's BamModel share; each adds its own head."""
@@ -1243,6 +1270,9 @@ class Transformer(nn.Module):
         self.expert_kernel: Optional[FFNKernel] = None  # force an FFN expert kernel (EXPERT_KERNELS); None: automatic
         # recompute each block's activations in the backward pass instead of keeping them (training; see run_block)
         self.activation_checkpointing = False
+        # add the input embeddings' gradient into embed.weight.grad row by row (_EmbeddingRows): set by the runtime's
+        # single-process training of a tied model (train/loop.py), where the tied head's dense gradient is there first
+        self.embedding_grad_rows = False
 
     def hidden_states(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                       positions: Optional[Tensor] = None, input_pos: Optional[Tensor] = None, cache=None,
@@ -1345,7 +1375,12 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Input embeddings [B, T, D] of tokens [B, T]: times sqrt(d_model) with scale_embeddings (Gemma, which
         rounds the factor to the embeddings' dtype first)."""
-        x = self.embed(tokens)
+        weight = self.embed.weight
+        if self.embedding_grad_rows and weight.requires_grad and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            x = _EmbeddingRows.apply(tokens, self.embed, weight.new_empty(0, requires_grad=True))
+        else:
+            x = self.embed(tokens)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
         if self.config.embedding_multiplier != 1.0:  # Granite's

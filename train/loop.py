@@ -353,6 +353,8 @@ class _Run:
         # fp32 master weights (and optimizer state) whatever the checkpoint's dtype; autocast does bf16
         self.model = model.float().to(self.d.device).train()
         self.model.activation_checkpointing = cfg.activation_checkpointing
+        # one process, a tied head: the input embeddings' gradient added into the head's row by row (blocks.py)
+        self.model.embedding_grad_rows = mcfg.tie_embeddings and self.d.world == 1
         self.trainable = apply_trainable(self.model, cfg.trainable)
 
     def _plan_memory(self) -> None:
