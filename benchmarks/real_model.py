@@ -30,7 +30,10 @@ threads (and OMP_NUM_THREADS), one at a time:
               (every linear map by F.linear, FFN experts by the grouped kernel) for the gain in the same run.
               llama.cpp has no attention experts: the mixture's llama.cpp rows are "not carried".
 
-Writes results.json (command, commit, machine, load average per case, every row) and results.md to --out
+With --rounds N every case of a model runs N times, round after round (a process's own speed drifts on a shared
+machine by as much as the margins measured here); each row is the round of median tokens/s, its notes every round's.
+
+Writes results.json (command, commit, machine, load average per case, every row and every round) and results.md to --out
 (with the work files: the mixture, HF folders, token cache). A machine with a load average above 1.5 at the
 start gets a warning: timings on a shared machine are preliminary.
 """
@@ -308,7 +311,14 @@ def child(a, case: str, model: str, paths: dict[str, Path], python: str) -> dict
 
 def notes(r: dict, rows: list[dict]) -> str:
     """Per case: training, the final loss and the largest step-by-step difference from the default run's curve;
-    generation, prefill and decode apart."""
+    generation, prefill and decode apart; with --rounds, every round's tokens/s."""
+    text = _case_notes(r, rows)
+    if len(r.get("rounds_tokens_per_s", [])) > 1:
+        text += ("; " if text else "") + "rounds " + " / ".join(f"{t:,.1f}" for t in r["rounds_tokens_per_s"])
+    return text
+
+
+def _case_notes(r: dict, rows: list[dict]) -> str:
     if r["case"].startswith("train"):
         base = next((x for x in rows if x["model"] == r["model"] and x["case"] == "train ours" and "losses" in x), None)
         text = f"final loss {r['final_loss']:.5f}"
@@ -321,6 +331,15 @@ def notes(r: dict, rows: list[dict]) -> str:
         decode = r.get("decode_tokens_per_s")
         return f"prefill {r['prefill_tokens_per_s']:,.1f} tok/s, decode {decode:,.1f} tok/s" if decode else ""
     return ""
+
+
+def median_round(runs: list[dict]) -> dict:
+    """A case's row over its rounds: the round of median tokens/s (the lower middle of an even count), with every
+    round's tokens/s; a case that failed or is not carried in any round: its first such row."""
+    timed = sorted((r for r in runs if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+    if len(timed) < len(runs):
+        return next(r for r in runs if "tokens_per_s" not in r)
+    return {**timed[(len(timed) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def render(rows: list[dict]) -> str:
@@ -351,6 +370,8 @@ def main() -> None:
     ap.add_argument("--models", default="seed,bam")
     ap.add_argument("--cases", default=",".join(CASES), help="a comma-separated subset of the cases (names as in the table)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every case N times, round after round; each row is the round of median tokens/s")
     ap.add_argument("--gguf-python", default=str(ROOT / ".venv-compat" / "gguf" / "bin" / "python"),
                     help="an interpreter with llama-cpp-python (its rows are skipped when it is missing)")
     for k, v in SIZES["default"].items():
@@ -382,18 +403,24 @@ def main() -> None:
               "load_average_start": load, "settings": {k: getattr(a, k) for k in SIZES["default"]} | {"threads": a.threads},
               "rows": rows}
     cases = [c for c in CASES if c in a.cases.split(",")]
+    result["rounds"] = rounds = []  # every round's rows, as measured
     for model in models:
-        for case in cases:
-            row = {"model": model, "case": case}
-            if "llama.cpp" in case and model != "seed":
-                row["not_carried"] = "not carried (llama.cpp has no attention experts)"
-            elif "llama.cpp" in case and not has_llama:
-                row["not_carried"] = f"skipped: no {a.gguf_python}"
-            else:
-                row.update(child(a, case, model, paths[model], a.gguf_python if "llama.cpp" in case else sys.executable))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # after every row: a kill keeps them
+        runs: dict[str, list[dict]] = {case: [] for case in cases}
+        for _ in range(a.rounds):  # round after round: a process's own speed drifts on a shared VM
+            for case in cases:
+                row = {"model": model, "case": case}
+                if "llama.cpp" in case and model != "seed":
+                    row["not_carried"] = "not carried (llama.cpp has no attention experts)"
+                elif "llama.cpp" in case and not has_llama:
+                    row["not_carried"] = f"skipped: no {a.gguf_python}"
+                else:
+                    row.update(child(a, case, model, paths[model], a.gguf_python if "llama.cpp" in case else sys.executable))
+                runs[case].append(row)
+                rounds.append(row)
+                print(json.dumps(row), flush=True)
+                (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # a kill keeps every row
+        rows.extend(median_round(runs[case]) for case in cases)
+        (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (a.out / "results.md").write_text(render(rows))
     print(render(rows))
 

@@ -47,3 +47,16 @@ def test_real_model_benchmark_smoke(tmp_path):
         assert len(rows[case]["losses"]) == 2, case
     if "prefill_tokens_per_s" in rows["generate llama.cpp f32"]:
         assert rows["generate llama.cpp f32"]["prefill_tokens_per_s"] > 0
+
+
+def test_median_round_and_its_notes():
+    """--rounds: a case's row is its round of median tokens/s (the lower middle of an even count), its notes list
+    every round; a round that failed makes the row that failure."""
+    runs = [{"model": "seed", "case": "generate ours", "tokens_per_s": t, "load": 0.5} for t in (30.0, 10.0, 20.0)]
+    row = real_model.median_round(runs)
+    assert row["tokens_per_s"] == 20.0 and row["rounds_tokens_per_s"] == [30.0, 10.0, 20.0]
+    assert "rounds 30.0 / 10.0 / 20.0" in real_model.render([row])
+    assert real_model.median_round(runs[:2])["tokens_per_s"] == 10.0
+    assert "rounds" not in real_model.render([real_model.median_round(runs[:1])])
+    failed = runs + [{"model": "seed", "case": "generate ours", "error": "boom", "load": 0.5}]
+    assert real_model.median_round(failed)["error"] == "boom"
