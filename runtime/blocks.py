@@ -190,11 +190,9 @@ class Norm(nn.Module):
                 return F.layer_norm(x, self.shape, weight, bias, self.eps)
             y = F.layer_norm(x, self.shape, None, None, self.eps) * weight
             return y if bias is None else y + bias
-        f32 = x.dtype == torch.float32 and weight.dtype == torch.float32  # no casts to dispatch (decoding's cost)
-        xf = x if f32 else x.float()
+        xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = xf * (1.0 + weight.float() if self.unit_offset else weight if f32 else weight.float())
-        return y if f32 else y.to(x.dtype)
+        return (xf * (1.0 + weight.float() if self.unit_offset else weight.float())).to(x.dtype)
 
 
 # ---- linear maps ------------------------------------------------------------------------------
@@ -224,18 +222,23 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return y.reshape(*x.shape[:-1], n_out)
 
 
+def _eager_cpu(x: Tensor) -> bool:
+    """x on the CPU in an eager forward: no autocast, compile or tracing (TorchScript's ONNX export traces;
+    torch.export and the dynamo ONNX export compile). Where `linear`'s row blocks and the "loop" expert kernel run."""
+    return (x.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing())
+
+
 def _row_blocks(x: Tensor, weight: Tensor) -> int:
-    """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above. (TorchScript's ONNX
-    export traces; torch.export and the dynamo ONNX export compile.)"""
-    if (x.device.type != "cpu" or x.numel() > ROW_BLOCK_ROWS * weight.shape[-1] or x.dtype != weight.dtype
-            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            or weight.dim() != 2 or not weight.is_contiguous() or x.numel() == 0
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+    """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
+    if (x.numel() == 0 or x.numel() > ROW_BLOCK_ROWS * weight.shape[-1] or x.dtype != weight.dtype
+            or weight.dim() != 2 or not weight.is_contiguous()
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or not _eager_cpu(x)):
         return 1
     threads, n_out = torch.get_num_threads(), weight.shape[0]
-    if n_out % threads == 0:
+    if n_out % threads == 0:  # the usual case, without a search
         return threads
-    return next((b for b in range(min(threads, n_out) - 1, 1, -1) if n_out % b == 0), 1)
+    return next((b for b in range(min(threads - 1, n_out), 1, -1) if n_out % b == 0), 1)  # the most that divide
 
 
 class Linear(nn.Linear):
@@ -403,15 +406,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     (a cos - b sin, b cos + a sin), for half-split pairs (i, i + rot/2) (Llama/NeoX) or interleaved pairs
     (2i, 2i+1) (GPT-J/Cohere). swap(x) puts each element's partner in its place."""
     dim = cos.shape[-1]
-    rot = x if dim == x.shape[-1] else x[..., :dim]
-    rot = rot if rot.dtype == torch.float32 else rot.float()
+    rot = (x if dim == x.shape[-1] else x[..., :dim]).float()
     # flip, not slices and cat: one copy forward and backward (slicing's backward zero-fills whole tensors)
     if interleaved:
         swapped = rot.unflatten(-1, (dim // 2, 2)).flip(-1).flatten(-2)
     else:
         swapped = rot.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
-    out = (rot * cos).addcmul_(swapped, sin)  # in place: one pass less over [B, T, heads, rot]
-    out = out if out.dtype == x.dtype else out.to(x.dtype)
+    out = (rot * cos).addcmul_(swapped, sin).to(x.dtype)  # in place: one pass less over [B, T, heads, rot]
     return out if dim == x.shape[-1] else torch.cat((out, x[..., dim:]), dim=-1)
 
 
@@ -512,10 +513,9 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
     loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the CPU
              outside autograd and compile, where _grouped_mm runs each expert's product on one thread and a
              host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
-    dtype = _matmul_dtype(x)
-    if (x.device.type == "cpu" and not torch.is_grad_enabled() and not _autocast_on("cpu")
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
+    if _eager_cpu(x) and not torch.is_grad_enabled():
         return "loop"
+    dtype = _matmul_dtype(x)
     if hasattr(torch, "_grouped_mm"):
         on_cpu = x.device.type == "cpu"
         on_hopper = (x.device.type == "cuda" and dtype == torch.bfloat16

@@ -54,6 +54,9 @@ def test_the_blocked_path_is_taken_where_it_should_be(threads):
     with torch.no_grad():
         assert _row_blocks(x, w) == 4
         assert _row_blocks(x, torch.randn(97, 40)) == 1  # a prime row count: no blocks
+    threads(16)  # more threads than rows: a block per row
+    with torch.no_grad():
+        assert _row_blocks(x, torch.randn(8, 40)) == 8
 
 
 def test_linear_modules_and_stacked_experts_use_it(threads, monkeypatch):
