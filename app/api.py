@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from bam_surgery.runtime.options import scalar_type
 from bam_surgery.surgery.options import ExtendOptions, MergeOptions
 from bam_surgery.surgery.specs import merge_inputs, split_specs
 
@@ -51,7 +52,7 @@ _BOOLS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no"
 
 def _scalar_text(value: str, field: dataclasses.Field, what: str) -> Any:
     """A number or yes/no option given as its flag's text, read as the flag reads it (`router_seed="1"` is 1)."""
-    kind = str(field.type).replace(" | None", "").replace("Optional[", "").rstrip("]").strip()
+    kind = scalar_type(field)
     try:
         if kind in _SCALARS:
             return _SCALARS[kind](value)

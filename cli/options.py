@@ -19,7 +19,7 @@ import click
 from bam_surgery.app.errors import one_line
 from bam_surgery.app.exports import REFUSED_FORMATS, formats
 from bam_surgery.app.reporter import Reporter
-from bam_surgery.runtime.options import declared
+from bam_surgery.runtime.options import declared, scalar_type
 
 FORMATS = formats()  # converters.export's table, in order
 
@@ -104,7 +104,7 @@ def flag_option(f: dataclasses.Field):
         attrs.update(default=m["show_default"], show_default=True)
     elif m["show_default"]:
         attrs["show_default"] = True
-    scalar = str(f.type).split(" ")[0]  # the annotation's first type: int, float, str, bool
+    scalar = scalar_type(f)  # int, float, str, bool
     if m["choices"]:
         attrs["type"] = click.Choice(m["choices"])
     elif m["bounds"]:

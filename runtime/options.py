@@ -27,4 +27,10 @@ def declared(default: Any, flag: str, help: str, *, metavar: str | None = None,
                                                 min_open=min_open, show_default=show_default, parse=parse, **more))
 
 
-__all__ = ["declared"]
+def scalar_type(f: Any) -> str:
+    """The first type of a declared field's annotation, as text (`int | None` -> "int"): the type its flag's text is
+    read as (cli/options.py:flag_option; the Python API's options given as text, app/api.py)."""
+    return str(f.type).split(" ")[0]
+
+
+__all__ = ["declared", "scalar_type"]
