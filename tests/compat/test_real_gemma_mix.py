@@ -35,7 +35,7 @@ from bam_surgery.train.evaluation import load_streams
 from conftest import run_cli
 # corpus, token_cache: the SmolLM2 module's fixtures (slices of the shipped domains; a token cache)
 from test_real_gemma import seed  # noqa: F401 (a fixture: the joined Gemma GGUF)
-from test_real_seed import (DOMAINS, _drop_optimizer_state, _need, corpus, losses,  # noqa: F401 (fixtures)
+from test_real_seed import (DOMAINS, _need, _no_optimizer_state, corpus, losses,  # noqa: F401 (fixtures)
                             perturbed_specialists, token_cache)
 
 MERGE_MARGIN = 0.15  # nats: a fresh merge vs the specialists on each domain
@@ -75,9 +75,9 @@ def _losses(model, held: HeldOut) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def specialists(seed, tmp_path_factory) -> Iterator[list[Path]]:  # noqa: F811 (seed: a fixture)
     """Two perturbed copies of the seed (FFN and attention projections + 2% of each tensor's std of seeded noise),
-    canonical files (1 GB each, removed when the module ends)."""
+    canonical bfloat16 files (540 MB each, removed when the module ends)."""
     folder = tmp_path_factory.mktemp("gemma-specialists")
-    yield perturbed_specialists(seed, folder, ("a", "b"), _perturbed)
+    yield perturbed_specialists(seed, folder, ("a", "b"), _perturbed, torch.bfloat16)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -132,18 +132,18 @@ def test_paper_gates_are_absorbed_by_the_post_ffn_norm(seed, specialists, held_o
 
 def test_short_mixture_training_improves_a_fresh_merge(seed, specialists, corpus, held_out,  # noqa: F811
                                                        token_cache, tmp_path):  # noqa: F811
-    out = tmp_path / "btx"  # an HF BAM folder: it carries the seed's tokenizer for train
+    out = tmp_path / "btx"  # an HF BAM folder: it carries the seed's tokenizer for train (bf16: half the disk)
     run_cli("merge", "--seed", seed, "--experts", f"a={specialists[0]}", "--recipe", "btx", "--out", out,
-            "--format", "hf")
+            "--format", "hf", "--dtype", "bfloat16")
     with open_checkpoint(out) as reader:
         before = _losses(model_from_reader(reader, "cpu", torch.float32).eval(), held_out)
     run_cli("train", "--init", out, "--data", ",".join(f"{d}={corpus[d]}" for d in DOMAINS), "--out", tmp_path / "run",
             "--steps", TRAIN_STEPS, "--lr", TRAIN_LR, "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4",
-            "--eval-every", "-1", "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0",
-            "--token-cache", token_cache)
+            "--eval-every", "-1", "--save-every", "0", "--no-final-optimizer-state", "--no-plot", "--no-progress",
+            "--seed", "0", "--token-cache", token_cache)
     shutil.rmtree(out)
     final = Path(resolve_checkpoint(str(tmp_path / "run")))
-    _drop_optimizer_state(final)
+    _no_optimizer_state(final)
     after = _losses(load_model(final).eval(), held_out)
     mean = lambda ls: sum(ls.values()) / len(ls)  # noqa: E731
     print(f"\nGemma btx, {TRAIN_STEPS} steps of mixture training: mean held-out loss {mean(before):.3f} -> "

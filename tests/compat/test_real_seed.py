@@ -216,29 +216,30 @@ def test_count_params_and_inspect_take_the_gguf(seed):
 
 
 def perturbed_specialists(seed: Path, folder: Path, names: tuple[str, ...] = ("code", "law"),
-                          which: Callable[[str], bool] = lambda name: ".ffn." in name) -> list[Path]:
+                          which: Callable[[str], bool] = lambda name: ".ffn." in name,
+                          dtype: torch.dtype = torch.float32) -> list[Path]:
     """Cheap specialists: the seed with seeded noise (2% of each tensor's std; specialist k seeded k) on the tensors
-    `which` names (default: the FFN weights), as canonical files in `folder` (550 MB each for SmolLM2); also
-    tests/compat/test_real_clients.py's and test_real_gemma_mix.py's."""
+    `which` names (default: the FFN weights), as canonical files of `dtype` in `folder` (550 MB each for SmolLM2 in
+    float32); also tests/compat/test_real_clients.py's and test_real_gemma_mix.py's (in bfloat16: the compat stage
+    runs on a CI disk of a few free GB, and their checks compare every model with these files as written)."""
     with open_checkpoint(seed) as reader:
         cfg = reader.config
         state = {n: reader.get(n).float() for n in reader.names()}
     out = []
     for k, name in enumerate(names):
         gen = torch.Generator().manual_seed(k)
-        changed = {n: (t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) if which(n) else t)
+        changed = {n: (t + 0.02 * t.std() * torch.randn(t.shape, generator=gen) if which(n) else t).to(dtype)
                    for n, t in state.items()}
         out.append(save_checkpoint(changed, cfg, folder / f"{name}.safetensors"))
         del changed
     return out
 
 
-@pytest.fixture(scope="module")
-def specialists(seed, tmp_path_factory) -> Iterator[list[Path]]:
-    """Two specialists (perturbed_specialists: 1.1 GB, removed when the module ends)."""
-    folder = tmp_path_factory.mktemp("specialists")
-    yield perturbed_specialists(seed, folder)
-    shutil.rmtree(folder, ignore_errors=True)
+@pytest.fixture
+def specialists(seed, tmp_path) -> list[Path]:
+    """Two specialists (perturbed_specialists: 1.1 GB, made for each test that takes them, in its tmp_path: gone
+    once it passes, not held through the module's training tests on a CI disk of a few free GB)."""
+    return perturbed_specialists(seed, tmp_path)
 
 
 @pytest.mark.parametrize("recipe", ["btx", "bam"])
@@ -295,25 +296,26 @@ def token_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(seed, corpus, token_cache, tmp_path_factory) -> Iterator[dict[str, Path]]:
     """One specialist per domain, trained from the GGUF: {domain: its final checkpoint folder} (the weights only:
-    AdamW's state, 1.1 GB each, is dropped; the folder is removed when the module ends)."""
+    AdamW's state, 1.1 GB each, is not written; the folder is removed when the module ends)."""
     root = tmp_path_factory.mktemp("specialists-trained")
     out = {}
     for d in DOMAINS:
         run_cli("train", "--init", seed, "--data", f"{d}={corpus[d]}", "--out", root / d, "--steps", SPECIALIST_STEPS,
                 "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4", "--eval-every", "-1",
-                "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0", "--token-cache", token_cache)
+                "--save-every", "0", "--no-final-optimizer-state", "--no-plot", "--no-progress", "--seed", "0",
+                "--token-cache", token_cache)
         out[d] = Path(resolve_checkpoint(str(root / d)))  # the run's final checkpoint
-        _drop_optimizer_state(out[d])
+        _no_optimizer_state(out[d])
     yield out
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _drop_optimizer_state(checkpoint: Path) -> None:
-    """Remove a run checkpoint's trainer state (AdamW's moments: twice the weights); merge and eval read only the
-    weights."""
+def _no_optimizer_state(checkpoint: Path) -> None:
+    """A run's final checkpoint written with --no-final-optimizer-state holds no AdamW moments (twice the weights:
+    GBs a CI disk lacks; merge and eval read only the weights): its trainer state is the RNG and the sampler."""
     state = checkpoint / "trainer.safetensors"
     assert state.is_file(), f"{checkpoint}: no trainer.safetensors (the checkpoint layout changed)"
-    state.unlink()
+    assert state.stat().st_size < 1 << 20, f"{state}: {state.stat().st_size} bytes (optimizer state written)"
 
 
 @pytest.fixture(scope="module")
@@ -414,17 +416,17 @@ def test_identical_experts_reproduce_the_seed(seed, ours, held_out, tmp_path):
 def test_short_mixture_training_improves_a_fresh_merge(seed, ours, trained, corpus, held_out, token_cache, tmp_path):
     """TRAIN_STEPS steps on the three domains lower the fresh btx merge's mean held-out loss (btx: its 374M
     parameters with AdamW's state take about 6 GB; bam's 452M about 8 GB)."""
-    out = tmp_path / "btx"  # an HF BAM folder: it carries the seed's tokenizer for train
-    _merge(seed, trained, "btx", out, "--format", "hf")
+    out = tmp_path / "btx"  # an HF BAM folder: it carries the seed's tokenizer for train (bf16: half the disk)
+    _merge(seed, trained, "btx", out, "--format", "hf", "--dtype", "bfloat16")
     with open_checkpoint(out) as reader:
         before = losses(model_from_reader(reader, "cpu", torch.float32).eval(), held_out)
     run_cli("train", "--init", out, "--data", ",".join(f"{d}={corpus[d]}" for d in DOMAINS), "--out", tmp_path / "run",
             "--steps", TRAIN_STEPS, "--lr", "1e-4", "--warmup-steps", "1", "--seq-len", "128", "--micro-batch", "4",
-            "--eval-every", "-1", "--save-every", "0", "--no-plot", "--no-progress", "--seed", "0",
-            "--token-cache", token_cache)
+            "--eval-every", "-1", "--save-every", "0", "--no-final-optimizer-state", "--no-plot", "--no-progress",
+            "--seed", "0", "--token-cache", token_cache)
     shutil.rmtree(out)  # 1.5 GB, read by train's start only
     final = resolve_checkpoint(str(tmp_path / "run"))
-    _drop_optimizer_state(Path(final))
+    _no_optimizer_state(Path(final))
     after = losses(load_model(final).eval(), held_out)
     mean = lambda ls: sum(ls.values()) / len(ls)  # noqa: E731
     print(f"\nbtx, {TRAIN_STEPS} steps of mixture training: mean held-out loss {mean(before):.3f} -> {mean(after):.3f} ("
