@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 import tqdm  # called as tqdm.tqdm, so that tests can replace the bar class
 
@@ -135,10 +134,9 @@ def evaluate_streams(model: nn.Module, streams: dict[str, np.ndarray], seq_len: 
                 wins = batches[i if real else 0]
                 seq = torch.stack([torch.from_numpy(np.asarray(tokens[s:e], dtype=np.int64)) for s, e in wins])
                 inputs, targets = window_inputs(seq, bos_id).to(device), seq[:, 1:].to(device)
-                with autocast(device, precision):
-                    out = model(inputs, routing=routing)
-                nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1),
-                                      reduction="sum")
+                with autocast(device, precision):  # the chunked loss head: no [B, T, V] logits held
+                    out = model(inputs, targets=targets, routing=routing, return_logits=False)
+                nll = out.nll.float() * targets.numel()  # the mean over every target (none ignored here) -> the sum
                 if real:
                     nll_sum += nll.double()
                     count += targets.numel()

@@ -591,7 +591,7 @@ class _Run:
             data_s += time.perf_counter() - t
             with dist_.sync_context(self.wrapped, d, a == len(mbs) - 1):
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    out = self.wrapped(inputs, targets=targets)
+                    out = self.wrapped(inputs, targets=targets, return_logits=False)  # the chunked loss head
                     loss = out.nll + self.alpha * out.lb_loss + self.beta * out.z_loss
                 (loss / self.accum).backward()
             sums += torch.stack([loss.detach(), out.nll.detach(), out.lb_loss.detach(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -387,13 +388,13 @@ def test_training_and_eval_windows_start_with_the_bos():
             self.w = torch.nn.Parameter(torch.zeros(()))
             self.seen = []
 
-        def forward(self, x, routing=None):
+        def forward(self, x, targets, routing=None, return_logits=True):
             from types import SimpleNamespace
             self.seen.append(x.clone())
-            return SimpleNamespace(logits=torch.zeros(*x.shape, 16) + self.w, routing={})
+            return SimpleNamespace(nll=self.w + math.log(16), routing={})  # uniform over 16 tokens
 
     model = Recorder()
     stream = np.arange(1, 15, dtype=np.uint16) % 16
     res = evaluate_streams(model, {"d": stream}, 4, batch_size=8, bos_id=9)
     assert [row[0] for batch in model.seen for row in batch.tolist()] == [9] * 4  # windows of 4 over 13 targets
-    assert res["d"].tokens == 13
+    assert res["d"].tokens == 13 and abs(res["d"].loss - math.log(16)) < 1e-6
