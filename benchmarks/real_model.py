@@ -55,7 +55,7 @@ CORPUS = ROOT / "data" / "domains"
 DATA = ",".join(f"{d}={CORPUS}/{d}" for d in ("code", "law", "math", "general"))
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 SIZES = {  # steps, skip, seq_len, micro_batch, eval_tokens (per domain), new_tokens, repeat
-    "default": dict(steps=6, skip=2, seq_len=128, micro_batch=2, eval_tokens=512, new_tokens=32, repeat=3),
+    "default": dict(steps=10, skip=4, seq_len=128, micro_batch=2, eval_tokens=512, new_tokens=32, repeat=3),
     "smoke": dict(steps=2, skip=1, seq_len=16, micro_batch=1, eval_tokens=32, new_tokens=2, repeat=1),
 }
 CASES = ("train ours", "train ours --compile on", "train ours --precision bf16", "train transformers", "eval ours",

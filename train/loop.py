@@ -53,6 +53,7 @@ from .config import RESUMABLE, TrainConfig
 from .data import Domain, file_sha256, has_split, open_source, parse_data_spec
 from .errors import TrainError
 from .evaluation import evaluate_streams, reduce_routing
+from .host_memory import keep_freed_pages
 from .memory import available_memory, check_training_memory, estimate_training_memory, resident_bytes
 from .metrics import MetricsWriter, RoutingAccumulator, entropy_bits, flops_per_token, peak_flops, truncate_metrics
 from .optim import apply_trainable, build_optimizer, compile_blocks, lr_at, select_trainable, set_lr
@@ -350,6 +351,8 @@ class _Run:
                 raise TrainError(f"{cfg.init}: its tensors do not fit its config "
                                  f"({' '.join(str(e).split())[:300]})") from None
             self.state = None
+        if self.d.device.type == "cpu":  # a step's large tensors reuse the last step's pages (train/host_memory.py)
+            keep_freed_pages()
         # fp32 master weights (and optimizer state) whatever the checkpoint's dtype; autocast does bf16
         self.model = model.float().to(self.d.device).train()
         self.model.activation_checkpointing = cfg.activation_checkpointing

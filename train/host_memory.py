@@ -1,0 +1,41 @@
+"""Host memory for training on the CPU: freed tensors' pages stay with the process.
+
+glibc's malloc serves every block above 32 MiB with its own mmap and hands it back to the kernel when freed, and
+trims the heap's free top likewise. A training step frees and allocates the same large tensors every time (the
+gradients, set to None after each update; the loss head's [V, D] gradient; activations and their gradients), so each
+step touches fresh pages again and the kernel faults them in, zeroed, one by one: on the 2-core VM of BENCHMARKS.md
+that was 5-6% of a SmolLM2 step (1.356 -> 1.302 s and 1.360 -> 1.271 s, same script, two pairs of processes). What
+PyTorch's CPU tuning guide gets from a preloaded jemalloc or tcmalloc, mallopt gets from glibc itself: no mmap for
+large blocks (they come from the heap, and a freed one is reused by the next of its size) and no trimming below
+2 GiB of free heap top. The process keeps what it peaked at until it exits; a training process would reach that
+peak again at the next step anyway. Not glibc (musl, macOS, Windows): nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_MAX = -4
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the most it can say
+
+_kept = False
+
+
+def keep_freed_pages() -> bool:
+    """Tell glibc's malloc to keep freed memory in the process (once per process). True where it took effect."""
+    global _kept
+    if _kept:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # no glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # glibc still falls back to mmap where the heap cannot grow (and in threads' own arenas), so nothing is refused
+    _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _kept
