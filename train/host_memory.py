@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the most it can say
 
-_kept = False
 
-
+@functools.cache
 def keep_freed_pages() -> bool:
     """Tell glibc's malloc to keep freed memory in the process (once per process). True where it took effect."""
-    global _kept
-    if _kept:
-        return True
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -39,5 +36,4 @@ def keep_freed_pages() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # glibc still falls back to mmap where the heap cannot grow (and in threads' own arenas), so nothing is refused;
     # a mallopt that does nothing (musl's) returns 0: not kept
-    _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _kept
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
