@@ -43,6 +43,7 @@ under autocast) unless the weights themselves are low precision.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, get_args
 
@@ -206,10 +207,11 @@ ROW_BLOCK_ROWS = 128
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows outside autograd, autocast, compile
     and tracing, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
-    by the BLAS in its own order (equal to F.linear's within float rounding)."""
+    by the BLAS in its own order (equal to F.linear's within float rounding); else, in float32 on an AVX-512 CPU,
+    oneDNN's product (`onednn_linear`)."""
     blocks = _row_blocks(x, weight)
     if blocks < 2:
-        return F.linear(x, weight, bias)
+        return onednn_linear(x, weight, bias) if _onednn(x, weight, bias) else F.linear(x, weight, bias)
     n_out, n_in = weight.shape
     M, w = x.numel() // n_in, weight.view(blocks, n_out // blocks, n_in)
     rows = x.reshape(M, n_in)
@@ -239,6 +241,94 @@ def _row_blocks(x: Tensor, weight: Tensor) -> int:
     if n_out % threads == 0:  # the usual case, without a search
         return threads
     return next((b for b in range(min(threads - 1, n_out), 1, -1) if n_out % b == 0), 1)  # the most that divide
+
+
+# On a CPU torch runs an fp32 F.linear or matmul through MKL's sgemm, which takes its AVX2 kernels on CPUs not made
+# by Intel; oneDNN (torch.ops.mkldnn._linear_pointwise, what inductor emits for a CPU linear map) takes the kernels
+# of the instruction set the CPU reports. On an AMD Zen 5 (2 cores, AVX-512) a 2048^3 fp32 product runs at 475
+# GFLOP/s against 205, a 135M model's training step in 0.7 s against 1.3 s (BENCHMARKS.md, "CPU training"); on an
+# Intel CPU both reach the same peak. Both are float32 products, summed in their own orders (equal within float32
+# rounding). BAM_SURGERY_CPU_MATMUL=blas keeps torch's own products everywhere.
+def _onednn_available() -> bool:
+    choice = os.environ.get("BAM_SURGERY_CPU_MATMUL", "auto")
+    if choice == "blas":
+        return False
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (choice == "onednn" or torch.backends.cpu.get_cpu_capability() == "AVX512"))
+
+
+ONEDNN_FP32 = _onednn_available()
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
+    """Whether x @ weight.T (+ bias) runs through oneDNN: float32 tensors on a CPU in an eager
+    forward (`_eager_cpu`: under autocast torch's own bf16 products are oneDNN's already)."""
+    return (ONEDNN_FP32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0 and (bias is None or bias.dtype == torch.float32) and _eager_cpu(x))
+
+
+def _dnn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [..., in] @ weight.T [in, out] (+ bias) by oneDNN; strided (transposed) operands are read in place."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear by oneDNN, its gradients too (where `_onednn` holds)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _OneDnnLinear.apply(x, weight, bias)
+    return _dnn(x, weight, bias)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of 2-D tensors outside autograd: oneDNN's where `_onednn` holds, else torch's."""
+    return _dnn(a, b.t()) if _onednn(a, b) else a @ b
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _dnn(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # [N, out]
+        grad_x = _dnn(g, weight.t()).view(x.shape) if ctx.needs_input_grad[0] else None  # g @ W
+        grad_w = _dnn(g.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None  # g.T @ x
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class _GroupedOneDnn(torch.autograd.Function):
+    """Rows xs [A, in] sorted by expert, segment e = xs[bounds[e]:bounds[e+1]], through W[e] of W [E, out, in]:
+    oneDNN products per segment, and in backward one gradient of the stacked weight (autograd through W[e] would
+    make each expert's gradient a zero-filled copy of all of W)."""
+
+    @staticmethod
+    def forward(ctx, xs: Tensor, W: Tensor, bounds: list[int]) -> Tensor:
+        ctx.save_for_backward(xs, W)
+        ctx.bounds = bounds
+        y = xs.new_empty(xs.shape[0], W.shape[1])
+        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if end > start:
+                y[start:end] = _dnn(xs[start:end], W[e])
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        xs, W = ctx.saved_tensors
+        grad_x = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
+        grad_w = torch.empty_like(W) if ctx.needs_input_grad[1] else None
+        for e, (start, end) in enumerate(zip(ctx.bounds, ctx.bounds[1:])):
+            g = grad[start:end]
+            if grad_x is not None and end > start:
+                grad_x[start:end] = _dnn(g, W[e].t())
+            if grad_w is not None:
+                grad_w[e] = _dnn(g.t(), xs[start:end].t()) if end > start else 0.0
+        return grad_x, grad_w, None
 
 
 class Linear(nn.Linear):
@@ -510,10 +600,11 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
              shapes, no synchronisation; copies at most 2x the layer's expert weights.
     padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
              matmul: one host synchronisation per layer (to read C), none per expert.
-    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the CPU
-             outside autograd and compile, where _grouped_mm runs each expert's product on one thread and a
-             host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
-    if _eager_cpu(x) and not torch.is_grad_enabled():
+    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows, else
+             oneDNN in float32 where it runs): the CPU outside compile and autocast, where _grouped_mm runs each
+             expert's product on one thread (MKL's) and a host synchronisation costs nothing (1.8x a BAM
+             mixture's decoding on 2 cores: BENCHMARKS.md); in training only where oneDNN takes the products."""
+    if _eager_cpu(x) and (not torch.is_grad_enabled() or ONEDNN_FP32 and x.dtype == torch.float32):
         return "loop"
     dtype = _matmul_dtype(x)
     if hasattr(torch, "_grouped_mm"):
@@ -544,11 +635,14 @@ def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tenso
     elif kernel == "gather":
         y = torch.bmm(xs[:, None, :], W[expert].transpose(1, 2))[:, 0]  # [A, 1, in] @ [A, in, out]
     elif kernel == "loop":
-        y = xs.new_empty(xs.shape[0], W.shape[1])
         bounds = [0, *ends.tolist()]
-        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
-            if end > start:
-                y[start:end] = linear(xs[start:end], W[e])
+        if torch.is_grad_enabled() and (xs.requires_grad or W.requires_grad) and _onednn(xs, W):
+            y = _GroupedOneDnn.apply(xs, W, bounds)
+        else:
+            y = xs.new_empty(xs.shape[0], W.shape[1])
+            for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
+                if end > start:
+                    y[start:end] = linear(xs[start:end], W[e])
     else:
         E, A = W.shape[0], xs.shape[0]
         capacity = int(counts.max())  # the one host synchronisation of this kernel
@@ -1102,7 +1196,12 @@ class Block(nn.Module):
         gates = r.gates.t()[:, :, None]  # [E, N, 1]
         y = y * gates.to(y.dtype)
         o = self.attn_experts.o
-        out = torch.bmm(y, o.weight.transpose(1, 2)).sum(0)  # all E output projections: [E, N, D] -> [N, D]
+        if torch.is_grad_enabled() and _onednn(y, o.weight[0]):
+            # training in float32 on a CPU: the E output projections as one oneDNN product over the experts' heads
+            # side by side, [N, E*H*Dh] @ [E*H*Dh, D] (torch's bmm is MKL's); the weights' copy is 1/N of the work
+            out = linear(y.transpose(0, 1).reshape(B * T, -1), o.weight.transpose(0, 1).reshape(D, -1))
+        else:
+            out = torch.bmm(y, o.weight.transpose(1, 2)).sum(0)  # all E output projections: [E, N, D] -> [N, D]
         if o.bias is not None:
             out = out + (r.gates @ o.bias.float()).to(out.dtype)  # sum_e g_e * b_e
         return out.view(B, T, D)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, linear, load_balancing_loss, route,  # noqa: F401
-                     router_losses, z_loss)
+from .blocks import (ForcedRouting, ModelKVCache, Routing, Transformer, _onednn, linear, load_balancing_loss,  # noqa: F401
+                     mm, onednn_linear, route, router_losses, z_loss)
 from .config import ModelConfig
 from .layout import router_tensors
 from .key_store import KeyStoreCollector
@@ -184,7 +184,7 @@ def _matmul_operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Te
 def _chunk_logits(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:
     """fp32 logits [n, V] of x [n, D] already in the matmul dtype (_matmul_operands)."""
     with torch.autocast(weight.device.type, enabled=False):  # the operands are cast already
-        logits = F.linear(x, weight, bias).float()
+        logits = (onednn_linear(x, weight, bias) if _onednn(x, weight, bias) else F.linear(x, weight, bias)).float()
     return logits.mul_(scale) if scale != 1.0 else logits
 
 
@@ -213,8 +213,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g.mul_((vc * scale)[:, None])
             gm = g.to(wm.dtype)
             with torch.autocast(weight.device.type, enabled=False):
-                grad_x[start:start + chunk_rows] = (gm @ wm).to(x.dtype)
-                part = gm.t() @ xc  # [V, D]
+                grad_x[start:start + chunk_rows] = mm(gm, wm).to(x.dtype)
+                part = mm(gm.t(), xc)  # [V, D]
             grad_w = part.float() if grad_w is None else grad_w.add_(part)
             if grad_b is not None:
                 grad_b += g.sum(0)
