@@ -200,15 +200,18 @@ class Norm(nn.Module):
 # A CPU BLAS runs a linear map of a few rows (a decoding step, a short prompt) on one thread: a matrix-vector
 # product reads the weight at one core's memory bandwidth. `linear` runs it instead as one bmm over row blocks
 # of the weight, one block per thread, which torch spreads over its threads (1.9x the decoding rate of a 135M
-# model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there.
+# model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there;
+# where oneDNN takes float32 products (below) up to ROW_BLOCK_ROWS_ONEDNN: it runs 8 rows and more in half the time
+# of row blocks (a 12-token prompt through SmolLM2's shapes), 1 to 4 rows in about the same.
 ROW_BLOCK_ROWS = 128
+ROW_BLOCK_ROWS_ONEDNN = 4
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows outside autograd, autocast, compile
-    and tracing, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
-    by the BLAS in its own order (equal to F.linear's within float rounding); else, in float32 on an AVX-512 CPU,
-    oneDNN's product (`onednn_linear`)."""
+    """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows (ROW_BLOCK_ROWS_ONEDNN where oneDNN
+    runs float32 products) outside autograd, autocast, compile and tracing, one bmm over torch.get_num_threads() row
+    blocks of the weight: the same dot products, each summed by the BLAS in its own order (equal to F.linear's
+    within float rounding); else, in float32 on an AVX-512 CPU, oneDNN's product (`onednn_linear`)."""
     blocks = _row_blocks(x, weight)
     if blocks < 2:
         return onednn_linear(x, weight, bias) if _onednn(x, weight, bias) else F.linear(x, weight, bias)
@@ -233,7 +236,8 @@ def _eager_cpu(x: Tensor) -> bool:
 
 def _row_blocks(x: Tensor, weight: Tensor) -> int:
     """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
-    if (x.numel() == 0 or x.numel() > ROW_BLOCK_ROWS * weight.shape[-1] or x.dtype != weight.dtype
+    rows = ROW_BLOCK_ROWS_ONEDNN if ONEDNN_FP32 and x.dtype == torch.float32 else ROW_BLOCK_ROWS
+    if (x.numel() == 0 or x.numel() > rows * weight.shape[-1] or x.dtype != weight.dtype
             or weight.dim() != 2 or not weight.is_contiguous()
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or not _eager_cpu(x)):
         return 1
@@ -253,8 +257,11 @@ def _onednn_available() -> bool:
     choice = os.environ.get("BAM_SURGERY_CPU_MATMUL", "auto")
     if choice == "blas":
         return False
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and (choice == "onednn" or torch.backends.cpu.get_cpu_capability() == "AVX512"))
+    try:  # an older torch (the HF export runs on the user's) may lack either
+        ops = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        return ops and (choice == "onednn" or torch.backends.cpu.get_cpu_capability() == "AVX512")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 ONEDNN_FP32 = _onednn_available()

@@ -95,7 +95,7 @@ def test_linear_takes_row_blocks_for_a_few_rows_and_onednn_for_more(dnn_calls, m
     with torch.no_grad():
         blocks.linear(torch.randn(3, 16), w)  # decoding: row blocks
         assert dnn_calls == []
-        blocks.linear(torch.randn(blocks.ROW_BLOCK_ROWS + 1, 16), w)  # a prompt
+        blocks.linear(torch.randn(blocks.ROW_BLOCK_ROWS_ONEDNN + 1, 16), w)  # a prompt
         assert len(dnn_calls) == 1
     blocks.linear(torch.randn(3, 16), w.requires_grad_())  # training
     assert len(dnn_calls) == 2
