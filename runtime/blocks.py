@@ -207,14 +207,17 @@ ROW_BLOCK_ROWS = 128
 ROW_BLOCK_ROWS_ONEDNN = 4
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, onednn: bool = True) -> Tensor:
     """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows (ROW_BLOCK_ROWS_ONEDNN where oneDNN
     runs float32 products) outside autograd, autocast, compile and tracing, one bmm over torch.get_num_threads() row
     blocks of the weight: the same dot products, each summed by the BLAS in its own order (equal to F.linear's
-    within float rounding); else, in float32 on an AVX-512 CPU, oneDNN's product (`onednn_linear`)."""
-    blocks = _row_blocks(x, weight)
+    within float rounding); else, in float32 on an AVX-512 CPU, oneDNN's product (`onednn_linear`). onednn=False
+    for row counts that vary from call to call (an expert's share of the tokens): oneDNN makes and caches a
+    primitive, with memory of its own, per shape (a BAM mixture's training peaked 2.6 GiB higher with its experts'
+    products in oneDNN), so those keep row blocks up to ROW_BLOCK_ROWS rows and torch's products above."""
+    blocks = _row_blocks(x, weight, onednn)
     if blocks < 2:
-        return onednn_linear(x, weight, bias) if _onednn(x, weight, bias) else F.linear(x, weight, bias)
+        return onednn_linear(x, weight, bias) if onednn and _onednn(x, weight, bias) else F.linear(x, weight, bias)
     n_out, n_in = weight.shape
     M, w = x.numel() // n_in, weight.view(blocks, n_out // blocks, n_in)
     rows = x.reshape(M, n_in)
@@ -234,9 +237,9 @@ def _eager_cpu(x: Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
-def _row_blocks(x: Tensor, weight: Tensor) -> int:
+def _row_blocks(x: Tensor, weight: Tensor, onednn: bool = True) -> int:
     """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
-    rows = ROW_BLOCK_ROWS_ONEDNN if ONEDNN_FP32 and x.dtype == torch.float32 else ROW_BLOCK_ROWS
+    rows = ROW_BLOCK_ROWS_ONEDNN if onednn and ONEDNN_FP32 and x.dtype == torch.float32 else ROW_BLOCK_ROWS
     if (x.numel() == 0 or x.numel() > rows * weight.shape[-1] or x.dtype != weight.dtype
             or weight.dim() != 2 or not weight.is_contiguous()
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or not _eager_cpu(x)):
@@ -306,36 +309,6 @@ class _OneDnnLinear(torch.autograd.Function):
         grad_w = _dnn(g.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None  # g.T @ x
         grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
-
-
-class _GroupedOneDnn(torch.autograd.Function):
-    """Rows xs [A, in] sorted by expert, segment e = xs[bounds[e]:bounds[e+1]], through W[e] of W [E, out, in]:
-    oneDNN products per segment, and in backward one gradient of the stacked weight (autograd through W[e] would
-    make each expert's gradient a zero-filled copy of all of W)."""
-
-    @staticmethod
-    def forward(ctx, xs: Tensor, W: Tensor, bounds: list[int]) -> Tensor:
-        ctx.save_for_backward(xs, W)
-        ctx.bounds = bounds
-        y = xs.new_empty(xs.shape[0], W.shape[1])
-        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
-            if end > start:
-                y[start:end] = _dnn(xs[start:end], W[e])
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
-        xs, W = ctx.saved_tensors
-        grad_x = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
-        grad_w = torch.empty_like(W) if ctx.needs_input_grad[1] else None
-        for e, (start, end) in enumerate(zip(ctx.bounds, ctx.bounds[1:])):
-            g = grad[start:end]
-            if grad_x is not None and end > start:
-                grad_x[start:end] = _dnn(g, W[e].t())
-            if grad_w is not None:
-                grad_w[e] = _dnn(g.t(), xs[start:end].t()) if end > start else 0.0
-        return grad_x, grad_w, None
 
 
 class Linear(nn.Linear):
@@ -607,11 +580,11 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
              shapes, no synchronisation; copies at most 2x the layer's expert weights.
     padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
              matmul: one host synchronisation per layer (to read C), none per expert.
-    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows, else
-             oneDNN in float32 where it runs): the CPU outside compile and autocast, where _grouped_mm runs each
-             expert's product on one thread (MKL's) and a host synchronisation costs nothing (1.8x a BAM
-             mixture's decoding on 2 cores: BENCHMARKS.md); in training only where oneDNN takes the products."""
-    if _eager_cpu(x) and (not torch.is_grad_enabled() or ONEDNN_FP32 and x.dtype == torch.float32):
+    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows; not
+             oneDNN: see there): the CPU outside autograd and compile, where _grouped_mm runs each expert's product
+             on one thread and a host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores:
+             BENCHMARKS.md)."""
+    if _eager_cpu(x) and not torch.is_grad_enabled():
         return "loop"
     dtype = _matmul_dtype(x)
     if hasattr(torch, "_grouped_mm"):
@@ -642,14 +615,11 @@ def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tenso
     elif kernel == "gather":
         y = torch.bmm(xs[:, None, :], W[expert].transpose(1, 2))[:, 0]  # [A, 1, in] @ [A, in, out]
     elif kernel == "loop":
+        y = xs.new_empty(xs.shape[0], W.shape[1])
         bounds = [0, *ends.tolist()]
-        if torch.is_grad_enabled() and (xs.requires_grad or W.requires_grad) and _onednn(xs, W):
-            y = _GroupedOneDnn.apply(xs, W, bounds)
-        else:
-            y = xs.new_empty(xs.shape[0], W.shape[1])
-            for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
-                if end > start:
-                    y[start:end] = linear(xs[start:end], W[e])
+        for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if end > start:
+                y[start:end] = linear(xs[start:end], W[e], onednn=False)
     else:
         E, A = W.shape[0], xs.shape[0]
         capacity = int(counts.max())  # the one host synchronisation of this kernel
