@@ -200,24 +200,22 @@ class Norm(nn.Module):
 # A CPU BLAS runs a linear map of a few rows (a decoding step, a short prompt) on one thread: a matrix-vector
 # product reads the weight at one core's memory bandwidth. `linear` runs it instead as one bmm over row blocks
 # of the weight, one block per thread, which torch spreads over its threads (1.9x the decoding rate of a 135M
-# model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there;
-# where oneDNN takes float32 products (below) up to ROW_BLOCK_ROWS_ONEDNN: it runs 8 rows and more in half the time
-# of row blocks (a 12-token prompt through SmolLM2's shapes), 1 to 4 rows in about the same.
+# model on 2 cores: BENCHMARKS.md, "CPU decoding"). Up to ROW_BLOCK_ROWS rows, measured faster on CPUs up to there.
 ROW_BLOCK_ROWS = 128
-ROW_BLOCK_ROWS_ONEDNN = 4
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, onednn: bool = True) -> Tensor:
-    """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows (ROW_BLOCK_ROWS_ONEDNN where oneDNN
-    runs float32 products) outside autograd, autocast, compile and tracing, one bmm over torch.get_num_threads() row
-    blocks of the weight: the same dot products, each summed by the BLAS in its own order (equal to F.linear's
-    within float rounding); else, in float32 on an AVX-512 CPU, oneDNN's product (`onednn_linear`). onednn=False
-    for row counts that vary from call to call (an expert's share of the tokens): oneDNN makes and caches a
-    primitive, with memory of its own, per shape (a BAM mixture's training peaked 2.6 GiB higher with its experts'
-    products in oneDNN), so those keep row blocks up to ROW_BLOCK_ROWS rows and torch's products above."""
-    blocks = _row_blocks(x, weight, onednn)
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, weight, bias); on a CPU, for at most ROW_BLOCK_ROWS rows outside autograd, autocast, compile
+    and tracing, one bmm over torch.get_num_threads() row blocks of the weight: the same dot products, each summed
+    by the BLAS in its own order (equal to F.linear's within float rounding); under autograd in float32 on an
+    AVX-512 CPU, oneDNN's product (`onednn_linear`). Only there: a training run's shapes are the same every step,
+    while oneDNN makes and keeps a primitive, with memory of its own, for every shape it meets (prompts of 5 to 400
+    tokens through SmolLM2 kept 378 MiB more), and an expert's share of the tokens changes every call (a BAM
+    mixture's training peaked 2.6 GiB higher with its experts' products in oneDNN)."""
+    blocks = _row_blocks(x, weight)
     if blocks < 2:
-        return onednn_linear(x, weight, bias) if onednn and _onednn(x, weight, bias) else F.linear(x, weight, bias)
+        recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        return onednn_linear(x, weight, bias) if recording and _onednn(x, weight, bias) else F.linear(x, weight, bias)
     n_out, n_in = weight.shape
     M, w = x.numel() // n_in, weight.view(blocks, n_out // blocks, n_in)
     rows = x.reshape(M, n_in)
@@ -237,10 +235,9 @@ def _eager_cpu(x: Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
-def _row_blocks(x: Tensor, weight: Tensor, onednn: bool = True) -> int:
+def _row_blocks(x: Tensor, weight: Tensor) -> int:
     """How many row blocks `linear` splits the weight into: 1 (F.linear) unless the case above."""
-    rows = ROW_BLOCK_ROWS_ONEDNN if onednn and ONEDNN_FP32 and x.dtype == torch.float32 else ROW_BLOCK_ROWS
-    if (x.numel() == 0 or x.numel() > rows * weight.shape[-1] or x.dtype != weight.dtype
+    if (x.numel() == 0 or x.numel() > ROW_BLOCK_ROWS * weight.shape[-1] or x.dtype != weight.dtype
             or weight.dim() != 2 or not weight.is_contiguous()
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad) or not _eager_cpu(x)):
         return 1
@@ -282,7 +279,7 @@ def _dnn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """F.linear by oneDNN, its gradients too (where `_onednn` holds)."""
+    """F.linear by oneDNN, its gradients too (where `_onednn` holds; for shapes that recur: see `linear`)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _OneDnnLinear.apply(x, weight, bias)
     return _dnn(x, weight, bias)
@@ -580,8 +577,8 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
              shapes, no synchronisation; copies at most 2x the layer's expert weights.
     padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
              matmul: one host synchronisation per layer (to read C), none per expert.
-    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows; not
-             oneDNN: see there): the CPU outside autograd and compile, where _grouped_mm runs each expert's product
+    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the
+             CPU outside autograd and compile, where _grouped_mm runs each expert's product
              on one thread and a host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores:
              BENCHMARKS.md)."""
     if _eager_cpu(x) and not torch.is_grad_enabled():
@@ -619,7 +616,7 @@ def grouped_linear(xs: Tensor, lin: StackedLinear, expert: Tensor, counts: Tenso
         bounds = [0, *ends.tolist()]
         for e, (start, end) in enumerate(zip(bounds, bounds[1:])):
             if end > start:
-                y[start:end] = linear(xs[start:end], W[e], onednn=False)
+                y[start:end] = linear(xs[start:end], W[e])
     else:
         E, A = W.shape[0], xs.shape[0]
         capacity = int(counts.max())  # the one host synchronisation of this kernel

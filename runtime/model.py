@@ -181,10 +181,12 @@ def _matmul_operands(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Te
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _chunk_logits(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """fp32 logits [n, V] of x [n, D] already in the matmul dtype (_matmul_operands)."""
+def _chunk_logits(x: Tensor, weight: Tensor, bias: Tensor | None, scale: float, onednn: bool = False) -> Tensor:
+    """fp32 logits [n, V] of x [n, D] already in the matmul dtype (_matmul_operands); onednn: by oneDNN where it
+    runs (training's head, whose shapes recur: blocks.linear says why only there)."""
     with torch.autocast(weight.device.type, enabled=False):  # the operands are cast already
-        logits = (onednn_linear(x, weight, bias) if _onednn(x, weight, bias) else F.linear(x, weight, bias)).float()
+        logits = (onednn_linear(x, weight, bias) if onednn and _onednn(x, weight, bias)
+                  else F.linear(x, weight, bias)).float()
     return logits.mul_(scale) if scale != 1.0 else logits
 
 
@@ -204,7 +206,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, x.shape[0], chunk_rows):
             xc, tc = xm[start:start + chunk_rows], targets[start:start + chunk_rows].clamp(min=0)
             vc = valid[start:start + chunk_rows].float()
-            logits = _chunk_logits(xc, wm, bm, scale)  # [n, V] fp32
+            logits = _chunk_logits(xc, wm, bm, scale, onednn=True)  # [n, V] fp32
             lse = logits.logsumexp(-1)
             total = total + ((lse - logits.gather(-1, tc[:, None])[:, 0]) * vc).sum()
             # d(sum of NLL)/d logits = softmax - one_hot (valid rows only); times scale for x @ W.T + b; in place

@@ -89,16 +89,18 @@ def test_where_onednn_is_taken(monkeypatch):
     assert not blocks._onednn(x, w)
 
 
-def test_linear_takes_row_blocks_for_a_few_rows_and_onednn_for_more(dnn_calls, monkeypatch):
+def test_linear_takes_onednn_under_autograd_only(dnn_calls, monkeypatch):
+    """Outside autograd (prompts, evaluation, an expert's rows) shapes vary from call to call, and oneDNN would make
+    and keep a primitive for each: row blocks and torch's products there, as without oneDNN."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     w = torch.randn(8, 16)
     with torch.no_grad():
         blocks.linear(torch.randn(3, 16), w)  # decoding: row blocks
-        assert dnn_calls == []
-        blocks.linear(torch.randn(blocks.ROW_BLOCK_ROWS_ONEDNN + 1, 16), w)  # a prompt
-        assert len(dnn_calls) == 1
+        blocks.linear(torch.randn(blocks.ROW_BLOCK_ROWS + 1, 16), w)  # a long prompt: torch's product
+    blocks.linear(torch.randn(blocks.ROW_BLOCK_ROWS + 1, 16), w)  # nothing requires a gradient
+    assert dnn_calls == []
     blocks.linear(torch.randn(3, 16), w.requires_grad_())  # training
-    assert len(dnn_calls) == 2
+    assert len(dnn_calls) == 1
 
 
 @pytest.mark.parametrize("choice, wanted", [("blas", False), ("onednn", True)])
