@@ -214,8 +214,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     mixture's training peaked 2.6 GiB higher with its experts' products in oneDNN)."""
     blocks = _row_blocks(x, weight)
     if blocks < 2:
-        recording = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-        return onednn_linear(x, weight, bias) if recording and _onednn(x, weight, bias) else F.linear(x, weight, bias)
+        if _recording(x, weight, bias) and _onednn(x, weight, bias):
+            return _OneDnnLinear.apply(x, weight, bias)
+        return F.linear(x, weight, bias)
     n_out, n_in = weight.shape
     M, w = x.numel() // n_in, weight.view(blocks, n_out // blocks, n_in)
     rows = x.reshape(M, n_in)
@@ -270,7 +271,13 @@ ONEDNN_FP32 = _onednn_available()
 def _onednn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
     """Whether x @ weight.T (+ bias) runs through oneDNN: float32 tensors on a CPU in an eager
     forward (`_eager_cpu`: under autocast torch's own bf16 products are oneDNN's already)."""
-    return (ONEDNN_FP32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0 and (bias is None or bias.dtype == torch.float32) and _eager_cpu(x))
+    return (ONEDNN_FP32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0
+            and (bias is None or bias.dtype == torch.float32) and _eager_cpu(x))
+
+
+def _recording(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a product of these: grad mode on and one of them requiring a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _dnn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -280,9 +287,7 @@ def _dnn(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear by oneDNN, its gradients too (where `_onednn` holds; for shapes that recur: see `linear`)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _OneDnnLinear.apply(x, weight, bias)
-    return _dnn(x, weight, bias)
+    return _OneDnnLinear.apply(x, weight, bias) if _recording(x, weight, bias) else _dnn(x, weight, bias)
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
@@ -577,10 +582,9 @@ def expert_kernel(x: Tensor, n_assignments: int, n_experts: int) -> ExpertKernel
              shapes, no synchronisation; copies at most 2x the layer's expert weights.
     padded   rows scattered into a [E, C, in] buffer, C the largest expert's row count, then one batched
              matmul: one host synchronisation per layer (to read C), none per expert.
-    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the
-             CPU outside autograd and compile, where _grouped_mm runs each expert's product
-             on one thread and a host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores:
-             BENCHMARKS.md)."""
+    loop     each expert's row segment through `linear` (row blocks across the threads for a few rows): the CPU
+             outside autograd and compile, where _grouped_mm runs each expert's product on one thread and a
+             host synchronisation costs nothing (1.8x a BAM mixture's decoding on 2 cores: BENCHMARKS.md)."""
     if _eager_cpu(x) and not torch.is_grad_enabled():
         return "loop"
     dtype = _matmul_dtype(x)
@@ -1170,7 +1174,7 @@ class Block(nn.Module):
         gates = r.gates.t()[:, :, None]  # [E, N, 1]
         y = y * gates.to(y.dtype)
         o = self.attn_experts.o
-        if torch.is_grad_enabled() and _onednn(y, o.weight[0]):
+        if _recording(y, o.weight) and _onednn(y, o.weight):
             # training in float32 on a CPU: the E output projections as one oneDNN product over the experts' heads
             # side by side, [N, E*H*Dh] @ [E*H*Dh, D] (torch's bmm is MKL's); the weights' copy is 1/N of the work
             out = linear(y.transpose(0, 1).reshape(B * T, -1), o.weight.transpose(0, 1).reshape(D, -1))

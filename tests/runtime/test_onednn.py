@@ -1,6 +1,6 @@
-"""oneDNN's float32 products on a CPU (runtime/blocks.py: `onednn_linear`, `mm`, the grouped expert products and
-the mixture's output projection in training): each against torch's own products (MKL's), forward and gradients,
-and where they are taken. ONEDNN_FP32 is forced both ways here, so these run on any CPU torch has oneDNN for,
+"""oneDNN's float32 products on a CPU (runtime/blocks.py: `onednn_linear`, `mm`, and the mixture's output projection
+in training): each against torch's own products (MKL's), forward and gradients, and where they are taken (and
+where not: outside autograd, the FFN experts' row segments). ONEDNN_FP32 is forced both ways here, so these run on any CPU torch has oneDNN for,
 whatever `auto` would choose there.
 
 Tolerances: both are float32 products summed in their own orders: 1e-5 relative to the largest value (a product
